@@ -1,0 +1,18 @@
+"""zerompi: ZeRO data-parallel training of PyTorch models over MPI.
+
+    import zerompi
+    engine = zerompi.initialize(model, zerompi.ZeroConfig(stage=3))
+    loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()
+
+Run under any MPI launcher: ``mpiexec -n 4 python -m mpi4py train.py``.
+"""
+from .config import ZeroConfig
+from .engine import Engine, Stats, initialize
+from .errors import CheckpointError, ConfigError, ModelMismatchError, UsageError, ZeroMPIError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "ConfigError", "Engine", "ModelMismatchError", "Stats", "UsageError",
+    "ZeroConfig", "ZeroMPIError", "initialize", "__version__",
+]

@@ -1,0 +1,196 @@
+"""Bucket: the parameters that are communicated together, and their sharded state.
+
+What a bucket holds persistently depends on the stage (P = padded numel,
+S = P / world, c = compute dtype):
+
+=====  ==============  ===============  =================  ================
+stage  parameters (c)  fp32 master      gradients (c)      optimizer state
+=====  ==============  ===============  =================  ================
+0      full P          full P           full P             full P
+1      full P          shard S          full P             shard S
+2      full P          shard S          shard S            shard S
+3      shard S         shard S          shard S            shard S
+=====  ==============  ===============  =================  ================
+
+In fp32 the master *is* the compute-dtype parameter (a view of it), so it
+costs nothing extra, exactly as the ZeRO paper counts. Transient buffers
+(stage 3's gathered parameters, stage 2/3's full gradient bucket during
+backward) are allocated only while they are needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from .buffer import FlatBuffer
+from .comm import ProcessGroup, Work
+from .errors import UsageError
+from .layout import BucketLayout
+
+
+class BucketState(Enum):
+    SHARDED = "sharded"    # stage 3 only: parameters exist as this rank's shard alone
+    GATHERED = "gathered"  # the full parameters are in ``param_full``
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how buckets live: stage, this rank, compute dtype, device."""
+
+    stage: int
+    rank: int
+    world_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _done() -> Work:
+    return Work()
+
+
+class Bucket:
+    """Flat parameter, master, gradient storage for one :class:`BucketLayout`.
+
+    Args:
+        layout: the frozen plan of this bucket.
+        params: the module parameters of ``layout.slots``, in slot order; they
+            are re-bound as views into this bucket's flat parameter buffer.
+        where: stage, rank, dtype and device.
+        init: the full padded fp32 initial values (identical on every rank).
+    """
+
+    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], where: Placement,
+                 init: torch.Tensor):
+        self.layout = layout
+        self.params = params
+        self.where = where
+        stage, dtype = where.stage, where.dtype
+        # Stage 0 "owns" the whole buffer: every rank updates every element.
+        self.own = layout.shard(where.rank) if stage >= 1 else layout.full
+        own = slice(self.own.start, self.own.stop)
+        self.mixed = dtype != torch.float32
+
+        self.param_full = FlatBuffer(layout.padded_numel, dtype, where.device)
+        self.param_full.tensor.copy_(init)
+        if stage >= 3:
+            self.param_shard = self.param_full.tensor[own].clone()
+        else:
+            self.param_shard = self.param_full.tensor[own]
+        # The master starts from the fp32 values, not from their rounded copy.
+        self.master = init[own].clone() if self.mixed else self.param_shard
+
+        self.grad_full = FlatBuffer(layout.padded_numel, dtype, where.device, zero=True,
+                                    allocated=stage <= 1)
+        if stage <= 1:
+            self.grad_shard = self.grad_full.tensor[own]
+        else:
+            self.grad_shard = torch.zeros(self.own.numel, dtype=dtype, device=where.device)
+
+        for p, slot in zip(params, layout.slots):
+            p.data = self.param_full.view(slot.offset, slot.shape)
+        self.state = BucketState.GATHERED
+        if stage >= 3:
+            self.reshard()
+        self._ready: set[int] = set()
+        self._pending = False   # gradients added since the last reduction
+        self._reduced = False   # reduced at least once in this backward
+
+    # ---- parameters -------------------------------------------------------
+    def unshard(self, group: ProcessGroup, *, async_op: bool = False) -> Work:
+        """Stage 3: all-gather the shards into the full buffer the parameters view."""
+        if self.state is BucketState.GATHERED:
+            return _done()
+        self.param_full.alloc()
+        work = group.all_gather(self.param_shard, self.param_full.tensor, async_op=async_op)
+        self.state = BucketState.GATHERED
+        return work
+
+    def reshard(self) -> None:
+        """Stage 3: free the gathered parameters (views stay bound, storage is released)."""
+        if self.where.stage < 3 or self.state is BucketState.SHARDED:
+            return
+        self.param_full.free()
+        self.state = BucketState.SHARDED
+
+    def publish(self, group: ProcessGroup) -> None:
+        """After an optimizer step: bring the updated master into the compute parameters."""
+        if self.mixed:
+            self.param_shard.copy_(self.master)
+        if self.where.stage in (1, 2):
+            group.all_gather(None, self.param_full.tensor)
+
+    # ---- gradients --------------------------------------------------------
+    def begin_backward(self) -> None:
+        self._ready.clear()
+        self._reduced = False
+
+    def add_grad(self, slot_index: int, grad: torch.Tensor) -> bool:
+        """Accumulate one parameter's gradient; True once every slot has reported."""
+        if self._reduced and self.where.stage <= 1:
+            raise UsageError(
+                f"parameter {self.layout.slots[slot_index].fqn!r} received a second gradient after its "
+                "bucket was reduced in this backward (reentrant checkpointing of a shared parameter?); "
+                "use torch.utils.checkpoint(..., use_reentrant=False) or ZeRO stage 2/3")
+        if not self.grad_full.is_allocated:
+            self.grad_full.alloc(zero=True)
+        slot = self.layout.slots[slot_index]
+        self.grad_full.view(slot.offset, slot.shape).add_(grad)
+        self._ready.add(slot_index)
+        self._pending = True
+        return len(self._ready) == len(self.layout.slots)
+
+    def needs_reduce(self) -> bool:
+        """Every bucket is reduced once per synchronising backward, and again for late gradients."""
+        return self._pending or not self._reduced
+
+    def reduce_grads(self, group: ProcessGroup) -> None:
+        """Average this bucket's gradients over ranks into the shard this rank owns."""
+        full = self.grad_full.alloc() if not self.grad_full.is_allocated else self.grad_full.tensor
+        stage, n = self.where.stage, group.size
+        if stage == 0:
+            # reduce-scatter + all-gather = all-reduce, with bitwise identical replicas
+            mine = self.layout.shard(group.rank)
+            reduced = group.reduce_scatter(full, kind="all_reduce").wait()
+            full[mine.start:mine.stop].copy_(reduced.div_(n))
+            group.all_gather(None, full, kind="all_reduce")
+        elif stage == 1:
+            self.grad_shard.copy_(group.reduce_scatter(full).wait().div_(n))
+        else:
+            self.grad_shard.add_(group.reduce_scatter(full).wait().div_(n))
+            self.grad_full.free()
+        self._pending = False
+        self._reduced = True
+
+    def master_grad(self) -> torch.Tensor:
+        """This rank's reduced gradient in fp32 (a view when it already is fp32)."""
+        g = self.grad_shard
+        return g if g.dtype == torch.float32 else g.float()
+
+    def zero_grad(self) -> None:
+        if self.where.stage <= 1:
+            self.grad_full.tensor.zero_()
+        else:
+            self.grad_shard.zero_()
+
+    # ---- state ------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes held persistently: parameters, master (if separate), gradients."""
+        stage = self.where.stage
+        params = self.param_full.nbytes if stage <= 2 else _nbytes(self.param_shard)
+        master = _nbytes(self.master) if self.mixed else 0
+        grads = self.grad_full.nbytes if stage <= 1 else _nbytes(self.grad_shard)
+        return params + master + grads
+
+    def full_master(self, group: ProcessGroup) -> torch.Tensor:
+        """Collective: the full padded fp32 master of this bucket, on every rank."""
+        if self.where.stage == 0:
+            return self.master.detach().clone()
+        out = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
+        group.all_gather(self.master.contiguous(), out, kind="state_dict")
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,57 @@
+"""FlatBuffer: one contiguous 1-D tensor whose storage can be freed and re-allocated.
+
+Parameters are bound as views into a FlatBuffer. Freeing resizes the
+underlying storage to zero bytes instead of dropping the tensor, so the views
+(and the ``nn.Parameter`` objects that hold them, and autograd's saved
+tensors) stay valid objects and see the data again once it is re-allocated
+and refilled. This is how stage 3 releases gathered parameters between uses.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import ZeroMPIError
+
+
+class FlatBuffer:
+    """A flat tensor of ``numel`` elements of ``dtype`` that can be freed and re-allocated."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 *, allocated: bool = True, zero: bool = False):
+        self.numel = numel
+        self.dtype = dtype
+        self.tensor = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+        self._nbytes = self.tensor.untyped_storage().nbytes()
+        if not allocated:
+            self.free()
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.tensor.untyped_storage().nbytes() > 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def alloc(self, *, zero: bool = False) -> torch.Tensor:
+        """Give the storage its bytes back (contents undefined unless ``zero``)."""
+        if not self.is_allocated:
+            self.tensor.untyped_storage().resize_(self._nbytes)
+            if zero:
+                self.tensor.zero_()
+        elif zero:
+            raise ZeroMPIError("FlatBuffer.alloc(zero=True) on a buffer that is already allocated")
+        return self.tensor
+
+    def free(self) -> None:
+        """Release the storage; views keep their shape and offset."""
+        self.tensor.untyped_storage().resize_(0)
+
+    def view(self, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of ``prod(shape)`` elements starting at ``offset``."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offset < 0 or offset + numel > self.numel:
+            raise ZeroMPIError(f"FlatBuffer.view: [{offset}, {offset + numel}) outside [0, {self.numel})")
+        return self.tensor[offset:offset + numel].view(shape)

@@ -1,0 +1,219 @@
+"""The only user of mpi4py: collectives on flat, contiguous tensors.
+
+Every collective takes 1-D contiguous tensors (MPI would silently send a
+strided tensor in memory order) and returns a :class:`Work` handle. Bytes
+sent are counted per kind the way the ZeRO paper counts them: an all-gather
+or reduce-scatter of P elements sends (N-1)/N*P elements per rank, an
+all-reduce twice that.
+
+MPI has no 16-bit floating reduction, so a 16-bit reduce-scatter is an
+``Alltoall`` (same bytes) followed by a local fp32 sum over ranks, which is
+also more accurate than summing in 16 bits.
+
+Device tensors go straight to MPI when it is CUDA-aware (after synchronising
+the current stream, since MPI does not know about CUDA streams); otherwise
+they are staged through pinned host buffers.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from mpi4py import MPI
+
+from .errors import ZeroMPIError
+
+_SUM_DTYPES = (torch.float32, torch.float64)
+_16BIT = (torch.bfloat16, torch.float16)
+
+
+class Work:
+    """Handle for a collective; ``wait()`` is idempotent and returns the result."""
+
+    def __init__(self, request: MPI.Request | None = None, finish: Callable[[], Any] | None = None):
+        self._request = request
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def wait(self) -> Any:
+        if not self._done:
+            if self._request is not None:
+                self._request.Wait()
+            if self._finish is not None:
+                self._result = self._finish()
+            self._done = True
+        return self._result
+
+    def test(self) -> bool:
+        """True once the collective has completed (drives MPI progress)."""
+        if self._done:
+            return True
+        return self._request is None or self._request.Test()
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether the MPI library reports CUDA support (Open MPI's MPIX extension)."""
+    query = getattr(MPI, "Query_cuda_support", None)  # mpi4py >= 4 exposes MPIX_Query_cuda_support
+    try:
+        return bool(query()) if query is not None else False
+    except MPI.Exception:  # the MPI lacks the extension: no support
+        return False
+
+
+def _check_flat(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ZeroMPIError(
+            f"{name}: collectives take 1-D contiguous tensors, got shape {tuple(t.shape)} "
+            f"(contiguous={t.is_contiguous()}); flatten into a FlatBuffer first"
+        )
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A view MPI can describe: 16-bit floats travel as int16 where no arithmetic happens."""
+    return t.view(torch.int16) if t.dtype in _16BIT else t
+
+
+class ProcessGroup:
+    """An MPI communicator plus rank/size, and the counters of what was sent.
+
+    Args:
+        comm: the mpi4py communicator (``MPI.COMM_WORLD`` when None).
+        cuda_aware: pass device tensors straight to MPI (else stage via pinned host memory).
+    """
+
+    def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool = False):
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.cuda_aware = cuda_aware
+        self.bytes_sent: dict[str, int] = defaultdict(int)
+
+    # ---- topology -------------------------------------------------------
+    def split_shared(self) -> "ProcessGroup":
+        """Ranks sharing this node's memory (``MPI_COMM_TYPE_SHARED``)."""
+        return ProcessGroup(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank),
+                            cuda_aware=self.cuda_aware)
+
+    @staticmethod
+    def processor_name() -> str:
+        return MPI.Get_processor_name()
+
+    @staticmethod
+    def library_version() -> str:
+        return MPI.Get_library_version().strip().splitlines()[0]
+
+    # ---- device staging -------------------------------------------------
+    def _stage(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """Host-visible stand-ins for ``tensors`` and a function copying results back."""
+        if not any(t.is_cuda for t in tensors):
+            return list(tensors), lambda: None
+        torch.cuda.current_stream().synchronize()  # MPI must see finished kernels
+        if self.cuda_aware:
+            return list(tensors), lambda: None
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in tensors]
+
+        def copy_back() -> None:
+            for dev, host in zip(tensors, hosts):
+                dev.copy_(host, non_blocking=False)
+        return hosts, copy_back
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.bytes_sent[kind] += int(nbytes)
+
+    # ---- collectives ----------------------------------------------------
+    def all_gather(self, shard: torch.Tensor, out: torch.Tensor, *, kind: str = "all_gather",
+                   async_op: bool = False) -> Work:
+        """``out[r*S:(r+1)*S] = shard of rank r``; ``shard`` may be ``None`` for in place."""
+        _check_flat("all_gather out", out)
+        n = out.numel() // self.size
+        if shard is not None:
+            _check_flat("all_gather shard", shard)
+            if shard.numel() * self.size != out.numel() or shard.dtype != out.dtype:
+                raise ZeroMPIError(f"all_gather: shard {shard.numel()} x {self.size} ranks != out {out.numel()}")
+        self._count(kind, (self.size - 1) * n * out.element_size())
+        if shard is None:
+            (o,), back = self._stage(out)
+            send = MPI.IN_PLACE
+        else:
+            (s, o), back = self._stage(shard, out)
+            send = _raw(s)
+        if async_op:
+            return Work(self.comm.Iallgather(send, _raw(o)), back)
+        self.comm.Allgather(send, _raw(o))
+        back()
+        return Work()
+
+    def reduce_scatter(self, full: torch.Tensor, *, kind: str = "reduce_scatter",
+                       async_op: bool = False) -> Work:
+        """Sum ``full`` over ranks; ``wait()`` returns this rank's chunk in fp32.
+
+        fp32/fp64 use ``Reduce_scatter_block``; 16-bit inputs use ``Alltoall``
+        and sum the received chunks in fp32 in rank order.
+        """
+        _check_flat("reduce_scatter input", full)
+        if full.numel() % self.size:
+            raise ZeroMPIError(f"reduce_scatter: {full.numel()} elements do not split over {self.size} ranks")
+        n = full.numel() // self.size
+        self._count(kind, (self.size - 1) * n * full.element_size())
+        if full.dtype in _SUM_DTYPES:
+            out = torch.empty(n, dtype=full.dtype, device=full.device)
+            (f, o), back = self._stage(full, out)
+            finish = lambda: (back(), out.float())[1]  # noqa: E731
+            if async_op:
+                return Work(self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM), finish)
+            self.comm.Reduce_scatter_block(f, o, op=MPI.SUM)
+            return Work(None, finish)
+        if full.dtype not in _16BIT:
+            raise ZeroMPIError(f"reduce_scatter: unsupported dtype {full.dtype}")
+        recv = torch.empty_like(full)
+        (f, r), back = self._stage(full, recv)
+
+        def finish() -> torch.Tensor:
+            back()
+            return recv.view(self.size, n).float().sum(dim=0)
+        if async_op:
+            return Work(self.comm.Ialltoall(_raw(f), _raw(r)), finish)
+        self.comm.Alltoall(_raw(f), _raw(r))
+        return Work(None, finish)
+
+    def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False) -> Work:
+        """In-place sum of an fp32/fp64 tensor over ranks."""
+        _check_flat("all_reduce", t)
+        if t.dtype not in _SUM_DTYPES:
+            raise ZeroMPIError(f"all_reduce: MPI cannot sum {t.dtype}; reduce in fp32 "
+                               "or use reduce_scatter + all_gather")
+        self._count(kind, 2 * (self.size - 1) * t.numel() * t.element_size() // self.size)
+        (x,), back = self._stage(t)
+        if async_op:
+            return Work(self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back)
+        self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        back()
+        return Work()
+
+    def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast") -> None:
+        """In-place broadcast from ``root`` (used once, at initialisation)."""
+        _check_flat("broadcast", t)
+        if self.rank == root:
+            self._count(kind, (self.size - 1) * t.numel() * t.element_size())
+        (x,), back = self._stage(t)
+        self.comm.Bcast(_raw(x), root=root)
+        back()
+
+    # ---- small control messages ----------------------------------------
+    def sum_floats(self, values: list[float], *, kind: str = "control") -> list[float]:
+        """Sum a few Python floats over ranks (norms, overflow flags, metrics)."""
+        buf = torch.tensor(values, dtype=torch.float64)
+        self.all_reduce(buf, kind=kind)
+        return buf.tolist()
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Gather a small picklable object from every rank (metadata only, never tensors)."""
+        return self.comm.allgather(obj)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        self.comm.Abort(code)

@@ -1,0 +1,216 @@
+"""Engine: a ZeRO-sharded model plus its optimizer, driven by forward/backward/step.
+
+``engine.backward(loss)`` expects the mean loss of this rank's micro-batch.
+The engine scales it by ``1 / grad_accum_steps`` (and the fp16 loss scale)
+and averages gradients over ranks, so that ``grad_accum_steps`` backward
+calls on N ranks give the gradient of the mean loss over the whole global
+batch, exactly as single-process training on that batch would.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from . import launch
+from .bucket import Placement
+from .comm import ProcessGroup
+from .config import ZeroConfig
+from .errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
+from .log import set_rank
+from .optim import ZeroOptimizer
+from .sharded import ShardedModel
+
+
+@dataclass
+class Stats:
+    """This rank's counters, cumulative since ``initialize``."""
+
+    bytes_sent: dict[str, int] = field(default_factory=dict)  # per collective kind
+    model_state_bytes: int = 0  # params, grads, master, optimizer state held persistently
+    steps: int = 0              # optimizer steps taken
+    skipped_steps: int = 0      # fp16 overflows
+    loss_scale: float = 1.0
+    last_grad_norm: float | None = None
+
+
+def _signature(module: nn.Module) -> list[tuple]:
+    params = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+              for n, p in module.named_parameters()]
+    buffers = [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
+    return params + buffers
+
+
+def _check_models_agree(module: nn.Module, group: ProcessGroup) -> None:
+    """Collective: every rank must hold the same parameter names, shapes and dtypes."""
+    sig = _signature(module)
+    digest = hashlib.sha256(repr(sig).encode()).hexdigest()
+    digests = group.allgather_object(digest)
+    if len(set(digests)) == 1:
+        return
+    reference = group.allgather_object(sig if group.rank == 0 else None)[0]
+    problem = None
+    if digest != digests[0]:
+        ours, theirs = set(sig), set(reference)
+        extra = sorted(ours - theirs, key=str)[:3]
+        missing = sorted(theirs - ours, key=str)[:3]
+        problem = f"model differs from rank 0's: only here {extra}, only on rank 0 {missing}"
+    all_ranks_ok(group, problem, ModelMismatchError)
+
+
+class Engine:
+    """Trains ``module`` with ZeRO over the ranks of ``group``; build it with :func:`initialize`."""
+
+    def __init__(self, module: nn.Module, cfg: ZeroConfig, group: ProcessGroup,
+                 param_groups: list[dict[str, Any]] | None = None):
+        self.config = cfg
+        self.group = group
+        self.info = launch.discover(group)
+        set_rank(self.info.rank)
+        if not any(True for _ in module.parameters()):
+            raise ZeroMPIError("the model has no parameters: nothing to train")
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ZeroMPIError("no parameter of the model requires grad: nothing to train")
+        _check_models_agree(module, group)
+        self.device = launch.select_device(cfg.device, self.info.local_rank)
+        if self.device.type == "cpu":
+            torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
+        launch.seed_rank(cfg.seed, self.info.rank)
+        self.module = module.to(self.device)
+        where = Placement(cfg.stage, group.rank, group.size, cfg.torch_dtype, self.device)
+        membership, options = _param_groups(module, param_groups)
+        cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
+        self.sharded = ShardedModel(module, where, group, cap, membership)
+        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
+        self._micro = 0  # backward calls since the last step
+        self._stats = Stats()
+
+    # ---- identity ---------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    # ---- training ---------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Forward: floating inputs are moved to the device and cast to the compute dtype."""
+        dtype, device = self.config.torch_dtype, self.device
+
+        def place(x):
+            if isinstance(x, torch.Tensor):
+                x = x.to(device)
+                return x.to(dtype) if x.is_floating_point() else x
+            return x
+        return self.module(*tree_map(place, args), **tree_map(place, kwargs))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this rank's mean micro-batch loss; reduces gradients as they appear."""
+        accum = self.config.grad_accum_steps
+        if self._micro >= accum:
+            raise UsageError(f"backward() called {self._micro + 1} times without step() "
+                             f"(grad_accum_steps={accum}); call engine.step() after each backward")
+        if loss.dim() != 0:
+            raise UsageError(f"backward() takes a scalar loss, got shape {tuple(loss.shape)}")
+        self.sharded.begin_backward(sync=self._micro + 1 == accum)
+        try:
+            (loss * (self.optimizer.loss_scale / accum)).backward()
+        finally:
+            self.sharded.in_backward = False
+        self.sharded.finish_backward()
+        self._micro += 1
+
+    def step(self) -> bool:
+        """Update at the end of an accumulation window; True when the parameters changed."""
+        if self._micro == 0:
+            raise UsageError("step() called before backward(): there are no gradients to apply")
+        if self._micro < self.config.grad_accum_steps:
+            return False
+        self._micro = 0
+        result = self.optimizer.step()
+        self._stats.last_grad_norm = result.grad_norm
+        if result.stepped:
+            self._stats.steps += 1
+        else:
+            self._stats.skipped_steps += 1
+        return result.stepped
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    # ---- state ------------------------------------------------------------
+    @property
+    def stats(self) -> Stats:
+        s = self._stats
+        s.bytes_sent = dict(self.group.bytes_sent)
+        s.model_state_bytes = self.sharded.state_bytes() + self.optimizer.state_bytes()
+        s.loss_scale = self.optimizer.loss_scale
+        return s
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every entry of ``named_parameters()`` as a full fp32 CPU tensor, on every rank."""
+        out: dict[str, torch.Tensor] = {}
+        for b in self.sharded.buckets:
+            full = b.full_master(self.group).cpu()
+            for slot in b.layout.slots:
+                out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        ordered = {}
+        for name, p in self.module.named_parameters():
+            ordered[name] = out[name] if name in out else p.detach().float().cpu().clone()
+        return ordered
+
+    def all_reduce_mean(self, value: float) -> float:
+        """Collective: the mean of a Python float over ranks (for logging)."""
+        return self.group.sum_floats([float(value)], kind="metrics")[0] / self.world_size
+
+    def close(self) -> None:
+        """Remove every hook; the module's parameters stay bound to the engine's buffers."""
+        self.sharded.remove_hooks()
+
+
+def _param_groups(module: nn.Module, param_groups):
+    """Map each trainable parameter to an optimizer group index, and each group's options."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if not param_groups:
+        return {p: 0 for p in trainable}, [{}]
+    membership: dict[nn.Parameter, int] = {}
+    options = []
+    for gi, spec in enumerate(param_groups):
+        if not isinstance(spec, dict) or "params" not in spec:
+            raise UsageError(f"param_groups[{gi}] must be a dict with a 'params' list")
+        for p in spec["params"]:
+            if p in membership:
+                raise UsageError(f"a parameter appears in param_groups {membership[p]} and {gi}")
+            membership[p] = gi
+        options.append({k: v for k, v in spec.items() if k != "params"})
+    missing = [p for p in trainable if p not in membership]
+    if missing:
+        raise UsageError(f"{len(missing)} trainable parameters are in no param group")
+    return membership, options
+
+
+def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
+               param_groups: list[dict[str, Any]] | None = None) -> Engine:
+    """Collective: wrap ``model`` in an :class:`Engine` over ``comm`` (``MPI.COMM_WORLD`` by default).
+
+    ``param_groups`` optionally splits the trainable parameters into optimizer
+    groups with their own options, like ``torch.optim`` param groups, e.g.
+    ``[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]``.
+    """
+    cfg = config if config is not None else ZeroConfig()
+    group = ProcessGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi))
+    return Engine(model, cfg, group, param_groups)

@@ -1,0 +1,51 @@
+"""HookSet: turns autograd and module events into calls on the sharded model.
+
+Three kinds of hooks, each a one-liner into the owner:
+
+* per parameter, ``register_post_accumulate_grad_hook``: the gradient of this
+  parameter is complete for this backward (fires once, after autograd has
+  summed every use of the parameter);
+* stage 3, per gather unit, forward pre-hook and forward hook: gather the
+  unit's parameters before its forward and release them after;
+* stage 3, on the unit's forward outputs, tensor hooks: the gradient of the
+  output exists, so the unit's backward is next and needs its parameters.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+
+class HookSet:
+    """Holds every hook handle it installs; ``remove()`` undoes them all."""
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+
+    def on_grad_ready(self, params: list[torch.nn.Parameter],
+                      fn: Callable[[torch.nn.Parameter], None]) -> None:
+        for p in params:
+            self._handles.append(p.register_post_accumulate_grad_hook(fn))
+
+    def around_forward(self, module: torch.nn.Module, before: Callable[[], None],
+                       after: Callable[[Any], None]) -> None:
+        # prepend: our gather must run before any user pre-hook reads the weights
+        self._handles.append(module.register_forward_pre_hook(
+            lambda _m, _args, _kwargs: before(), prepend=True, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(lambda _m, _args, out: after(out)))
+
+    @staticmethod
+    def before_backward_of(output: Any, fn: Callable[[], None]) -> int:
+        """Call ``fn`` when a gradient reaches any tensor of ``output``; returns how many hooks."""
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in tensors:
+            t.register_hook(lambda _grad: fn())
+        return len(tensors)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

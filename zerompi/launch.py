@@ -1,0 +1,68 @@
+"""Where this process stands in the job: rank, local rank, threads, device, seeds.
+
+Everything comes from MPI itself (``MPI_COMM_TYPE_SHARED`` gives the ranks of
+this node), so the same code runs under ``mpiexec``, ``mpirun`` or ``srun``
+without reading any launcher's environment variables.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .comm import ProcessGroup, cuda_aware_mpi
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in the data-parallel group and on its node."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    node_rank: int
+    num_nodes: int
+
+
+def discover(group: ProcessGroup) -> RankInfo:
+    """Collective: rank, local rank and node index of every process in ``group``."""
+    local = group.split_shared()
+    leaders = group.allgather_object(group.rank if local.rank == 0 else None)
+    leader_ranks = sorted(r for r in leaders if r is not None)
+    my_leader = local.allgather_object(group.rank if local.rank == 0 else None)[0]
+    info = RankInfo(group.rank, group.size, local.rank, local.size,
+                    leader_ranks.index(my_leader), len(leader_ranks))
+    local.comm.Free()
+    return info
+
+
+def cpu_threads_for(requested: int | None, local_size: int) -> int:
+    """One share of this node's cores per rank, unless the config says otherwise."""
+    if requested is not None:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_size))
+
+
+def select_device(kind: str, local_rank: int) -> torch.device:
+    """``auto``: this rank's GPU by local rank when CUDA is available, else the CPU."""
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but torch.cuda.is_available() is False on this rank")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def use_cuda_aware(setting: str) -> bool:
+    """``on``/``off`` force it; ``auto`` asks the MPI library."""
+    return setting == "on" or (setting == "auto" and cuda_aware_mpi())
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Per-rank RNG streams (dropout differs across ranks, as it does across samples)."""
+    torch.manual_seed(seed + rank)

@@ -1,0 +1,177 @@
+"""Pure planning of flat buffers: which parameter lives where, and who owns what.
+
+No MPI, no allocation: functions of names, shapes and sizes, unit-tested on
+their own. A bucket is a flat buffer of parameters padded to a multiple of
+the world size; rank r owns the contiguous shard ``[r*S, (r+1)*S)``. Every
+slot records its parameter's offset, so any shard can be described in
+parameter coordinates (:meth:`BucketLayout.pieces`), which is what makes
+checkpoints independent of the world size that wrote them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple, Sequence
+
+
+class ParamSpec(NamedTuple):
+    """What planning needs to know about a parameter."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    group: int  # optimizer param group; buckets never mix groups
+
+
+class ParamSlot(NamedTuple):
+    """Where one parameter lives inside its bucket."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    numel: int
+    offset: int
+
+
+class Piece(NamedTuple):
+    """The part of one parameter that falls inside a shard.
+
+    ``param_start`` is the offset into the flattened parameter, ``local_start``
+    the offset into the shard, ``numel`` the length of the overlap.
+    """
+
+    fqn: str
+    param_start: int
+    local_start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """A half-open range ``[start, stop)`` of a bucket's flat buffer."""
+
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Smallest multiple of ``world_size`` holding ``numel`` elements (at least one per rank)."""
+    return max(1, math.ceil(numel / world_size)) * world_size
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Frozen plan of one bucket: its slots, its padded size and its shards."""
+
+    index: int
+    group: int
+    slots: tuple[ParamSlot, ...]
+    numel: int
+    padded_numel: int
+    world_size: int
+    unit: str = ""  # stage 3: fully qualified name of the module whose forward gathers it
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard(self, rank: int) -> ShardRange:
+        s = self.shard_numel
+        return ShardRange(rank * s, (rank + 1) * s)
+
+    @property
+    def full(self) -> ShardRange:
+        return ShardRange(0, self.padded_numel)
+
+    def pieces(self, rng: ShardRange) -> list[Piece]:
+        """The parameters overlapping ``rng``, in parameter coordinates (padding excluded)."""
+        out = []
+        for slot in self.slots:
+            lo = max(rng.start, slot.offset)
+            hi = min(rng.stop, slot.offset + slot.numel)
+            if lo < hi:
+                out.append(Piece(slot.fqn, lo - slot.offset, lo - rng.start, hi - lo))
+        return out
+
+
+def _make_bucket(index: int, group: int, specs: Sequence[ParamSpec], world_size: int,
+                 unit: str) -> BucketLayout:
+    slots, offset = [], 0
+    for spec in specs:
+        numel = math.prod(spec.shape)
+        slots.append(ParamSlot(spec.fqn, tuple(spec.shape), numel, offset))
+        offset += numel
+    return BucketLayout(index, group, tuple(slots), offset, padded_numel(offset, world_size),
+                        world_size, unit)
+
+
+def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,
+                 first_index: int = 0, unit: str = "") -> list[BucketLayout]:
+    """Cut ``specs`` (in order) into buckets of at most ``cap_numel`` elements.
+
+    Each optimizer group is cut separately; a parameter larger than the cap
+    gets a bucket of its own. Buckets come out ordered by their first parameter.
+    """
+    if world_size < 1 or cap_numel < 1:
+        raise ValueError(f"world_size={world_size} and cap_numel={cap_numel} must be >= 1")
+    chunks: list[tuple[int, int, list[ParamSpec]]] = []  # (position of first param, group, params)
+    open_chunk: dict[int, tuple[int, list[ParamSpec], int]] = {}
+    for pos, spec in enumerate(specs):
+        numel = math.prod(spec.shape)
+        start, members, size = open_chunk.get(spec.group, (pos, [], 0))
+        if members and size + numel > cap_numel:
+            chunks.append((start, spec.group, members))
+            start, members, size = pos, [], 0
+        members.append(spec)
+        open_chunk[spec.group] = (start, members, size + numel)
+    chunks.extend((start, group, members) for group, (start, members, _) in open_chunk.items())
+    chunks.sort(key=lambda c: c[0])
+    return [_make_bucket(first_index + i, group, members, world_size, unit)
+            for i, (_, group, members) in enumerate(chunks)]
+
+
+# ---- stage 3: which modules gather their parameters -----------------------
+
+def parent_fqn(fqn: str) -> str | None:
+    """``"a.b.c" -> "a.b"``, ``"a" -> ""`` (the root), root -> None."""
+    if fqn == "":
+        return None
+    return fqn.rpartition(".")[0]
+
+
+def common_ancestor(fqns: Iterable[str]) -> str:
+    """The deepest module whose subtree contains every module in ``fqns``."""
+    paths = [f.split(".") if f else [] for f in fqns]
+    common: list[str] = []
+    for parts in zip(*paths):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def choose_units(modules: Sequence[str], own_numel: dict[str, int], cap_numel: int) -> dict[str, str]:
+    """Pick stage-3 gather units and map every module to the unit that gathers its parameters.
+
+    ``modules`` lists every module name ("" is the root), parents before
+    children; ``own_numel`` the number of parameter elements assigned to each.
+    Walking bottom-up, a module becomes a unit once the elements in its
+    subtree not already claimed by a smaller unit reach ``cap_numel``; the
+    root is always a unit and takes the rest.
+    """
+    unclaimed = {m: own_numel.get(m, 0) for m in modules}
+    units: set[str] = {""}
+    for m in sorted(modules, key=lambda f: -len(f.split(".")) if f else 0):
+        if m and unclaimed[m] >= cap_numel:
+            units.add(m)
+        elif m:
+            unclaimed[parent_fqn(m)] += unclaimed[m]
+    mapping = {}
+    for m in modules:
+        u = m
+        while u not in units:
+            u = parent_fqn(u)
+        mapping[m] = u
+    return mapping

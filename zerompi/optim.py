@@ -1,0 +1,118 @@
+"""ZeroOptimizer: any element-wise ``torch.optim`` optimizer on this rank's fp32 shards.
+
+The inner optimizer sees one flat fp32 tensor per bucket (the master shard)
+instead of the model's parameters. Element-wise optimizers (Adam, AdamW,
+SGD, Adagrad, ...) compute the same update on a flat shard as on the
+parameters it came from; optimizers that look at whole tensors (LAMB's
+trust ratio, Shampoo) would not, and are not supported.
+
+``step()`` reads as its four phases: unscale, one all-reduce for the global
+gradient norm (which also detects fp16 overflow), clip, update and publish.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from .bucket import Bucket
+from .comm import ProcessGroup
+from .precision import LossScaler
+
+
+class StepResult(NamedTuple):
+    stepped: bool
+    grad_norm: float | None
+
+
+def optimizer_kwargs(cfg) -> dict[str, Any]:
+    """Constructor arguments for the configured optimizer."""
+    name = cfg.optimizer if isinstance(cfg.optimizer, str) else ""
+    if name in ("adamw", "adam"):
+        base = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    elif name == "sgd":
+        base = dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    else:
+        base = dict(lr=cfg.lr)
+    return {**base, **cfg.optimizer_kwargs}
+
+
+class ZeroOptimizer:
+    """Runs ``cfg.optimizer`` over the buckets' master shards.
+
+    Args:
+        buckets: every bucket of the sharded model.
+        cfg: the ZeroConfig.
+        group: the data-parallel group (for the norm all-reduce).
+        group_options: per optimizer param group overrides (e.g. weight_decay).
+    """
+
+    def __init__(self, buckets: list[Bucket], cfg, group: ProcessGroup,
+                 group_options: list[dict[str, Any]]):
+        self.buckets = buckets
+        self.group = group
+        self.clip = cfg.clip_grad_norm
+        self.replicated = cfg.stage == 0  # every rank holds every gradient: no norm all-reduce
+        self.scaler = LossScaler.from_config(cfg) if cfg.dtype == "fp16" else None
+        groups = []
+        for gi, options in enumerate(group_options):
+            masters = [b.master for b in buckets if b.layout.group == gi]
+            if masters:
+                groups.append({**options, "params": masters})
+        self.inner = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg))
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        local = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
+        if not self.replicated:
+            local = self.group.sum_floats([local])[0]
+        return math.sqrt(local)
+
+    def step(self) -> StepResult:
+        # 1. unscale: this rank's reduced gradient shards, in fp32
+        grads = [b.master_grad() for b in self.buckets]
+        if self.loss_scale != 1.0:
+            for g in grads:
+                g.div_(self.loss_scale)
+        # 2. one all-reduce gives the global norm; inf/nan there means overflow on some rank
+        norm = None
+        if self.clip is not None or self.scaler is not None:
+            norm = self._global_norm(grads)
+            if self.scaler is not None:
+                overflow = not math.isfinite(norm)
+                self.scaler.update(overflow)
+                if overflow:
+                    self.zero_grad()
+                    return StepResult(False, norm)
+        # 3. clip, as torch.nn.utils.clip_grad_norm_ does
+        if self.clip is not None:
+            coef = self.clip / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        # 4. update the shards, then publish them to the compute parameters
+        for b, g in zip(self.buckets, grads):
+            b.master.grad = g
+        self.inner.step()
+        for b in self.buckets:
+            b.master.grad = None
+            b.publish(self.group)
+        self.zero_grad()
+        return StepResult(True, norm)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors (scalars such as ``step`` excluded)."""
+        total = 0
+        for state in self.inner.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    total += v.numel() * v.element_size()
+        return total

@@ -1,0 +1,200 @@
+"""ShardedModel: applies a ZeRO stage to a module.
+
+It plans buckets (and, at stage 3, gather units), moves the trainable
+parameters into flat buffers, broadcasts rank 0's initial values, installs
+the hooks and runs the per-backward bookkeeping. Frozen parameters and
+buffers stay ordinary replicated tensors (cast to the compute dtype, values
+from rank 0): they take no gradient and no optimizer state.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .bucket import Bucket, BucketState, Placement
+from .comm import ProcessGroup
+from .errors import ZeroMPIError
+from .hooks import HookSet
+from .layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
+from .log import get_logger, log_rank0
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Unit:
+    """Stage 3: a module whose forward gathers ``buckets`` and releases them after."""
+
+    fqn: str
+    module: nn.Module
+    buckets: list[Bucket] = field(default_factory=list)
+
+
+def _owners(module: nn.Module, params: list[nn.Parameter]) -> dict[nn.Parameter, str]:
+    """The deepest module containing every module that holds each parameter.
+
+    A tied parameter (embedding = LM head) is held by two modules; gathering it
+    with their common ancestor keeps it available to both.
+    """
+    wanted = {id(p) for p in params}
+    holders: dict[int, list[str]] = {}
+    for fqn, m in module.named_modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in wanted:
+                holders.setdefault(id(p), []).append(fqn)
+    return {p: common_ancestor(holders[id(p)]) for p in params}
+
+
+class ShardedModel:
+    """Owns the buckets of ``module`` and the state of the current step.
+
+    Args:
+        module: the model (already on its device).
+        stage: ZeRO stage 0–3.
+        group: the data-parallel process group.
+        placement: compute dtype and device (stage/rank filled in here).
+        cap_numel: bucket size in elements (stage 3: gather-unit size).
+        param_group: optimizer group index for each trainable parameter.
+    """
+
+    def __init__(self, module: nn.Module, where: Placement, group: ProcessGroup,
+                 cap_numel: int, param_group: dict[nn.Parameter, int]):
+        self.module = module
+        self.where = where
+        self.group = group
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.fqn = {p: n for n, p in named}
+        self.units: list[Unit] = []
+        layouts = self._plan(named, cap_numel, param_group)
+        self.buckets = [self._build(layout) for layout in layouts]
+        self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[p] = (b, i)
+        self._sync_replicated()
+        self.in_backward = False
+        self._sync = False
+        self.hooks = HookSet()
+        self.hooks.on_grad_ready([p for _, p in named], self._on_grad_ready)
+        for unit in self.units:
+            self.hooks.around_forward(unit.module, lambda u=unit: self._pre_forward(u),
+                                      lambda out, u=unit: self._post_forward(u, out))
+        self._log_plan()
+
+    # ---- planning ---------------------------------------------------------
+    def _plan(self, named, cap: int, param_group) -> list[BucketLayout]:
+        world = self.where.world_size
+        if self.where.stage < 3:
+            # reverse registration order ~ the order backward produces gradients
+            specs = [ParamSpec(n, tuple(p.shape), param_group[p]) for n, p in reversed(named)]
+            return plan_buckets(specs, world, cap)
+        owners = _owners(self.module, [p for _, p in named])
+        modules = dict(self.module.named_modules())
+        own_numel: dict[str, int] = {}
+        for p, owner in owners.items():
+            own_numel[owner] = own_numel.get(owner, 0) + p.numel()
+        unit_of = choose_units(list(modules), own_numel, cap)
+        layouts: list[BucketLayout] = []
+        for fqn in modules:
+            if unit_of[fqn] != fqn:
+                continue
+            specs = [ParamSpec(n, tuple(p.shape), param_group[p]) for n, p in named
+                     if unit_of[owners[p]] == fqn]
+            if specs:
+                layouts += plan_buckets(specs, world, 2**62, first_index=len(layouts), unit=fqn)
+                self.units.append(Unit(fqn, modules[fqn]))
+        self._unit = {u.fqn: u for u in self.units}
+        return layouts
+
+    def _build(self, layout: BucketLayout) -> Bucket:
+        params = [self._param(slot.fqn) for slot in layout.slots]
+        init = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.where.device)
+        for p, slot in zip(params, layout.slots):
+            init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        self.group.broadcast(init)  # every rank starts from rank 0's values, as DDP does
+        bucket = Bucket(layout, params, self.where, init)
+        if self.where.stage >= 3:
+            self._unit[layout.unit].buckets.append(bucket)
+        return bucket
+
+    def _param(self, fqn: str) -> nn.Parameter:
+        return self.module.get_parameter(fqn)
+
+    def _sync_replicated(self) -> None:
+        """Frozen parameters and buffers: rank 0's values, in the compute dtype."""
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        for t in frozen + list(self.module.buffers()):
+            if t.is_floating_point():
+                t.data = t.data.to(self.where.dtype)
+            if not t.is_contiguous():
+                t.data = t.data.contiguous()
+            self.group.broadcast(t.data.view(-1))
+
+    def _log_plan(self) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        rows = [f"  bucket {b.layout.index:3d} unit={b.layout.unit or '-':20s} params={len(b.layout.slots):3d} "
+                f"numel={b.layout.numel} padded={b.layout.padded_numel} shard={b.layout.shard_numel}"
+                for b in self.buckets]
+        log_rank0(logger, logging.INFO, "stage %d, %d buckets on %d ranks:\n%s", self.where.stage,
+                  len(self.buckets), self.where.world_size, "\n".join(rows))
+
+    # ---- forward / backward events ---------------------------------------
+    def _pre_forward(self, unit: Unit) -> None:
+        logger.debug("pre-forward %s", unit.fqn or "<root>")
+        for b in unit.buckets:
+            b.unshard(self.group)
+
+    def _post_forward(self, unit: Unit, output) -> None:
+        if self.in_backward:
+            return  # recomputation under activation checkpointing: backward needs them now
+        for b in unit.buckets:
+            b.reshard()
+        if torch.is_grad_enabled():
+            self.hooks.before_backward_of(output, lambda: self._pre_backward(unit))
+
+    def _pre_backward(self, unit: Unit) -> None:
+        logger.debug("pre-backward %s", unit.fqn or "<root>")
+        for b in unit.buckets:
+            b.unshard(self.group)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        bucket, slot = self._where[p]
+        grad, p.grad = p.grad, None
+        if grad is None:
+            return
+        if bucket.add_grad(slot, grad) and self._sync:
+            self._reduce(bucket)
+
+    def _reduce(self, bucket: Bucket) -> None:
+        bucket.reduce_grads(self.group)
+        bucket.reshard()
+
+    def begin_backward(self, sync: bool) -> None:
+        """``sync``: this backward ends a gradient-accumulation window (stages 0–1 reduce then)."""
+        self._sync = sync or self.where.stage >= 2
+        self.in_backward = True
+        for b in self.buckets:
+            b.begin_backward()
+
+    def finish_backward(self) -> None:
+        """Reduce what backward left unreduced (unused parameters, late gradients); release all."""
+        self.in_backward = False
+        for b in self.buckets:
+            if self._sync and b.needs_reduce():
+                b.reduce_grads(self.group)
+            b.reshard()
+        if self.where.stage >= 3:
+            stuck = [b.layout.index for b in self.buckets if b.state is not BucketState.SHARDED]
+            if stuck:
+                raise ZeroMPIError(f"buckets {stuck} are still gathered after backward")
+
+    def remove_hooks(self) -> None:
+        self.hooks.remove()
+
+    def state_bytes(self) -> int:
+        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)
+        return frozen + sum(b.state_bytes() for b in self.buckets)
