@@ -152,19 +152,22 @@ def common_ancestor(fqns: Iterable[str]) -> str:
     return ".".join(common)
 
 
-def choose_units(modules: Sequence[str], own_numel: dict[str, int], cap_numel: int) -> dict[str, str]:
+def choose_units(modules: Sequence[str], own_numel: dict[str, int], cap_numel: int,
+                 callable_modules: set[str] | None = None) -> dict[str, str]:
     """Pick stage-3 gather units and map every module to the unit that gathers its parameters.
 
     ``modules`` lists every module name ("" is the root), parents before
     children; ``own_numel`` the number of parameter elements assigned to each.
     Walking bottom-up, a module becomes a unit once the elements in its
     subtree not already claimed by a smaller unit reach ``cap_numel``; the
-    root is always a unit and takes the rest.
+    root is always a unit and takes the rest. Only modules in
+    ``callable_modules`` (default: all) can be units: a container such as
+    ``nn.ModuleList`` is never called, so its hooks would never fire.
     """
     unclaimed = {m: own_numel.get(m, 0) for m in modules}
     units: set[str] = {""}
     for m in sorted(modules, key=lambda f: -len(f.split(".")) if f else 0):
-        if m and unclaimed[m] >= cap_numel:
+        if m and unclaimed[m] >= cap_numel and (callable_modules is None or m in callable_modules):
             units.add(m)
         elif m:
             unclaimed[parent_fqn(m)] += unclaimed[m]

@@ -96,7 +96,8 @@ class ShardedModel:
         own_numel: dict[str, int] = {}
         for p, owner in owners.items():
             own_numel[owner] = own_numel.get(owner, 0) + p.numel()
-        unit_of = choose_units(list(modules), own_numel, cap)
+        runs = {n for n, m in modules.items() if type(m).forward is not nn.Module.forward}
+        unit_of = choose_units(list(modules), own_numel, cap, runs)
         layouts: list[BucketLayout] = []
         for fqn in modules:
             if unit_of[fqn] != fqn:

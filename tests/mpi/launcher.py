@@ -1,0 +1,56 @@
+"""Start real MPI jobs from pytest: ``mpiexec -n N python -m mpi4py SCRIPT``."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+@lru_cache(maxsize=None)
+def mpiexec() -> list[str]:
+    """The mpiexec beside this Python (the pip MPI), else ``$ZEROMPI_MPIEXEC`` or PATH's."""
+    exe = os.environ.get("ZEROMPI_MPIEXEC") or str(Path(sys.executable).with_name("mpiexec"))
+    if not Path(exe).exists():
+        exe = shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        raise RuntimeError("no mpiexec found: install the 'mpich' extra or load your site's MPI")
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        return [exe, "--oversubscribe"]
+    return [exe]
+
+
+def mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # Oversubscribed MPICH ranks busy-poll; yielding early leaves the cores to ranks with work.
+    env.setdefault("MPIR_CVAR_POLLS_BEFORE_YIELD", "1")
+    env.setdefault("MPIR_CVAR_POSIX_POLL_FREQUENCY", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_btl", "self,sm")
+    return env
+
+
+def run_mpi(n: int, script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``workers/SCRIPT`` on ``n`` ranks; raise with its output if it fails."""
+    cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKERS / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float = 600) -> dict:
+    """Run a worker that writes its results as JSON to ``out`` (rank 0) and load them."""
+    run_mpi(n, script, "--out", str(out), *args, timeout=timeout)
+    return json.loads(out.read_text())

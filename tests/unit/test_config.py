@@ -1,0 +1,637 @@
+"""Unit tests of zerompi.config: validation, dict/file round trips, DeepSpeed translation."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pickle
+
+import pytest
+import torch
+
+from zerompi.config import ZeroConfig
+from zerompi.errors import ConfigError
+
+
+class Lion(torch.optim.SGD):
+    """An importable Optimizer subclass defined outside torch."""
+
+
+# --- defaults and construction ---------------------------------------------
+
+def test_defaults():
+    cfg = ZeroConfig()
+    assert (cfg.stage, cfg.optimizer, cfg.optimizer_kwargs) == (3, "adamw", {})
+    assert (cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, cfg.momentum) == (
+        1e-3, (0.9, 0.999), 1e-8, 0.01, 0.0)
+    assert (cfg.grad_accum_steps, cfg.clip_grad_norm, cfg.dtype) == (1, None, "fp32")
+    assert (cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window) == (0.0, 16, 1000)
+    assert (cfg.hysteresis, cfg.min_loss_scale, cfg.bucket_mb, cfg.seed) == (2, 1.0, 25.0, 0)
+    assert (cfg.cpu_threads, cfg.device, cfg.cuda_aware_mpi) == (None, "auto", "auto")
+    assert (cfg.offload_optimizer, cfg.offload_params, cfg.nvme_path, cfg.pin_memory) == (
+        "none", "none", None, True)
+    assert cfg.torch_dtype is torch.float32
+    assert cfg.optimizer_class() is torch.optim.AdamW
+
+
+def test_field_order_matches_spec():
+    names = [f.name for f in dataclasses.fields(ZeroConfig)]
+    assert names == [
+        "stage", "optimizer", "optimizer_kwargs", "lr", "betas", "eps", "weight_decay",
+        "momentum", "grad_accum_steps", "clip_grad_norm", "dtype", "loss_scale",
+        "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+        "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
+        "offload_params", "nvme_path", "pin_memory"]
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ZeroConfig().stage = 1
+
+
+def test_ints_given_to_float_fields_become_floats():
+    cfg = ZeroConfig(lr=1, eps=1, weight_decay=0, bucket_mb=4, min_loss_scale=2, loss_scale=8)
+    for name in ("lr", "eps", "weight_decay", "bucket_mb", "min_loss_scale", "loss_scale"):
+        assert type(getattr(cfg, name)) is float, name
+
+
+def test_list_betas_become_tuple():
+    cfg = ZeroConfig(betas=[0.8, 0.95])
+    assert cfg.betas == (0.8, 0.95) and isinstance(cfg.betas, tuple)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, None])
+def test_clip_zero_or_none_disables(value):
+    assert ZeroConfig(clip_grad_norm=value).clip_grad_norm is None
+
+
+def test_clip_positive_kept():
+    assert ZeroConfig(clip_grad_norm=1).clip_grad_norm == 1.0
+
+
+@pytest.mark.parametrize("name,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                        ("fp16", torch.float16)])
+def test_torch_dtype(name, dtype):
+    assert ZeroConfig(dtype=name).torch_dtype is dtype
+
+
+def test_valid_edge_values():
+    cfg = ZeroConfig(stage=0, betas=(0.0, 0.0), initial_scale_power=64, cpu_threads=1,
+                     seed=2**40, device="cuda", cuda_aware_mpi="off", nvme_path="/tmp/x",
+                     pin_memory=False, optimizer_kwargs={"foreach": False})
+    assert cfg.initial_scale_power == 64 and cfg.optimizer_kwargs == {"foreach": False}
+
+
+def test_optimizer_kwargs_copied():
+    kwargs = {"foreach": False}
+    cfg = ZeroConfig(optimizer_kwargs=kwargs)
+    kwargs["maximize"] = True
+    assert cfg.optimizer_kwargs == {"foreach": False}
+
+
+@pytest.mark.parametrize("optimizer,key", [
+    ("adamw", "betas"), ("adam", "weight_decay"), ("adamw", "eps"), ("sgd", "momentum"),
+    ("sgd", "lr"), (torch.optim.Adagrad, "lr"), ("torch.optim.Adagrad", "params"),
+])
+def test_optimizer_kwargs_may_not_repeat_fields(optimizer, key):
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig(optimizer=optimizer, optimizer_kwargs={key: 0.5})
+    assert str(err.value).startswith("optimizer_kwargs=") and repr(key) in str(err.value)
+
+
+def test_optimizer_kwargs_for_other_optimizers():
+    # weight_decay etc. are only fields of the named optimizers; others take them here.
+    cfg = ZeroConfig(optimizer=torch.optim.Adagrad, optimizer_kwargs={"weight_decay": 0.1})
+    assert cfg.optimizer_kwargs == {"weight_decay": 0.1}
+    assert ZeroConfig(optimizer="sgd", optimizer_kwargs={"nesterov": True}).optimizer_kwargs
+
+
+def test_bucket_numel():
+    assert ZeroConfig(bucket_mb=25).bucket_numel(4) == 25 * 2**20 // 4
+    assert ZeroConfig(bucket_mb=1).bucket_numel(2) == 2**19
+    assert ZeroConfig(bucket_mb=1e-9).bucket_numel(8) == 1
+    with pytest.raises(ValueError):
+        ZeroConfig().bucket_numel(0)
+
+
+# --- invalid values ----------------------------------------------------------
+
+NAN, INF = math.nan, math.inf
+
+BAD_VALUES = [
+    ("stage", [-1, 4, True, 2.0, "3", None]),
+    ("optimizer", ["lamb", "AdamW", "", 3, None, torch.optim.Optimizer, int, torch.nn.Linear]),
+    ("optimizer_kwargs", [None, [("a", 1)], {1: 2}, {"lr": 0.1}, {"params": []}]),
+    ("lr", [0, -1e-3, NAN, INF, True, "0.1", None]),
+    ("betas", [(0.9,), (0.9, 0.99, 0.999), (0.9, 1.0), (-0.1, 0.9), (NAN, 0.9), 0.9,
+               "ab", (True, 0.9)]),
+    ("eps", [0, -1.0, NAN, INF, False]),
+    ("weight_decay", [-0.1, NAN, INF, None, True]),
+    ("momentum", [-0.5, NAN, "0.9"]),
+    ("grad_accum_steps", [0, -2, 1.0, True, None]),
+    ("clip_grad_norm", [-1.0, NAN, INF, True, "1"]),
+    ("dtype", ["fp8", "float32", "FP16", torch.float32, None]),
+    ("loss_scale", [-1, NAN, INF, True]),
+    ("initial_scale_power", [-1, 65, 16.0, True]),
+    ("loss_scale_window", [0, 10.5, False]),
+    ("hysteresis", [0, -1, True]),
+    ("min_loss_scale", [0, -1.0, NAN, INF]),
+    ("bucket_mb", [0, -25, NAN, INF, True, "25"]),
+    ("seed", [-1, 1.5, True, None]),
+    ("cpu_threads", [0, -1, 2.0, True, "4"]),
+    ("device", ["gpu", "CUDA", "", None]),
+    ("cuda_aware_mpi", ["yes", True, None]),
+    ("offload_optimizer", ["cpu", "nvme", "gpu", None]),
+    ("offload_params", ["cpu", "nvme", "disk", False]),
+    ("nvme_path", ["", 3]),
+    ("pin_memory", [1, "true", None]),
+]
+
+
+@pytest.mark.parametrize("key,value", [(k, v) for k, vs in BAD_VALUES for v in vs],
+                         ids=lambda x: repr(x)[:30])
+def test_invalid_value_names_key_and_value(key, value):
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig(**{key: value})
+    msg = str(err.value)
+    assert msg.startswith(key), msg
+    # The received value is shown (containers by their repr, NaN as nan).
+    shown = "nan" if isinstance(value, float) and math.isnan(value) else repr(value)
+    if not isinstance(value, (tuple, list, dict)):
+        assert shown in msg, msg
+
+
+@pytest.mark.parametrize("key,value", [(k, v) for k, vs in BAD_VALUES for v in vs],
+                         ids=lambda x: repr(x)[:30])
+def test_invalid_value_via_from_dict_is_config_error(key, value):
+    with pytest.raises(ConfigError, match=key):
+        ZeroConfig.from_dict({key: value})
+
+
+def test_config_error_is_value_error():
+    with pytest.raises(ValueError):
+        ZeroConfig(stage=7)
+
+
+def test_messages_list_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig(dtype="fp8")
+    assert str(err.value) == "dtype='fp8' is not one of 'fp32', 'bf16', 'fp16'"
+    with pytest.raises(ConfigError, match=r"stage=5 is not an int in 0\.\.3"):
+        ZeroConfig(stage=5)
+    with pytest.raises(ConfigError, match=r"lr=0 is not a finite number > 0"):
+        ZeroConfig(lr=0)
+    with pytest.raises(ConfigError, match=r"betas\[1\]=1\.0 .*>= 0 and < 1"):
+        ZeroConfig(betas=(0.9, 1.0))
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_params"])
+@pytest.mark.parametrize("value", ["cpu", "nvme"])
+def test_offload_not_supported_yet(key, value):
+    with pytest.raises(ConfigError, match=rf"{key}='{value}' is not supported yet: offload"):
+        ZeroConfig(**{key: value})
+
+
+def test_first_problem_reported():
+    with pytest.raises(ConfigError, match="^stage="):
+        ZeroConfig(stage=9, lr=-1, dtype="x")
+    with pytest.raises(ConfigError, match="^lr="):
+        ZeroConfig(lr=-1, dtype="x")
+
+
+# --- optimizer resolution ----------------------------------------------------
+
+@pytest.mark.parametrize("name,cls", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam),
+                                      ("sgd", torch.optim.SGD)])
+def test_named_optimizers(name, cls):
+    assert ZeroConfig(optimizer=name).optimizer_class() is cls
+
+
+def test_optimizer_class_object():
+    cfg = ZeroConfig(optimizer=torch.optim.RMSprop)
+    assert cfg.optimizer is torch.optim.RMSprop
+    assert cfg.optimizer_class() is torch.optim.RMSprop
+
+
+def test_optimizer_dotted_path_kept_as_given():
+    cfg = ZeroConfig(optimizer="torch.optim.Adagrad")
+    assert cfg.optimizer == "torch.optim.Adagrad"
+    assert cfg.optimizer_class() is torch.optim.Adagrad
+
+
+def test_optimizer_dotted_path_to_test_class():
+    cfg = ZeroConfig(optimizer=f"{__name__}.Lion")
+    assert cfg.optimizer_class() is Lion
+
+
+@pytest.mark.parametrize("path,why", [
+    ("os.path", "not a subclass of torch.optim.Optimizer"),
+    ("torch.nn.Linear", "not a subclass of torch.optim.Optimizer"),
+    ("torch.optim.Optimizer", "not a subclass of torch.optim.Optimizer"),
+    ("no_such_package_xyz.Opt", "cannot be imported"),
+    ("torch.optim.NoSuchOptimizer", "cannot be imported"),
+    ("torch.optim.", "cannot be imported"),
+    (".relative.Opt", "cannot be imported"),
+])
+def test_optimizer_bad_dotted_path(path, why):
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig(optimizer=path)
+    assert str(err.value).startswith(f"optimizer={path!r}") and why in str(err.value)
+
+
+# --- from_dict, to_dict, replace --------------------------------------------
+
+def test_from_dict_values():
+    cfg = ZeroConfig.from_dict({"stage": 1, "lr": 0.5, "betas": [0.5, 0.6], "dtype": "bf16"})
+    assert (cfg.stage, cfg.lr, cfg.betas, cfg.dtype) == (1, 0.5, (0.5, 0.6), "bf16")
+    assert cfg.seed == 0  # untouched fields keep defaults
+
+
+def test_from_dict_unknown_keys_all_listed():
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_dict({"stage": 1, "zeta": 1, "alpha": 2, "learning_rate": 0.1})
+    msg = str(err.value)
+    assert "alpha, learning_rate, zeta" in msg  # sorted, all of them
+    assert "stage" in msg and "pin_memory" in msg  # the allowed keys
+
+
+@pytest.mark.parametrize("bad", [None, [("stage", 1)], "stage=1", 3])
+def test_from_dict_non_mapping(bad):
+    with pytest.raises(ConfigError):
+        ZeroConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("cfg", [
+    ZeroConfig(),
+    ZeroConfig(stage=1, optimizer="sgd", momentum=0.9, clip_grad_norm=2.0, dtype="fp16",
+               loss_scale=128, cpu_threads=4, nvme_path="/scratch", pin_memory=False,
+               optimizer_kwargs={"nesterov": True}),
+    ZeroConfig(optimizer="torch.optim.Adagrad"),
+    ZeroConfig(optimizer=torch.optim.Adagrad),
+    ZeroConfig(optimizer=Lion),
+])
+def test_to_dict_round_trip(cfg):
+    d = cfg.to_dict()
+    assert json.loads(json.dumps(d)) == d  # plain JSON types only
+    assert ZeroConfig.from_dict(d) == cfg
+    assert ZeroConfig.from_dict(json.loads(json.dumps(d))) == cfg
+
+
+def test_to_dict_shapes():
+    d = ZeroConfig(optimizer=torch.optim.Adagrad, betas=(0.1, 0.2)).to_dict()
+    assert d["optimizer"] == "torch.optim.adagrad.Adagrad"
+    assert d["betas"] == [0.1, 0.2]
+    assert list(d) == [f.name for f in dataclasses.fields(ZeroConfig)]
+
+
+def test_equality_is_by_value():
+    assert ZeroConfig(lr=0.1) == ZeroConfig(lr=0.1)
+    assert ZeroConfig(lr=0.1) != ZeroConfig(lr=0.2)
+    assert ZeroConfig(optimizer="adam") != ZeroConfig(optimizer="adamw")
+    assert ZeroConfig(optimizer=torch.optim.Adagrad) == ZeroConfig(optimizer="torch.optim.Adagrad")
+    assert ZeroConfig() != {"stage": 3}
+
+
+def test_pickle_round_trip():
+    cfg = ZeroConfig(stage=2, optimizer=torch.optim.Adagrad, betas=[0.8, 0.9])
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_replace():
+    cfg = ZeroConfig().replace(stage=1, betas=[0.1, 0.2])
+    assert cfg.stage == 1 and cfg.betas == (0.1, 0.2)
+    with pytest.raises(ConfigError, match="stage=7"):
+        cfg.replace(stage=7)
+    with pytest.raises(ConfigError, match="bogus"):
+        cfg.replace(bogus=1)
+
+
+# --- from_file ---------------------------------------------------------------
+
+TOML_FLAT = """
+stage = 2
+optimizer = "sgd"
+lr = 0.05
+momentum = 0.9
+betas = [0.8, 0.9]
+clip_grad_norm = 0
+bucket_mb = 4
+"""
+
+TOML_JOB = """
+[model]
+name = "mlp"
+layers = 4
+
+[train]
+steps = 100
+
+[zero]
+stage = 1
+dtype = "bf16"
+seed = 7
+"""
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_from_file_toml(tmp_path):
+    cfg = ZeroConfig.from_file(_write(tmp_path, "c.toml", TOML_FLAT))
+    assert (cfg.stage, cfg.optimizer, cfg.lr, cfg.momentum) == (2, "sgd", 0.05, 0.9)
+    assert cfg.betas == (0.8, 0.9) and cfg.clip_grad_norm is None and cfg.bucket_mb == 4.0
+
+
+def test_from_file_toml_table(tmp_path):
+    path = _write(tmp_path, "job.toml", TOML_JOB)
+    cfg = ZeroConfig.from_file(str(path), table="zero")
+    assert (cfg.stage, cfg.dtype, cfg.seed) == (1, "bf16", 7)
+    with pytest.raises(ConfigError, match="unknown config keys: layers, name"):
+        ZeroConfig.from_file(path, table="model")
+    with pytest.raises(ConfigError, match="unknown config keys: model, train, zero"):
+        ZeroConfig.from_file(path)  # the whole job file is not a ZeroConfig
+
+
+def test_from_file_missing_table(tmp_path):
+    path = _write(tmp_path, "job.toml", TOML_JOB)
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_file(path, table="zeroo")
+    assert "zeroo" in str(err.value) and "model, train, zero" in str(err.value)
+
+
+def test_from_file_table_not_a_table(tmp_path):
+    path = _write(tmp_path, "c.toml", 'zero = "x"\n')
+    with pytest.raises(ConfigError, match="table='zero'"):
+        ZeroConfig.from_file(path, table="zero")
+
+
+def test_from_file_json(tmp_path):
+    cfg = ZeroConfig(stage=1, optimizer=torch.optim.Adagrad, clip_grad_norm=3.0)
+    path = _write(tmp_path, "c.JSON", json.dumps(cfg.to_dict()))
+    assert ZeroConfig.from_file(path) == cfg
+    path = _write(tmp_path, "job.json", json.dumps({"zero": {"stage": 0}, "model": {}}))
+    assert ZeroConfig.from_file(path, table="zero").stage == 0
+
+
+def test_from_file_error_names_file_and_key(tmp_path):
+    path = _write(tmp_path, "c.toml", "stage = 5\n")
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_file(path)
+    assert str(path) in str(err.value) and "stage=5" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["c.yaml", "c.ini", "config", "c.toml.bak"])
+def test_from_file_bad_extension(tmp_path, name):
+    path = _write(tmp_path, name, "stage = 1\n")
+    with pytest.raises(ConfigError, match="extension"):
+        ZeroConfig.from_file(path)
+
+
+@pytest.mark.parametrize("name,text", [("c.toml", "stage = = 1\n"), ("c.toml", "[zero\n"),
+                                       ("c.json", '{"stage": 1,}'), ("c.json", "stage: 1")])
+def test_from_file_unparsable(tmp_path, name, text):
+    path = _write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_file(path)
+    assert str(path) in str(err.value) and "is not valid" in str(err.value)
+
+
+def test_from_file_json_not_object(tmp_path):
+    with pytest.raises(ConfigError, match="holds a list"):
+        ZeroConfig.from_file(_write(tmp_path, "c.json", "[1, 2]"))
+
+
+def test_from_file_missing(tmp_path):
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_file(path)
+    assert str(path) in str(err.value) and "does not exist" in str(err.value)
+
+
+def test_from_file_bad_path_type():
+    with pytest.raises(ConfigError):
+        ZeroConfig.from_file(42)
+
+
+# --- from_deepspeed ----------------------------------------------------------
+
+def full_deepspeed():
+    """A realistic DeepSpeed config of the kind zerompi supports."""
+    return {
+        "train_batch_size": 256,
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": True},
+        "fp16": {"enabled": False},
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 2,
+            "contiguous_gradients": True,
+            "overlap_comm": True,
+            "reduce_scatter": True,
+            "allgather_partitions": True,
+            "reduce_bucket_size": 5e8,
+            "allgather_bucket_size": 2e8,
+            "offload_optimizer": {"device": "none", "pin_memory": True},
+            "offload_param": {"device": "none"},
+        },
+    }
+
+
+def test_from_deepspeed_full():
+    cfg = ZeroConfig.from_deepspeed(full_deepspeed())
+    assert cfg.stage == 2 and cfg.dtype == "bf16"
+    assert cfg.optimizer == "adamw" and cfg.lr == 3e-4
+    assert cfg.betas == (0.9, 0.95) and cfg.eps == 1e-6 and cfg.weight_decay == 0.1
+    assert cfg.clip_grad_norm == 1.0 and cfg.grad_accum_steps == 4
+    assert cfg.bucket_mb == pytest.approx(5e8 * 4 / 2**20)  # reduce wins over allgather
+    assert cfg.offload_optimizer == cfg.offload_params == "none" and cfg.pin_memory is True
+    # Fields DeepSpeed does not carry keep ZeroConfig's defaults.
+    assert (cfg.seed, cfg.device, cfg.loss_scale) == (0, "auto", 0.0)
+
+
+def test_from_deepspeed_defaults():
+    cfg = ZeroConfig.from_deepspeed({})
+    assert cfg.stage == 0  # DeepSpeed without zero_optimization is plain data parallel
+    assert cfg.dtype == "fp32" and cfg.clip_grad_norm is None and cfg.weight_decay == 0.01
+
+
+def test_from_deepspeed_allgather_bucket_alone():
+    cfg = ZeroConfig.from_deepspeed({"zero_optimization": {"allgather_bucket_size": 2**20}})
+    assert cfg.bucket_mb == 4.0
+
+
+def test_from_deepspeed_gradient_clipping_zero():
+    assert ZeroConfig.from_deepspeed({"gradient_clipping": 0.0}).clip_grad_norm is None
+
+
+def test_from_deepspeed_fp16_block():
+    cfg = ZeroConfig.from_deepspeed({"fp16": {
+        "enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+        "hysteresis": 4, "min_loss_scale": 0.5, "auto_cast": False,
+        "consecutive_hysteresis": False}})
+    assert cfg.dtype == "fp16" and cfg.torch_dtype is torch.float16
+    assert (cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window) == (0.0, 12, 500)
+    assert (cfg.hysteresis, cfg.min_loss_scale) == (4, 0.5)
+    static = ZeroConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale": 1024}})
+    assert static.loss_scale == 1024.0
+
+
+@pytest.mark.parametrize("flag", ["auto_cast", "consecutive_hysteresis"])
+def test_from_deepspeed_fp16_unsupported_switches(flag):
+    with pytest.raises(ConfigError, match=rf"fp16\.{flag}=True is not supported"):
+        ZeroConfig.from_deepspeed({"fp16": {"enabled": True, flag: True}})
+
+
+def test_from_deepspeed_bf16_and_fp16():
+    with pytest.raises(ConfigError, match="bf16.enabled=True and fp16.enabled=True"):
+        ZeroConfig.from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+
+
+def test_from_deepspeed_precision_blocks_disabled():
+    cfg = ZeroConfig.from_deepspeed({"bf16": {"enabled": False}, "fp16": {}})
+    assert cfg.dtype == "fp32"
+
+
+@pytest.mark.parametrize("block,expected", [
+    ({"type": "Adam"}, "adamw"),
+    ({"type": "adam", "params": {"adam_w_mode": True}}, "adamw"),
+    ({"type": "Adam", "params": {"adam_w_mode": False}}, "adam"),
+    ({"type": "ADAMW", "params": {"adam_w_mode": False}}, "adamw"),
+    ({"type": "AdamW", "params": {"torch_adam": True}}, "adamw"),
+    ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, "sgd"),
+])
+def test_from_deepspeed_optimizer_type(block, expected):
+    cfg = ZeroConfig.from_deepspeed({"optimizer": block})
+    assert cfg.optimizer == expected
+    assert cfg.weight_decay == 0.0  # DeepSpeed's optimizers default to no weight decay
+
+
+def test_from_deepspeed_sgd_params():
+    cfg = ZeroConfig.from_deepspeed({"optimizer": {"type": "sgd", "params": {
+        "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}}})
+    assert (cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay) == ("sgd", 0.1, 0.9, 1e-4)
+
+
+@pytest.mark.parametrize("block,match", [
+    ({"type": "Lamb"}, r"optimizer.type='Lamb' is not one of 'Adam', 'AdamW', 'SGD'"),
+    ({"params": {"lr": 0.1}}, r"optimizer.type=\(missing\)"),
+    ({"type": 3}, r"optimizer.type=3"),
+    ({"type": "SGD", "params": {"betas": [0.9, 0.9]}}, r"optimizer.params.betas"),
+    ({"type": "Adam", "params": {"momentum": 0.9}}, r"optimizer.params.momentum"),
+    ({"type": "Adam", "params": {"adam_w_mode": "no"}}, r"optimizer.params.adam_w_mode='no'"),
+    ({"type": "Adam", "params": {"lr": "auto"}}, r"optimizer.params.lr='auto'"),
+    ({"type": "Adam", "params": {"betas": [0.9, 1.5]}}, r"optimizer.params.betas\[1\]=1.5"),
+    ({"type": "Adam", "params": 0.1}, r"optimizer.params=0.1"),
+])
+def test_from_deepspeed_optimizer_errors(block, match):
+    with pytest.raises(ConfigError, match=match):
+        ZeroConfig.from_deepspeed({"optimizer": block})
+
+
+def test_from_deepspeed_unsupported_keys_in_one_error():
+    d = full_deepspeed()
+    d["scheduler"] = {"type": "WarmupLR"}
+    d["activation_checkpointing"] = {"partition_activations": True}
+    d["zero_optimization"]["stage3_prefetch_bucket_size"] = 5e7
+    d["zero_optimization"]["offload_param"]["buffer_count"] = 4
+    d["optimizer"]["params"]["foo"] = 1
+    d["fp16"]["fp16_master_weights_and_grads"] = False
+    d["seed"] = 1  # not a DeepSpeed key
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_deepspeed(d)
+    assert str(err.value) == (
+        "unsupported DeepSpeed config keys: activation_checkpointing, "
+        "fp16.fp16_master_weights_and_grads, optimizer.params.foo, scheduler, seed, "
+        "zero_optimization.offload_param.buffer_count, "
+        "zero_optimization.stage3_prefetch_bucket_size")
+
+
+@pytest.mark.parametrize("d,key", [
+    ({"fp16": True}, "fp16=True"),
+    ({"bf16": {"enabled": "yes"}}, "bf16.enabled='yes'"),
+    ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage='2'"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4"),
+    ({"zero_optimization": 3}, "zero_optimization=3"),
+    ({"zero_optimization": {"reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size=-1"),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm='yes'"),
+    ({"zero_optimization": {"offload_optimizer": "cpu"}}, "zero_optimization.offload_optimizer="),
+    ({"zero_optimization": {"offload_param": {"pin_memory": 1}}},
+     "zero_optimization.offload_param.pin_memory=1"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping=-1.0"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis=0"),
+    ({"optimizer": "adam"}, "optimizer='adam'"),
+])
+def test_from_deepspeed_wrong_types_name_dotted_key(d, key):
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_deepspeed(d)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+@pytest.mark.parametrize("block", ["offload_optimizer", "offload_param"])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_from_deepspeed_offload_refused(block, device):
+    d = {"zero_optimization": {"stage": 3, block: {"device": device, "pin_memory": True}}}
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_deepspeed(d)
+    msg = str(err.value)
+    assert f"zero_optimization.{block}.device='{device}'" in msg and "offload" in msg
+
+
+def test_from_deepspeed_offload_paths():
+    d = {"zero_optimization": {
+        "offload_optimizer": {"device": "none", "nvme_path": "/nvme", "pin_memory": False},
+        "offload_param": {"device": "none", "nvme_path": "/nvme"}}}
+    cfg = ZeroConfig.from_deepspeed(d)
+    assert cfg.nvme_path == "/nvme" and cfg.pin_memory is False
+    d["zero_optimization"]["offload_param"]["nvme_path"] = "/other"
+    with pytest.raises(ConfigError, match="nvme_path"):
+        ZeroConfig.from_deepspeed(d)
+
+
+def test_from_deepspeed_overrides():
+    cfg = ZeroConfig.from_deepspeed(full_deepspeed(), seed=1, stage=3, device="cpu")
+    assert (cfg.seed, cfg.stage, cfg.device, cfg.dtype) == (1, 3, "cpu", "bf16")
+    with pytest.raises(ConfigError, match="unknown from_deepspeed overrides: sed"):
+        ZeroConfig.from_deepspeed(full_deepspeed(), sed=1)
+    with pytest.raises(ConfigError, match="^seed=-1"):
+        ZeroConfig.from_deepspeed(full_deepspeed(), seed=-1)
+
+
+@pytest.mark.parametrize("bad", [None, [], "{}"])
+def test_from_deepspeed_non_mapping(bad):
+    with pytest.raises(ConfigError):
+        ZeroConfig.from_deepspeed(bad)
+
+
+def test_from_file_detects_deepspeed_json(tmp_path):
+    path = _write(tmp_path, "ds_config.json", json.dumps(full_deepspeed()))
+    assert ZeroConfig.from_file(path) == ZeroConfig.from_deepspeed(full_deepspeed())
+
+
+@pytest.mark.parametrize("doc", [{"train_batch_size": 8}, {"optimizer": {"type": "SGD"}},
+                                 {"bf16": {"enabled": True}}])
+def test_from_file_detects_deepspeed_markers(tmp_path, doc):
+    cfg = ZeroConfig.from_file(_write(tmp_path, "ds.json", json.dumps(doc)))
+    assert cfg.stage == 0  # translated, so DeepSpeed's default stage applies
+
+
+def test_from_file_deepspeed_in_table(tmp_path):
+    path = _write(tmp_path, "job.json", json.dumps({"model": {}, "zero": full_deepspeed()}))
+    assert ZeroConfig.from_file(path, table="zero").grad_accum_steps == 4
+
+
+def test_from_file_deepspeed_error_mentions_translation(tmp_path):
+    d = full_deepspeed()
+    d["scheduler"] = {}
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig.from_file(_write(tmp_path, "ds.json", json.dumps(d)))
+    assert "DeepSpeed" in str(err.value) and "scheduler" in str(err.value)

@@ -1,0 +1,500 @@
+"""Configuration of a zerompi engine: one frozen, validated :class:`ZeroConfig`.
+
+Every value is checked once, in ``__post_init__``, so the rest of the package
+can trust it; a bad value raises :class:`ConfigError` naming the key, the value
+and what is allowed. A config comes from keyword arguments, a plain dict
+(``from_dict``), a TOML or JSON file (``from_file``) or a DeepSpeed JSON config
+(``from_deepspeed``), translated key by key: what zerompi lacks is refused, never ignored.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import json
+import math
+import numbers
+import os
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerompi.errors import ConfigError
+
+_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DEVICES = ("auto", "cpu", "cuda")
+_CUDA_AWARE = ("auto", "on", "off")
+_OFFLOAD = ("none", "cpu", "nvme")
+# Optimizer arguments the engine fills from fields (``lr`` alone for other optimizers);
+# repeating one in optimizer_kwargs would be a second spelling of the same setting.
+_ADAM_ARGS = ("lr", "betas", "eps", "weight_decay")
+_FIELD_ARGS = {"adamw": _ADAM_ARGS, "adam": _ADAM_ARGS, "sgd": ("lr", "momentum", "weight_decay")}
+
+
+def _choices(values: Iterable[Any]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
+    rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+    # bool is an int subclass, but True as a step count is always a mistake.
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not ok or value < lo or (hi is not None and value > hi):
+        raise ConfigError(f"{key}={value!r} is not an int {rng}")
+    return int(value)
+
+
+def _float(key: str, value: Any, *, gt: float | None = None, ge: float | None = None,
+           lt: float | None = None) -> float:
+    bounds = [f"{op} {b}" for op, b in ((">", gt), (">=", ge), ("<", lt)) if b is not None]
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and (gt is None or value > gt)
+            and (ge is None or value >= ge) and (lt is None or value < lt)):
+        raise ConfigError(f"{key}={value!r} is not a finite number {' and '.join(bounds)}")
+    return float(value)
+
+
+def _ge0(key: str, value: Any) -> float:
+    return _float(key, value, ge=0)
+
+
+def _choice(key: str, value: Any, allowed: Iterable[str]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {_choices(allowed)}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a bool (true or false)")
+    return value
+
+
+def _offload(key: str, value: Any) -> str:
+    value = _choice(key, value, _OFFLOAD)
+    if value != "none":
+        raise ConfigError(f"{key}={value!r} is not supported yet: offloading is not "
+                          "implemented in this version; the only allowed value is 'none'")
+    return value
+
+
+def _betas(key: str, value: Any) -> tuple[float, float]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ConfigError(f"{key}={value!r} is not a pair of finite numbers >= 0 and < 1")
+    b1, b2 = (_float(f"{key}[{i}]", b, ge=0, lt=1) for i, b in enumerate(value))
+    return (b1, b2)
+
+
+def _optional(key: str, value: Any, check: Callable[[str, Any], Any], none_means: str) -> Any:
+    if value is None:
+        return None
+    try:
+        return check(key, value)
+    except ConfigError as e:
+        raise ConfigError(f"{e}, or None ({none_means})") from None
+
+
+def _path(key: str, value: Any) -> str:
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}={value!r} is not a non-empty path string")
+    return path
+
+
+def _optimizer_kwargs(key: str, value: Any) -> dict:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{key}={value!r} is not a dict with str keys")
+    return dict(value)
+
+
+def _import_dotted(key: str, path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as e:  # an import can fail in any way; report it as a config error
+        raise ConfigError(f"{key}={path!r} cannot be imported as 'package.module.ClassName': "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def _resolve_optimizer(key: str, value: Any) -> type[torch.optim.Optimizer]:
+    if isinstance(value, str) and value in _OPTIMIZERS:
+        return _OPTIMIZERS[value]
+    if isinstance(value, str) and "." in value:
+        cls = _import_dotted(key, value)
+    elif isinstance(value, type):
+        cls = value
+    else:
+        raise ConfigError(f"{key}={value!r} is not one of {_choices(_OPTIMIZERS)}, a subclass of "
+                          "torch.optim.Optimizer, or a dotted path 'package.module.ClassName'")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+            and cls is not torch.optim.Optimizer):
+        raise ConfigError(f"{key}={value!r} resolves to {cls!r}, which is not a subclass of "
+                          "torch.optim.Optimizer; allowed: " + _choices(_OPTIMIZERS)
+                          + ", an Optimizer subclass or a dotted path to one")
+    return cls
+
+
+# One checker per field, called as check(key, value) -> normalised value. The
+# key is a parameter so that from_deepspeed reports errors under DeepSpeed's names.
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "stage": lambda k, v: _int(k, v, 0, 3),
+    # Kept as given (not the resolved class), so to_dict writes back what the user wrote.
+    "optimizer": lambda k, v: _resolve_optimizer(k, v) and v,
+    "optimizer_kwargs": _optimizer_kwargs,
+    "lr": lambda k, v: _float(k, v, gt=0),
+    "betas": _betas,
+    "eps": lambda k, v: _float(k, v, gt=0),
+    "weight_decay": _ge0,
+    "momentum": _ge0,
+    "grad_accum_steps": lambda k, v: _int(k, v, 1),
+    # 0 is stored as None: one spelling for "no clipping" downstream.
+    "clip_grad_norm": lambda k, v: _optional(k, v, _ge0, "no clipping") or None,
+    "dtype": lambda k, v: _choice(k, v, _DTYPES),
+    "loss_scale": _ge0,
+    "initial_scale_power": lambda k, v: _int(k, v, 0, 64),
+    "loss_scale_window": lambda k, v: _int(k, v, 1),
+    "hysteresis": lambda k, v: _int(k, v, 1),
+    "min_loss_scale": lambda k, v: _float(k, v, gt=0),
+    "bucket_mb": lambda k, v: _float(k, v, gt=0),
+    "seed": lambda k, v: _int(k, v, 0),
+    "cpu_threads": lambda k, v: _optional(k, v, lambda k, v: _int(k, v, 1), "automatic"),
+    "device": lambda k, v: _choice(k, v, _DEVICES),
+    "cuda_aware_mpi": lambda k, v: _choice(k, v, _CUDA_AWARE),
+    "offload_optimizer": _offload,
+    "offload_params": _offload,
+    "nvme_path": lambda k, v: _optional(k, v, _path, "no NVMe directory"),
+    "pin_memory": _bool,
+}
+
+
+def _reject_unknown(keys: Iterable[Any], allowed: list[str], what: str) -> None:
+    unknown = sorted(str(k) for k in keys if k not in allowed)
+    if unknown:
+        raise ConfigError(f"unknown {what}: {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+
+
+@dataclass(frozen=True, eq=False)
+class ZeroConfig:
+    """Validated settings of a ZeRO data-parallel engine (see each field's docstring).
+
+    Equality compares the resolved optimizer class, so a config equals its own
+    ``from_dict(to_dict())`` round trip even when built from a class object.
+    """
+
+    stage: int = 3
+    """0 plain data parallel; 1 shards optimizer state + fp32 master; 2 + grads; 3 + params."""
+    optimizer: str | type[torch.optim.Optimizer] = "adamw"
+    """'adamw', 'adam', 'sgd', an Optimizer subclass or 'package.module.ClassName' to one."""
+    optimizer_kwargs: dict = field(default_factory=dict)
+    """Extra optimizer arguments; str keys other than 'params' and those set by fields."""
+    lr: float = 1e-3
+    """Learning rate, finite and > 0."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam coefficients, each in [0, 1); a list of two numbers becomes a tuple."""
+    eps: float = 1e-8
+    """Adam denominator term, > 0."""
+    weight_decay: float = 0.01
+    """Weight decay, >= 0."""
+    momentum: float = 0.0
+    """SGD momentum, >= 0."""
+    grad_accum_steps: int = 1
+    """Micro-batches whose gradients are summed before each optimizer step, >= 1."""
+    clip_grad_norm: float | None = None
+    """Global gradient norm limit, > 0; None disables clipping (0 is stored as None)."""
+    dtype: str = "fp32"
+    """Parameter/gradient compute dtype: 'fp32', 'bf16', 'fp16'; master weights are fp32."""
+    loss_scale: float = 0.0
+    """fp16 only: 0 selects dynamic loss scaling, > 0 is a static scale."""
+    initial_scale_power: int = 16
+    """Dynamic loss scaling starts at 2**initial_scale_power; 0..64."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic scale doubles, >= 1."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves, >= 1."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale, > 0."""
+    bucket_mb: float = 25.0
+    """MiB of gradients per communication bucket at stages 0-2. At stage 3 a module becomes
+    a gather unit once its subtree's parameters not claimed by a smaller unit reach this."""
+    seed: int = 0
+    """Random seed, >= 0."""
+    cpu_threads: int | None = None
+    """Torch threads per rank on CPU, >= 1; None gives each rank its share of the cores."""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda'."""
+    cuda_aware_mpi: str = "auto"
+    """'auto', 'on' or 'off': whether device buffers are handed straight to MPI."""
+    offload_optimizer: str = "none"
+    """'none' only in this version; 'cpu' and 'nvme' are reserved and refused."""
+    offload_params: str = "none"
+    """'none' only in this version; 'cpu' and 'nvme' are reserved and refused."""
+    nvme_path: str | None = None
+    """Directory for NVMe offload, carried for when offload exists."""
+    pin_memory: bool = True
+    """Pin host buffers used for offload."""
+
+    def __post_init__(self) -> None:
+        # Field order, so the first problem reported is the first field's; the
+        # cross-field check comes last as it relies on the checked fields.
+        for f in fields(self):
+            object.__setattr__(self, f.name, _CHECKS[f.name](f.name, getattr(self, f.name)))
+        taken = ("params", *_FIELD_ARGS.get(self.optimizer, ("lr",)))
+        clash = [k for k in taken if k in self.optimizer_kwargs]
+        if clash:
+            raise ConfigError(f"optimizer_kwargs={self.optimizer_kwargs!r} sets {_choices(clash)}, "
+                              f"which the engine or the fields set for optimizer={self.optimizer!r}"
+                              f"; allowed: any str key but {_choices(taken)}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ZeroConfig):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def _identity(self) -> tuple:
+        return tuple(self.optimizer_class() if f.name == "optimizer" else getattr(self, f.name)
+                     for f in fields(self))
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        """The torch.optim.Optimizer subclass that ``optimizer`` names."""
+        return _resolve_optimizer("optimizer", self.optimizer)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a torch.dtype."""
+        return _DTYPES[self.dtype]
+
+    def bucket_numel(self, itemsize: int) -> int:
+        """Elements of ``itemsize`` bytes that fit in one bucket of ``bucket_mb`` MiB (>= 1)."""
+        if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+            raise ValueError(f"itemsize={itemsize!r} is not an int >= 1")
+        return max(1, int(self.bucket_mb * 2**20 // itemsize))
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a plain dict that from_dict accepts and JSON can hold."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(self.optimizer, type):
+            out["optimizer"] = f"{self.optimizer.__module__}.{self.optimizer.__qualname__}"
+        out["betas"] = list(self.betas)
+        out["optimizer_kwargs"] = copy.deepcopy(self.optimizer_kwargs)
+        return out
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with ``changes`` applied and validated."""
+        _reject_unknown(changes, [f.name for f in fields(self)], "config keys")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ZeroConfig:
+        """Build from a mapping of field names to values; unknown keys are refused."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config={d!r} is not a mapping of config keys to values")
+        _reject_unknown(d, [f.name for f in fields(cls)], "config keys")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, table: str | None = None) -> ZeroConfig:
+        """Read a .toml or .json file, or one top-level ``table`` of it; DeepSpeed
+        configs are recognised and go through from_deepspeed."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"path={path!r} is not a file path")
+        path = Path(path)
+        doc, where = _load_document(path), str(path)
+        if table is not None:
+            if not isinstance(table, str) or table not in doc:
+                raise ConfigError(f"table={table!r} is not in {where}; its top-level "
+                                  f"keys are: {', '.join(doc) or '(none)'}")
+            doc, where = doc[table], f"{where} [{table}]"
+            if not isinstance(doc, Mapping):
+                raise ConfigError(f"{where}: table={table!r} holds {doc!r}, not a table")
+        deepspeed = _looks_like_deepspeed(doc)
+        try:
+            return cls.from_deepspeed(doc) if deepspeed else cls.from_dict(doc)
+        except ConfigError as e:
+            how = " (read as a DeepSpeed config)" if deepspeed else ""
+            raise ConfigError(f"{where}{how}: {e}") from None
+
+    @classmethod
+    def from_deepspeed(cls, d: Mapping[str, Any], **overrides: Any) -> ZeroConfig:
+        """Translate a DeepSpeed JSON config; ``overrides`` are field values applied on top.
+
+        Keys zerompi cannot honour are all listed in one ConfigError. Left-out settings
+        take DeepSpeed's defaults where they change training (stage 0; no weight decay
+        in a given optimizer block), else ZeroConfig's."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"DeepSpeed config={d!r} is not a mapping")
+        _reject_unknown(overrides, [f.name for f in fields(cls)], "from_deepspeed overrides")
+        unsupported: list[str] = []
+        _ds_walk(d, _DS_SCHEMA, "", unsupported)
+        if unsupported:
+            raise ConfigError("unsupported DeepSpeed config keys: "
+                              + ", ".join(sorted(unsupported)))
+        for dotted in _DS_IGNORED_BOOLS:
+            _ds_flag(d, dotted)
+        kwargs: dict[str, Any] = {"stage": 0}
+        _ds_zero(d, kwargs)
+        _ds_precision(d, kwargs)
+        _ds_optimizer(d, kwargs)
+        for dotted, name in _DS_DIRECT:
+            found, value = _ds_get(d, dotted)
+            if found:
+                kwargs[name] = _CHECKS[name](dotted, value)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def _load_document(path: Path) -> dict[str, Any]:
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(f"config file {str(path)!r} has extension {path.suffix!r}, "
+                          "which is not one of '.toml', '.json'")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
+    try:
+        doc = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+    except ValueError as e:  # TOMLDecodeError and JSONDecodeError both derive from it
+        kind = suffix[1:].upper()
+        raise ConfigError(f"config file {str(path)!r} is not valid {kind}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {str(path)!r} holds a {type(doc).__name__}, not a table")
+    return doc
+
+
+# --- DeepSpeed translation -------------------------------------------------
+
+_DS_MARKERS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
+               "gradient_accumulation_steps", "fp16", "bf16")
+_DS_OFFLOAD = ("device", "nvme_path", "pin_memory")
+# Keys zerompi understands: None is a leaf, a tuple a block of leaves, a dict a
+# block of blocks. Anything else is refused: dropping a setting changes training.
+_DS_SCHEMA: dict[str, Any] = {
+    "zero_optimization": {
+        "stage": None, "reduce_bucket_size": None, "allgather_bucket_size": None,
+        "offload_optimizer": _DS_OFFLOAD, "offload_param": _DS_OFFLOAD,
+        "contiguous_gradients": None, "overlap_comm": None, "reduce_scatter": None,
+        "allgather_partitions": None},
+    "gradient_accumulation_steps": None, "gradient_clipping": None,
+    "bf16": ("enabled",),
+    "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
+             "hysteresis", "min_loss_scale", "auto_cast", "consecutive_hysteresis"),
+    "optimizer": {"type": None, "params": ("lr", "betas", "eps", "weight_decay", "momentum",
+                                           "adam_w_mode", "torch_adam")},
+    # Data loader and logging settings, outside this config's scope.
+    "train_batch_size": None, "train_micro_batch_size_per_gpu": None,
+    "steps_per_print": None, "wall_clock_breakdown": None,
+}
+# DeepSpeed keys that carry one ZeroConfig field unchanged.
+_DS_DIRECT = (
+    ("zero_optimization.stage", "stage"),
+    ("zero_optimization.offload_optimizer.device", "offload_optimizer"),
+    ("zero_optimization.offload_param.device", "offload_params"),
+    ("gradient_accumulation_steps", "grad_accum_steps"),
+    ("gradient_clipping", "clip_grad_norm"),
+    *((f"fp16.{k}", k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                 "hysteresis", "min_loss_scale")),
+    *((f"optimizer.params.{k}", k) for k in ("lr", "betas", "eps", "weight_decay", "momentum")),
+)
+# Switches for behaviour zerompi always has (or an implementation choice): any bool is fine.
+_DS_IGNORED_BOOLS = ("optimizer.params.torch_adam", *(f"zero_optimization.{k}" for k in (
+    "contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions")))
+_DS_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+_DS_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam")
+_DS_SGD_PARAMS = ("lr", "momentum", "weight_decay")
+
+
+def _looks_like_deepspeed(doc: Mapping[str, Any]) -> bool:
+    # zerompi's own "optimizer" is a string, so a dict there means DeepSpeed.
+    return any(k in doc for k in _DS_MARKERS) or isinstance(doc.get("optimizer"), Mapping)
+
+
+def _ds_walk(block: Mapping, schema: Any, prefix: str, unsupported: list[str]) -> None:
+    """Collect keys missing from ``schema`` as dotted paths; refuse non-mapping blocks."""
+    if isinstance(schema, tuple):
+        schema = dict.fromkeys(schema)
+    for key, value in block.items():
+        dotted = f"{prefix}{key}"
+        if key not in schema:
+            unsupported.append(dotted)
+        elif schema[key] is not None:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{dotted}={value!r} is not an object with keys from: "
+                                  + ", ".join(schema[key]))
+            _ds_walk(value, schema[key], dotted + ".", unsupported)
+
+
+def _ds_get(d: Mapping, dotted: str) -> tuple[bool, Any]:
+    node: Any = d
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _ds_zero(d: Mapping, kwargs: dict[str, Any]) -> None:
+    # Sizes are in elements; zerompi counts them as fp32 (4 bytes). reduce wins
+    # over allgather because it sizes the gradient buckets bucket_mb describes.
+    for name in ("allgather_bucket_size", "reduce_bucket_size"):
+        found, value = _ds_get(d, f"zero_optimization.{name}")
+        if found:
+            kwargs["bucket_mb"] = _float(f"zero_optimization.{name}", value, gt=0) * 4 / 2**20
+    # zerompi has one nvme_path and one pin_memory for both offload blocks.
+    for name in ("nvme_path", "pin_memory"):
+        seen = {}
+        for block in ("offload_optimizer", "offload_param"):
+            dotted = f"zero_optimization.{block}.{name}"
+            found, value = _ds_get(d, dotted)
+            if found:
+                seen[dotted] = kwargs[name] = _CHECKS[name](dotted, value)
+        if len(seen) == 2 and len(set(seen.values())) == 2:
+            raise ConfigError(" and ".join(f"{k}={v!r}" for k, v in seen.items())
+                              + f" differ; allowed: the same {name} in both blocks")
+
+
+def _ds_flag(d: Mapping, dotted: str) -> bool:
+    """The bool at ``dotted``, False when absent."""
+    found, value = _ds_get(d, dotted)
+    return found and _bool(dotted, value)
+
+
+def _ds_precision(d: Mapping, kwargs: dict[str, Any]) -> None:
+    bf16, fp16 = _ds_flag(d, "bf16.enabled"), _ds_flag(d, "fp16.enabled")
+    if bf16 and fp16:
+        raise ConfigError("bf16.enabled=True and fp16.enabled=True are both set; "
+                          "allowed: at most one of them enabled")
+    kwargs["dtype"] = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    for flag in ("fp16.auto_cast", "fp16.consecutive_hysteresis"):
+        if _ds_flag(d, flag):
+            raise ConfigError(f"{flag}=True is not supported; allowed: false")
+
+
+def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
+    if "optimizer" not in d:
+        return
+    found, kind = _ds_get(d, "optimizer.type")
+    if not isinstance(kind, str) or kind.lower() not in {t.lower() for t in _DS_OPTIMIZERS}:
+        shown = repr(kind) if found else "(missing)"
+        raise ConfigError(f"optimizer.type={shown} is not one of {_choices(_DS_OPTIMIZERS)} "
+                          "(case-insensitive)")
+    kind = kind.lower()
+    params = d["optimizer"].get("params", {})
+    allowed = _DS_SGD_PARAMS if kind == "sgd" else _DS_ADAM_PARAMS
+    wrong = sorted(f"optimizer.params.{k}" for k in params if k not in allowed)
+    if wrong:
+        raise ConfigError(f"{', '.join(wrong)} do(es) not apply to optimizer.type="
+                          f"{d['optimizer']['type']!r}; allowed params: {', '.join(allowed)}")
+    # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false,
+    # and its "AdamW" does so whatever adam_w_mode says.
+    w_mode = _bool("optimizer.params.adam_w_mode", params.get("adam_w_mode", True))
+    adam = "adamw" if w_mode or kind == "adamw" else "adam"
+    kwargs["optimizer"] = "sgd" if kind == "sgd" else adam
+    # DeepSpeed's optimizers default to no weight decay; keep that meaning.
+    kwargs["weight_decay"] = 0.0
