@@ -67,18 +67,20 @@ def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=
     pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
     groups = param_groups(master) if param_groups else [{"params": [m for m, _ in pairs]}]
     opt = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg))
+    # fp16: the engine's initial dynamic loss scale (it cannot change within a short run)
+    scale = float(2 ** cfg.initial_scale_power) if cfg.dtype == "fp16" else 1.0
     losses = []
     for micro_batches in batches:
         total = 0.0
         for batch in micro_batches:
             loss = loss_fn(work, batch)
-            (loss * (1.0 / cfg.grad_accum_steps)).backward()
+            (loss * (scale / cfg.grad_accum_steps)).backward()
             total += float(loss) / cfg.grad_accum_steps
         losses.append(total)
         for m, w in pairs:
             # Unused parameters count as zero gradients, as in DDP and ZeRO.
             g = w.grad if w.grad is not None else (torch.zeros_like(w) if zero_missing_grads else None)
-            m.grad = None if g is None else g.float()
+            m.grad = None if g is None else g.float() / scale
         if cfg.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], cfg.clip_grad_norm)
         opt.step()
