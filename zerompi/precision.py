@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ZeroMPIError
+from .errors import ConfigError, ZeroMPIError
 
 
 @dataclass
@@ -24,15 +24,21 @@ class LossScaler:
     hysteresis: int = 2
     min_scale: float = 1.0
     good_steps: int = 0
-    hysteresis_left: int = 2
+    hysteresis_left: int | None = None  # overflows left before halving; starts at ``hysteresis``
+
+    def __post_init__(self) -> None:
+        if self.hysteresis_left is None:
+            self.hysteresis_left = self.hysteresis
 
     @classmethod
     def from_config(cls, cfg) -> "LossScaler":
         if cfg.loss_scale > 0:
             return cls(scale=float(cfg.loss_scale), dynamic=False)
+        if 2 ** cfg.initial_scale_power < cfg.min_loss_scale:
+            raise ConfigError(f"initial_scale_power={cfg.initial_scale_power} starts the loss scale below "
+                              f"min_loss_scale={cfg.min_loss_scale:g}; raise it or lower min_loss_scale")
         return cls(scale=float(2 ** cfg.initial_scale_power), window=cfg.loss_scale_window,
-                   hysteresis=cfg.hysteresis, min_scale=cfg.min_loss_scale,
-                   hysteresis_left=cfg.hysteresis)
+                   hysteresis=cfg.hysteresis, min_scale=cfg.min_loss_scale)
 
     def update(self, overflow: bool) -> None:
         if not overflow:
