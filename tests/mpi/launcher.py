@@ -41,8 +41,12 @@ def mpi_env() -> dict[str, str]:
 
 
 def run_mpi(n: int, script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``workers/SCRIPT`` on ``n`` ranks; raise with its output if it fails."""
-    cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKERS / script), *args]
+    """Run ``workers/SCRIPT`` (or a repository path like ``jobs/x.py``) on ``n`` ranks.
+
+    Raises with the job's output if it fails.
+    """
+    path = ROOT / script if "/" in script else WORKERS / script
+    cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
