@@ -54,6 +54,24 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 600) -> subprocess
     return proc
 
 
+class WorkerResults:
+    """Runs a JSON-writing worker once per world size and indexes its rows by ``key(row)``.
+
+    Many parametrised tests judge the rows of one ``mpiexec`` run; this keeps
+    that run to one per world size and module.
+    """
+
+    def __init__(self, script: str, key, tmp_path_factory):
+        self.script, self.key, self.tmp = script, key, tmp_path_factory
+        self._rows: dict[int, dict] = {}
+
+    def __call__(self, world: int) -> dict:
+        if world not in self._rows:
+            out = self.tmp.mktemp(f"{Path(self.script).stem}{world}") / "results.json"
+            self._rows[world] = {self.key(r): r for r in run_worker_json(world, self.script, out)}
+        return self._rows[world]
+
+
 def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float = 600) -> dict:
     """Run a worker that writes its results as JSON to ``out`` (rank 0) and load them."""
     run_mpi(n, script, "--out", str(out), *args, timeout=timeout)

@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from .launcher import run_worker_json
+from .launcher import WorkerResults
 
 WORLDS = (2, 3)
 PARITY = ("unused", "frozen", "called_twice", "checkpointing", "param_groups", "custom_optimizer", "fp16")
-_cache: dict[int, dict] = {}
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    def get(world: int) -> dict:
-        if world not in _cache:
-            out = tmp_path_factory.mktemp(f"edge{world}") / "results.json"
-            _cache[world] = {(r["case"], r["stage"]): r for r in run_worker_json(world, "edge.py", out)}
-        return _cache[world]
-    return get
+    return WorkerResults("edge.py", lambda r: (r["case"], r["stage"]), tmp_path_factory)
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"np{w}")

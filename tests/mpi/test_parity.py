@@ -5,7 +5,7 @@ each combination is then judged here as its own test.
 
 Tolerances, and why:
 * fp32: max over tensors of max|Δ| / max|ref| <= 1e-5. What remains is the
-  order of fp32 summation (MPI reduction vs. one big batch), amplified a
+  order of fp32 summation (MPI reduction vs. one big batch), amplified
   by Adam where per-rank gradients nearly cancel; measured <= 8.3e-6 with AdamW
   (torch defaults, lr 1e-3) and <= 4.1e-7 with SGD.
 * bf16 (against a single-process bf16 model with fp32 masters): bf16 keeps 8
@@ -25,22 +25,16 @@ import itertools
 
 import pytest
 
-from .launcher import run_worker_json
+from .launcher import WorkerResults
 
 WORLDS = (1, 2, 3, 4)
 COMBOS = list(itertools.product(range(4), ("fp32", "bf16"), (1, 2), (None, 0.05), ("adamw", "sgd")))
-_cache: dict[int, dict] = {}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    def get(world: int) -> dict:
-        if world not in _cache:
-            out = tmp_path_factory.mktemp(f"parity{world}") / "results.json"
-            rows = run_worker_json(world, "parity.py", out)
-            _cache[world] = {(r["stage"], r["dtype"], r["accum"], r["clip"], r["optimizer"]): r for r in rows}
-        return _cache[world]
-    return get
+    return WorkerResults("parity.py", lambda r: (r["stage"], r["dtype"], r["accum"], r["clip"], r["optimizer"]),
+                         tmp_path_factory)
 
 
 def _id(combo) -> str:
