@@ -173,6 +173,20 @@ class Engine:
             ordered[name] = out[name] if name in out else p.detach().float().cpu().clone()
         return ordered
 
+    def save_checkpoint(self, path, tag: str | None = None, client_state: Any = None) -> str:
+        """Collective: write a sharded HDF5 checkpoint under ``path``; returns its tag.
+
+        ``tag`` defaults to ``step{steps:08d}``; ``client_state`` is any
+        JSON-serialisable value (data-loader position, epoch), returned by load.
+        """
+        from .checkpoint import save
+        return save(self, path, tag, client_state)
+
+    def load_checkpoint(self, path, tag: str | None = None) -> Any:
+        """Collective: load ``path/tag`` (``latest`` when None) at any world size; returns client_state."""
+        from .checkpoint import load
+        return load(self, path, tag)
+
     def all_reduce_mean(self, value: float) -> float:
         """Collective: the mean of a Python float over ranks (for logging)."""
         return self.group.sum_floats([float(value)], kind="metrics")[0] / self.world_size

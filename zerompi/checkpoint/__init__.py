@@ -1,0 +1,14 @@
+"""Sharded HDF5 checkpoints: atomic, verified, resumable at any world size.
+
+``engine.save_checkpoint`` / ``engine.load_checkpoint`` are the collective
+entry points; :func:`load_full_state_dict` and :func:`consolidate` read a
+checkpoint offline without MPI.
+"""
+from ..errors import CheckpointError
+from .consolidate import FullStateDict, consolidate, load_full_state_dict
+from .index import CheckpointIndex
+from .reader import load
+from .writer import save
+
+__all__ = ["CheckpointError", "CheckpointIndex", "FullStateDict", "consolidate", "load",
+           "load_full_state_dict", "save"]

@@ -1,0 +1,109 @@
+"""Offline reading of a checkpoint: full fp32 parameters, one tensor at a time.
+
+Needs only h5py and numpy (and torch for the tensors it returns): no MPI, no
+model code, no pickle. :class:`FullStateDict` is a lazy mapping: each
+parameter is assembled from the rank files when it is accessed, so iterating
+over it, or consolidating to a file, keeps memory near the largest single
+tensor rather than the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from . import schema
+from .index import CheckpointIndex
+from .reader import RankFiles, merge, resolve
+
+
+class FullStateDict(Mapping):
+    """``{name: full fp32 tensor}`` for every parameter of a checkpoint, loaded on access."""
+
+    def __init__(self, root: str | os.PathLike, tag: str | None = None):
+        self.directory = resolve(root, tag)
+        self.index = CheckpointIndex.read(self.directory / schema.INDEX)
+        self._slot_of = self.index.slot_of()
+        self._shapes = {p["name"]: tuple(p["shape"]) for p in self.index.params}
+        self._files = RankFiles(self.directory, self.index.world_size)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._shapes:
+            raise KeyError(name)
+        shape = self._shapes[name]
+        numel = int(np.prod(shape, dtype=np.int64))
+        out = np.empty(numel, dtype=np.float32)
+        if name in self._slot_of:
+            for s in merge(self.index.locate(self._slot_of, name, 0, numel, 0)):
+                ds = self._files.dataset(s.rank, f"b{s.bucket}/master")
+                out[s.dest:s.dest + s.stop - s.start] = schema.read_array(ds, s.start, s.stop)
+        else:  # frozen: stored whole in the index
+            with schema.open_h5(self.directory / schema.INDEX) as f:
+                out[:] = schema.read_array(f[f"replicated/{name}"]).astype(np.float32)
+        return torch.from_numpy(out).view(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def close(self) -> None:
+        self._files.close()
+
+
+def load_full_state_dict(path: str | os.PathLike, tag: str | None = None) -> FullStateDict:
+    """No MPI needed: every parameter as a full fp32 tensor (a lazy mapping; ``dict()`` it to keep all)."""
+    return FullStateDict(path, tag)
+
+
+def _write_h5(full: FullStateDict, out: Path) -> None:
+    with h5py.File(out, "w") as f:
+        f.attrs["source"] = str(full.directory)
+        f.attrs["steps"] = full.index.steps
+        for name in full:
+            f.create_dataset(name, data=full[name].numpy())
+
+
+def _write_safetensors(full: FullStateDict, out: Path) -> None:
+    """The safetensors layout (8-byte header size, JSON header, raw little-endian data), streamed."""
+    header, offset = {}, 0
+    for name in full:
+        nbytes = 4 * int(np.prod(full.shape(name), dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(full.shape(name)), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt", "steps": str(full.index.steps)}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    with open(out, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in full:
+            f.write(full[name].numpy().astype("<f4", copy=False).tobytes())
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike, tag: str | None = None) -> Path:
+    """Write every parameter in full fp32 to ``out`` (``.h5`` or ``.safetensors``), one at a time."""
+    out = Path(out)
+    writers = {".h5": _write_h5, ".hdf5": _write_h5, ".safetensors": _write_safetensors}
+    if out.suffix not in writers:
+        raise CheckpointError(f"{out}: output must end in .h5, .hdf5 or .safetensors")
+    full = load_full_state_dict(path, tag)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        writers[out.suffix](full, tmp)
+        tmp.rename(out)
+    finally:
+        full.close()
+        tmp.unlink(missing_ok=True)
+    return out

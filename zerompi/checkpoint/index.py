@@ -1,0 +1,117 @@
+"""CheckpointIndex: what a checkpoint holds, independent of who wrote it.
+
+The index records every parameter's name and global shape, and the bucket
+layout of the writing job (slots with their offsets, padded sizes, the
+world size). Rank r's file holds shard ``layout.shard(r)`` of every bucket,
+so any element of any parameter can be located in the files by arithmetic:
+:meth:`CheckpointIndex.locate` turns "elements [a, b) of parameter p" into
+"(rank file, dataset, [i, j))" pieces. That is what lets a job of any world
+size, stage or bucket size load a checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import h5py
+
+from ..errors import CheckpointError
+from ..layout import BucketLayout, ParamSlot
+from . import schema
+
+
+class Source(NamedTuple):
+    """Where a run of elements lives: rank file, bucket, and the range within that shard."""
+
+    rank: int
+    bucket: int
+    start: int
+    stop: int
+    dest: int  # offset of this run in the caller's destination range
+
+
+@dataclass
+class CheckpointIndex:
+    """Contents of ``index.h5``; :meth:`write` and :meth:`read` are inverses."""
+
+    tag: str
+    world_size: int
+    stage: int
+    dtype: str
+    steps: int
+    skipped_steps: int
+    params: list[dict[str, Any]]            # {"name", "shape", "trainable"} in named_parameters order
+    buckets: list[dict[str, Any]]           # {"index", "group", "padded_numel", "slots": [[fqn, offset, numel]]}
+    optimizer: dict[str, Any] = field(default_factory=dict)   # param group options, state keys, scalars
+    scaler: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    client_state: Any = None
+    replicated: list[str] = field(default_factory=list)      # frozen parameters and buffers, in index.h5
+
+    # ---- layout ----------------------------------------------------------
+    def layouts(self) -> list[BucketLayout]:
+        shapes = {p["name"]: tuple(p["shape"]) for p in self.params}
+        out = []
+        for b in self.buckets:
+            slots = tuple(ParamSlot(fqn, shapes[fqn], numel, offset) for fqn, offset, numel in b["slots"])
+            out.append(BucketLayout(b["index"], b["group"], slots, sum(s.numel for s in slots),
+                                    b["padded_numel"], self.world_size))
+        return out
+
+    def slot_of(self) -> dict[str, tuple[int, int]]:
+        """fqn -> (bucket index, offset of the parameter in that bucket)."""
+        return {fqn: (b["index"], offset) for b in self.buckets for fqn, offset, _ in b["slots"]}
+
+    def locate(self, slot_of: dict[str, tuple[int, int]], fqn: str, start: int, numel: int,
+               dest: int) -> list[Source]:
+        """Split elements ``[start, start+numel)`` of ``fqn`` into runs of single rank files."""
+        bucket, offset = slot_of[fqn]
+        shard = self.buckets[bucket]["padded_numel"] // self.world_size
+        out, pos, end = [], offset + start, offset + start + numel
+        while pos < end:
+            rank = pos // shard
+            stop = min(end, (rank + 1) * shard)
+            out.append(Source(rank, bucket, pos - rank * shard, stop - rank * shard, dest + pos - offset - start))
+            pos = stop
+        return out
+
+    # ---- file ------------------------------------------------------------
+    def write(self, f: h5py.File) -> None:
+        schema.write_header(f, "index")
+        for key in ("tag", "world_size", "stage", "dtype", "steps", "skipped_steps"):
+            f.attrs[key] = getattr(self, key)
+        meta = {k: getattr(self, k) for k in ("params", "buckets", "optimizer", "scaler", "config",
+                                               "client_state", "replicated")}
+        schema.write_json(f, "meta", meta)
+
+    @classmethod
+    def read(cls, path: Path) -> "CheckpointIndex":
+        with schema.open_h5(path) as f:
+            schema.check_header(f, "index")
+            try:
+                attrs = {k: f.attrs[k] for k in ("tag", "world_size", "stage", "dtype", "steps", "skipped_steps")}
+            except KeyError as e:
+                raise CheckpointError(f"{path}: missing attribute {e}") from e
+            meta = schema.read_json(f, "meta", str(path))
+        return cls(tag=str(attrs["tag"]), world_size=int(attrs["world_size"]), stage=int(attrs["stage"]),
+                   dtype=str(attrs["dtype"]), steps=int(attrs["steps"]),
+                   skipped_steps=int(attrs["skipped_steps"]), **meta)
+
+    def describe_mismatch(self, named: list[tuple[str, tuple[int, ...], bool]]) -> str | None:
+        """Why this checkpoint cannot load into a model with these (name, shape, trainable)."""
+        ours = {n: (tuple(s), t) for n, s, t in named}
+        theirs = {p["name"]: (tuple(p["shape"]), bool(p["trainable"])) for p in self.params}
+        problems = []
+        missing = sorted(set(ours) - set(theirs))
+        extra = sorted(set(theirs) - set(ours))
+        if missing:
+            problems.append(f"parameters missing from the checkpoint: {', '.join(missing[:5])}")
+        if extra:
+            problems.append(f"parameters the model does not have: {', '.join(extra[:5])}")
+        for name in sorted(set(ours) & set(theirs)):
+            if ours[name][0] != theirs[name][0]:
+                problems.append(f"{name}: shape {theirs[name][0]} in the checkpoint, {ours[name][0]} in the model")
+            elif ours[name][1] != theirs[name][1]:
+                problems.append(f"{name}: requires_grad differs (checkpoint {theirs[name][1]})")
+        return "; ".join(problems[:8]) or None

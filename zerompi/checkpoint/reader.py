@@ -1,0 +1,208 @@
+"""Load a checkpoint into an engine of any world size, stage or bucket size.
+
+Loading happens in two phases so that nothing is half-loaded: every rank
+first reads and verifies everything it needs into temporary arrays (only
+its own shard, located through the index's layout), the ranks agree that
+every read succeeded, and only then is the engine's state overwritten.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError, all_ranks_ok
+from . import schema
+from .index import CheckpointIndex, Source
+
+
+def resolve(root: str | os.PathLike, tag: str | None) -> Path:
+    """The directory of ``tag`` (``latest`` when None), checked to be a plain child of ``root``."""
+    root = Path(root)
+    if tag is None:
+        pointer = root / schema.LATEST
+        try:
+            tag = pointer.read_text().strip()
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{pointer}: missing: no checkpoint was completed under {root}") from e
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{pointer}: unreadable ({e})") from e
+        schema.check_tag(tag, f"{pointer} names")
+    else:
+        schema.check_tag(tag)
+    directory = root / tag
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: missing")
+    return directory
+
+
+class RankFiles:
+    """Opens the writing ranks' files on demand, checking each header once."""
+
+    def __init__(self, directory: Path, world_size: int):
+        self.directory = directory
+        self._open: dict[int, Any] = {}
+        for r in range(world_size):
+            if not (directory / schema.rank_file(r)).is_file():
+                raise CheckpointError(f"{directory / schema.rank_file(r)}: missing rank file "
+                                      f"(the checkpoint was written by {world_size} ranks)")
+
+    def __call__(self, rank: int):
+        if rank not in self._open:
+            f = schema.open_h5(self.directory / schema.rank_file(rank))
+            schema.check_header(f, "shard")
+            if int(f.attrs.get("rank", -1)) != rank:
+                raise CheckpointError(f"{f.filename}: holds rank {f.attrs.get('rank')}, expected {rank}")
+            self._open[rank] = f
+        return self._open[rank]
+
+    def dataset(self, rank: int, name: str):
+        f = self(rank)
+        if name not in f:
+            raise CheckpointError(f"{f.filename}: missing dataset {name}")
+        return f[name]
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+
+def merge(sources: list[Source]) -> list[Source]:
+    """Join runs that are contiguous both in the file and in the destination (one read each)."""
+    out: list[Source] = []
+    for s in sorted(sources, key=lambda s: (s.rank, s.bucket, s.start)):
+        last = out[-1] if out else None
+        if (last and last.rank == s.rank and last.bucket == s.bucket and last.stop == s.start
+                and last.dest + (last.stop - last.start) == s.dest):
+            out[-1] = last._replace(stop=s.stop)
+        else:
+            out.append(s)
+    return out
+
+
+@dataclass
+class BucketData:
+    master: np.ndarray
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+    scalars: dict[str, list] = field(default_factory=dict)
+
+
+def _read_bucket(bucket, index: CheckpointIndex, files: RankFiles, slot_of) -> BucketData:
+    own = bucket.own
+    sources = []
+    for piece in bucket.layout.pieces(own):
+        sources += index.locate(slot_of, piece.fqn, piece.param_start, piece.numel, piece.local_start)
+    sources = merge(sources)
+    data = BucketData(np.zeros(own.numel, dtype=np.float32))
+    keys = index.optimizer.get("state_keys", [])
+    for k in keys:
+        data.state[k] = np.zeros(own.numel, dtype=np.float32)
+    for s in sources:
+        n = s.stop - s.start
+        data.master[s.dest:s.dest + n] = schema.read_array(files.dataset(s.rank, f"b{s.bucket}/master"),
+                                                           s.start, s.stop)
+        for k in keys:
+            ds = files.dataset(s.rank, f"b{s.bucket}/state/{k}")
+            data.state[k][s.dest:s.dest + n] = schema.read_array(ds, s.start, s.stop)
+    if sources:
+        data.scalars = index.optimizer["scalars"][sources[0].bucket]
+    return data
+
+
+@dataclass
+class Loaded:
+    index: CheckpointIndex
+    buckets: list[BucketData]
+    rng: np.ndarray | None
+    replicated: dict[str, np.ndarray]
+
+
+def _check_compatible(engine, index: CheckpointIndex, directory: Path) -> None:
+    named = [(n, tuple(p.shape), p.requires_grad) for n, p in engine.module.named_parameters()]
+    problem = index.describe_mismatch(named)
+    if problem:
+        raise CheckpointError(f"{directory}: checkpoint of a different model: {problem}")
+    saved = index.config.get("optimizer")
+    ours = engine.config.to_dict()["optimizer"]
+    if index.optimizer.get("state_keys") and saved != ours:
+        raise CheckpointError(f"{directory}: optimizer state was written by {saved!r}, this job uses {ours!r}")
+
+
+def prepare(engine, directory: Path) -> Loaded:
+    """Read and verify everything this rank needs; touches no engine state."""
+    index = CheckpointIndex.read(directory / schema.INDEX)
+    _check_compatible(engine, index, directory)
+    files = RankFiles(directory, index.world_size)
+    try:
+        slot_of = index.slot_of()
+        buckets = [_read_bucket(b, index, files, slot_of) for b in engine.sharded.buckets]
+        rng = None
+        if index.world_size == engine.group.size:
+            rng = schema.read_array(files.dataset(engine.group.rank, "rng/torch_cpu"))
+    finally:
+        files.close()
+    replicated = {}
+    with schema.open_h5(directory / schema.INDEX) as f:
+        for name in index.replicated:
+            if f"replicated/{name}" not in f:
+                raise CheckpointError(f"{directory / schema.INDEX}: missing replicated/{name}")
+            replicated[name] = schema.read_array(f[f"replicated/{name}"])
+    return Loaded(index, buckets, rng, replicated)
+
+
+def _scalar_tensor(value, dtype: str):
+    if dtype in ("int", "float", "bool"):
+        return {"int": int, "float": float, "bool": bool}[dtype](value)
+    return torch.tensor(value, dtype=getattr(torch, dtype))
+
+
+def apply(engine, loaded: Loaded) -> None:
+    """Overwrite the engine's state with what ``prepare`` read (all ranks succeeded)."""
+    inner = engine.optimizer.inner
+    for b, data in zip(engine.sharded.buckets, loaded.buckets):
+        with torch.no_grad():
+            b.master.copy_(torch.from_numpy(data.master))
+        state = {k: torch.from_numpy(v).to(b.master.device) for k, v in data.state.items()}
+        state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
+        inner.state[b.master] = state
+        b.publish(engine.group)
+        b.zero_grad()
+    for group, saved in zip(inner.param_groups, loaded.index.optimizer.get("groups", [])):
+        for k, v in saved.items():
+            if k in group and isinstance(group[k], (int, float, tuple, list)) and not isinstance(group[k], bool):
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    engine._micro = 0
+    engine._stats.steps = loaded.index.steps
+    engine._stats.skipped_steps = loaded.index.skipped_steps
+    scaler = engine.optimizer.scaler
+    if scaler is not None and loaded.index.scaler:
+        scaler.scale = float(loaded.index.scaler["scale"])
+        scaler.good_steps = int(loaded.index.scaler["good_steps"])
+        scaler.hysteresis_left = int(loaded.index.scaler["hysteresis_left"])
+    if loaded.rng is not None:
+        torch.set_rng_state(torch.from_numpy(loaded.rng.copy()))
+    tensors = dict(engine.module.named_parameters())
+    tensors.update(engine.module.named_buffers())
+    with torch.no_grad():
+        for name, value in loaded.replicated.items():
+            t = tensors[name]
+            t.copy_(torch.from_numpy(value).view(t.shape))
+
+
+def load(engine, root: str | os.PathLike, tag: str | None = None) -> Any:
+    """Collective: load ``root/tag`` (``latest`` when None); returns the saved client_state."""
+    loaded, error = None, None
+    try:
+        loaded = prepare(engine, resolve(root, tag))
+    except CheckpointError as e:
+        error = str(e)
+    except (KeyError, ValueError, TypeError, IndexError) as e:  # well-formed HDF5, malformed contents
+        error = f"{root}: malformed checkpoint ({type(e).__name__}: {e})"
+    all_ranks_ok(engine.group, error, CheckpointError)
+    apply(engine, loaded)
+    return loaded.index.client_state
