@@ -156,6 +156,14 @@ def _publish(root: Path, tmp: Path, tag: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _prepare_root(root: Path, tmp: Path) -> None:
+    """Rank 0: remove what killed saves left behind (one job writes a root at a time), make tmp."""
+    if root.is_dir():
+        for stale in list(root.glob(".tmp-*")) + list(root.glob(".old-*")):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
 def _attempt(fn, *args) -> str | None:
     try:
         fn(*args)
@@ -177,10 +185,7 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
     group, root = engine.group, Path(root)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
-    if group.rank == 0:
-        error = _attempt(lambda: tmp.mkdir(parents=True))
-    else:
-        error = None
+    error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None
     all_ranks_ok(group, error, CheckpointError)
     meta = optimizer_meta(engine)
     path = tmp / schema.rank_file(group.rank)

@@ -1,0 +1,93 @@
+"""Checkpoint worker: save mid-training, resume in a new job, or try a load that must fail.
+
+--mode save:   train --before steps, save (client_state = the data position),
+               train --after more steps; rank 0 writes the parameters at the
+               save point and at the end to OUT (.npz, no pickle).
+--mode resume: a fresh model with *different* initial values loads the
+               checkpoint, rank 0 records the loaded parameters, trains
+               --after steps from the saved data position and writes the end.
+--mode fail:   load must raise CheckpointError; every rank's message goes to OUT (JSON).
+The global batch (GLOBAL sequences) is the same at every world size, split evenly.
+"""
+import argparse
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import zerompi
+from common import SEQ, VOCAB, gpt_loss, tiny_gpt, write_json
+
+GLOBAL = 120  # divisible by 1, 2, 3, 4, 5, 6, 8
+COMM = MPI.COMM_WORLD
+
+
+def global_batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def train(engine, first: int, count: int) -> None:
+    rows = GLOBAL // engine.world_size
+    for step in range(first, first + count):
+        x, y = (t[engine.rank * rows:(engine.rank + 1) * rows] for t in global_batch(step))
+        engine.backward(gpt_loss(engine, (x, y)))
+        engine.step()
+
+
+def config(args) -> zerompi.ZeroConfig:
+    opt = (dict(optimizer="adamw", lr=1e-2, weight_decay=0.1) if args.optimizer == "adamw"
+           else dict(optimizer="sgd", lr=0.2, momentum=0.9))
+    return zerompi.ZeroConfig(stage=args.stage, dtype=args.dtype, bucket_mb=args.bucket_mb, **opt)
+
+
+def snapshot(engine) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in engine.full_state_dict().items()}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=("save", "resume", "fail"), required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--bucket-mb", type=float, default=0.004)
+    p.add_argument("--before", type=int, default=3)
+    p.add_argument("--after", type=int, default=3)
+    p.add_argument("--tag", default=None)
+    p.add_argument("--model-seed", type=int, default=1)
+    p.add_argument("--n-embd", type=int, default=16)
+    args = p.parse_args()
+    engine = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
+    out: dict[str, np.ndarray] = {}
+    if args.mode == "save":
+        train(engine, 0, args.before)
+        engine.save_checkpoint(args.root, tag=args.tag, client_state={"next_step": args.before})
+        out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
+        train(engine, args.before, args.after)
+    elif args.mode == "resume":
+        state = engine.load_checkpoint(args.root, tag=args.tag)
+        out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
+        train(engine, state["next_step"], args.after)
+    else:
+        try:
+            engine.load_checkpoint(args.root, tag=args.tag)
+            message = "no error"
+        except zerompi.CheckpointError as e:
+            message = f"CheckpointError: {e}"
+        except Exception as e:  # noqa: BLE001 - any other type is a failure the test reports
+            message = f"OTHER {type(e).__name__}: {e}"
+        messages = COMM.allgather(message)
+        if COMM.Get_rank() == 0:
+            write_json(args.out, messages)
+        return
+    out.update({f"final/{k}": v for k, v in snapshot(engine).items()})
+    if COMM.Get_rank() == 0:
+        np.savez(args.out, **out)
+
+
+if __name__ == "__main__":
+    main()
