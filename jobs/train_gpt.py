@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import tomllib
@@ -34,7 +35,8 @@ from zerompi.models.gpt import GPT, gpt_config_from_dict
 log = logging.getLogger("train_gpt")
 
 TRAIN_DEFAULTS = dict(steps=100, micro_batch=8, log_every=10, eval_every=50, eval_batches=4,
-                      out_dir="out/train_gpt", data_max_bytes=0, seed=1337)  # 0 bytes: no cap
+                      out_dir="out/train_gpt", data_max_bytes=0, seed=1337,  # 0 bytes: no cap
+                      save_every=0, ckpt_dir="")  # 0: no periodic checkpoints; "": {out_dir}/checkpoints
 EVAL_STREAM = 2**31 - 1  # a "step" no training step reaches: eval draws never repeat train draws
 
 
@@ -78,19 +80,40 @@ def progress(text: str, final: bool = False) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+class Preemption:
+    """SIGUSR1 (Slurm's warning before walltime) or SIGTERM: checkpoint at the next step, exit 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum, _frame) -> None:
+        self.requested = True  # acted on at a step boundary, where all ranks agree
+
+    def agreed(self, engine) -> bool:
+        # One tiny collective: a signal that reached only some ranks still stops all of them.
+        return engine.all_reduce_mean(float(self.requested)) > 0
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="jobs/configs/default.toml")
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--out", help="override train.out_dir")
     p.add_argument("--stage", type=int, help="override zero.stage")
+    p.add_argument("--save-every", type=int, help="override train.save_every (steps between checkpoints)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in the checkpoint directory, if there is one")
     args = p.parse_args(argv)
+    preemption = Preemption()
 
     rank0 = MPI.COMM_WORLD.Get_rank() == 0
     logging.basicConfig(level=os.environ.get("ZEROMPI_LOG_LEVEL", "WARNING"),
                         format=f"[rank {MPI.COMM_WORLD.Get_rank()}] %(levelname)s %(name)s: %(message)s")
     model_doc, train, zero_doc = load_config(args.config)
-    train.update({k: v for k, v in (("steps", args.steps), ("out_dir", args.out)) if v is not None})
+    train.update({k: v for k, v in (("steps", args.steps), ("out_dir", args.out), ("save_every", args.save_every))
+                  if v is not None})
     gpt_cfg = gpt_config_from_dict(model_doc)
     cfg = zerompi.ZeroConfig.from_dict(zero_doc)
     if args.stage is not None:
@@ -104,21 +127,27 @@ def main(argv: list[str] | None = None) -> None:
     log.info("GPT with %.2fM parameters, corpus %d bytes, %s", model.num_params() / 1e6, len(data), cfg)
 
     out_dir = Path(train["out_dir"])
+    ckpt_dir = Path(train["ckpt_dir"] or out_dir / "checkpoints")
+    first_step = 1
+    if args.resume and (ckpt_dir / "latest").exists():
+        first_step = engine.load_checkpoint(ckpt_dir)["next_step"]
+        log.warning("resumed from %s at step %d", ckpt_dir, first_step)
     metrics = None
     if rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(
             {"model": vars(gpt_cfg), "train": train, "zero": cfg.to_dict(),
              "world_size": engine.world_size}, indent=2, default=str))
-        metrics = open(out_dir / "metrics.jsonl", "w")
+        metrics = open(out_dir / "metrics.jsonl", "a" if first_step > 1 else "w")
 
     steps, T, accum = train["steps"], gpt_cfg.block_size, cfg.grad_accum_steps
     tokens_per_step = engine.world_size * accum * train["micro_batch"] * T
     first_loss = loss = val_loss = None
     train_time = 0.0  # excludes evaluation, so tokens/s measures training alone
-    last = dict(step=0, time=0.0, sent=dict(engine.stats.bytes_sent))
+    last = dict(step=first_step - 1, time=0.0, sent=dict(engine.stats.bytes_sent))
     start = time.perf_counter()
-    for step in range(1, steps + 1):
+    step = first_step - 1
+    for step in range(first_step, steps + 1):
         t0 = time.perf_counter()
         step_loss = 0.0
         for micro in range(accum):
@@ -135,11 +164,18 @@ def main(argv: list[str] | None = None) -> None:
         train_time += time.perf_counter() - t0
         first_loss = loss if first_loss is None else first_loss
         elapsed = time.perf_counter() - start
-        tok_s = step * tokens_per_step / train_time
+        tok_s = (step - first_step + 1) * tokens_per_step / train_time
 
         sent = dict(engine.stats.bytes_sent)  # before evaluating: count training traffic only
         evaluating = train["eval_every"] > 0 and (step % train["eval_every"] == 0 or step == steps)
         val_loss = evaluate(engine, data, train, T) if evaluating else val_loss
+        stop = preemption.agreed(engine)
+        if stop or (train["save_every"] > 0 and (step % train["save_every"] == 0 or step == steps)):
+            engine.save_checkpoint(ckpt_dir, client_state={"next_step": step + 1})
+        if stop:
+            if rank0:
+                print(f"preempted: checkpoint at step {step} in {ckpt_dir}; rerun with --resume", flush=True)
+            break
         if not rank0:
             continue
         line = f"step {step}/{steps} | loss {loss:.3f} | {tok_s:,.0f} tok/s | {elapsed:.1f}s"
@@ -164,11 +200,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             progress(line)
 
-    if rank0:
+    if rank0 and first_loss is None:
+        print(f"nothing to do: the checkpoint is already at step {first_step - 1} of {steps}", flush=True)
+    elif rank0:
         metrics.close()
         val = f" (val {val_loss:.3f})" if val_loss is not None else ""
-        print(f"done: {steps} steps, world size {engine.world_size}, stage {cfg.stage}, "
-              f"loss {first_loss:.3f} -> {loss:.3f}{val}, {steps * tokens_per_step / train_time:,.0f} "
+        done = step - first_step + 1
+        print(f"done: {step} steps, world size {engine.world_size}, stage {cfg.stage}, "
+              f"loss {first_loss:.3f} -> {loss:.3f}{val}, {done * tokens_per_step / max(train_time, 1e-9):,.0f} "
               f"tokens/s, {time.perf_counter() - start:.1f}s; metrics in {out_dir / 'metrics.jsonl'}",
               flush=True)
 

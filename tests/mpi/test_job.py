@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -21,3 +22,38 @@ def test_train_gpt_tiny(tmp_path, stage):
     kinds = set(last["bytes_sent_total"])
     assert {"all_gather", "reduce_scatter"} <= kinds
     assert "done: 20 steps, world size 2, stage %d" % stage in proc.stdout + proc.stderr
+
+
+def test_train_gpt_resumes_exactly(tmp_path):
+    """20 steps straight, versus 10 steps + checkpoint + a new job resuming to 20: same loss, bit for bit."""
+    tiny = ("--config", "jobs/configs/tiny.toml")
+    run_mpi(2, "jobs/train_gpt.py", *tiny, "--out", str(tmp_path / "a"))
+    run_mpi(2, "jobs/train_gpt.py", *tiny, "--out", str(tmp_path / "b"), "--steps", "10", "--save-every", "10")
+    proc = run_mpi(2, "jobs/train_gpt.py", *tiny, "--out", str(tmp_path / "b"), "--resume")
+    assert "resumed from" in proc.stderr
+    a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert a[-1]["step"] == b[-1]["step"] == 20
+    assert a[-1]["loss"] == b[-1]["loss"] and a[-1]["val_loss"] == b[-1]["val_loss"]
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step00000010"
+
+
+def test_train_gpt_checkpoints_on_sigusr1(tmp_path):
+    """Slurm's warning signal: the job checkpoints at the next step boundary and exits 0."""
+    import signal
+    import subprocess
+    import time
+
+    from .launcher import ROOT, mpi_env, mpiexec
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "jobs/train_gpt.py", "--config",
+           "jobs/configs/tiny.toml", "--out", str(tmp_path), "--steps", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it to every rank
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert "preempted: checkpoint at step" in out
+    assert (tmp_path / "checkpoints" / "latest").exists()
