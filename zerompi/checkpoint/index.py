@@ -77,26 +77,22 @@ class CheckpointIndex:
         return out
 
     # ---- file ------------------------------------------------------------
+    _SCALARS = ("tag", "world_size", "stage", "dtype", "steps", "skipped_steps")
+
     def write(self, f: h5py.File) -> None:
         schema.write_header(f, "index")
-        for key in ("tag", "world_size", "stage", "dtype", "steps", "skipped_steps"):
+        for key in self._SCALARS:  # for people browsing the file; the reader trusts only the checksummed JSON
             f.attrs[key] = getattr(self, key)
-        meta = {k: getattr(self, k) for k in ("params", "buckets", "optimizer", "scaler", "config",
-                                               "client_state", "replicated")}
-        schema.write_json(f, "meta", meta)
+        schema.write_json(f, "meta", {k: getattr(self, k) for k in self.__dataclass_fields__})
 
     @classmethod
     def read(cls, path: Path) -> "CheckpointIndex":
         with schema.open_h5(path) as f:
             schema.check_header(f, "index")
-            try:
-                attrs = {k: f.attrs[k] for k in ("tag", "world_size", "stage", "dtype", "steps", "skipped_steps")}
-            except KeyError as e:
-                raise CheckpointError(f"{path}: missing attribute {e}") from e
             meta = schema.read_json(f, "meta", str(path))
-        return cls(tag=str(attrs["tag"]), world_size=int(attrs["world_size"]), stage=int(attrs["stage"]),
-                   dtype=str(attrs["dtype"]), steps=int(attrs["steps"]),
-                   skipped_steps=int(attrs["skipped_steps"]), **meta)
+        if not isinstance(meta, dict) or set(meta) != set(cls.__dataclass_fields__):
+            raise CheckpointError(f"{path}: index metadata has unexpected fields")
+        return cls(**meta)
 
     def describe_mismatch(self, named: list[tuple[str, tuple[int, ...], bool]]) -> str | None:
         """Why this checkpoint cannot load into a model with these (name, shape, trainable)."""
