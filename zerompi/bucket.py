@@ -44,6 +44,7 @@ class Placement:
     world_size: int
     dtype: torch.dtype
     device: torch.device
+    check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
 
 
 def _done() -> Work:
@@ -67,6 +68,10 @@ class Bucket:
         self.params = params
         self.where = where
         stage, dtype = where.stage, where.dtype
+        more = " ..." if len(layout.slots) > 1 else ""
+        self.name = f"bucket {layout.index} [{layout.slots[0].fqn}{more}]" + \
+            (f" of module '{layout.unit or '<root>'}'" if stage >= 3 else "")
+        self.nonfinite: list[str] = []  # parameters whose local gradient was NaN/Inf since the last step
         # Stage 0 "owns" the whole buffer: every rank updates every element.
         self.own = layout.shard(where.rank) if stage >= 1 else layout.full
         own = slice(self.own.start, self.own.stop)
@@ -103,7 +108,7 @@ class Bucket:
         if self.state is BucketState.GATHERED:
             return _done()
         self.param_full.alloc()
-        work = group.all_gather(self.param_shard, self.param_full.tensor, async_op=async_op)
+        work = group.all_gather(self.param_shard, self.param_full.tensor, async_op=async_op, what=self.name)
         self.state = BucketState.GATHERED
         return work
 
@@ -119,7 +124,7 @@ class Bucket:
         if self.mixed:
             self.param_shard.copy_(self.master)
         if self.where.stage in (1, 2):
-            group.all_gather(None, self.param_full.tensor)
+            group.all_gather(None, self.param_full.tensor, what=self.name)
 
     # ---- gradients --------------------------------------------------------
     def begin_backward(self) -> None:
@@ -136,6 +141,8 @@ class Bucket:
         if not self.grad_full.is_allocated:
             self.grad_full.alloc(zero=True)
         slot = self.layout.slots[slot_index]
+        if self.where.check_finite and not bool(torch.isfinite(grad).all()):
+            self.nonfinite.append(slot.fqn)
         self.grad_full.view(slot.offset, slot.shape).add_(grad)
         self._ready.add(slot_index)
         self._pending = True
@@ -152,13 +159,13 @@ class Bucket:
         if stage == 0:
             # reduce-scatter + all-gather = all-reduce, with bitwise identical replicas
             mine = self.layout.shard(group.rank)
-            reduced = group.reduce_scatter(full, kind="all_reduce").wait()
+            reduced = group.reduce_scatter(full, kind="all_reduce", what=self.name).wait()
             full[mine.start:mine.stop].copy_(reduced.div_(n))
-            group.all_gather(None, full, kind="all_reduce")
+            group.all_gather(None, full, kind="all_reduce", what=self.name)
         elif stage == 1:
-            self.grad_shard.copy_(group.reduce_scatter(full).wait().div_(n))
+            self.grad_shard.copy_(group.reduce_scatter(full, what=self.name).wait().div_(n))
         else:
-            self.grad_shard.add_(group.reduce_scatter(full).wait().div_(n))
+            self.grad_shard.add_(group.reduce_scatter(full, what=self.name).wait().div_(n))
             self.grad_full.free()
         self._pending = False
         self._reduced = True
@@ -188,7 +195,7 @@ class Bucket:
         if self.where.stage == 0:
             return self.master.detach().clone()
         out = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
-        group.all_gather(self.master.contiguous(), out, kind="state_dict")
+        group.all_gather(self.master.contiguous(), out, kind="state_dict", what=self.name)
         return out
 
 

@@ -16,8 +16,13 @@ they are staged through pinned host buffers.
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 from collections import defaultdict
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from mpi4py import MPI
@@ -28,19 +33,26 @@ _SUM_DTYPES = (torch.float32, torch.float64)
 _16BIT = (torch.bfloat16, torch.float16)
 
 
+class CollectiveMismatchError(ZeroMPIError):
+    """Ranks called different collectives (rank-dependent control flow)."""
+
+
 class Work:
     """Handle for a collective; ``wait()`` is idempotent and returns the result."""
 
-    def __init__(self, request: MPI.Request | None = None, finish: Callable[[], Any] | None = None):
+    def __init__(self, request: MPI.Request | None = None, finish: Callable[[], Any] | None = None,
+                 waiting: Callable[[], Any] | None = None):
         self._request = request
         self._finish = finish
+        self._waiting = waiting  # the group's watchdog bookkeeping, for the wait below
         self._done = False
         self._result: Any = None
 
     def wait(self) -> Any:
         if not self._done:
             if self._request is not None:
-                self._request.Wait()
+                with self._waiting() if self._waiting else _nothing():
+                    self._request.Wait()
             if self._finish is not None:
                 self._result = self._finish()
             self._done = True
@@ -51,6 +63,11 @@ class Work:
         if self._done:
             return True
         return self._request is None or self._request.Test()
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def cuda_aware_mpi() -> bool:
@@ -83,12 +100,60 @@ class ProcessGroup:
         cuda_aware: pass device tensors straight to MPI (else stage via pinned host memory).
     """
 
-    def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool = False):
+    def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool = False, debug: bool = False):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.cuda_aware = cuda_aware
         self.bytes_sent: dict[str, int] = defaultdict(int)
+        self.debug = debug or os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")
+        self._seq = 0          # collectives issued, for the debug agreement check
+        self._waiting: tuple[str, float] | None = None  # what this rank is blocked in, since when
+        self._watchdog: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- hang protection --------------------------------------------------
+    def start_watchdog(self, timeout: float) -> None:
+        """Abort the job when this rank waits longer than ``timeout`` seconds in one collective."""
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, args=(timeout,), daemon=True,
+                                              name="zerompi-watchdog")
+            self._watchdog.start()
+
+    def stop_watchdog(self) -> None:
+        self._stop.set()
+
+    def _watch(self, timeout: float) -> None:
+        while not self._stop.wait(min(1.0, timeout / 4)):
+            waiting = self._waiting
+            if waiting is not None and time.monotonic() - waiting[1] > timeout:
+                sys.stderr.write(f"zerompi watchdog: rank {self.rank} of {self.size} has waited "
+                                 f"{time.monotonic() - waiting[1]:.0f} s in {waiting[0]} "
+                                 f"(collective_timeout={timeout:g} s); aborting the job\n")
+                sys.stderr.flush()
+                self.comm.Abort(3)
+
+    @contextmanager
+    def _blocked(self, what: str) -> Iterator[None]:
+        self._waiting = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._waiting = None
+
+    def _enter(self, kind: str, t: torch.Tensor, what: str) -> str:
+        """Debug mode: every rank must be at the same collective; returns its description."""
+        desc = f"{kind} #{self._seq} of {t.numel()} x {str(t.dtype).removeprefix('torch.')}" + \
+               (f" for {what}" if what else "")
+        self._seq += 1
+        if self.debug:
+            with self._blocked(f"the debug check before {desc}"):
+                descs = self.comm.allgather(desc)
+            if len(set(descs)) > 1:
+                lines = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descs))
+                raise CollectiveMismatchError(f"ranks are at different collectives (rank-dependent control "
+                                              f"flow, or a module skipped on some ranks): {lines}")
+        return desc
 
     # ---- topology -------------------------------------------------------
     def split_shared(self) -> "ProcessGroup":
@@ -124,7 +189,7 @@ class ProcessGroup:
 
     # ---- collectives ----------------------------------------------------
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor, *, kind: str = "all_gather",
-                   async_op: bool = False) -> Work:
+                   async_op: bool = False, what: str = "") -> Work:
         """``out[r*S:(r+1)*S] = shard of rank r``; ``shard`` may be ``None`` for in place."""
         _check_flat("all_gather out", out)
         n = out.numel() // self.size
@@ -133,6 +198,7 @@ class ProcessGroup:
             if shard.numel() * self.size != out.numel() or shard.dtype != out.dtype:
                 raise ZeroMPIError(f"all_gather: shard {shard.numel()} x {self.size} ranks != out {out.numel()}")
         self._count(kind, (self.size - 1) * n * out.element_size())
+        desc = self._enter(kind, out, what)
         if shard is None:
             (o,), back = self._stage(out)
             send = MPI.IN_PLACE
@@ -140,13 +206,14 @@ class ProcessGroup:
             (s, o), back = self._stage(shard, out)
             send = _raw(s)
         if async_op:
-            return Work(self.comm.Iallgather(send, _raw(o)), back)
-        self.comm.Allgather(send, _raw(o))
+            return Work(self.comm.Iallgather(send, _raw(o)), back, lambda: self._blocked(desc))
+        with self._blocked(desc):
+            self.comm.Allgather(send, _raw(o))
         back()
         return Work()
 
     def reduce_scatter(self, full: torch.Tensor, *, kind: str = "reduce_scatter",
-                       async_op: bool = False) -> Work:
+                       async_op: bool = False, what: str = "") -> Work:
         """Sum ``full`` over ranks; ``wait()`` returns this rank's chunk in fp32.
 
         fp32/fp64 use ``Reduce_scatter_block``; 16-bit inputs use ``Alltoall``
@@ -157,13 +224,16 @@ class ProcessGroup:
             raise ZeroMPIError(f"reduce_scatter: {full.numel()} elements do not split over {self.size} ranks")
         n = full.numel() // self.size
         self._count(kind, (self.size - 1) * n * full.element_size())
+        desc = self._enter(kind, full, what)
+        blocked = lambda: self._blocked(desc)  # noqa: E731
         if full.dtype in _SUM_DTYPES:
             out = torch.empty(n, dtype=full.dtype, device=full.device)
             (f, o), back = self._stage(full, out)
             finish = lambda: (back(), out.float())[1]  # noqa: E731
             if async_op:
-                return Work(self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM), finish)
-            self.comm.Reduce_scatter_block(f, o, op=MPI.SUM)
+                return Work(self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM), finish, blocked)
+            with blocked():
+                self.comm.Reduce_scatter_block(f, o, op=MPI.SUM)
             return Work(None, finish)
         if full.dtype not in _16BIT:
             raise ZeroMPIError(f"reduce_scatter: unsupported dtype {full.dtype}")
@@ -174,46 +244,54 @@ class ProcessGroup:
             back()
             return recv.view(self.size, n).float().sum(dim=0)
         if async_op:
-            return Work(self.comm.Ialltoall(_raw(f), _raw(r)), finish)
-        self.comm.Alltoall(_raw(f), _raw(r))
+            return Work(self.comm.Ialltoall(_raw(f), _raw(r)), finish, blocked)
+        with blocked():
+            self.comm.Alltoall(_raw(f), _raw(r))
         return Work(None, finish)
 
-    def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False) -> Work:
+    def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
+                   what: str = "") -> Work:
         """In-place sum of an fp32/fp64 tensor over ranks."""
         _check_flat("all_reduce", t)
         if t.dtype not in _SUM_DTYPES:
             raise ZeroMPIError(f"all_reduce: MPI cannot sum {t.dtype}; reduce in fp32 "
                                "or use reduce_scatter + all_gather")
         self._count(kind, 2 * (self.size - 1) * t.numel() * t.element_size() // self.size)
+        desc = self._enter(kind, t, what)
         (x,), back = self._stage(t)
         if async_op:
-            return Work(self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back)
-        self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+            return Work(self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back, lambda: self._blocked(desc))
+        with self._blocked(desc):
+            self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
         back()
         return Work()
 
-    def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast") -> None:
+    def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:
         """In-place broadcast from ``root`` (used once, at initialisation)."""
         _check_flat("broadcast", t)
         if self.rank == root:
             self._count(kind, (self.size - 1) * t.numel() * t.element_size())
+        desc = self._enter(kind, t, what)
         (x,), back = self._stage(t)
-        self.comm.Bcast(_raw(x), root=root)
+        with self._blocked(desc):
+            self.comm.Bcast(_raw(x), root=root)
         back()
 
     # ---- small control messages ----------------------------------------
-    def sum_floats(self, values: list[float], *, kind: str = "control") -> list[float]:
+    def sum_floats(self, values: list[float], *, kind: str = "control", what: str = "") -> list[float]:
         """Sum a few Python floats over ranks (norms, overflow flags, metrics)."""
         buf = torch.tensor(values, dtype=torch.float64)
-        self.all_reduce(buf, kind=kind)
+        self.all_reduce(buf, kind=kind, what=what)
         return buf.tolist()
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank (metadata only, never tensors)."""
-        return self.comm.allgather(obj)
+        with self._blocked("an exchange of metadata (allgather_object)"):
+            return self.comm.allgather(obj)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        with self._blocked("a barrier"):
+            self.comm.Barrier()
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)

@@ -169,6 +169,10 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "offload_params": _offload,
     "nvme_path": lambda k, v: _optional(k, v, _path, "no NVMe directory"),
     "pin_memory": _bool,
+    "nonfinite": lambda k, v: _choice(k, v, ("raise", "skip")),
+    "debug_collectives": _bool,
+    "collective_timeout": lambda k, v: _optional(k, v, lambda k, v: _float(k, v, gt=0), "no watchdog"),
+    "abort_on_exception": _bool,
 }
 
 
@@ -237,6 +241,19 @@ class ZeroConfig:
     """Directory for NVMe offload, carried for when offload exists."""
     pin_memory: bool = True
     """Pin host buffers used for offload."""
+    nonfinite: str = "raise"
+    """A NaN/Inf gradient in fp32/bf16: 'raise' (naming rank and parameter) or 'skip' the step
+    on every rank. fp16 always skips and lowers the loss scale."""
+    debug_collectives: bool = False
+    """Before every collective, check that all ranks are at the same operation, bucket and
+    size, and raise naming the module if not (one extra small all-gather each). Also on
+    when the environment sets ZEROMPI_DEBUG=1."""
+    collective_timeout: float | None = None
+    """Seconds a rank may wait in one collective before the watchdog reports what it was
+    waiting on and aborts the job; None disables the watchdog."""
+    abort_on_exception: bool = True
+    """Install a sys.excepthook that prints an uncaught exception once and calls MPI_Abort,
+    so one failing rank ends the job instead of hanging the others."""
 
     def __post_init__(self) -> None:
         # Field order, so the first problem reported is the first field's; the

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import launch
+from . import guard, launch
 from .bucket import Placement
 from .comm import ProcessGroup
 from .config import ZeroConfig
@@ -81,7 +81,8 @@ class Engine:
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
         self.module = module.to(self.device)
-        where = Placement(cfg.stage, group.rank, group.size, cfg.torch_dtype, self.device)
+        where = Placement(cfg.stage, group.rank, group.size, cfg.torch_dtype, self.device,
+                          check_finite=cfg.dtype != "fp16")
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         self.sharded = ShardedModel(module, where, group, cap, membership)
@@ -189,11 +190,13 @@ class Engine:
 
     def all_reduce_mean(self, value: float) -> float:
         """Collective: the mean of a Python float over ranks (for logging)."""
-        return self.group.sum_floats([float(value)], kind="metrics")[0] / self.world_size
+        return self.group.sum_floats([float(value)], kind="metrics", what="a metric (all_reduce_mean)")[0] \
+            / self.world_size
 
     def close(self) -> None:
-        """Remove every hook; the module's parameters stay bound to the engine's buffers."""
+        """Remove every hook and stop the watchdog; the parameters stay bound to the engine's buffers."""
         self.sharded.remove_hooks()
+        self.group.stop_watchdog()
 
 
 def _param_groups(module: nn.Module, param_groups):
@@ -226,5 +229,9 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     ``[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]``.
     """
     cfg = config if config is not None else ZeroConfig()
-    group = ProcessGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi))
+    group = ProcessGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
+    if cfg.abort_on_exception:
+        guard.abort_on_uncaught_exception(group)
+    if cfg.collective_timeout is not None:
+        group.start_watchdog(cfg.collective_timeout)
     return Engine(model, cfg, group, param_groups)

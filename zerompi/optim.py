@@ -18,7 +18,11 @@ import torch
 
 from .bucket import Bucket
 from .comm import ProcessGroup
+from .errors import ZeroMPIError
+from .log import get_logger
 from .precision import LossScaler
+
+logger = get_logger(__name__)
 
 
 class StepResult(NamedTuple):
@@ -53,6 +57,7 @@ class ZeroOptimizer:
         self.buckets = buckets
         self.group = group
         self.clip = cfg.clip_grad_norm
+        self.nonfinite = cfg.nonfinite
         self.replicated = cfg.stage == 0  # every rank holds every gradient: no norm all-reduce
         self.scaler = LossScaler.from_config(cfg) if cfg.dtype == "fp16" else None
         groups = []
@@ -69,7 +74,7 @@ class ZeroOptimizer:
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         local = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
         if not self.replicated:
-            local = self.group.sum_floats([local])[0]
+            local = self.group.sum_floats([local], what="the global gradient norm")[0]
         return math.sqrt(local)
 
     def step(self) -> StepResult:
@@ -78,16 +83,17 @@ class ZeroOptimizer:
         if self.loss_scale != 1.0:
             for g in grads:
                 g.div_(self.loss_scale)
-        # 2. one all-reduce gives the global norm; inf/nan there means overflow on some rank
-        norm = None
-        if self.clip is not None or self.scaler is not None:
-            norm = self._global_norm(grads)
-            if self.scaler is not None:
-                overflow = not math.isfinite(norm)
-                self.scaler.update(overflow)
-                if overflow:
-                    self.zero_grad()
-                    return StepResult(False, norm)
+        # 2. one all-reduce gives the global norm; inf/nan there means a bad gradient on some rank
+        norm = self._global_norm(grads)
+        if self.scaler is not None:
+            overflow = not math.isfinite(norm)
+            self.scaler.update(overflow)
+            if overflow:
+                self.zero_grad()
+                return StepResult(False, norm)
+        elif not math.isfinite(norm):
+            self._nonfinite()
+            return StepResult(False, norm)
         # 3. clip, as torch.nn.utils.clip_grad_norm_ does
         if self.clip is not None:
             coef = self.clip / (norm + 1e-6)
@@ -104,9 +110,22 @@ class ZeroOptimizer:
         self.zero_grad()
         return StepResult(True, norm)
 
+    def _nonfinite(self) -> None:
+        """Name where NaN/Inf gradients came from, then raise everywhere or skip everywhere."""
+        local = sorted({name for b in self.buckets for name in b.nonfinite})
+        reports = self.group.allgather_object(local)
+        where = "; ".join(f"rank {r}: {', '.join(names[:5])}" for r, names in enumerate(reports) if names)
+        message = ("non-finite (NaN/Inf) gradient " + (f"from {where}" if where else
+                   "after reduction (no rank saw one locally: the sum overflowed)"))
+        self.zero_grad()
+        if self.nonfinite == "raise":
+            raise ZeroMPIError(message + "; set nonfinite='skip' to skip such steps instead")
+        logger.warning("skipping the optimizer step: %s", message)
+
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
+            b.nonfinite.clear()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors (scalars such as ``step`` excluded)."""

@@ -115,7 +115,8 @@ class ShardedModel:
         init = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.where.device)
         for p, slot in zip(params, layout.slots):
             init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-        self.group.broadcast(init)  # every rank starts from rank 0's values, as DDP does
+        # every rank starts from rank 0's values, as DDP does
+        self.group.broadcast(init, what=f"initial values of bucket {layout.index}")
         bucket = Bucket(layout, params, self.where, init)
         if self.where.stage >= 3:
             self._unit[layout.unit].buckets.append(bucket)
@@ -132,7 +133,7 @@ class ShardedModel:
                 t.data = t.data.to(self.where.dtype)
             if not t.is_contiguous():
                 t.data = t.data.contiguous()
-            self.group.broadcast(t.data.view(-1))
+            self.group.broadcast(t.data.view(-1), what="a frozen parameter or buffer")
 
     def _log_plan(self) -> None:
         if not logger.isEnabledFor(logging.INFO):

@@ -41,7 +41,23 @@ def test_field_order_matches_spec():
         "momentum", "grad_accum_steps", "clip_grad_norm", "dtype", "loss_scale",
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
-        "offload_params", "nvme_path", "pin_memory"]
+        "offload_params", "nvme_path", "pin_memory", "nonfinite", "debug_collectives",
+        "collective_timeout", "abort_on_exception"]
+
+
+@pytest.mark.parametrize("key,value", [
+    ("nonfinite", "ignore"), ("nonfinite", 1), ("debug_collectives", 1), ("debug_collectives", "yes"),
+    ("collective_timeout", 0), ("collective_timeout", -1.0), ("collective_timeout", float("nan")),
+    ("collective_timeout", "10"), ("abort_on_exception", None)])
+def test_reliability_fields_reject_bad_values(key, value):
+    with pytest.raises(ConfigError, match=key):
+        ZeroConfig(**{key: value})
+
+
+def test_reliability_fields_accept_good_values():
+    cfg = ZeroConfig(nonfinite="skip", debug_collectives=True, collective_timeout=30, abort_on_exception=False)
+    assert cfg.collective_timeout == 30.0 and cfg.nonfinite == "skip"
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_frozen():

@@ -1,0 +1,32 @@
+"""One failing rank ends the job: an uncaught exception is printed once and aborts MPI.
+
+Without this, the other ranks wait forever in their next collective, burning
+the allocation until walltime. ``python -m mpi4py script.py`` does the same
+for the whole script; this hook covers jobs started as ``python script.py``.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+_installed = False
+
+
+def abort_on_uncaught_exception(group) -> None:
+    """Install a ``sys.excepthook`` that reports the error with its rank and calls ``MPI_Abort``."""
+    global _installed
+    if _installed or group.size == 1:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            return previous(kind, value, tb)
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write(f"zerompi: rank {group.rank} of {group.size} failed with an uncaught "
+                         f"{kind.__name__}: {value}\n{text}zerompi: aborting all ranks\n")
+        sys.stderr.flush()
+        group.abort(1)
+
+    sys.excepthook = hook
+    _installed = True
