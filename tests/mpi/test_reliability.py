@@ -1,0 +1,80 @@
+"""No hangs, clear errors: a misbehaving rank ends the job or makes every rank raise (workers/reliability.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .launcher import ROOT, WORKERS, mpi_env, mpiexec, run_worker_json
+
+ABORT_WITHIN = 30.0  # seconds from the failure to every rank gone
+
+
+def _launch(n, case, out, *, module=True):
+    cmd = [*mpiexec(), "-n", str(n), sys.executable, *(("-m", "mpi4py") if module else ()),
+           str(WORKERS / "reliability.py"), "--case", case, "--out", str(out)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path, n):
+    start = time.monotonic()
+    proc = _launch(n, "raise", tmp_path / "x.json", module=False)  # plain python: zerompi's own hook
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < ABORT_WITHIN + 15  # start-up included
+    text = out + err
+    assert text.count("failed with an uncaught RuntimeError: boom on purpose") == 1, text[-3000:]
+    assert f"rank {n - 1} of {n}" in text
+
+
+def test_rank_killed_mid_training_ends_the_job(tmp_path):
+    proc = _launch(3, "sigkill", tmp_path / "pid")
+    pid_file = tmp_path / "pid.1"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # let it get into training
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    killed = time.monotonic()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed < ABORT_WITHIN
+
+
+def test_rank_dependent_control_flow_raises_on_every_rank(tmp_path):
+    rows = run_worker_json(2, "reliability.py", tmp_path / "r.json", "--case", "mismatch")
+    for row in rows:
+        assert row["error"].startswith("CollectiveMismatchError: ranks are at different collectives"), row
+        assert "rank 0: " in row["error"] and "module 'mid'" in row["error"], row
+        assert "rank 1: " in row["error"] and "fc2.weight" in row["error"], row
+
+
+def test_watchdog_aborts_a_job_stuck_in_a_collective(tmp_path):
+    start = time.monotonic()
+    proc = _launch(2, "watchdog", tmp_path / "x.json")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60  # the stuck rank would sleep 120 s
+    assert "zerompi watchdog: rank 0 of 2 has waited" in err and "collective_timeout=3 s" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_nan_gradient_raises_on_every_rank_naming_rank_and_parameter(tmp_path, n):
+    rows = run_worker_json(n, "reliability.py", tmp_path / "r.json", "--case", "nan")
+    for row in rows:
+        assert row["error"].startswith("ZeroMPIError: non-finite (NaN/Inf) gradient from rank"), row
+        assert f"rank {n - 1}: fc1.bias" in row["error"], row
+
+
+def test_nan_gradient_skip_mode_skips_everywhere(tmp_path):
+    rows = run_worker_json(3, "reliability.py", tmp_path / "r.json", "--case", "nan", "--nonfinite", "skip")
+    for row in rows:
+        assert row["error"] == "no error" and row["skipped"] == 1, row
+        assert row["stepped_at_nan"] is False and row["unchanged"] is True, row
