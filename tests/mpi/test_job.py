@@ -38,15 +38,16 @@ def test_train_gpt_resumes_exactly(tmp_path):
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step00000010"
 
 
-def test_train_gpt_checkpoints_on_sigusr1(tmp_path):
-    """Slurm's warning signal: the job checkpoints at the next step boundary and exits 0."""
+def test_train_gpt_checkpoints_on_sigusr1_and_the_loss_curve_continues(tmp_path):
+    """Slurm's warning signal: checkpoint at the next step boundary, exit 0; the resumed job's
+    losses are exactly those of a job that was never interrupted."""
     import signal
     import subprocess
     import time
 
     from .launcher import ROOT, mpi_env, mpiexec
     cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "jobs/train_gpt.py", "--config",
-           "jobs/configs/tiny.toml", "--out", str(tmp_path), "--steps", "100000"]
+           "jobs/configs/tiny.toml", "--out", str(tmp_path), "--steps", "150"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 60
@@ -57,3 +58,14 @@ def test_train_gpt_checkpoints_on_sigusr1(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "preempted: checkpoint at step" in out
     assert (tmp_path / "checkpoints" / "latest").exists()
+    stopped = int(out.split("preempted: checkpoint at step ")[1].split()[0])
+    assert stopped < 150
+    tiny = ("--config", "jobs/configs/tiny.toml", "--steps", "150")
+    run_mpi(2, "jobs/train_gpt.py", *tiny, "--out", str(tmp_path), "--resume")
+    run_mpi(2, "jobs/train_gpt.py", *tiny, "--out", str(tmp_path / "straight"))
+
+    def losses(path):
+        return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+    resumed, straight = losses(metrics), losses(tmp_path / "straight" / "metrics.jsonl")
+    assert max(resumed) == 150 and any(step > stopped for step in resumed)
+    assert all(resumed[step] == straight[step] for step in resumed), (resumed, straight)
