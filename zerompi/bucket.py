@@ -25,7 +25,7 @@ from enum import Enum
 import torch
 
 from .buffer import FlatBuffer
-from .comm import ProcessGroup, Work
+from .comm import Work
 from .errors import UsageError
 from .layout import BucketLayout
 
@@ -58,15 +58,17 @@ class Bucket:
         layout: the frozen plan of this bucket.
         params: the module parameters of ``layout.slots``, in slot order; they
             are re-bound as views into this bucket's flat parameter buffer.
-        where: stage, rank, dtype and device.
+        where: stage, rank (in ``groups.shard``), dtype and device.
         init: the full padded fp32 initial values (identical on every rank).
+        groups: the process groups (flat, HSDP or hpZ; see topology.py).
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], where: Placement,
-                 init: torch.Tensor):
+                 init: torch.Tensor, groups):
         self.layout = layout
         self.params = params
         self.where = where
+        self.groups = groups
         stage, dtype = where.stage, where.dtype
         more = " ..." if len(layout.slots) > 1 else ""
         self.name = f"bucket {layout.index} [{layout.slots[0].fqn}{more}]" + \
@@ -83,6 +85,10 @@ class Bucket:
             self.param_shard = self.param_full.tensor[own].clone()
         else:
             self.param_shard = self.param_full.tensor[own]
+        self.param_secondary = None  # hpZ: this node's copy of the parameters, sharded within the node
+        if groups.secondary is not None:
+            sec = layout.padded_numel // groups.gather.size
+            self.param_secondary = self.param_full.tensor[groups.gather.rank * sec:(groups.gather.rank + 1) * sec].clone()
         # The master starts from the fp32 values, not from their rounded copy.
         self.master = init[own].clone() if self.mixed else self.param_shard
 
@@ -103,12 +109,13 @@ class Bucket:
         self._reduced = False   # reduced at least once in this backward
 
     # ---- parameters -------------------------------------------------------
-    def unshard(self, group: ProcessGroup, *, async_op: bool = False) -> Work:
-        """Stage 3: all-gather the shards into the full buffer the parameters view."""
+    def unshard(self, *, async_op: bool = False) -> Work:
+        """Stage 3: all-gather the shards (hpZ: the node's secondary shards) into the full buffer."""
         if self.state is BucketState.GATHERED:
             return _done()
         self.param_full.alloc()
-        work = group.all_gather(self.param_shard, self.param_full.tensor, async_op=async_op, what=self.name)
+        source = self.param_shard if self.param_secondary is None else self.param_secondary
+        work = self.groups.gather.all_gather(source, self.param_full.tensor, async_op=async_op, what=self.name)
         self.state = BucketState.GATHERED
         return work
 
@@ -119,12 +126,14 @@ class Bucket:
         self.param_full.free()
         self.state = BucketState.SHARDED
 
-    def publish(self, group: ProcessGroup) -> None:
+    def publish(self) -> None:
         """After an optimizer step: bring the updated master into the compute parameters."""
         if self.mixed:
             self.param_shard.copy_(self.master)
         if self.where.stage in (1, 2):
-            group.all_gather(None, self.param_full.tensor, what=self.name)
+            self.groups.gather.all_gather(None, self.param_full.tensor, what=self.name)
+        if self.param_secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
+            self.groups.secondary.all_gather(self.param_shard, self.param_secondary, what=self.name)
 
     # ---- gradients --------------------------------------------------------
     def begin_backward(self) -> None:
@@ -152,21 +161,25 @@ class Bucket:
         """Every bucket is reduced once per synchronising backward, and again for late gradients."""
         return self._pending or not self._reduced
 
-    def reduce_grads(self, group: ProcessGroup) -> None:
-        """Average this bucket's gradients over ranks into the shard this rank owns."""
+    def reduce_grads(self) -> None:
+        """Average this bucket's gradients over all ranks into the shard this rank owns."""
         full = self.grad_full.alloc() if not self.grad_full.is_allocated else self.grad_full.tensor
-        stage, n = self.where.stage, group.size
+        stage, shard, n = self.where.stage, self.groups.shard, self.groups.world.size
         if stage == 0:
             # reduce-scatter + all-gather = all-reduce, with bitwise identical replicas
-            mine = self.layout.shard(group.rank)
-            reduced = group.reduce_scatter(full, kind="all_reduce", what=self.name).wait()
+            mine = self.layout.shard(shard.rank)
+            reduced = shard.reduce_scatter(full, kind="all_reduce", what=self.name).wait()
             full[mine.start:mine.stop].copy_(reduced.div_(n))
-            group.all_gather(None, full, kind="all_reduce", what=self.name)
-        elif stage == 1:
-            self.grad_shard.copy_(group.reduce_scatter(full, what=self.name).wait().div_(n))
+            shard.all_gather(None, full, kind="all_reduce", what=self.name)
         else:
-            self.grad_shard.add_(group.reduce_scatter(full, what=self.name).wait().div_(n))
-            self.grad_full.free()
+            reduced = shard.reduce_scatter(full, what=self.name).wait()
+            if self.groups.replicate is not None:  # hsdp: sum the node's shard across nodes, in fp32
+                self.groups.replicate.all_reduce(reduced, what=self.name)
+            if stage == 1:
+                self.grad_shard.copy_(reduced.div_(n))
+            else:
+                self.grad_shard.add_(reduced.div_(n))
+                self.grad_full.free()
         self._pending = False
         self._reduced = True
 
@@ -186,16 +199,18 @@ class Bucket:
         """Bytes held persistently: parameters, master (if separate), gradients."""
         stage = self.where.stage
         params = self.param_full.nbytes if stage <= 2 else _nbytes(self.param_shard)
+        if self.param_secondary is not None:
+            params += _nbytes(self.param_secondary)
         master = _nbytes(self.master) if self.mixed else 0
         grads = self.grad_full.nbytes if stage <= 1 else _nbytes(self.grad_shard)
         return params + master + grads
 
-    def full_master(self, group: ProcessGroup) -> torch.Tensor:
+    def full_master(self) -> torch.Tensor:
         """Collective: the full padded fp32 master of this bucket, on every rank."""
         if self.where.stage == 0:
             return self.master.detach().clone()
         out = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
-        group.all_gather(self.master.contiguous(), out, kind="state_dict", what=self.name)
+        self.groups.shard.all_gather(self.master.contiguous(), out, kind="state_dict", what=self.name)
         return out
 
 

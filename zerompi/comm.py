@@ -92,6 +92,34 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype in _16BIT else t
 
 
+class Monitor:
+    """What every group of this process shares: byte counters, the debug sequence, the watchdog."""
+
+    def __init__(self, debug: bool = False):
+        self.bytes_sent: dict[str, int] = defaultdict(int)
+        self.debug = debug
+        self.seq = 0                                       # collectives issued (debug agreement)
+        self.waiting: tuple[str, float] | None = None      # what this rank is blocked in, since when
+        self.stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout: float, rank: int, size: int, comm) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, args=(timeout, rank, size, comm),
+                                            daemon=True, name="zerompi-watchdog")
+            self._thread.start()
+
+    def _watch(self, timeout: float, rank: int, size: int, comm) -> None:
+        while not self.stop.wait(min(1.0, timeout / 4)):
+            waiting = self.waiting
+            if waiting is not None and time.monotonic() - waiting[1] > timeout:
+                sys.stderr.write(f"zerompi watchdog: rank {rank} of {size} has waited "
+                                 f"{time.monotonic() - waiting[1]:.0f} s in {waiting[0]} "
+                                 f"(collective_timeout={timeout:g} s); aborting the job\n")
+                sys.stderr.flush()
+                comm.Abort(3)
+
+
 class ProcessGroup:
     """An MPI communicator plus rank/size, and the counters of what was sent.
 
@@ -100,53 +128,49 @@ class ProcessGroup:
         cuda_aware: pass device tensors straight to MPI (else stage via pinned host memory).
     """
 
-    def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool = False, debug: bool = False):
+    def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool = False, debug: bool = False,
+                 label: str = "", monitor: "Monitor | None" = None):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.cuda_aware = cuda_aware
-        self.bytes_sent: dict[str, int] = defaultdict(int)
-        self.debug = debug or os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")
-        self._seq = 0          # collectives issued, for the debug agreement check
-        self._waiting: tuple[str, float] | None = None  # what this rank is blocked in, since when
-        self._watchdog: threading.Thread | None = None
-        self._stop = threading.Event()
+        self.label = label  # "" for groups spanning the job; "intra"/"inter" for node-aware groups
+        self.monitor = monitor if monitor is not None else Monitor(
+            debug=debug or os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0"))
+
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes sent per collective kind by every group of this process (shared counters)."""
+        return self.monitor.bytes_sent
+
+    def split(self, color: int, key: int, label: str) -> "ProcessGroup":
+        """A sub-group (``MPI_Comm_split``) sharing this group's counters, debug mode and watchdog."""
+        return ProcessGroup(self.comm.Split(color, key), cuda_aware=self.cuda_aware, label=label,
+                            monitor=self.monitor)
 
     # ---- hang protection --------------------------------------------------
     def start_watchdog(self, timeout: float) -> None:
         """Abort the job when this rank waits longer than ``timeout`` seconds in one collective."""
-        if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._watch, args=(timeout,), daemon=True,
-                                              name="zerompi-watchdog")
-            self._watchdog.start()
+        self.monitor.start(timeout, self.rank, self.size, self.comm)
 
     def stop_watchdog(self) -> None:
-        self._stop.set()
-
-    def _watch(self, timeout: float) -> None:
-        while not self._stop.wait(min(1.0, timeout / 4)):
-            waiting = self._waiting
-            if waiting is not None and time.monotonic() - waiting[1] > timeout:
-                sys.stderr.write(f"zerompi watchdog: rank {self.rank} of {self.size} has waited "
-                                 f"{time.monotonic() - waiting[1]:.0f} s in {waiting[0]} "
-                                 f"(collective_timeout={timeout:g} s); aborting the job\n")
-                sys.stderr.flush()
-                self.comm.Abort(3)
+        self.monitor.stop.set()
 
     @contextmanager
     def _blocked(self, what: str) -> Iterator[None]:
-        self._waiting = (what, time.monotonic())
+        where = f" (group {self.label})" if self.label else ""
+        self.monitor.waiting = (what + where, time.monotonic())
         try:
             yield
         finally:
-            self._waiting = None
+            self.monitor.waiting = None
 
     def _enter(self, kind: str, t: torch.Tensor, what: str) -> str:
         """Debug mode: every rank must be at the same collective; returns its description."""
-        desc = f"{kind} #{self._seq} of {t.numel()} x {str(t.dtype).removeprefix('torch.')}" + \
+        desc = f"{kind} #{self.monitor.seq} of {t.numel()} x {str(t.dtype).removeprefix('torch.')}" + \
                (f" for {what}" if what else "")
-        self._seq += 1
-        if self.debug:
+        self.monitor.seq += 1
+        if self.monitor.debug:
             with self._blocked(f"the debug check before {desc}"):
                 descs = self.comm.allgather(desc)
             if len(set(descs)) > 1:
@@ -159,7 +183,7 @@ class ProcessGroup:
     def split_shared(self) -> "ProcessGroup":
         """Ranks sharing this node's memory (``MPI_COMM_TYPE_SHARED``)."""
         return ProcessGroup(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank),
-                            cuda_aware=self.cuda_aware)
+                            cuda_aware=self.cuda_aware, label="node", monitor=self.monitor)
 
     @staticmethod
     def processor_name() -> str:
@@ -185,7 +209,7 @@ class ProcessGroup:
         return hosts, copy_back
 
     def _count(self, kind: str, nbytes: int) -> None:
-        self.bytes_sent[kind] += int(nbytes)
+        self.monitor.bytes_sent[f"{kind}@{self.label}" if self.label else kind] += int(nbytes)
 
     # ---- collectives ----------------------------------------------------
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor, *, kind: str = "all_gather",

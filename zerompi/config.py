@@ -169,6 +169,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "offload_params": _offload,
     "nvme_path": lambda k, v: _optional(k, v, _path, "no NVMe directory"),
     "pin_memory": _bool,
+    "hierarchy": lambda k, v: _choice(k, v, ("flat", "hsdp", "hpz")),
+    "ranks_per_node": lambda k, v: _optional(k, v, lambda k, v: _int(k, v, 1), "nodes from MPI"),
     "nonfinite": lambda k, v: _choice(k, v, ("raise", "skip")),
     "debug_collectives": _bool,
     "collective_timeout": lambda k, v: _optional(k, v, lambda k, v: _float(k, v, gt=0), "no watchdog"),
@@ -241,6 +243,13 @@ class ZeroConfig:
     """Directory for NVMe offload, carried for when offload exists."""
     pin_memory: bool = True
     """Pin host buffers used for offload."""
+    hierarchy: str = "flat"
+    """'flat': shard over all ranks; 'hsdp' (stages 1-3): shard within a node and replicate across
+    nodes; 'hpz' (stage 3): flat shards plus a secondary parameter copy sharded within each node,
+    so forward/backward all-gathers stay inside the node (ZeRO++). See topology.py."""
+    ranks_per_node: int | None = None
+    """Ranks per node for 'hsdp'/'hpz': None takes nodes from MPI (shared memory); a number
+    groups consecutive ranks, e.g. to emulate several nodes on one machine."""
     nonfinite: str = "raise"
     """A NaN/Inf gradient in fp32/bf16: 'raise' (naming rank and parameter) or 'skip' the step
     on every rank. fp16 always skips and lowers the loss scale."""

@@ -24,6 +24,7 @@ from .errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
 from .log import set_rank
 from .optim import ZeroOptimizer
 from .sharded import ShardedModel
+from .topology import build_groups
 
 
 @dataclass
@@ -81,11 +82,13 @@ class Engine:
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
         self.module = module.to(self.device)
-        where = Placement(cfg.stage, group.rank, group.size, cfg.torch_dtype, self.device,
+        self.groups = build_groups(group, self.info, cfg.hierarchy, cfg.stage, cfg.ranks_per_node)
+        shard = self.groups.shard
+        where = Placement(cfg.stage, shard.rank, shard.size, cfg.torch_dtype, self.device,
                           check_finite=cfg.dtype != "fp16")
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
-        self.sharded = ShardedModel(module, where, group, cap, membership)
+        self.sharded = ShardedModel(module, where, self.groups, cap, membership)
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
         self._micro = 0  # backward calls since the last step
         self._stats = Stats()
@@ -166,7 +169,7 @@ class Engine:
         """Collective: every entry of ``named_parameters()`` as a full fp32 CPU tensor, on every rank."""
         out: dict[str, torch.Tensor] = {}
         for b in self.sharded.buckets:
-            full = b.full_master(self.group).cpu()
+            full = b.full_master().cpu()
             for slot in b.layout.slots:
                 out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         ordered = {}

@@ -74,7 +74,8 @@ class ZeroOptimizer:
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         local = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
         if not self.replicated:
-            local = self.group.sum_floats([local], what="the global gradient norm")[0]
+            # over the shard group: its shards cover every element once (hsdp replicas would repeat it)
+            local = self.buckets[0].groups.shard.sum_floats([local], what="the global gradient norm")[0]
         return math.sqrt(local)
 
     def step(self) -> StepResult:
@@ -106,7 +107,7 @@ class ZeroOptimizer:
         self.inner.step()
         for b in self.buckets:
             b.master.grad = None
-            b.publish(self.group)
+            b.publish()
         self.zero_grad()
         return StepResult(True, norm)
 

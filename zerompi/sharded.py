@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .bucket import Bucket, BucketState, Placement
-from .comm import ProcessGroup
+from .topology import Groups
 from .errors import ZeroMPIError
 from .hooks import HookSet
 from .layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
@@ -54,17 +54,18 @@ class ShardedModel:
     Args:
         module: the model (already on its device).
         stage: ZeRO stage 0–3.
-        group: the data-parallel process group.
+        groups: the process groups (flat, HSDP or hpZ).
         placement: compute dtype and device (stage/rank filled in here).
         cap_numel: bucket size in elements (stage 3: gather-unit size).
         param_group: optimizer group index for each trainable parameter.
     """
 
-    def __init__(self, module: nn.Module, where: Placement, group: ProcessGroup,
+    def __init__(self, module: nn.Module, where: Placement, groups: Groups,
                  cap_numel: int, param_group: dict[nn.Parameter, int]):
         self.module = module
         self.where = where
-        self.group = group
+        self.groups = groups
+        self.group = groups.world
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.fqn = {p: n for n, p in named}
         self.units: list[Unit] = []
@@ -117,7 +118,7 @@ class ShardedModel:
             init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         # every rank starts from rank 0's values, as DDP does
         self.group.broadcast(init, what=f"initial values of bucket {layout.index}")
-        bucket = Bucket(layout, params, self.where, init)
+        bucket = Bucket(layout, params, self.where, init, self.groups)
         if self.where.stage >= 3:
             self._unit[layout.unit].buckets.append(bucket)
         return bucket
@@ -148,7 +149,7 @@ class ShardedModel:
     def _pre_forward(self, unit: Unit) -> None:
         logger.debug("pre-forward %s", unit.fqn or "<root>")
         for b in unit.buckets:
-            b.unshard(self.group)
+            b.unshard()
 
     def _post_forward(self, unit: Unit, output) -> None:
         if self.in_backward:
@@ -161,7 +162,7 @@ class ShardedModel:
     def _pre_backward(self, unit: Unit) -> None:
         logger.debug("pre-backward %s", unit.fqn or "<root>")
         for b in unit.buckets:
-            b.unshard(self.group)
+            b.unshard()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket, slot = self._where[p]
@@ -172,7 +173,7 @@ class ShardedModel:
             self._reduce(bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
-        bucket.reduce_grads(self.group)
+        bucket.reduce_grads()
         bucket.reshard()
 
     def begin_backward(self, sync: bool) -> None:
@@ -187,7 +188,7 @@ class ShardedModel:
         self.in_backward = False
         for b in self.buckets:
             if self._sync and b.needs_reduce():
-                b.reduce_grads(self.group)
+                b.reduce_grads()
             b.reshard()
         if self.where.stage >= 3:
             stuck = [b.layout.index for b in self.buckets if b.state is not BucketState.SHARDED]

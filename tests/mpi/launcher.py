@@ -63,13 +63,14 @@ class WorkerResults:
 
     def __init__(self, script: str, key, tmp_path_factory):
         self.script, self.key, self.tmp = script, key, tmp_path_factory
-        self._rows: dict[int, dict] = {}
+        self._rows: dict[tuple, dict] = {}
 
-    def __call__(self, world: int) -> dict:
-        if world not in self._rows:
+    def __call__(self, world: int, *args: str) -> dict:
+        if (world, *args) not in self._rows:
             out = self.tmp.mktemp(f"{Path(self.script).stem}{world}") / "results.json"
-            self._rows[world] = {self.key(r): r for r in run_worker_json(world, self.script, out)}
-        return self._rows[world]
+            rows = run_worker_json(world, self.script, out, *args)
+            self._rows[(world, *args)] = {self.key(r): r for r in rows}
+        return self._rows[(world, *args)]
 
 
 def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float = 600) -> dict:

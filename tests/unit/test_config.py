@@ -41,14 +41,15 @@ def test_field_order_matches_spec():
         "momentum", "grad_accum_steps", "clip_grad_norm", "dtype", "loss_scale",
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
-        "offload_params", "nvme_path", "pin_memory", "nonfinite", "debug_collectives",
+        "offload_params", "nvme_path", "pin_memory", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
         "collective_timeout", "abort_on_exception"]
 
 
 @pytest.mark.parametrize("key,value", [
     ("nonfinite", "ignore"), ("nonfinite", 1), ("debug_collectives", 1), ("debug_collectives", "yes"),
     ("collective_timeout", 0), ("collective_timeout", -1.0), ("collective_timeout", float("nan")),
-    ("collective_timeout", "10"), ("abort_on_exception", None)])
+    ("collective_timeout", "10"), ("abort_on_exception", None), ("hierarchy", "2d"),
+    ("ranks_per_node", 0), ("ranks_per_node", 1.5)])
 def test_reliability_fields_reject_bad_values(key, value):
     with pytest.raises(ConfigError, match=key):
         ZeroConfig(**{key: value})

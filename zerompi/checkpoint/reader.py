@@ -141,8 +141,8 @@ def prepare(engine, directory: Path) -> Loaded:
     try:
         slot_of = index.slot_of()
         buckets = [_read_bucket(b, index, files, slot_of) for b in engine.sharded.buckets]
-        rng = None
-        if index.world_size == engine.group.size:
+        rng = None  # per-rank RNG streams come back when the job has the same flat layout
+        if index.world_size == engine.group.size and not engine.groups.hierarchical:
             rng = schema.read_array(files.dataset(engine.group.rank, "rng/torch_cpu"))
     finally:
         files.close()
@@ -170,7 +170,7 @@ def apply(engine, loaded: Loaded) -> None:
         state = {k: torch.from_numpy(v).to(b.master.device) for k, v in data.state.items()}
         state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
         inner.state[b.master] = state
-        b.publish(engine.group)
+        b.publish()
         b.zero_grad()
     for group, saved in zip(inner.param_groups, loaded.index.optimizer.get("groups", [])):
         for k, v in saved.items():

@@ -82,11 +82,11 @@ def optimizer_meta(engine) -> dict[str, Any]:
 
 
 def _write_rank_file(engine, path: Path, keys: list[str]) -> None:
-    rank = engine.group.rank
+    rank = engine.groups.shard.rank
     with schema.open_h5(path, "w") as f:
         schema.write_header(f, "shard")
         f.attrs["rank"] = rank
-        f.attrs["world_size"] = engine.group.size
+        f.attrs["world_size"] = engine.groups.shard.size
         inner = engine.optimizer.inner
         for b in engine.sharded.buckets:
             g = f.create_group(f"b{b.layout.index}")
@@ -117,7 +117,7 @@ def _index(engine, tag: str, client_state, meta: dict) -> CheckpointIndex:
                 "slots": [[s.fqn, s.offset, s.numel] for s in b.layout.slots]} for b in engine.sharded.buckets]
     scaler = engine.optimizer.scaler
     return CheckpointIndex(
-        tag=tag, world_size=engine.group.size, stage=engine.config.stage, dtype=engine.config.dtype,
+        tag=tag, world_size=engine.groups.shard.size, stage=engine.config.stage, dtype=engine.config.dtype,
         steps=engine.stats.steps, skipped_steps=engine.stats.skipped_steps,
         params=[{"name": n, "shape": list(p.shape), "trainable": p.requires_grad} for n, p in m.named_parameters()],
         buckets=buckets, optimizer=meta, replicated=replicated, client_state=client_state,
@@ -188,8 +188,11 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None
     all_ranks_ok(group, error, CheckpointError)
     meta = optimizer_meta(engine)
-    path = tmp / schema.rank_file(group.rank)
-    error = _attempt(lambda: (_write_rank_file(engine, path, meta["state_keys"]), verify_file(path)))
+    # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
+    writes = engine.groups.replicate is None or engine.groups.replicate.rank == 0
+    path = tmp / schema.rank_file(engine.groups.shard.rank)
+    error = _attempt(lambda: (_write_rank_file(engine, path, meta["state_keys"]), verify_file(path))) \
+        if writes else None
     all_ranks_ok(group, error, CheckpointError)
     error = None
     if group.rank == 0:

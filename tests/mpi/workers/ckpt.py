@@ -39,7 +39,8 @@ def train(engine, first: int, count: int) -> None:
 def config(args) -> zerompi.ZeroConfig:
     opt = (dict(optimizer="adamw", lr=1e-2, weight_decay=0.1) if args.optimizer == "adamw"
            else dict(optimizer="sgd", lr=0.2, momentum=0.9))
-    return zerompi.ZeroConfig(stage=args.stage, dtype=args.dtype, bucket_mb=args.bucket_mb, **opt)
+    return zerompi.ZeroConfig(stage=args.stage, dtype=args.dtype, bucket_mb=args.bucket_mb, **opt,
+                              hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node)
 
 
 def snapshot(engine) -> dict[str, np.ndarray]:
@@ -60,6 +61,8 @@ def main():
     p.add_argument("--tag", default=None)
     p.add_argument("--model-seed", type=int, default=1)
     p.add_argument("--n-embd", type=int, default=16)
+    p.add_argument("--hierarchy", default="flat")
+    p.add_argument("--ranks-per-node", type=int, default=None)
     args = p.parse_args()
     engine = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
     out: dict[str, np.ndarray] = {}

@@ -17,7 +17,10 @@ from common import (initial_params, max_rel_diff, reference_train, rel_to_update
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=3)
+p.add_argument("--hierarchy", default="flat")
+p.add_argument("--ranks-per-node", type=int, default=None)
 args = p.parse_args()
+STAGES = {"flat": range(4), "hsdp": range(1, 4), "hpz": (3,)}[args.hierarchy]
 world, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 
 results = []
@@ -26,10 +29,11 @@ results = []
 # AdamW with torch's default betas and eps.
 OPTIMIZERS = {"adamw": dict(optimizer="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
               "sgd": dict(optimizer="sgd", lr=0.5, momentum=0.9, weight_decay=0.1)}
-for stage, dtype, accum, clip, opt in itertools.product(range(4), ("fp32", "bf16"), (1, 2), (None, 0.05),
+for stage, dtype, accum, clip, opt in itertools.product(STAGES, ("fp32", "bf16"), (1, 2), (None, 0.05),
                                                         OPTIMIZERS):
     cfg = zerompi.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=accum, clip_grad_norm=clip,
-                             bucket_mb=0.004, seed=0, **OPTIMIZERS[opt])
+                             bucket_mb=0.004, seed=0, hierarchy=args.hierarchy,
+                             ranks_per_node=args.ranks_per_node, **OPTIMIZERS[opt])
     model = tiny_gpt(seed=1)
     init = initial_params(model)
     batches = token_batches(7, world, args.steps, accum)
@@ -40,6 +44,7 @@ for stage, dtype, accum, clip, opt in itertools.product(range(4), ("fp32", "bf16
         stats = engine.stats
         results.append(dict(
             stage=stage, dtype=dtype, accum=accum, clip=clip, optimizer=opt, world=world, steps=args.steps,
+            hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node,
             max_rel=max_rel_diff(ours.params, ref.params),
             rel_update=rel_to_update(ours.params, ref.params, init),
             loss_ours=ours.losses, loss_ref=ref.losses,
