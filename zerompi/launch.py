@@ -13,6 +13,7 @@ import torch
 
 from .comm import ProcessGroup, cuda_aware_mpi
 from .errors import ConfigError
+from .launch_check import check_world_matches_launcher
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class RankInfo:
 
 def discover(group: ProcessGroup) -> RankInfo:
     """Collective: rank, local rank and node index of every process in ``group``."""
+    # MPI_COMM_WORLD's size, not the group's: comm=COMM_SELF under a multi-rank launch is legitimate
+    check_world_matches_launcher(ProcessGroup(monitor=group.monitor).size)
     local = group.split_shared()
     leaders = group.allgather_object(group.rank if local.rank == 0 else None)
     leader_ranks = sorted(r for r in leaders if r is not None)

