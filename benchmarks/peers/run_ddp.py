@@ -1,0 +1,41 @@
+"""torch DDP, alone or with ZeroRedundancyOptimizer: one benchmark row (see rowlib).
+
+``--variant ddp``: DistributedDataParallel + torch.optim.AdamW.
+``--variant zero_opt``: the same with the AdamW state sharded by
+torch.distributed.optim.ZeroRedundancyOptimizer (each rank updates its
+partition and broadcasts it).
+"""
+from __future__ import annotations
+
+import commcount
+import rowlib
+import torch
+
+
+def build(model, args, comm) -> rowlib.Trainer:
+    commcount.install()
+    rowlib.init_torch_distributed(comm)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    kwargs = dict(lr=args.lr, betas=rowlib.BETAS, eps=rowlib.EPS, weight_decay=args.weight_decay)
+    if args.variant == "zero_opt":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), **kwargs)
+
+    def step(x, y) -> float:
+        _, loss = ddp(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    n, psi = comm.Get_size(), sum(p.numel() for p in model.parameters())
+    allreduce = 2 * (n - 1) * psi * 4 // n  # DDP all-reduces every fp32 gradient once per step
+    return rowlib.Trainer(step=step, bytes_sent=commcount.bytes_sent, implicit_bytes_per_step=allreduce,
+                          info=dict(bucket_cap_mb=args.bucket_mb))
+
+
+if __name__ == "__main__":
+    rowlib.main(build, variants=("ddp", "zero_opt"))

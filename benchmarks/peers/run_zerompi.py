@@ -1,0 +1,26 @@
+"""zerompi stages 0-3: one benchmark row (see rowlib). ``--variant`` is the stage."""
+from __future__ import annotations
+
+import rowlib
+
+
+def build(model, args, comm) -> rowlib.Trainer:
+    import zerompi
+    cfg = zerompi.ZeroConfig(stage=int(args.variant), optimizer="adamw", lr=args.lr, betas=rowlib.BETAS,
+                             eps=rowlib.EPS, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
+                             cpu_threads=1, seed=args.seed)
+    engine = zerompi.initialize(model, cfg, comm=comm)
+
+    def step(x, y) -> float:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    info = dict(stage=cfg.stage, bucket_mb=cfg.bucket_mb,
+                model_state_bytes=lambda: engine.stats.model_state_bytes)
+    return rowlib.Trainer(step=step, bytes_sent=lambda: dict(engine.stats.bytes_sent), info=info)
+
+
+if __name__ == "__main__":
+    rowlib.main(build, variants=("0", "1", "2", "3"))

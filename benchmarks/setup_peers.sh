@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up benchmarks/.venv-peers: a venv of its own for the peer frameworks that
+# benchmarks/bench_peers.py runs beside zerompi (torch DDP / ZeroRedundancyOptimizer /
+# FSDP2 and DeepSpeed ZeRO-1/2/3, all on CPU with gloo). DeepSpeed is never a
+# dependency of zerompi: it lives only in this venv. Safe to re-run.
+#
+#   PEERS_TORCH      torch requirement, installed first (default torch==2.13.0; a bare
+#                    "torch" would pull a multi-GB CUDA build)
+#   PEERS_DEEPSPEED  DeepSpeed requirement (default deepspeed==0.19.8, the version measured)
+#   PYTHON           interpreter that creates the venv (default python3)
+#
+# zerompi itself is installed editable, so the same venv runs every row; the zerompi
+# rows use only zerompi's own dependencies (mpi4py, mpich, torch, numpy, h5py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=benchmarks/.venv-peers
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${PIP[@]}" "${PEERS_TORCH:-torch==2.13.0}"
+# DeepSpeed compiles a small CPU op (cpu_adam / shared-memory comm) at start: g++ and ninja.
+"${PIP[@]}" "${PEERS_DEEPSPEED:-deepspeed==0.19.8}" ninja
+"${PIP[@]}" mpi4py mpich matplotlib
+"${PIP[@]}" -e .
+command -v g++ >/dev/null || echo "warning: g++ not found; DeepSpeed rows need it (apt-get install g++)" >&2
+DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'EOF'
+import torch, mpi4py.MPI as M, deepspeed, matplotlib, zerompi
+print("peers venv: torch", torch.__version__, "| deepspeed", deepspeed.__version__,
+      "| matplotlib", matplotlib.__version__, "| zerompi", zerompi.__version__, "|",
+      M.Get_library_version().splitlines()[0].strip())
+EOF
