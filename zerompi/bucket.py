@@ -45,6 +45,14 @@ class Placement:
     dtype: torch.dtype
     device: torch.device
     check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
+    offload_optimizer: str = "none"  # 'cpu'/'nvme': the fp32 master lives in host memory (nvme: swapped)
+    offload_params: str = "none"     # stage 3 'cpu': parameter shard in host memory ('nvme': ParamSwap)
+    pin_memory: bool = False
+
+    def host_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-memory copy of ``t`` (pinned when there is a GPU to copy to)."""
+        out = t.detach().to("cpu", copy=True)
+        return out.pin_memory() if self.pin_memory and torch.cuda.is_available() else out
 
 
 def _done() -> Work:
@@ -77,12 +85,16 @@ class Bucket:
         # Stage 0 "owns" the whole buffer: every rank updates every element.
         self.own = layout.shard(where.rank) if stage >= 1 else layout.full
         own = slice(self.own.start, self.own.stop)
-        self.mixed = dtype != torch.float32
+        # A separate fp32 master unless the compute parameters already are one, in memory.
+        self.separate = dtype != torch.float32 or where.offload_optimizer != "none" \
+            or where.offload_params != "none"
 
         self.param_full = FlatBuffer(layout.padded_numel, dtype, where.device)
         self.param_full.tensor.copy_(init)
         if stage >= 3:
             self.param_shard = self.param_full.tensor[own].clone()
+            if where.offload_params != "none":
+                self.param_shard = where.host_tensor(self.param_shard)
         else:
             self.param_shard = self.param_full.tensor[own]
         self.param_secondary = None  # hpZ: this node's copy of the parameters, sharded within the node
@@ -90,7 +102,10 @@ class Bucket:
             sec = layout.padded_numel // groups.gather.size
             self.param_secondary = self.param_full.tensor[groups.gather.rank * sec:(groups.gather.rank + 1) * sec].clone()
         # The master starts from the fp32 values, not from their rounded copy.
-        self.master = init[own].clone() if self.mixed else self.param_shard
+        self.master = init[own].clone() if self.separate else self.param_shard
+        if where.offload_optimizer != "none":
+            self.master = where.host_tensor(self.master)
+        self.param_swap = None  # stage 3 offload_params='nvme': set by the sharded model
 
         self.grad_full = FlatBuffer(layout.padded_numel, dtype, where.device, zero=True,
                                     allocated=stage <= 1)
@@ -114,8 +129,15 @@ class Bucket:
         if self.state is BucketState.GATHERED:
             return _done()
         self.param_full.alloc()
-        source = self.param_shard if self.param_secondary is None else self.param_secondary
-        work = self.groups.gather.all_gather(source, self.param_full.tensor, async_op=async_op, what=self.name)
+        if self.param_secondary is not None:
+            work = self.groups.gather.all_gather(self.param_secondary, self.param_full.tensor,
+                                                 async_op=async_op, what=self.name)
+        elif self.param_swap is not None:  # read the shard back from the swap file, gather, release it
+            with self.param_swap.loaded() as shard:
+                work = self.groups.gather.all_gather(shard, self.param_full.tensor, what=self.name)
+        else:
+            work = self.groups.gather.all_gather(self.param_shard, self.param_full.tensor,
+                                                 async_op=async_op, what=self.name)
         self.state = BucketState.GATHERED
         return work
 
@@ -128,12 +150,21 @@ class Bucket:
 
     def publish(self) -> None:
         """After an optimizer step: bring the updated master into the compute parameters."""
-        if self.mixed:
+        if self.param_swap is not None:
+            with self.param_swap.loaded(load=False) as shard:
+                shard.copy_(self.master)
+                self._refresh_secondary(shard)
+                self.param_swap.store()
+            return
+        if self.separate:
             self.param_shard.copy_(self.master)
         if self.where.stage in (1, 2):
             self.groups.gather.all_gather(None, self.param_full.tensor, what=self.name)
+        self._refresh_secondary(self.param_shard)
+
+    def _refresh_secondary(self, shard: torch.Tensor) -> None:
         if self.param_secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
-            self.groups.secondary.all_gather(self.param_shard, self.param_secondary, what=self.name)
+            self.groups.secondary.all_gather(shard, self.param_secondary, what=self.name)
 
     # ---- gradients --------------------------------------------------------
     def begin_backward(self) -> None:
@@ -184,9 +215,8 @@ class Bucket:
         self._reduced = True
 
     def master_grad(self) -> torch.Tensor:
-        """This rank's reduced gradient in fp32 (a view when it already is fp32)."""
-        g = self.grad_shard
-        return g if g.dtype == torch.float32 else g.float()
+        """This rank's reduced gradient in fp32, where the master lives (a view when it already is)."""
+        return self.grad_shard.to(self.master.device, torch.float32)
 
     def zero_grad(self) -> None:
         if self.where.stage <= 1:
@@ -198,10 +228,10 @@ class Bucket:
     def state_bytes(self) -> int:
         """Bytes held persistently: parameters, master (if separate), gradients."""
         stage = self.where.stage
-        params = self.param_full.nbytes if stage <= 2 else _nbytes(self.param_shard)
+        params = self.param_full.nbytes if stage <= 2 else _resident(self.param_shard)
         if self.param_secondary is not None:
             params += _nbytes(self.param_secondary)
-        master = _nbytes(self.master) if self.mixed else 0
+        master = _resident(self.master) if self.separate else 0
         grads = self.grad_full.nbytes if stage <= 1 else _nbytes(self.grad_shard)
         return params + master + grads
 
@@ -216,3 +246,8 @@ class Bucket:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _resident(t: torch.Tensor) -> int:
+    """Bytes actually held: 0 for a tensor emptied into the swap file."""
+    return _nbytes(t)

@@ -76,11 +76,26 @@ def _bool(key: str, value: Any) -> bool:
 
 
 def _offload(key: str, value: Any) -> str:
-    value = _choice(key, value, _OFFLOAD)
-    if value != "none":
-        raise ConfigError(f"{key}={value!r} is not supported yet: offloading is not "
-                          "implemented in this version; the only allowed value is 'none'")
+    return _choice(key, value, _OFFLOAD)
+
+
+def _block_kib(key: str, value: Any) -> int:
+    value = _int(key, value, 4, 256 * 1024)
+    if value % 4:
+        raise ConfigError(f"{key}={value!r} is not a multiple of 4 KiB (O_DIRECT needs page-aligned I/O)")
     return value
+
+
+def _check_offload(cfg) -> None:
+    """Cross-field rules of offloading, checked after every field is valid."""
+    if cfg.offload_optimizer != "none" and cfg.stage == 0:
+        raise ConfigError(f"offload_optimizer={cfg.offload_optimizer!r} needs a sharded optimizer: "
+                          "stage=0 is not allowed; allowed: stage 1, 2 or 3")
+    if cfg.offload_params != "none" and cfg.stage != 3:
+        raise ConfigError(f"offload_params={cfg.offload_params!r} needs sharded parameters: "
+                          f"stage={cfg.stage} is not allowed; allowed: stage 3")
+    if "nvme" in (cfg.offload_optimizer, cfg.offload_params) and cfg.nvme_path is None:
+        raise ConfigError("nvme_path=None: offloading to 'nvme' needs a directory for the swap files")
 
 
 def _betas(key: str, value: Any) -> tuple[float, float]:
@@ -169,6 +184,10 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "offload_params": _offload,
     "nvme_path": lambda k, v: _optional(k, v, _path, "no NVMe directory"),
     "pin_memory": _bool,
+    "nvme_block_kib": _block_kib,
+    "nvme_threads": lambda k, v: _int(k, v, 1, 64),
+    "nvme_buffers": lambda k, v: _int(k, v, 1, 1024),
+    "nvme_verify": _bool,
     "hierarchy": lambda k, v: _choice(k, v, ("flat", "hsdp", "hpz")),
     "ranks_per_node": lambda k, v: _optional(k, v, lambda k, v: _int(k, v, 1), "nodes from MPI"),
     "nonfinite": lambda k, v: _choice(k, v, ("raise", "skip")),
@@ -236,13 +255,23 @@ class ZeroConfig:
     cuda_aware_mpi: str = "auto"
     """'auto', 'on' or 'off': whether device buffers are handed straight to MPI."""
     offload_optimizer: str = "none"
-    """'none' only in this version; 'cpu' and 'nvme' are reserved and refused."""
+    """Stages 1-3: where fp32 master weights and optimizer state live between steps:
+    'none' (with the parameters), 'cpu' (host memory; the update runs on the CPU) or
+    'nvme' (swap files under nvme_path, streamed in bucket by bucket during the step)."""
     offload_params: str = "none"
-    """'none' only in this version; 'cpu' and 'nvme' are reserved and refused."""
+    """Stage 3: where the parameter shards live between gathers: 'none', 'cpu' or 'nvme'."""
     nvme_path: str | None = None
-    """Directory for NVMe offload, carried for when offload exists."""
+    """Directory for the per-rank swap files of 'nvme' offload (a local disk)."""
     pin_memory: bool = True
-    """Pin host buffers used for offload."""
+    """Pin host buffers used for offload (when a GPU is present)."""
+    nvme_block_kib: int = 8192
+    """KiB per swap I/O request, a multiple of 4 in 4..262144."""
+    nvme_threads: int = 4
+    """Swap I/O threads (requests in flight), 1..64."""
+    nvme_buffers: int = 8
+    """Page-aligned staging buffers of nvme_block_kib each: the bound on swap staging memory, 1..1024."""
+    nvme_verify: bool = True
+    """CRC-32 of every swapped block, checked when it is read back."""
     hierarchy: str = "flat"
     """'flat': shard over all ranks; 'hsdp' (stages 1-3): shard within a node and replicate across
     nodes; 'hpz' (stage 3): flat shards plus a secondary parameter copy sharded within each node,
@@ -269,6 +298,7 @@ class ZeroConfig:
         # cross-field check comes last as it relies on the checked fields.
         for f in fields(self):
             object.__setattr__(self, f.name, _CHECKS[f.name](f.name, getattr(self, f.name)))
+        _check_offload(self)
         taken = ("params", *_FIELD_ARGS.get(self.optimizer, ("lr",)))
         clash = [k for k in taken if k in self.optimizer_kwargs]
         if clash:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import guard, launch
+from . import guard, launch, offload
 from .bucket import Placement
 from .comm import ProcessGroup
 from .config import ZeroConfig
@@ -32,7 +32,8 @@ class Stats:
     """This rank's counters, cumulative since ``initialize``."""
 
     bytes_sent: dict[str, int] = field(default_factory=dict)  # per collective kind
-    model_state_bytes: int = 0  # params, grads, master, optimizer state held persistently
+    model_state_bytes: int = 0  # params, grads, master, optimizer state held in memory (device + host)
+    swapped_bytes: int = 0      # model states in this rank's NVMe swap file
     steps: int = 0              # optimizer steps taken
     skipped_steps: int = 0      # fp16 overflows
     loss_scale: float = 1.0
@@ -85,11 +86,19 @@ class Engine:
         self.groups = build_groups(group, self.info, cfg.hierarchy, cfg.stage, cfg.ranks_per_node)
         shard = self.groups.shard
         where = Placement(cfg.stage, shard.rank, shard.size, cfg.torch_dtype, self.device,
-                          check_finite=cfg.dtype != "fp16")
+                          check_finite=cfg.dtype != "fp16", offload_optimizer=cfg.offload_optimizer,
+                          offload_params=cfg.offload_params, pin_memory=cfg.pin_memory)
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         self.sharded = ShardedModel(module, where, self.groups, cap, membership)
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
+        swapper, error = None, None
+        try:
+            swapper = offload.attach(self, cfg)
+        except ZeroMPIError as e:  # e.g. nvme_path missing on some ranks only: fail together
+            error = str(e)
+        all_ranks_ok(group, error)
+        self.swapper = swapper
         self._micro = 0  # backward calls since the last step
         self._stats = Stats()
 
@@ -162,14 +171,16 @@ class Engine:
         s = self._stats
         s.bytes_sent = dict(self.group.bytes_sent)
         s.model_state_bytes = self.sharded.state_bytes() + self.optimizer.state_bytes()
+        s.swapped_bytes = self.optimizer.store.swapped_bytes
         s.loss_scale = self.optimizer.loss_scale
         return s
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every entry of ``named_parameters()`` as a full fp32 CPU tensor, on every rank."""
         out: dict[str, torch.Tensor] = {}
-        for b in self.sharded.buckets:
-            full = b.full_master().cpu()
+        for i, b in enumerate(self.sharded.buckets):
+            with self.optimizer.store.resident(i):
+                full = b.full_master().cpu()
             for slot in b.layout.slots:
                 out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         ordered = {}
@@ -200,6 +211,7 @@ class Engine:
         """Remove every hook and stop the watchdog; the parameters stay bound to the engine's buffers."""
         self.sharded.remove_hooks()
         self.group.stop_watchdog()
+        self.optimizer.store.close()
 
 
 def _param_groups(module: nn.Module, param_groups):

@@ -20,6 +20,7 @@ from .bucket import Bucket
 from .comm import ProcessGroup
 from .errors import ZeroMPIError
 from .log import get_logger
+from .offload.residency import InMemory
 from .precision import LossScaler
 
 logger = get_logger(__name__)
@@ -66,6 +67,7 @@ class ZeroOptimizer:
             if masters:
                 groups.append({**options, "params": masters})
         self.inner = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg))
+        self.store = InMemory(buckets, self.inner)  # engine swaps in NVMeResidency for nvme offload
 
     @property
     def loss_scale(self) -> float:
@@ -102,14 +104,21 @@ class ZeroOptimizer:
                 for g in grads:
                     g.mul_(coef)
         # 4. update the shards, then publish them to the compute parameters
-        for b, g in zip(self.buckets, grads):
-            b.master.grad = g
-        self.inner.step()
-        for b in self.buckets:
-            b.master.grad = None
-            b.publish()
+        if self.store.streaming:  # one bucket at a time through memory; the others have no grad
+            for i in self.store.stream():
+                self._update([self.buckets[i]], [grads[i]])
+        else:
+            self._update(self.buckets, grads)
         self.zero_grad()
         return StepResult(True, norm)
+
+    def _update(self, buckets: list[Bucket], grads: list[torch.Tensor]) -> None:
+        for b, g in zip(buckets, grads):
+            b.master.grad = g
+        self.inner.step()  # parameters without .grad are skipped by every torch optimizer
+        for b in buckets:
+            b.master.grad = None
+            b.publish()
 
     def _nonfinite(self) -> None:
         """Name where NaN/Inf gradients came from, then raise everywhere or skip everywhere."""
@@ -133,6 +142,6 @@ class ZeroOptimizer:
         total = 0
         for state in self.inner.state.values():
             for v in state.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if isinstance(v, torch.Tensor) and v.dim() > 0:  # resident bytes (0 when swapped out)
                     total += v.numel() * v.element_size()
         return total

@@ -41,7 +41,8 @@ def test_field_order_matches_spec():
         "momentum", "grad_accum_steps", "clip_grad_norm", "dtype", "loss_scale",
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
-        "offload_params", "nvme_path", "pin_memory", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
+        "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
+        "nvme_verify", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
         "collective_timeout", "abort_on_exception"]
 
 
@@ -158,8 +159,12 @@ BAD_VALUES = [
     ("cpu_threads", [0, -1, 2.0, True, "4"]),
     ("device", ["gpu", "CUDA", "", None]),
     ("cuda_aware_mpi", ["yes", True, None]),
-    ("offload_optimizer", ["cpu", "nvme", "gpu", None]),
-    ("offload_params", ["cpu", "nvme", "disk", False]),
+    ("offload_optimizer", ["gpu", None]),
+    ("offload_params", ["disk", False]),
+    ("nvme_block_kib", [0, 6, 1 << 20, 4.0]),
+    ("nvme_threads", [0, 65, True]),
+    ("nvme_buffers", [0, 2000]),
+    ("nvme_verify", ["yes"]),
     ("nvme_path", ["", 3]),
     ("pin_memory", [1, "true", None]),
 ]
@@ -202,11 +207,20 @@ def test_messages_list_allowed_values():
         ZeroConfig(betas=(0.9, 1.0))
 
 
-@pytest.mark.parametrize("key", ["offload_optimizer", "offload_params"])
-@pytest.mark.parametrize("value", ["cpu", "nvme"])
-def test_offload_not_supported_yet(key, value):
-    with pytest.raises(ConfigError, match=rf"{key}='{value}' is not supported yet: offload"):
-        ZeroConfig(**{key: value})
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(stage=0, offload_optimizer="cpu"), ["offload_optimizer='cpu'", "stage=0"]),
+    (dict(stage=2, offload_params="cpu"), ["offload_params='cpu'", "stage=2"]),
+    (dict(stage=3, offload_optimizer="nvme"), ["nvme_path=None"]),
+    (dict(stage=3, offload_params="nvme"), ["nvme_path=None"])])
+def test_offload_cross_field_rules(kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig(**kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_offload_accepted():
+    cfg = ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="cpu", nvme_path="/tmp")
+    assert (cfg.offload_optimizer, cfg.offload_params) == ("nvme", "cpu")
 
 
 def test_first_problem_reported():
@@ -593,14 +607,12 @@ def test_from_deepspeed_wrong_types_name_dotted_key(d, key):
     assert str(err.value).startswith(key), str(err.value)
 
 
-@pytest.mark.parametrize("block", ["offload_optimizer", "offload_param"])
+@pytest.mark.parametrize("block,field", [("offload_optimizer", "offload_optimizer"),
+                                         ("offload_param", "offload_params")])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_from_deepspeed_offload_refused(block, device):
-    d = {"zero_optimization": {"stage": 3, block: {"device": device, "pin_memory": True}}}
-    with pytest.raises(ConfigError) as err:
-        ZeroConfig.from_deepspeed(d)
-    msg = str(err.value)
-    assert f"zero_optimization.{block}.device='{device}'" in msg and "offload" in msg
+def test_from_deepspeed_offload_blocks(block, field, device):
+    d = {"zero_optimization": {"stage": 3, block: {"device": device, "pin_memory": True, "nvme_path": "/tmp"}}}
+    assert getattr(ZeroConfig.from_deepspeed(d), field) == device
 
 
 def test_from_deepspeed_offload_paths():

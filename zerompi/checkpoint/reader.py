@@ -164,13 +164,14 @@ def _scalar_tensor(value, dtype: str):
 def apply(engine, loaded: Loaded) -> None:
     """Overwrite the engine's state with what ``prepare`` read (all ranks succeeded)."""
     inner = engine.optimizer.inner
-    for b, data in zip(engine.sharded.buckets, loaded.buckets):
-        with torch.no_grad():
-            b.master.copy_(torch.from_numpy(data.master))
-        state = {k: torch.from_numpy(v).to(b.master.device) for k, v in data.state.items()}
-        state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
-        inner.state[b.master] = state
-        b.publish()
+    for i, (b, data) in enumerate(zip(engine.sharded.buckets, loaded.buckets)):
+        with engine.optimizer.store.resident(i, load=False):  # offloaded: overwritten, then swapped out
+            with torch.no_grad():
+                b.master.copy_(torch.from_numpy(data.master))
+            state = {k: torch.from_numpy(v).to(b.master.device) for k, v in data.state.items()}
+            state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
+            inner.state[b.master] = state
+            b.publish()
         b.zero_grad()
     for group, saved in zip(inner.param_groups, loaded.index.optimizer.get("groups", [])):
         for k, v in saved.items():

@@ -71,7 +71,7 @@ def optimizer_meta(engine) -> dict[str, Any]:
             s = _scalar(v)
             if s is not None:
                 per_bucket[k] = s
-            elif isinstance(v, torch.Tensor) and v.shape == b.master.shape:
+            elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
                 if k not in keys:
                     keys.append(k)
             else:
@@ -88,13 +88,14 @@ def _write_rank_file(engine, path: Path, keys: list[str]) -> None:
         f.attrs["rank"] = rank
         f.attrs["world_size"] = engine.groups.shard.size
         inner = engine.optimizer.inner
-        for b in engine.sharded.buckets:
-            g = f.create_group(f"b{b.layout.index}")
-            schema.write_array(g, "master", to_numpy(_my_part(b, b.master, rank)))
-            state = inner.state.get(b.master, {})
-            for k in keys:
-                if k in state:
-                    schema.write_array(g, f"state/{k}", to_numpy(_my_part(b, state[k], rank)))
+        for i, b in enumerate(engine.sharded.buckets):
+            with engine.optimizer.store.resident(i):  # offloaded state: one bucket in memory at a time
+                g = f.create_group(f"b{b.layout.index}")
+                schema.write_array(g, "master", to_numpy(_my_part(b, b.master, rank)))
+                state = inner.state.get(b.master, {})
+                for k in keys:
+                    if k in state:
+                        schema.write_array(g, f"state/{k}", to_numpy(_my_part(b, state[k], rank)))
         schema.write_array(f, "rng/torch_cpu", torch.get_rng_state().numpy())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             schema.write_array(f, "rng/torch_cuda", torch.cuda.get_rng_state().numpy())

@@ -1,0 +1,389 @@
+"""NVMeSwapper on real files: round trips, O_DIRECT, corruption, errors, cleanup, memory bound."""
+from __future__ import annotations
+
+import fcntl
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerompi.errors import ConfigError, UsageError, ZeroMPIError
+from zerompi.offload import NVMeSwapper, SwapConfig, aligned_empty
+from zerompi.offload.nvme import SwapError
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = 16 * 1024  # small blocks: multi-block tensors stay small and fast
+SMALL = SwapConfig(block_bytes=BLOCK, threads=3, buffers=4)
+
+
+def _tensor(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g).to(dtype)
+    return torch.randint(0, 255 if dtype == torch.uint8 else 2**40, (numel,), generator=g, dtype=dtype)
+
+
+def _round_trip(sw: NVMeSwapper, key: str, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    sw.reserve(key, t.numel() * t.element_size())
+    assert sw.write(key, t).result() is None
+    out = torch.empty_like(t) if out is None else out
+    assert sw.read(key, out).result() is out
+    return out
+
+
+def _run_python(code: str, cwd: Path = REPO) -> dict:
+    """Run code in a fresh interpreter; it prints one JSON line last."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- config ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value", [
+    ("block_bytes", 5000), ("block_bytes", 0), ("block_bytes", 512 << 20), ("block_bytes", 4096.0),
+    ("threads", 0), ("threads", 65), ("buffers", 0), ("direct", 1), ("verify", "yes"),
+])
+def test_config_rejects_bad_values(key, value):
+    with pytest.raises(ConfigError, match=rf"SwapConfig\.{key}={value!r}"):
+        SwapConfig(**{key: value})
+
+
+def test_swapper_wants_a_swap_config(tmp_path):
+    with pytest.raises(ConfigError, match="expected a SwapConfig, got dict"):
+        NVMeSwapper(tmp_path, 0, {"threads": 2})
+
+
+# -- round trips -------------------------------------------------------------------
+
+BYTE_SIZES = [1, 4095, 4096, 4097, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 4104]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("nbytes", BYTE_SIZES, ids=lambda n: f"{n}B")
+def test_round_trip(tmp_path, dtype, nbytes):
+    numel = max(1, nbytes // torch.empty(0, dtype=dtype).element_size())
+    t = _tensor(numel, dtype)
+    with NVMeSwapper(tmp_path, rank=0, config=SMALL) as sw:
+        # A neighbour before and after: a block must not spill into the next region.
+        before, after = _tensor(1000, torch.float32, 1), _tensor(1000, torch.float32, 2)
+        sw.reserve("before", before.nbytes)
+        sw.write("before", before).result()
+        out = _round_trip(sw, "t", t)
+        sw.reserve("after", after.nbytes)
+        sw.write("after", after).result()
+        assert torch.equal(out, t)
+        assert torch.equal(sw.read("before", torch.empty_like(before)).result(), before)
+        assert sw.region("t").offset % 4096 == 0 and sw.region("t").nbytes == t.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+def test_aligned_tensors_skip_the_staging_copy(tmp_path, dtype):
+    """Whole blocks of 4 KiB-aligned memory go straight to the file; a ragged tail is staged."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+        for numel, staged in [(3 * BLOCK // elem, 0), ((2 * BLOCK + 100) // elem, 100 // elem * elem)]:
+            t = aligned_empty(numel, dtype)
+            assert t.data_ptr() % 4096 == 0 and t.shape == (numel,)
+            t.copy_(_tensor(numel, dtype))
+            out = aligned_empty(numel, dtype)
+            before = sw.stats.staged_bytes
+            assert torch.equal(_round_trip(sw, f"k{numel}", t, out), t)
+            assert sw.stats.staged_bytes - before == 2 * staged  # once written, once read
+        shifted = aligned_empty(BLOCK + 1, torch.uint8)[1:]  # misaligned: everything is staged
+        before = sw.stats.staged_bytes
+        assert torch.equal(_round_trip(sw, "shifted", shifted), shifted)
+        assert sw.stats.staged_bytes - before == 2 * BLOCK
+
+
+def test_shapes_and_zero_bytes(tmp_path):
+    with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+        m = _tensor(6000, torch.float32).view(60, 100)
+        assert torch.equal(_round_trip(sw, "matrix", m), m)
+        empty = torch.empty(0)
+        assert torch.equal(_round_trip(sw, "empty", empty), empty)
+        assert sw.reserved_bytes == 24576  # 24000 bytes rounded up to 4 KiB; the empty key takes none
+
+
+def test_many_keys_in_flight(tmp_path):
+    """Hundreds of futures at once through two buffers; every byte lands in its key."""
+    cfg = SwapConfig(block_bytes=BLOCK, threads=4, buffers=2)
+    tensors = {f"b{i}.{kind}": _tensor(37 * i + 1 + 3000 * (i % 5), torch.float32, i)
+               for i in range(60) for kind in ("master", "exp_avg", "exp_avg_sq")}
+    with NVMeSwapper(tmp_path, 0, cfg) as sw:
+        for key, t in tensors.items():
+            sw.reserve(key, t.nbytes)
+        writes = [sw.write(key, t) for key, t in tensors.items()]
+        sw.wait_all()
+        assert all(f.done() and f.exception() is None for f in writes)
+        outs = {key: torch.empty_like(t) for key, t in tensors.items()}
+        reads = [sw.read(key, outs[key]) for key in tensors]
+        for f in reads:
+            f.result()
+        assert all(torch.equal(outs[k], t) for k, t in tensors.items())
+        total = sum(-(-t.nbytes // 4096) * 4096 for t in tensors.values())
+        assert sw.stats.bytes_written == total and sw.stats.bytes_read == total
+        assert sw.stats.write_seconds > 0 and sw.stats.checksum_seconds > 0
+
+
+def test_overwrite_key(tmp_path):
+    with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+        a, b = _tensor(9000, torch.float32, 1), _tensor(9000, torch.float32, 2)
+        assert torch.equal(_round_trip(sw, "k", a), a)
+        assert sw.reserve("k", a.nbytes) == sw.region("k")  # same size again: same region
+        sw.write("k", b).result()
+        assert torch.equal(sw.read("k", torch.empty_like(b)).result(), b)
+
+
+def test_conflicting_transfers_of_one_key_are_refused(tmp_path):
+    cfg = SwapConfig(block_bytes=64 * 1024, threads=1, buffers=1)
+    with NVMeSwapper(tmp_path, 0, cfg) as sw:
+        big, small = _tensor(4 << 20, torch.float32), _tensor(100, torch.float32)
+        sw.reserve("big", big.nbytes)
+        sw.reserve("small", small.nbytes)
+        sw.write("big", big)  # 256 blocks on one thread: "small" queues behind them
+        sw.write("small", small)
+        with pytest.raises(UsageError, match="'small' while a write of it is in flight"):
+            sw.read("small", torch.empty_like(small))
+        with pytest.raises(UsageError, match="in flight"):
+            sw.write("small", small)
+        sw.wait_all()
+        first, second = torch.empty_like(small), torch.empty_like(small)
+        sw.read("small", first), sw.read("small", second)  # concurrent reads are fine
+        sw.wait_all()
+        assert torch.equal(first, small) and torch.equal(second, small)
+
+
+# -- O_DIRECT and its fallback ------------------------------------------------------
+
+def _o_direct_on(sw: NVMeSwapper) -> bool:
+    return bool(fcntl.fcntl(sw.fileno(), fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def test_o_direct_is_used_on_disk(tmp_path):
+    with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+        assert sw.direct and _o_direct_on(sw)
+        t = _tensor(10_000, torch.float32)
+        assert torch.equal(_round_trip(sw, "t", t), t)
+    with NVMeSwapper(tmp_path, 0, SwapConfig(block_bytes=BLOCK, direct=False)) as sw:
+        assert not sw.direct and not _o_direct_on(sw)
+
+
+def test_tmpfs_works_with_at_most_one_warning():
+    """tmpfs refused O_DIRECT before Linux 6.6 and accepts it since: either way, one warning at most."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with NVMeSwapper("/dev/shm", 0, SMALL) as sw:
+            t = _tensor(20_000, torch.float32)
+            assert torch.equal(_round_trip(sw, "t", t), t)
+            assert _o_direct_on(sw) == sw.direct
+    assert len(caught) == (0 if sw.direct else 1)
+
+
+def test_fallback_when_filesystem_refuses_o_direct(tmp_path):
+    """ramfs refuses O_DIRECT at open(); mounted in a private mount namespace of a child."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) to mount a ramfs")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    code = f"""
+        import json, os, warnings, torch
+        from zerompi.offload import NVMeSwapper, SwapConfig, aligned_empty
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with NVMeSwapper({str(mnt)!r}, 3, SwapConfig(block_bytes=16384)) as sw:
+                t = torch.arange(50_000, dtype=torch.float32)
+                sw.reserve("t", t.nbytes)
+                for _ in range(3):
+                    sw.write("t", t).result()
+                    ok = torch.equal(sw.read("t", torch.empty_like(t)).result(), t)
+                files = os.listdir({str(mnt)!r})
+        print(json.dumps(dict(ok=ok, direct=sw.direct, files=files, gone=not os.path.exists(sw.path),
+                              warnings=[str(w.message) for w in caught])))
+    """
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(code))
+    cmd = f"mount -t ramfs none {mnt} && exec {sys.executable} {script}"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    if "mount" in proc.stderr and proc.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["ok"] and not res["direct"] and res["gone"]
+    assert len(res["files"]) == 1 and res["files"][0].startswith("zerompi-swap-rank3-")  # no leftover
+    assert len(res["warnings"]) == 1 and "refuses O_DIRECT" in res["warnings"][0]
+
+
+# -- corruption --------------------------------------------------------------------
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "aligned"])
+def test_verify_catches_a_byte_changed_in_the_file(tmp_path, aligned):
+    t = _tensor(3 * BLOCK // 4 + 1, torch.float32)  # three blocks and a bit
+    t = aligned_empty(t.numel(), t.dtype).copy_(t) if aligned else t
+    with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+        sw.reserve("pad", 100)
+        region = sw.reserve("b0.master", t.nbytes)
+        sw.write("b0.master", t).result()
+        bad = region.offset + BLOCK + 123  # inside the second block
+        fd = os.open(sw.path, os.O_RDWR)
+        try:
+            old = os.pread(fd, 1, bad)
+            os.pwrite(fd, bytes([old[0] ^ 0xFF]), bad)
+        finally:
+            os.close(fd)
+        out = aligned_empty(t.numel(), t.dtype) if aligned else torch.empty_like(t)
+        with pytest.raises(SwapError) as info:
+            sw.read("b0.master", out).result()
+        msg = str(info.value)
+        assert sw.path in msg and "'b0.master'" in msg and f"offset {region.offset + BLOCK}" in msg
+        assert "changed underneath us" in msg
+
+
+def test_truncated_file_is_a_short_read(tmp_path):
+    t = _tensor(3 * BLOCK // 4, torch.float32)
+    with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+        region = sw.reserve("k", t.nbytes)
+        sw.write("k", t).result()
+        os.truncate(sw.path, region.offset + 2 * BLOCK)
+        future = sw.read("k", torch.empty_like(t))
+        with pytest.raises(SwapError, match=rf"short read on .*'k'.*offset {region.offset + 2 * BLOCK}"):
+            future.result()
+        with pytest.raises(SwapError, match="short read"):
+            sw.wait_all()  # failures surface here too, once
+        sw.wait_all()
+
+
+# -- misuse and environment errors --------------------------------------------------
+
+def test_key_misuse(tmp_path):
+    with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+        t = _tensor(100, torch.float32)
+        with pytest.raises(SwapError, match="'nope'.*not reserved"):
+            sw.write("nope", t)
+        sw.reserve("k", t.nbytes)
+        with pytest.raises(SwapError, match="'k'.*never written"):
+            sw.read("k", torch.empty_like(t))
+        with pytest.raises(SwapError, match="has 404 bytes but the key's region holds 400"):
+            sw.write("k", _tensor(101, torch.float32))
+        with pytest.raises(SwapError, match="not a contiguous"):
+            sw.write("k", _tensor(200, torch.float32)[::2])
+        with pytest.raises(SwapError, match="already reserved with 400 bytes, asked for 8"):
+            sw.reserve("k", 8)
+        sw.write("k", t).result()
+        with pytest.raises(SwapError, match="written as torch.float32, read into torch.int32"):
+            sw.read("k", torch.empty(100, dtype=torch.int32))
+        with pytest.raises(SwapError, match="nbytes must be an int >= 0"):
+            sw.reserve("neg", -1)
+
+
+def test_missing_or_bad_directory(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(SwapError, match=str(missing)):
+        NVMeSwapper(missing, 0)
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    for bad in (regular, regular / "sub"):  # root ignores chmod, so unwritable = not a directory
+        with pytest.raises(ZeroMPIError, match=str(bad)):
+            NVMeSwapper(bad, 0)
+
+
+def test_reservation_larger_than_free_space(tmp_path):
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+        with pytest.raises(SwapError, match=rf"cannot reserve .*'huge'.*{sw.path}.*free"):
+            sw.reserve("huge", free + (1 << 30))
+        with pytest.raises(SwapError, match="not reserved"):
+            sw.region("huge")
+        assert sw.reserved_bytes == 0
+
+
+# -- cleanup -----------------------------------------------------------------------
+
+def test_close_removes_file_and_is_idempotent(tmp_path):
+    sw = NVMeSwapper(tmp_path, 0, SMALL)
+    t = _tensor(5000, torch.float32)
+    sw.reserve("k", t.nbytes)
+    sw.write("k", t)  # still in flight: close() drains it
+    assert os.path.exists(sw.path)
+    sw.close()
+    sw.close()
+    assert not os.path.exists(sw.path) and list(tmp_path.iterdir()) == []
+    with pytest.raises(UsageError, match="after close"):
+        sw.write("k", t)
+
+
+def test_with_block_exception_removes_file(tmp_path):
+    with pytest.raises(KeyError):
+        with NVMeSwapper(tmp_path, 0, SMALL) as sw:
+            sw.reserve("k", 4096)
+            raise KeyError("boom")
+    assert not os.path.exists(sw.path)
+
+
+def test_garbage_collection_removes_file(tmp_path):
+    sw = NVMeSwapper(tmp_path, 0, SMALL)
+    path = sw.path
+    del sw
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_interpreter_exit_removes_file(tmp_path):
+    res = _run_python(f"""
+        import json, torch
+        from zerompi.offload import NVMeSwapper
+        sw = NVMeSwapper({str(tmp_path)!r}, 0)
+        t = torch.ones(1 << 20)
+        sw.reserve("k", t.nbytes)
+        sw.write("k", t)  # not waited for, never closed
+        KEEP = sw  # alive until exit, so only the exit hook can remove the file
+        print(json.dumps(dict(path=sw.path)))
+    """)
+    assert res["path"].startswith(str(tmp_path))
+    assert not os.path.exists(res["path"]) and list(tmp_path.iterdir()) == []
+
+
+# -- memory bound ------------------------------------------------------------------
+
+def test_staging_memory_is_bounded_by_the_pool(tmp_path):
+    """A 64 MiB tensor through 2 buffers of 4 MiB: peak RSS grows by about 8 MiB, not 64."""
+    res = _run_python(f"""
+        import json, torch
+        from zerompi.offload import NVMeSwapper, SwapConfig, aligned_empty
+
+        def kib(field):
+            for line in open("/proc/self/status"):
+                if line.startswith(field):
+                    return int(line.split()[1])
+
+        src = torch.randn(16 << 20)
+        dst = torch.zeros_like(src)
+        with NVMeSwapper({str(tmp_path)!r}, 0, SwapConfig(block_bytes=4 << 20, threads=4, buffers=2)) as sw:
+            sw.reserve("k", src.nbytes)
+            try:  # reset the peak (VmHWM) to the current RSS
+                open("/proc/self/clear_refs", "w").write("5")
+            except OSError:
+                pass
+            base = max(kib("VmRSS"), kib("VmHWM"))
+            sw.write("k", src).result()
+            sw.read("k", dst).result()
+            growth = kib("VmHWM") - base
+        print(json.dumps(dict(growth_kib=growth, equal=bool(torch.equal(src, dst)))))
+    """)
+    assert res["equal"]
+    assert res["growth_kib"] < 24 * 1024, res  # 8 MiB of buffers plus thread stacks; 64 MiB would fail

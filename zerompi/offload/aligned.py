@@ -1,0 +1,150 @@
+"""What ``O_DIRECT`` needs: aligned buffers, and a file that may refuse it.
+
+``O_DIRECT`` needs buffers, offsets and sizes aligned to the device's logical
+block size; anonymous ``mmap`` memory is page aligned, which covers every
+block size up to the page size, and ``ALIGN`` covers 512 B and 4 KiB blocks.
+Some filesystems refuse ``O_DIRECT`` at open (ramfs, older tmpfs) or at the
+first I/O; ``create_file`` and ``direct_io_works`` find out.
+
+A bounded pool hands out reusable page-aligned buffers. Each is exposed as a
+``torch.uint8`` tensor, so that copies to and from tensors run in torch (which
+releases the GIL), and as a ``memoryview`` for ``os.preadv``/``os.pwritev``
+and crc32.
+
+Buffers are created lazily, at most ``count`` of them over the pool's life,
+and reused: resident memory stays at or under ``count * nbytes`` however much
+data flows through, and a caller that finds every buffer taken waits.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from zerompi.errors import UsageError
+
+ALIGN = 4096
+"""Alignment of file offsets and I/O sizes."""
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class AlignedBuffer:
+    """``nbytes`` of page-aligned memory seen as a uint8 tensor and a memoryview."""
+
+    def __init__(self, nbytes: int):
+        self._mmap = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self._mmap)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Unmap; the tensor and memoryview must not be used afterwards."""
+        # torch.frombuffer and the memoryview hold buffer exports; mmap.close()
+        # refuses while they exist, so drop them first.
+        del self.tensor
+        try:
+            self.view.release()
+            self._mmap.close()
+        except BufferError:
+            # A slice still lives, e.g. in the traceback of an I/O error kept by
+            # a Future; the memory is unmapped when the last reference goes.
+            pass
+
+
+class BufferPool:
+    """At most ``count`` reusable :class:`AlignedBuffer` of ``nbytes`` each."""
+
+    def __init__(self, count: int, nbytes: int):
+        self.count = count
+        self.nbytes = nbytes
+        self._free: list[AlignedBuffer] = []
+        self._created = 0
+        self._slots = threading.BoundedSemaphore(count)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def created(self) -> int:
+        """How many buffers exist (the pool's resident memory is ``created * nbytes``)."""
+        return self._created
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[AlignedBuffer]:
+        """Borrow a buffer for the ``with`` block, waiting while all are in use."""
+        self._slots.acquire()
+        try:
+            buf = self._take()
+        except BaseException:
+            self._slots.release()
+            raise
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                self._free.append(buf)
+            self._slots.release()
+
+    def _take(self) -> AlignedBuffer:
+        with self._lock:
+            if self._closed:
+                raise UsageError("BufferPool.lease() after close(); hint: close the pool last")
+            if self._free:
+                return self._free.pop()
+        # The semaphore caps leases at ``count``, so an empty free list means
+        # fewer than ``count`` buffers exist and one more may be made.
+        buf = AlignedBuffer(self.nbytes)
+        with self._lock:
+            self._created += 1
+        return buf
+
+    def close(self) -> None:
+        """Unmap every buffer. Call only when no lease is outstanding; idempotent."""
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for buf in free:
+            buf.close()
+
+
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor whose data starts on a 4 KiB boundary.
+
+    The swapper moves such tensors' whole blocks without a staging copy.
+    """
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes].view(dtype)
+
+
+def create_file(path: str, direct: bool) -> tuple[int, bool]:
+    """Create ``path`` exclusively; returns (fd, whether O_DIRECT is on)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o600), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            # Linux creates the file before refusing O_DIRECT; O_EXCL proves it is ours.
+            os.unlink(path)
+    return os.open(path, flags, 0o600), False
+
+
+def direct_io_works(fd: int, pool: BufferPool) -> bool:
+    """Some filesystems accept an O_DIRECT open but refuse the I/O; try one page."""
+    with pool.lease() as buf:
+        try:
+            os.pwritev(fd, [buf.view[:ALIGN]], 0)
+            os.preadv(fd, [buf.view[:ALIGN]], 0)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            return False
+        finally:
+            os.ftruncate(fd, 0)
+    return True

@@ -1,0 +1,488 @@
+"""NVMeSwapper: asynchronous per-rank file I/O for flat CPU tensors.
+
+Each rank owns one swap file. A tensor is stored under a key in a fixed
+region reserved once (``reserve``); ``write`` and ``read`` move its bytes in
+``block_bytes`` blocks on a thread pool and return a ``Future``. Blocks pass
+through a bounded pool of page-aligned buffers, because ``O_DIRECT`` needs
+aligned memory and because resident memory must not grow with the data:
+however many and however large the tensors, at most ``buffers * block_bytes``
+bytes of staging memory exist, and blocks wait for a free buffer. Tensors
+whose memory is already 4 KiB aligned (pinned host memory, ``aligned_empty``)
+skip the staging copy for every whole block.
+
+``os.pwritev``/``os.preadv``, crc32 (zlib-ng's when installed, else zlib's)
+and torch copies all release the GIL, so several blocks are in flight at once.
+
+The caller must keep a tensor alive and must neither modify (write) nor read
+(read) it until its Future completes; the Future completes only after every
+block has finished, also when one of them failed.
+
+The file is removed by ``close()``, when a ``with`` block exits (also through
+an exception), when the swapper is garbage collected, and at interpreter exit.
+A process killed by a signal (SIGKILL, or SIGTERM without a handler) leaves
+it behind; its name carries rank and pid so that it can be identified.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from zerompi.errors import ConfigError, UsageError, ZeroMPIError
+from zerompi.log import get_logger
+from zerompi.offload.aligned import ALIGN, BufferPool, create_file, direct_io_works
+
+try:  # the same crc32 as zlib's, with carry-less multiply: ~10x faster, and frees the GIL too
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:
+    from zlib import crc32 as _crc32
+
+logger = get_logger(__name__)
+
+_MiB = 1 << 20
+_file_seq = itertools.count()
+_WRITE, _READ = "write", "read"
+
+
+class SwapError(ZeroMPIError):
+    """Swap file I/O failed, the file changed underneath us, or a key was misused."""
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _check_int(key: str, value: object, lo: int, hi: int, multiple: int = 1) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or not lo <= value <= hi or value % multiple:
+        extra = f" and a multiple of {multiple}" if multiple > 1 else ""
+        raise ConfigError(f"SwapConfig.{key}={value!r} is not an int in {lo}..{hi}{extra}")
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """How an :class:`NVMeSwapper` does its I/O."""
+
+    block_bytes: int = 8 * _MiB
+    """Bytes per I/O request; larger tensors are split into blocks that are in
+    flight together. A multiple of 4096 in 4 KiB..256 MiB."""
+    threads: int = 4
+    """I/O threads, i.e. blocks in flight at once (also bounded by ``buffers``). 1..64."""
+    buffers: int = 8
+    """Staging buffers of ``block_bytes`` each, created on first use; staging
+    memory never exceeds ``buffers * block_bytes``. At most ``threads`` are
+    ever in use at once, so more than ``threads`` costs nothing. 1..1024."""
+    direct: bool = True
+    """Open the file with ``O_DIRECT`` (bypass the page cache); falls back to
+    buffered I/O with one warning where the filesystem refuses it."""
+    verify: bool = True
+    """Record a crc32 per block at write and check it at read."""
+
+    def __post_init__(self):
+        _check_int("block_bytes", self.block_bytes, 4096, 256 * _MiB, ALIGN)
+        _check_int("threads", self.threads, 1, 64)
+        _check_int("buffers", self.buffers, 1, 1024)
+        for key in ("direct", "verify"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"SwapConfig.{key}={getattr(self, key)!r} is not a bool (True or False)")
+
+
+class Region(NamedTuple):
+    """Where a key lives in the swap file: ``nbytes`` bytes from ``offset``."""
+    offset: int
+    nbytes: int
+
+
+class SwapStats(NamedTuple):
+    """Totals since the swapper was opened. Seconds are summed over I/O threads."""
+    bytes_written: int
+    bytes_read: int
+    write_seconds: float
+    read_seconds: float
+    checksum_seconds: float
+    staged_bytes: int
+    """Bytes copied through staging buffers; the rest moved straight from or to
+    tensors whose memory is 4 KiB aligned (see ``aligned_empty``)."""
+
+
+@dataclass
+class _Entry:
+    region: Region
+    dtype: torch.dtype | None = None  # None until a write of this key has succeeded
+    crcs: list[int] = field(default_factory=list)
+
+
+class _Op:
+    """One write or read of a key; its blocks complete into one Future."""
+
+    def __init__(self, kind: str, key: str, region: Region, tensor: torch.Tensor, block: int):
+        self.kind, self.key, self.region, self.block = kind, key, region, block
+        self.dtype = tensor.dtype
+        self.result = tensor if kind == _READ else None
+        # Holding the view also keeps the caller's storage alive until the I/O is done.
+        self.data = tensor.detach().reshape(-1).view(torch.uint8)
+        # Page-aligned memory (pinned host memory, aligned_empty) can do O_DIRECT itself.
+        self.mem = memoryview(self.data.numpy()) if self.data.data_ptr() % ALIGN == 0 else None
+        self.nblocks = -(-region.nbytes // block)
+        self.crcs = [0] * self.nblocks
+        self.error: BaseException | None = None
+        self.future: Future = Future()
+        self.future.set_running_or_notify_cancel()  # a started transfer cannot be cancelled
+        self._left = self.nblocks
+        self._lock = threading.Lock()
+
+    def geometry(self, index: int) -> tuple[int, int, int]:
+        """(start within the key, payload bytes, I/O bytes rounded up to ALIGN) of a block."""
+        start = index * self.block
+        n = min(self.block, self.region.nbytes - start)
+        return start, n, _round_up(n)
+
+    def block_done(self, error: BaseException | None) -> bool:
+        """Record one finished block; True for the last one."""
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._left -= 1
+            return self._left == 0
+
+
+def _remove_file(fd: int, path: str) -> None:
+    """Close and delete the swap file (once: a closed fd number may be reused)."""
+    for action in (lambda: os.close(fd), lambda: os.unlink(path)):
+        try:
+            action()
+        except OSError as e:
+            if e.errno not in (errno.EBADF, errno.ENOENT):
+                logger.warning("removing swap file %s: %s", path, e)
+
+
+def _claim_space(fd: int, directory: str, what: str, offset: int, size: int) -> None:
+    """Allocate ``size`` bytes at ``offset`` now, so that a full disk fails at
+    reserve() and not in the middle of a step. ``what`` names key and file."""
+    if size == 0:
+        return
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    # Filesystems without size accounting (ramfs, some FUSE) report 0 blocks in all.
+    if st.f_blocks and size > free:
+        raise SwapError(f"cannot reserve {size} bytes for {what}: only {free} bytes free on the "
+                        f"filesystem of {directory!r}; hint: free space or point nvme_path at a larger disk")
+    try:
+        os.posix_fallocate(fd, offset, size)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise SwapError(f"cannot reserve {size} bytes at offset {offset} for {what}: {e.strerror}; "
+                            f"hint: free space on {directory!r}") from e
+        os.ftruncate(fd, offset + size)  # no fallocate here: a sparse file must do
+
+
+def _check_tensor(tensor: object, what: str, key: str, nbytes: int) -> None:
+    """Check that ``tensor`` is a contiguous CPU tensor of exactly ``nbytes``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise SwapError(f"{what} of key {key!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    problem = None
+    if tensor.device.type != "cpu":
+        problem = f"is on {tensor.device}; hint: move it to (pinned) CPU memory first"
+    elif tensor.layout != torch.strided or not tensor.is_contiguous():
+        problem = "is not a contiguous strided tensor; hint: swap a .contiguous() copy or a flat buffer"
+    elif tensor.is_conj() or tensor.is_neg():
+        problem = "is a lazy conj/neg view; hint: swap tensor.resolve_conj().resolve_neg()"
+    elif tensor.numel() * tensor.element_size() != nbytes:
+        got = tensor.numel() * tensor.element_size()
+        problem = (f"has {got} bytes but the key's region holds {nbytes}; "
+                   "hint: reserve a separate key for a tensor of another size")
+    if problem:
+        raise SwapError(f"{what} of key {key!r}: tensor {tuple(tensor.shape)} {tensor.dtype} {problem}")
+
+
+class NVMeSwapper:
+    """Asynchronous per-rank file I/O for flat tensors; returns Futures.
+
+    ``directory`` must exist and be writable; the swap file is
+    ``zerompi-swap-rank{rank}-{pid}-{n}.bin`` in it. Submit from one thread
+    (or several: submission is locked); results arrive on I/O threads.
+    """
+
+    def __init__(self, directory: str | os.PathLike, rank: int, config: SwapConfig = SwapConfig()):
+        if not isinstance(config, SwapConfig):
+            raise ConfigError(f"NVMeSwapper config: expected a SwapConfig, got {type(config).__name__}")
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise SwapError(f"rank {rank}: swap directory {directory!r} does not exist or is not a "
+                            "directory; hint: create it or point nvme_path at a local disk")
+        self.config = config
+        self.directory = directory
+        self.path = os.path.join(directory, f"zerompi-swap-rank{rank}-{os.getpid()}-{next(_file_seq)}.bin")
+        self._pool = BufferPool(config.buffers, config.block_bytes)
+        self._fd, self.direct = self._open()
+        self._finalizer = weakref.finalize(self, _remove_file, self._fd, self.path)
+        self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix=f"zerompi-swap{rank}")
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._busy: dict[str, list[_Op]] = {}
+        self._end = 0
+        self._totals = [0, 0, 0.0, 0.0, 0.0, 0]  # the fields of SwapStats
+        self._failed: list[BaseException] = []  # errors not yet raised by wait_all()
+        self._closed = False
+        logger.debug("opened swap file %s (O_DIRECT %s, %s)", self.path, self.direct, config)
+
+    def _open(self) -> tuple[int, bool]:
+        fd = None
+        try:
+            fd, direct = create_file(self.path, self.config.direct)
+            if direct and not direct_io_works(fd, self._pool):
+                _remove_file(fd, self.path)
+                fd = None
+                fd, direct = create_file(self.path, False)
+        except OSError as e:
+            if fd is not None:
+                _remove_file(fd, self.path)
+            raise SwapError(f"cannot create swap file {self.path!r}: {e.strerror} (errno {e.errno}); "
+                            "hint: the directory must be writable by this process") from e
+        if self.config.direct and not direct:
+            warnings.warn(f"the filesystem of {self.directory!r} refuses O_DIRECT; swapping through "
+                          "the page cache instead, which is slower and uses host memory",
+                          RuntimeWarning, stacklevel=3)
+        return fd, direct
+
+    # -- public API -----------------------------------------------------------------
+
+    def fileno(self) -> int:
+        """The swap file's descriptor (for inspection; do not do I/O on it)."""
+        return self._fd
+
+    @property
+    def stats(self) -> SwapStats:
+        """Bytes moved to and from the file (including padding to 4 KiB) and time spent."""
+        with self._lock:
+            return SwapStats(*self._totals)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Size of the file: every region, each rounded up to 4 KiB."""
+        return self._end
+
+    def region(self, key: str) -> Region:
+        """The region of a reserved key."""
+        with self._lock:
+            return self._entry(key, "region").region
+
+    def reserve(self, key: str, nbytes: int) -> Region:
+        """Give ``key`` a fixed region of ``nbytes`` and allocate its disk space now.
+
+        Reserving an existing key again with the same size returns its region.
+        Raises SwapError when the filesystem has not enough free space.
+        """
+        if not isinstance(key, str) or not key:
+            raise SwapError(f"reserve: key must be a non-empty str, got {key!r}")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise SwapError(f"reserve of key {key!r}: nbytes must be an int >= 0, got {nbytes!r}")
+        with self._lock:
+            self._check_open("reserve")
+            entry = self._entries.get(key)
+            if entry is not None:
+                if entry.region.nbytes != nbytes:
+                    raise SwapError(f"reserve of key {key!r}: already reserved with {entry.region.nbytes} "
+                                    f"bytes, asked for {nbytes}; hint: use a new key for a new size")
+                return entry.region
+            size = _round_up(nbytes)
+            _claim_space(self._fd, self.directory, f"key {key!r} in {self.path}", self._end, size)
+            region = Region(self._end, nbytes)
+            self._end += size
+            self._entries[key] = _Entry(region)
+        return region
+
+    def write(self, key: str, tensor: torch.Tensor) -> Future:
+        """Start copying a contiguous CPU tensor into ``key``'s region.
+
+        The Future's result is None. Keep ``tensor`` unchanged until it is done.
+        """
+        return self._submit(_WRITE, key, tensor)
+
+    def read(self, key: str, out: torch.Tensor) -> Future:
+        """Start filling ``out`` (same dtype and size as written) from ``key``.
+
+        The Future's result is ``out``. Do not use ``out`` until it is done.
+        """
+        return self._submit(_READ, key, out)
+
+    def wait_all(self) -> None:
+        """Wait for every outstanding write and read.
+
+        Then raise the first error of any transfer that failed since the last
+        ``wait_all()``, whether or not its Future was already looked at, so
+        that a caller that only calls ``wait_all()`` never misses a failure.
+        """
+        with self._lock:
+            ops = [op for ops in self._busy.values() for op in ops]
+        wait_futures([op.future for op in ops])
+        with self._lock:
+            failed, self._failed = self._failed, []
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        """Wait for outstanding I/O, stop the threads, and delete the file. Idempotent.
+
+        Errors of outstanding transfers stay with their Futures.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ops = [op for ops in self._busy.values() for op in ops]
+        wait_futures([op.future for op in ops])
+        self._executor.shutdown(wait=True)
+        self._pool.close()
+        self._finalizer()
+        logger.debug("closed and removed swap file %s (%s)", self.path, self.stats)
+
+    def __enter__(self) -> NVMeSwapper:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- submission -----------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise UsageError(f"NVMeSwapper.{what}() after close() of {self.path}")
+
+    def _entry(self, key: str, what: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise SwapError(f"{what} of key {key!r}: the key is not reserved in {self.path}; "
+                            "hint: call reserve(key, nbytes) first")
+        return entry
+
+    def _submit(self, kind: str, key: str, tensor: torch.Tensor) -> Future:
+        with self._lock:
+            self._check_open(kind)
+            entry = self._entry(key, kind)
+            _check_tensor(tensor, kind, key, entry.region.nbytes)
+            self._check_conflicts(kind, key, entry, tensor)
+            op = _Op(kind, key, entry.region, tensor, self.config.block_bytes)
+            if kind == _READ:
+                op.crcs = entry.crcs
+            if op.nblocks == 0:  # an empty tensor: nothing to move
+                if kind == _WRITE:
+                    entry.dtype = tensor.dtype
+                op.future.set_result(op.result)
+                return op.future
+            self._busy.setdefault(key, []).append(op)
+            for index in range(op.nblocks):
+                self._executor.submit(self._run_block, op, index)
+        return op.future
+
+    def _check_conflicts(self, kind: str, key: str, entry: _Entry, tensor: torch.Tensor) -> None:
+        busy = self._busy.get(key, ())
+        if any(op.kind == _WRITE for op in busy) or (kind == _WRITE and busy):
+            raise UsageError(f"{kind} of key {key!r} while a {busy[0].kind} of it is in flight; "
+                             "hint: wait on that Future first")
+        if kind == _READ and entry.dtype is None:
+            raise SwapError(f"read of key {key!r} from {self.path}: the key was never written "
+                            "(or its last write failed); hint: write it before reading it")
+        if kind == _READ and entry.dtype != tensor.dtype:
+            raise SwapError(f"read of key {key!r}: written as {entry.dtype}, read into {tensor.dtype}; "
+                            "hint: read into a tensor of the written dtype")
+
+    # -- I/O threads ----------------------------------------------------------------
+
+    def _run_block(self, op: _Op, index: int) -> None:
+        error = None
+        if op.error is None:  # after a failure, skip the remaining blocks
+            try:
+                start, n, io_n = op.geometry(index)
+                if op.mem is not None and n == io_n:  # page-aligned memory: no staging copy
+                    self._move(op, index, op.mem[start:start + n])
+                else:
+                    self._staged_move(op, index)
+            except BaseException as e:  # delivered through the Future
+                error = e
+        if op.block_done(error):
+            self._finish(op)
+
+    def _staged_move(self, op: _Op, index: int) -> None:
+        start, n, io_n = op.geometry(index)
+        with self._pool.lease() as buf:
+            if op.kind == _WRITE:
+                buf.tensor[:n].copy_(op.data[start:start + n])
+                buf.tensor[n:io_n].zero_()  # padding: keep the file deterministic
+            self._move(op, index, buf.view[:io_n])
+            if op.kind == _READ:
+                op.data[start:start + n].copy_(buf.tensor[:n])
+        with self._lock:
+            self._totals[5] += n
+
+    def _move(self, op: _Op, index: int, view: memoryview) -> None:
+        """Write or read one block through ``view``, with its checksum."""
+        start, n, _ = op.geometry(index)
+        if op.kind == _WRITE:
+            if self.config.verify:
+                op.crcs[index] = self._crc(view[:n])
+            self._transfer(op, start, view)
+        else:
+            self._transfer(op, start, view)
+            if self.config.verify and self._crc(view[:n]) != op.crcs[index]:
+                raise SwapError(f"checksum mismatch in {self.path}, key {op.key!r}, block of {n} bytes at "
+                                f"file offset {op.region.offset + start}: the swap file changed underneath "
+                                "us; hint: another process or a failing disk modified it")
+
+    def _crc(self, view: memoryview) -> int:
+        t0 = time.perf_counter()
+        crc = _crc32(view)
+        with self._lock:
+            self._totals[4] += time.perf_counter() - t0
+        return crc
+
+    def _transfer(self, op: _Op, start: int, view: memoryview) -> None:
+        """Move all of ``view`` at the block's file offset; SwapError on failure or EOF."""
+        io = os.pwritev if op.kind == _WRITE else os.preadv
+        offset = op.region.offset + start
+        done = 0
+        t0 = time.perf_counter()
+        try:
+            while done < len(view):
+                n = io(self._fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise SwapError(f"short {op.kind} on {self.path}, key {op.key!r}, at file offset "
+                                    f"{offset + done}: {done} of {len(view)} bytes from offset {offset}; "
+                                    "hint: the swap file was truncated or replaced by another process")
+                done += n
+        except OSError as e:
+            raise SwapError(f"{op.kind} failed on {self.path}, key {op.key!r}, {len(view)} bytes at file "
+                            f"offset {offset + done}: {e.strerror} (errno {e.errno})") from e
+        finally:
+            slot = 0 if op.kind == _WRITE else 1
+            with self._lock:
+                self._totals[slot] += done
+                self._totals[slot + 2] += time.perf_counter() - t0
+
+    def _finish(self, op: _Op) -> None:
+        with self._lock:
+            busy = self._busy[op.key]
+            busy.remove(op)
+            if not busy:
+                del self._busy[op.key]
+            if op.error is not None:
+                self._failed.append(op.error)
+            if op.kind == _WRITE:
+                # A failed write leaves the region half old, half new: unreadable.
+                entry = self._entries[op.key]
+                entry.dtype = op.dtype if op.error is None else None
+                entry.crcs = op.crcs if op.error is None else []
+        if op.error is not None:
+            op.future.set_exception(op.error)
+        else:
+            op.future.set_result(op.result)

@@ -1,0 +1,167 @@
+"""Where each bucket's fp32 master and optimizer state live between optimizer steps.
+
+:class:`InMemory` keeps them where the bucket put them (the device, or host
+memory for ``offload_optimizer='cpu'``). :class:`NVMeResidency` keeps them in
+the rank's swap file: between steps their tensors exist as objects with
+released storage (so the inner optimizer's state keys stay valid), and the
+step streams buckets through memory, reading bucket i+1 and writing bucket
+i-1 while bucket i is updated. At most three buckets' state is resident at a
+time, whatever the model's size.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future, wait
+from contextlib import contextmanager
+
+import torch
+
+from .nvme import NVMeSwapper
+
+
+def _free(t: torch.Tensor) -> None:
+    # Swap the tensor's data for an empty one: the object (an optimizer state key) survives, and
+    # the old storage goes once the swapper's finished transfer drops its view of it.
+    t.data = t.new_empty(0)
+
+
+def _alloc(t: torch.Tensor, numel: int) -> None:
+    if t.numel() != numel:
+        t.data = t.new_empty(numel)
+
+
+class InMemory:
+    """Master and optimizer state stay in memory; nothing moves."""
+
+    streaming = False
+
+    def __init__(self, buckets, inner: torch.optim.Optimizer):
+        self.buckets, self.inner = buckets, inner
+
+    @contextmanager
+    def resident(self, index: int, *, load: bool = True) -> Iterator[None]:
+        yield
+
+    def stream(self) -> Iterator[int]:
+        yield from range(len(self.buckets))
+
+    @property
+    def swapped_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class NVMeResidency(InMemory):
+    """Master and optimizer state in the swap file, streamed through memory bucket by bucket."""
+
+    streaming = True
+
+    def __init__(self, buckets, inner: torch.optim.Optimizer, swapper: NVMeSwapper):
+        super().__init__(buckets, inner)
+        self.swapper = swapper
+        self._numel: dict[str, int] = {}  # elements of each swapped tensor, while it is empty
+        self._reads: dict[int, list[Future]] = {}
+        self._writes: dict[int, list[Future]] = {}
+        for i in range(len(buckets)):  # from the start, only the swap file holds the masters
+            self._evict(i)
+            self._settle(i)
+
+    def _tensors(self, index: int) -> dict[str, torch.Tensor]:
+        """The swapped tensors of a bucket: its master and per-element optimizer state."""
+        master = self.buckets[index].master
+        out = {f"b{index}.master": master}
+        for k, v in self.inner.state.get(master, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:  # per-element state (not the step count)
+                out[f"b{index}.state.{k}"] = v
+        return out
+
+    def _fetch(self, index: int, load: bool = True) -> None:
+        futures = []
+        for key, t in self._tensors(index).items():
+            if key in self._numel:
+                _alloc(t, self._numel[key])
+                if load:
+                    futures.append(self.swapper.read(key, t))
+        self._reads[index] = futures
+
+    def _ready(self, index: int) -> None:
+        for f in self._reads.pop(index, []):
+            f.result()  # raises SwapError naming the file, key and offset
+
+    def _evict(self, index: int) -> None:
+        futures = []
+        for key, t in self._tensors(index).items():
+            self.swapper.reserve(key, t.numel() * t.element_size())
+            futures.append(self.swapper.write(key, t))
+            self._numel[key] = t.numel()
+        self._writes[index] = futures
+
+    def _settle(self, index: int) -> None:
+        futures = self._writes.pop(index, [])
+        wait(futures)
+        for f in futures:
+            f.result()
+        for t in self._tensors(index).values():
+            _free(t)
+
+    @contextmanager
+    def resident(self, index: int, *, load: bool = True) -> Iterator[None]:
+        """Bucket ``index``'s state in memory for the block (``load=False``: about to be overwritten)."""
+        self._fetch(index, load)
+        self._ready(index)
+        try:
+            yield
+        finally:
+            self._evict(index)
+            self._settle(index)
+
+    def stream(self) -> Iterator[int]:
+        """Yield each bucket index with its state resident; reads ahead one, writes behind one."""
+        n = len(self.buckets)
+        if n:
+            self._fetch(0)
+        for i in range(n):
+            self._ready(i)
+            if i + 1 < n:
+                self._fetch(i + 1)
+            yield i
+            self._evict(i)
+            if i > 0:
+                self._settle(i - 1)
+        if n:
+            self._settle(n - 1)
+
+    @property
+    def swapped_bytes(self) -> int:
+        return self.swapper.reserved_bytes
+
+    def close(self) -> None:
+        self.swapper.close()
+
+
+class ParamSwap:
+    """Stage 3 ``offload_params='nvme'``: a bucket's parameter shard lives in the swap file."""
+
+    def __init__(self, swapper: NVMeSwapper, key: str, shard: torch.Tensor):
+        self.swapper, self.key, self.shard, self.numel = swapper, key, shard, shard.numel()
+        self.store()
+
+    def store(self) -> None:
+        """Write the (resident) shard out and release it."""
+        self.swapper.reserve(self.key, self.shard.numel() * self.shard.element_size())
+        self.swapper.write(self.key, self.shard).result()
+        _free(self.shard)
+
+    @contextmanager
+    def loaded(self, *, load: bool = True) -> Iterator[torch.Tensor]:
+        """The shard in memory for the block; released afterwards (``store()`` persists changes)."""
+        _alloc(self.shard, self.numel)
+        if load:
+            self.swapper.read(self.key, self.shard).result()
+        try:
+            yield self.shard
+        finally:
+            if self.shard.numel():
+                _free(self.shard)
