@@ -82,6 +82,8 @@ class Bucket:
         self.name = f"bucket {layout.index} [{layout.slots[0].fqn}{more}]" + \
             (f" of module '{layout.unit or '<root>'}'" if stage >= 3 else "")
         self.nonfinite: list[str] = []  # parameters whose local gradient was NaN/Inf since the last step
+        self._gather: Work | None = None   # a prefetch all-gather still in flight
+        self._reduce: Work | None = None   # an overlapped reduce-scatter still in flight
         # Stage 0 "owns" the whole buffer: every rank updates every element.
         self.own = layout.shard(where.rank) if stage >= 1 else layout.full
         own = slice(self.own.start, self.own.stop)
@@ -123,6 +125,7 @@ class Bucket:
         self._pending = False   # gradients added since the last reduction
         self._reduced = False   # reduced at least once in this backward
 
+
     # ---- parameters -------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> Work:
         """Stage 3: all-gather the shards (hpZ: the node's secondary shards) into the full buffer."""
@@ -139,12 +142,27 @@ class Bucket:
             work = self.groups.gather.all_gather(self.param_shard, self.param_full.tensor,
                                                  async_op=async_op, what=self.name)
         self.state = BucketState.GATHERED
+        if async_op:
+            self._gather = work
         return work
+
+    def wait_gathered(self) -> None:
+        """Block until a prefetch all-gather into the parameters has landed."""
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+
+    def progress(self) -> None:
+        """Let MPI move this bucket's non-blocking collectives along (MPI_Test)."""
+        for work in (self._gather, self._reduce):
+            if work is not None:
+                work.test()
 
     def reshard(self) -> None:
         """Stage 3: free the gathered parameters (views stay bound, storage is released)."""
         if self.where.stage < 3 or self.state is BucketState.SHARDED:
             return
+        self.wait_gathered()  # MPI may still be writing into the buffer
         self.param_full.free()
         self.state = BucketState.SHARDED
 
@@ -173,6 +191,7 @@ class Bucket:
 
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> bool:
         """Accumulate one parameter's gradient; True once every slot has reported."""
+        self.finish_reduce()  # a late gradient must not race an overlapped reduce-scatter of the buffer
         if self._reduced and self.where.stage <= 1:
             raise UsageError(
                 f"parameter {self.layout.slots[slot_index].fqn!r} received a second gradient after its "
@@ -192,27 +211,39 @@ class Bucket:
         """Every bucket is reduced once per synchronising backward, and again for late gradients."""
         return self._pending or not self._reduced
 
-    def reduce_grads(self) -> None:
-        """Average this bucket's gradients over all ranks into the shard this rank owns."""
+    def reduce_grads(self, *, async_op: bool = False) -> None:
+        """Average this bucket's gradients over all ranks into the shard this rank owns.
+
+        ``async_op`` (stages 1-3) only starts the reduce-scatter; ``finish_reduce`` applies it.
+        """
         full = self.grad_full.alloc() if not self.grad_full.is_allocated else self.grad_full.tensor
         stage, shard, n = self.where.stage, self.groups.shard, self.groups.world.size
+        self._pending = False
+        self._reduced = True
         if stage == 0:
             # reduce-scatter + all-gather = all-reduce, with bitwise identical replicas
             mine = self.layout.shard(shard.rank)
             reduced = shard.reduce_scatter(full, kind="all_reduce", what=self.name).wait()
             full[mine.start:mine.stop].copy_(reduced.div_(n))
             shard.all_gather(None, full, kind="all_reduce", what=self.name)
+            return
+        self._reduce = shard.reduce_scatter(full, what=self.name, async_op=async_op)
+        if not async_op:
+            self.finish_reduce()
+
+    def finish_reduce(self) -> None:
+        """Apply a started reduce-scatter: into the gradient shard, divided by the world size."""
+        if self._reduce is None:
+            return
+        work, self._reduce = self._reduce, None
+        reduced, n = work.wait(), self.groups.world.size
+        if self.groups.replicate is not None:  # hsdp: sum the node's shard across nodes, in fp32
+            self.groups.replicate.all_reduce(reduced, what=self.name)
+        if self.where.stage == 1:
+            self.grad_shard.copy_(reduced.div_(n))
         else:
-            reduced = shard.reduce_scatter(full, what=self.name).wait()
-            if self.groups.replicate is not None:  # hsdp: sum the node's shard across nodes, in fp32
-                self.groups.replicate.all_reduce(reduced, what=self.name)
-            if stage == 1:
-                self.grad_shard.copy_(reduced.div_(n))
-            else:
-                self.grad_shard.add_(reduced.div_(n))
-                self.grad_full.free()
-        self._pending = False
-        self._reduced = True
+            self.grad_shard.add_(reduced.div_(n))
+            self.grad_full.free()
 
     def master_grad(self) -> torch.Tensor:
         """This rank's reduced gradient in fp32, where the master lives (a view when it already is)."""

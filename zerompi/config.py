@@ -188,6 +188,9 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "nvme_threads": lambda k, v: _int(k, v, 1, 64),
     "nvme_buffers": lambda k, v: _int(k, v, 1, 1024),
     "nvme_verify": _bool,
+    "overlap_grad_reduce": _bool,
+    "prefetch_units": lambda k, v: _int(k, v, 0, 8),
+    "mpi_progress": lambda k, v: _choice(k, v, ("none", "test")),
     "hierarchy": lambda k, v: _choice(k, v, ("flat", "hsdp", "hpz")),
     "ranks_per_node": lambda k, v: _optional(k, v, lambda k, v: _int(k, v, 1), "nodes from MPI"),
     "nonfinite": lambda k, v: _choice(k, v, ("raise", "skip")),
@@ -272,6 +275,16 @@ class ZeroConfig:
     """Page-aligned staging buffers of nvme_block_kib each: the bound on swap staging memory, 1..1024."""
     nvme_verify: bool = True
     """CRC-32 of every swapped block, checked when it is read back."""
+    overlap_grad_reduce: bool = False
+    """Start each bucket's gradient reduce-scatter non-blocking as soon as backward has filled it,
+    and wait for all of them when backward ends (stages 1-3), instead of reducing in place."""
+    prefetch_units: int = 0
+    """Stage 3: gather this many gather units ahead, non-blocking (0 = gather on demand, up to 8);
+    the order is recorded on the first step."""
+    mpi_progress: str = "none"
+    """How non-blocking collectives progress while Python computes: 'none' (by the MPI library
+    alone; with MPICH, MPIR_CVAR_ASYNC_PROGRESS=1 adds a progress thread) or 'test' (MPI_Test
+    from every gradient hook). See benchmarks/results for what each costs."""
     hierarchy: str = "flat"
     """'flat': shard over all ranks; 'hsdp' (stages 1-3): shard within a node and replicate across
     nodes; 'hpz' (stage 3): flat shards plus a secondary parameter copy sharded within each node,

@@ -23,7 +23,7 @@ from .config import ZeroConfig
 from .errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
 from .log import set_rank
 from .optim import ZeroOptimizer
-from .sharded import ShardedModel
+from .sharded import Overlap, ShardedModel
 from .topology import build_groups
 
 
@@ -90,7 +90,8 @@ class Engine:
                           offload_params=cfg.offload_params, pin_memory=cfg.pin_memory)
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
-        self.sharded = ShardedModel(module, where, self.groups, cap, membership)
+        overlap = Overlap(cfg.overlap_grad_reduce, cfg.prefetch_units, cfg.mpi_progress == "test")
+        self.sharded = ShardedModel(module, where, self.groups, cap, membership, overlap)
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
         swapper, error = None, None
         try:

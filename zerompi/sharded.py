@@ -15,7 +15,17 @@ import torch
 from torch import nn
 
 from .bucket import Bucket, BucketState, Placement
+from .prefetch import Prefetcher
 from .topology import Groups
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What runs non-blocking: see ZeroConfig's overlap_grad_reduce, prefetch_units, mpi_progress."""
+
+    grad_reduce: bool = False
+    prefetch_units: int = 0
+    test_progress: bool = False
 from .errors import ZeroMPIError
 from .hooks import HookSet
 from .layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
@@ -61,8 +71,11 @@ class ShardedModel:
     """
 
     def __init__(self, module: nn.Module, where: Placement, groups: Groups,
-                 cap_numel: int, param_group: dict[nn.Parameter, int]):
+                 cap_numel: int, param_group: dict[nn.Parameter, int], overlap: Overlap = Overlap()):
         self.module = module
+        self.overlap = overlap
+        self.prefetcher = Prefetcher(overlap.prefetch_units if where.stage >= 3 else 0)
+        self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
         self.where = where
         self.groups = groups
         self.group = groups.world
@@ -148,8 +161,20 @@ class ShardedModel:
     # ---- forward / backward events ---------------------------------------
     def _pre_forward(self, unit: Unit) -> None:
         logger.debug("pre-forward %s", unit.fqn or "<root>")
+        self._gather(unit)
+        if not self.in_backward:  # not during recomputation under activation checkpointing
+            self._prefetch(self.prefetcher.forward(unit, root=unit.fqn == ""))
+
+    def _gather(self, unit: Unit) -> None:
         for b in unit.buckets:
             b.unshard()
+            b.wait_gathered()
+
+    def _prefetch(self, units: list[Unit]) -> None:
+        for u in units:
+            for b in u.buckets:
+                if b.param_swap is None:  # swapped shards are read synchronously when needed
+                    b.unshard(async_op=True)
 
     def _post_forward(self, unit: Unit, output) -> None:
         if self.in_backward:
@@ -161,8 +186,8 @@ class ShardedModel:
 
     def _pre_backward(self, unit: Unit) -> None:
         logger.debug("pre-backward %s", unit.fqn or "<root>")
-        for b in unit.buckets:
-            b.unshard()
+        self._gather(unit)
+        self._prefetch(self.prefetcher.backward(unit))
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket, slot = self._where[p]
@@ -171,9 +196,15 @@ class ShardedModel:
             return
         if bucket.add_grad(slot, grad) and self._sync:
             self._reduce(bucket)
+        if self.overlap.test_progress:
+            for b in self._inflight:
+                b.progress()
 
     def _reduce(self, bucket: Bucket) -> None:
-        bucket.reduce_grads()
+        overlapped = self.overlap.grad_reduce and self.where.stage >= 1
+        bucket.reduce_grads(async_op=overlapped)
+        if overlapped:
+            self._inflight.append(bucket)
         bucket.reshard()
 
     def begin_backward(self, sync: bool) -> None:
@@ -188,7 +219,11 @@ class ShardedModel:
         self.in_backward = False
         for b in self.buckets:
             if self._sync and b.needs_reduce():
-                b.reduce_grads()
+                self._reduce(b)
+        for b in self._inflight:  # in the order they started, as on every rank
+            b.finish_reduce()
+        self._inflight.clear()
+        for b in self.buckets:
             b.reshard()
         if self.where.stage >= 3:
             stuck = [b.layout.index for b in self.buckets if b.state is not BucketState.SHARDED]

@@ -42,7 +42,7 @@ def test_field_order_matches_spec():
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
-        "nvme_verify", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
+        "nvme_verify", "overlap_grad_reduce", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
         "collective_timeout", "abort_on_exception"]
 
 
@@ -165,6 +165,9 @@ BAD_VALUES = [
     ("nvme_threads", [0, 65, True]),
     ("nvme_buffers", [0, 2000]),
     ("nvme_verify", ["yes"]),
+    ("overlap_grad_reduce", [1, "true"]),
+    ("prefetch_units", [-1, 9, 1.0]),
+    ("mpi_progress", ["thread", None]),
     ("nvme_path", ["", 3]),
     ("pin_memory", [1, "true", None]),
 ]

@@ -1,0 +1,43 @@
+"""The stage-3 prefetch schedule: record the first forward, follow it, give up on a change."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from zerompi.prefetch import Prefetcher
+
+ROOT, A, B, C = (SimpleNamespace(fqn=n) for n in ("", "a", "b", "c"))
+
+
+def _forward(p, units):
+    return [p.forward(u, root=u is ROOT) for u in units]
+
+
+def test_first_forward_records_then_prefetches_ahead_and_behind():
+    p = Prefetcher(depth=1)
+    assert _forward(p, [ROOT, A, B, C]) == [[], [], [], []]
+    assert _forward(p, [ROOT, A, B, C]) == [[A], [B], [C], []]
+    assert p.backward(C) == [B] and p.backward(B) == [A] and p.backward(A) == [ROOT] and p.backward(ROOT) == []
+
+
+def test_depth_two():
+    p = Prefetcher(depth=2)
+    _forward(p, [ROOT, A, B, C])
+    assert _forward(p, [ROOT, A, B, C])[:2] == [[A, B], [B, C]]
+    assert p.backward(C) == [B, A]
+
+
+def test_changed_order_turns_prefetch_off_once(caplog):
+    p = Prefetcher(depth=1)
+    _forward(p, [ROOT, A, B, C])
+    with caplog.at_level(logging.WARNING, logger="zerompi.prefetch"):
+        assert _forward(p, [ROOT, B, A, C]) == [[A], [], [], []]
+        assert _forward(p, [ROOT, B, A, C]) == [[], [], [], []]
+    assert not p.enabled and p.backward(C) == []
+    warnings = [r for r in caplog.records if "prefetch turned off" in r.getMessage()]
+    assert len(warnings) == 1 and "unit 'b' ran where 'a' ran" in warnings[0].getMessage()
+
+
+def test_depth_zero_never_prefetches():
+    p = Prefetcher(depth=0)
+    assert _forward(p, [ROOT, A]) + _forward(p, [ROOT, A]) == [[], [], [], []]

@@ -1,0 +1,60 @@
+"""Stage-3 prefetch: gather the next units' parameters while the current unit computes.
+
+The order in which gather units run forward is recorded during the first
+forward; from then on, the forward of unit k starts non-blocking all-gathers
+for the units that follow it, and the backward of unit k for the units that
+precede it. A forward whose order differs from the recording (data-dependent
+control flow) turns prefetching off for good and says so once: prefetching
+only ever moves a gather earlier, so a wrong guess costs memory, never
+correctness, but a model whose order keeps changing gains nothing from it.
+"""
+from __future__ import annotations
+
+import logging
+
+from .log import get_logger
+
+logger = get_logger(__name__)
+
+
+class Prefetcher:
+    """Decides which units to gather ahead; the sharded model issues and waits on the gathers."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.enabled = depth > 0
+        self.recording = True
+        self.order: list = []          # units in forward order, as recorded on the first forward
+        self._last: dict[int, int] = {}  # id(unit) -> its last position in ``order``
+        self._pos = 0
+
+    def forward(self, unit, root: bool) -> list:
+        """``unit`` starts its forward (``root``: a new forward pass begins); units to gather ahead."""
+        if not self.enabled:
+            return []
+        if root and self.recording and self.order:
+            self.recording = False
+            self._last = {id(u): i for i, u in enumerate(self.order)}
+        if root:
+            self._pos = 0
+        if self.recording:
+            self.order.append(unit)
+            return []
+        if self._pos >= len(self.order) or self.order[self._pos] is not unit:
+            expected = self.order[self._pos].fqn if self._pos < len(self.order) else "the end of forward"
+            self._disable(f"unit '{unit.fqn or '<root>'}' ran where '{expected or '<root>'}' ran "
+                          "on the first step")
+            return []
+        self._pos += 1
+        return self.order[self._pos:self._pos + self.depth]
+
+    def backward(self, unit) -> list:
+        """``unit`` starts its backward; the units before it in forward order come next."""
+        if not self.enabled or self.recording or id(unit) not in self._last:
+            return []
+        i = self._last[id(unit)]
+        return self.order[max(0, i - self.depth):i][::-1]
+
+    def _disable(self, why: str) -> None:
+        self.enabled = False
+        logger.log(logging.WARNING, "stage-3 prefetch turned off: the forward order changed (%s)", why)
