@@ -195,3 +195,38 @@ def test_consolidate_and_inspect(tmp_path, saved):
     assert report[1]["latest"] and report[1]["world_size"] == 2 and report[1]["stage"] == 3
     assert report[1]["checksums"].startswith("ok")
     assert {t["name"] for t in report[1]["tensors"]} == set(full)
+
+
+REPLACE_KILL = """
+import os, pathlib, signal, sys
+sys.path.insert(0, {workers!r})
+rename = pathlib.Path.rename
+def rename_or_die(self, target):
+    if self.name.startswith(".tmp-"):  # the old copy is already aside; the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rename(self, target)
+pathlib.Path.rename = rename_or_die
+sys.argv = ["ckpt.py", "--mode", "save", "--root", {root!r}, "--out", {out!r}, "--before", "4",
+            "--after", "0", "--tag", "second"]
+import runpy
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_kill_while_replacing_a_tag_keeps_it_loadable(tmp_path, saved):
+    """Re-saving an existing tag moves the old copy aside first; a kill right then loses nothing,
+    and the next save puts the old copy back before cleaning up."""
+    root = _copy(saved, tmp_path / "root")
+    workers = ROOT / "tests" / "mpi" / "workers"
+    code = REPLACE_KILL.format(workers=str(workers), root=str(root), out=str(tmp_path / "x.npz"),
+                               script=str(workers / "ckpt.py"))
+    proc = subprocess.run([sys.executable, "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert not (root / "second").exists() and list(root.glob(".old-second-*"))
+    ref = np.load(saved.parent / "second.npz")
+    for name, value in dict(load_full_state_dict(root)).items():  # `latest` = second, found aside
+        assert np.array_equal(value.numpy(), ref[f"saved/{name}"])
+    run_mpi(1, "ckpt.py", "--mode", "save", "--root", str(root), "--out", str(tmp_path / "y.npz"),
+            "--before", "1", "--after", "0", "--tag", "fourth")
+    assert (root / "second").is_dir() and not list(root.glob(".old-*"))

@@ -89,7 +89,7 @@ def _write_safetensors(full: FullStateDict, out: Path) -> None:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name in full:
-            f.write(full[name].numpy().astype("<f4", copy=False).tobytes())
+            f.write(memoryview(full[name].numpy().astype("<f4", copy=False)).cast("B"))
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, tag: str | None = None) -> Path:

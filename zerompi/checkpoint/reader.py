@@ -36,6 +36,10 @@ def resolve(root: str | os.PathLike, tag: str | None) -> Path:
         schema.check_tag(tag)
     directory = root / tag
     if not directory.is_dir():
+        # a save killed while replacing this tag leaves the complete previous copy aside
+        aside = sorted(p for p in root.glob(f".old-{tag}-*") if (p / schema.INDEX).is_file())
+        if aside:
+            return aside[-1]
         raise CheckpointError(f"{directory}: missing")
     return directory
 

@@ -141,6 +141,7 @@ def _write_index(engine, path: Path, index: CheckpointIndex) -> None:
 
 def _publish(root: Path, tmp: Path, tag: str) -> None:
     """Rank 0: move the finished directory into place, then point ``latest`` at it."""
+    fsync_path(tmp)  # the rank files' names, before the directory is renamed into place
     final = root / tag
     old = None
     if final.exists():  # re-saving a tag: keep the old copy until the new one is in place
@@ -158,9 +159,19 @@ def _publish(root: Path, tmp: Path, tag: str) -> None:
 
 
 def _prepare_root(root: Path, tmp: Path) -> None:
-    """Rank 0: remove what killed saves left behind (one job writes a root at a time), make tmp."""
+    """Rank 0: clean up after killed saves (one job writes a root at a time), then make tmp.
+
+    A save killed while replacing an existing tag can leave only ``.old-TAG-*``:
+    that complete copy goes back in place rather than away.
+    """
     if root.is_dir():
-        for stale in list(root.glob(".tmp-*")) + list(root.glob(".old-*")):
+        for old in root.glob(".old-*"):
+            tag = old.name[len(".old-"):].rsplit("-", 1)[0]
+            if not (root / tag).exists():
+                old.rename(root / tag)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+        for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
 
