@@ -52,8 +52,12 @@ def _int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
 def _float(key: str, value: Any, *, gt: float | None = None, ge: float | None = None,
            lt: float | None = None) -> float:
     bounds = [f"{op} {b}" for op, b in ((">", gt), (">=", ge), ("<", lt)) if b is not None]
+    try:  # an int beyond the float range is no number a config can mean
+        finite = isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:
+        finite = False
     if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and math.isfinite(value) and (gt is None or value > gt)
+            and finite and (gt is None or value > gt)
             and (ge is None or value >= ge) and (lt is None or value < lt)):
         raise ConfigError(f"{key}={value!r} is not a finite number {' and '.join(bounds)}")
     return float(value)
@@ -417,6 +421,8 @@ def _load_document(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
     try:
         doc = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"config file {str(path)!r} nests tables or lists too deeply to be a config") from None
     except ValueError as e:  # TOMLDecodeError and JSONDecodeError both derive from it
         kind = suffix[1:].upper()
         raise ConfigError(f"config file {str(path)!r} is not valid {kind}: {e}") from None

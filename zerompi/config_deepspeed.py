@@ -6,6 +6,7 @@ training.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,7 +89,12 @@ def _ds_zero(d: Mapping, kwargs: dict[str, Any]) -> None:
     for name in ("allgather_bucket_size", "reduce_bucket_size"):
         found, value = _ds_get(d, f"zero_optimization.{name}")
         if found:
-            kwargs["bucket_mb"] = _float(f"zero_optimization.{name}", value, gt=0) * 4 / 2**20
+            key = f"zero_optimization.{name}"
+            mb = _float(key, value, gt=0) * 4 / 2**20
+            if not (math.isfinite(mb) and mb > 0):  # representable as elements, not as MiB
+                raise ConfigError(f"{key}={value!r} is not a bucket size zerompi can use "
+                                  "(elements, > 0 and below about 1e300)")
+            kwargs["bucket_mb"] = mb
     # zerompi has one nvme_path and one pin_memory for both offload blocks.
     for name in ("nvme_path", "pin_memory"):
         seen = {}

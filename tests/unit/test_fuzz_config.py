@@ -1,0 +1,473 @@
+"""Property-based fuzzing of configuration parsing: ZeroConfig or ConfigError, nothing else.
+
+Inputs are arbitrary JSON-like values (nested dicts/lists, str, int of any size,
+float including nan/inf, bool, None), near-valid configs (a valid zerompi or
+DeepSpeed document with one key mutated to a random value, a wrong type, a
+deleted key or an unknown key), and random text or bytes, fed to
+``ZeroConfig.from_dict``, ``ZeroConfig.from_deepspeed`` and ``ZeroConfig.from_file``
+(TOML and JSON files). The property:
+
+* the result is a valid ``ZeroConfig`` with ``from_dict(cfg.to_dict()) == cfg``, or
+* ``ConfigError`` is raised; for a near-valid input its message names the
+  mutated key (dotted for DeepSpeed: ``zero_optimization.stage``);
+* never any other exception type.
+
+Bugs this fuzzing found, now fixed and kept as regression tests at the end:
+
+* C1: an int too large for a float (``10**400``, legal in JSON and TOML) in a
+  float-valued key raised ``OverflowError``;
+* C2: a DeepSpeed bucket size whose MiB value underflows to 0 or overflows to
+  inf was reported as ``bucket_mb=...`` instead of under the DeepSpeed key;
+* C3: a deeply nested JSON/TOML document raised ``RecursionError``.
+
+Set ``ZEROMPI_FUZZ_REPORT=path.json`` to get the counts (section ``config``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from zerompi.config import ZeroConfig  # noqa: E402
+from zerompi.config_deepspeed import looks_like_deepspeed  # noqa: E402
+from zerompi.errors import ConfigError  # noqa: E402
+
+FUZZ = dict(deadline=None, derandomize=True, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                   HealthCheck.data_too_large])
+FIELDS = list(ZeroConfig.__dataclass_fields__)
+FLOAT_MAX = sys.float_info.max
+# Modules whose import has side effects beyond defining names (a dotted optimizer path imports).
+_NOISY_MODULES = {"antigravity", "this", "__hello__", "__phello__", "turtle", "tkinter", "idlelib"}
+
+# ---- strategies: arbitrary values -------------------------------------------------------
+
+BIG_INTS = st.sampled_from([2**63, -2**63 - 1, 2**1024, 10**400, -10**400])
+TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)  # encodable everywhere
+KEYS = st.one_of(TEXT, st.sampled_from(FIELDS))
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), BIG_INTS,
+                    st.floats(allow_nan=True, allow_infinity=True), TEXT)
+JSON_VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(KEYS, inner, max_size=4)), max_leaves=12)
+# TOML has no null.
+TOML_VALUES = st.recursive(SCALARS.filter(lambda v: v is not None), lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(KEYS, inner, max_size=4)), max_leaves=12)
+
+# ---- strategies: valid documents ----------------------------------------------------------
+
+_POS = st.floats(min_value=1e-12, max_value=1e6, allow_nan=False, allow_infinity=False)
+_NONNEG = st.one_of(st.just(0.0), _POS, st.integers(0, 10**6))
+_TAKEN = {"params", "lr", "betas", "eps", "weight_decay", "momentum"}
+_KNOWN_VALID = {
+    "stage": st.integers(0, 3),
+    "optimizer": st.sampled_from(["adamw", "adam", "sgd", "torch.optim.RMSprop", "torch.optim.Adagrad"]),
+    "optimizer_kwargs": st.dictionaries(TEXT.filter(lambda k: k not in _TAKEN),
+                                        st.one_of(st.booleans(), st.integers(-5, 5), _POS), max_size=3),
+    "lr": _POS, "betas": st.lists(st.floats(0, 0.999), min_size=2, max_size=2), "eps": _POS,
+    "weight_decay": _NONNEG, "momentum": _NONNEG, "grad_accum_steps": st.integers(1, 64),
+    "clip_grad_norm": st.one_of(st.none(), _NONNEG), "dtype": st.sampled_from(["fp32", "bf16", "fp16"]),
+    "loss_scale": _NONNEG, "initial_scale_power": st.integers(0, 64), "loss_scale_window": st.integers(1, 10**4),
+    "hysteresis": st.integers(1, 8), "min_loss_scale": _POS, "bucket_mb": _POS, "seed": st.integers(0, 2**40),
+    "cpu_threads": st.one_of(st.none(), st.integers(1, 64)), "device": st.sampled_from(["auto", "cpu", "cuda"]),
+    "cuda_aware_mpi": st.sampled_from(["auto", "on", "off"]), "offload_optimizer": st.just("none"),
+    "offload_params": st.just("none"), "nvme_path": st.one_of(st.none(), TEXT.filter(bool)),
+    "pin_memory": st.booleans(), "nonfinite": st.sampled_from(["raise", "skip"]),
+    "debug_collectives": st.booleans(), "collective_timeout": st.one_of(st.none(), _POS),
+    "abort_on_exception": st.booleans(),
+}
+
+
+def _default(name: str):
+    f = ZeroConfig.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+# A field added later is fuzzed through mutations and kept at its default in valid documents.
+VALID_FIELDS = {name: _KNOWN_VALID.get(name, st.just(_default(name))) for name in FIELDS}
+VALID_DICTS = st.fixed_dictionaries({}, optional=VALID_FIELDS)
+
+
+@st.composite
+def valid_deepspeed(draw) -> dict:
+    """A DeepSpeed config zerompi accepts (always with two DeepSpeed markers, so that one mutation
+    cannot make from_file read it as a zerompi config)."""
+    doc: dict[str, Any] = {"train_batch_size": draw(st.integers(1, 4096))}
+    zero: dict[str, Any] = {}
+    if draw(st.booleans()):
+        zero["stage"] = draw(st.integers(0, 3))
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if draw(st.booleans()):
+            zero[key] = draw(st.one_of(st.integers(1, 10**9), st.floats(1.0, 1e9)))
+    for key in ("contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions"):
+        if draw(st.booleans()):
+            zero[key] = draw(st.booleans())
+    nvme, pin = draw(st.one_of(st.none(), TEXT.filter(bool))), draw(st.booleans())
+    for block in ("offload_optimizer", "offload_param"):
+        if draw(st.booleans()):
+            zero[block] = {"device": "none", "pin_memory": pin} | ({"nvme_path": nvme} if nvme else {})
+    doc["zero_optimization"] = zero
+    if draw(st.booleans()):
+        doc["gradient_accumulation_steps"] = draw(st.integers(1, 64))
+    if draw(st.booleans()):
+        doc["gradient_clipping"] = draw(_NONNEG)
+    precision = draw(st.sampled_from(["fp32", "bf16", "fp16"]))
+    if precision == "bf16" or draw(st.booleans()):
+        doc["bf16"] = {"enabled": precision == "bf16"}
+    if precision == "fp16" or draw(st.booleans()):
+        fp16: dict[str, Any] = {"enabled": precision == "fp16", "auto_cast": False}
+        for key, strat in (("loss_scale", _NONNEG), ("initial_scale_power", st.integers(0, 64)),
+                           ("loss_scale_window", st.integers(1, 5000)), ("hysteresis", st.integers(1, 8)),
+                           ("min_loss_scale", _POS)):
+            if draw(st.booleans()):
+                fp16[key] = draw(strat)
+        doc["fp16"] = fp16
+    if draw(st.booleans()):
+        kind = draw(st.sampled_from(["Adam", "AdamW", "SGD", "adamw", "sgd"]))
+        params: dict[str, Any] = {"lr": draw(_POS)}
+        if kind.lower() == "sgd":
+            params["momentum"] = draw(_NONNEG)
+        else:
+            params["betas"] = draw(st.lists(st.floats(0, 0.999), min_size=2, max_size=2))
+            params["eps"] = draw(_POS)
+            params["adam_w_mode"] = draw(st.booleans())
+        params["weight_decay"] = draw(_NONNEG)
+        doc["optimizer"] = {"type": kind, "params": params}
+    for key, strat in (("steps_per_print", st.integers(1, 100)), ("wall_clock_breakdown", st.booleans())):
+        if draw(st.booleans()):
+            doc[key] = draw(strat)
+    return doc
+
+
+# ---- mutations -----------------------------------------------------------------------------
+
+def _paths(doc: dict, prefix: tuple = ()) -> list[tuple]:
+    """Every key path of a nested dict, blocks and leaves."""
+    out = []
+    for k, v in doc.items():
+        out.append(prefix + (k,))
+        if isinstance(v, dict):
+            out += _paths(v, prefix + (k,))
+    return out
+
+
+def _blocks(doc: dict, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            out += _blocks(v, prefix + (k,))
+    return out
+
+
+EDGE_NUMBERS = st.sampled_from([0, -1, 1, 5e-324, 1e-320, 1e308, FLOAT_MAX, -FLOAT_MAX, 2**53 + 1, 2**63,
+                                10**400, -10**400, -0.0, float("nan"), float("inf")])
+WRONG_TYPES = st.sampled_from(["3", "true", "", [], {}, [1, 2, 3], {"x": 1}, -1, 0, 1.5, -0.0, True, False,
+                               float("nan"), float("inf"), -float("inf"), 10**400, 2**64, None])
+
+
+@st.composite
+def mutated(draw, base: st.SearchStrategy, values: st.SearchStrategy, nested: bool):
+    """(document, dotted key, how): one key of a valid document replaced, deleted or added."""
+    doc = json.loads(json.dumps(draw(base)))  # a deep copy (keeps nan/inf)
+    how = draw(st.sampled_from(["random value", "wrong type", "edge number", "unknown key", "delete"]))
+    if how == "unknown key" or not _paths(doc):
+        where = draw(st.sampled_from(_blocks(doc))) if nested else ()
+        node = doc
+        for k in where:
+            node = node[k]
+        key = draw(TEXT.filter(lambda k: k not in node and "." not in k and k.strip() == k and k))
+        assume(key not in FIELDS or nested)
+        node[key] = draw(values)
+        return doc, ".".join((*where, key)), "unknown key"
+    path = draw(st.sampled_from(_paths(doc) if nested else [(k,) for k in doc]))
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    if how == "delete":
+        del node[path[-1]]
+    else:
+        node[path[-1]] = draw({"random value": values, "wrong type": WRONG_TYPES, "edge number": EDGE_NUMBERS}[how])
+    return doc, ".".join(path), how
+
+
+def names_key(message: str, dotted: str) -> bool:
+    """Whether the message names ``dotted`` as a whole key (or a key inside it)."""
+    return re.search(rf"(?<![\w.]){re.escape(dotted)}(?!\w)", message) is not None
+
+
+# ---- outcome checking, known-bug signatures, counts ---------------------------------------
+
+COUNTS: dict[str, Counter] = defaultdict(Counter)
+
+
+def _has_big_int(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) > FLOAT_MAX
+    if isinstance(value, dict):
+        return any(_has_big_int(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_big_int(v) for v in value)
+    return False
+
+
+def _big_int_in_text(text: str) -> bool:
+    return re.search(r"(?<![\d.eE+-])[-+]?\d{309,}(?![\d.eE])", text) is not None
+
+
+def _nesting(text: str) -> int:
+    depth = best = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return best
+
+
+def judge(test: str, call, *, key: str | None = None, big_int: bool = False, deep: bool = False,
+          key_ok=None) -> ZeroConfig | None:
+    """Run ``call``; assert the property; count the outcome; return the config (or None)."""
+    try:
+        cfg = call()
+    except ConfigError as e:
+        msg = str(e)
+        if key is None or names_key(msg, key) or (key_ok is not None and key_ok(msg)):
+            COUNTS[test]["config_error"] += 1
+            return None
+        raise AssertionError(f"ConfigError does not name the mutated key {key!r}: {msg}") from e
+    assert isinstance(cfg, ZeroConfig)
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg, cfg
+    COUNTS[test]["valid"] += 1
+    return cfg
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    path = os.environ.get("ZEROMPI_FUZZ_REPORT")
+    if not path:
+        return
+    total = Counter()
+    for c in COUNTS.values():
+        total.update(c)
+    p = Path(path)
+    doc = json.loads(p.read_text()) if p.exists() and p.stat().st_size else {}
+    doc["config"] = {"total": dict(total), "tried": sum(total.values()),
+                     "by_test": {k: dict(v) for k, v in sorted(COUNTS.items())}}
+    p.write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+# ---- file writers -------------------------------------------------------------------------------
+
+def _toml_str(s: str) -> str:
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ch == "\x7f":
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+    if isinstance(v, str):
+        return _toml_str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_str(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def toml_document(doc: dict) -> str:
+    return "".join(f"{_toml_str(str(k))} = {toml_value(v)}\n" for k, v in doc.items())
+
+
+def _without_none(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _without_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_without_none(x) for x in v if x is not None]
+    return v
+
+
+_file_seq = [0]
+
+
+def write_doc(tmp: Path, text: str | bytes, suffix: str) -> Path:
+    _file_seq[0] += 1
+    path = tmp / f"c{_file_seq[0]:05d}{suffix}"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzzconfig")
+
+
+def _safe_optimizer(doc: Any) -> bool:
+    """No import with side effects: a dotted optimizer path imports its module."""
+    opt = doc.get("optimizer") if isinstance(doc, dict) else None
+    if isinstance(opt, str) and "." in opt:
+        return opt.split(".")[0] not in _NOISY_MODULES
+    return True
+
+
+# ---- from_dict ------------------------------------------------------------------------------------
+
+ARBITRARY_DICTS = st.one_of(JSON_VALUES, st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6),
+                            st.dictionaries(st.sampled_from(FIELDS), SCALARS, max_size=3))
+
+
+@settings(max_examples=200, **FUZZ)
+@given(ARBITRARY_DICTS)
+def test_fuzz_from_dict_arbitrary(value):
+    assume(_safe_optimizer(value))
+    judge("from_dict/arbitrary", lambda: ZeroConfig.from_dict(value), big_int=_has_big_int(value))
+
+
+@settings(max_examples=250, **FUZZ)
+@given(mutated(VALID_DICTS, JSON_VALUES, nested=False))
+def test_fuzz_from_dict_near_valid(case):
+    doc, key, _how = case
+    assume(_safe_optimizer(doc))
+    judge("from_dict/near_valid", lambda: ZeroConfig.from_dict(doc), key=key, big_int=_has_big_int(doc))
+
+
+@settings(max_examples=100, **FUZZ)
+@given(VALID_DICTS)
+def test_fuzz_valid_dicts_round_trip(doc):
+    cfg = judge("from_dict/valid", lambda: ZeroConfig.from_dict(doc))
+    assert cfg is not None, "a valid document was refused"
+    json.dumps(cfg.to_dict())  # "a plain dict that from_dict accepts and JSON can hold"
+
+
+# ---- from_deepspeed ----------------------------------------------------------------------------------
+
+@settings(max_examples=200, **FUZZ)
+@given(st.one_of(JSON_VALUES, st.dictionaries(st.sampled_from(
+    ["zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping", "gradient_accumulation_steps",
+     "train_batch_size"]), JSON_VALUES, max_size=5), st.fixed_dictionaries({}, optional={
+         "zero_optimization": st.dictionaries(st.sampled_from(["stage", "reduce_bucket_size"]), SCALARS),
+         "gradient_clipping": SCALARS, "gradient_accumulation_steps": SCALARS,
+         "fp16": st.dictionaries(st.sampled_from(["enabled", "loss_scale", "min_loss_scale"]), SCALARS)})))
+def test_fuzz_from_deepspeed_arbitrary(value):
+    judge("from_deepspeed/arbitrary", lambda: ZeroConfig.from_deepspeed(value), big_int=_has_big_int(value))
+
+
+@settings(max_examples=250, **FUZZ)
+@given(mutated(valid_deepspeed(), JSON_VALUES, nested=True))
+def test_fuzz_from_deepspeed_near_valid(case):
+    doc, key, _how = case
+    judge("from_deepspeed/near_valid", lambda: ZeroConfig.from_deepspeed(doc), key=key,
+          big_int=_has_big_int(doc))
+
+
+@settings(max_examples=60, **FUZZ)
+@given(valid_deepspeed())
+def test_fuzz_valid_deepspeed_configs_load(doc):
+    assert judge("from_deepspeed/valid", lambda: ZeroConfig.from_deepspeed(doc)) is not None
+
+
+# ---- from_file ---------------------------------------------------------------------------------------
+
+DEEP = st.builds(lambda n, open_, close, prefix: prefix + open_ * n + close * n,
+                 st.integers(100, 5000), st.sampled_from(["[", "{\"a\":"]), st.sampled_from(["]", "}"]),
+                 st.sampled_from(["", "x = ", "{\"optimizer_kwargs\": "]))
+RANDOM_TEXT = st.one_of(st.text(max_size=200), st.binary(max_size=200),
+                        st.builds(json.dumps, JSON_VALUES),
+                        st.builds(lambda d: toml_document(d) if isinstance(d, dict) else "",
+                                  st.dictionaries(KEYS, TOML_VALUES, max_size=5)),
+                        DEEP)
+
+
+@settings(max_examples=150, **FUZZ)
+@given(text=RANDOM_TEXT, suffix=st.sampled_from([".toml", ".json", ".toml", ".json", ".JSON", ".txt"]))
+def test_fuzz_from_file_random_text(tmp, text, suffix):
+    path = write_doc(tmp, text, suffix)
+    raw = text.decode("latin-1") if isinstance(text, bytes) else text
+    assume(_safe_optimizer(_try_parse(raw)))
+    judge("from_file/random_text", lambda: ZeroConfig.from_file(path), big_int=_big_int_in_text(raw),
+          deep=_nesting(raw) >= 100)
+
+
+def _try_parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except Exception:  # noqa: BLE001 - not JSON: TOML or junk
+        return None
+
+
+@settings(max_examples=200, **FUZZ)
+@given(case=st.one_of(mutated(VALID_DICTS, TOML_VALUES, nested=False),
+                      mutated(valid_deepspeed(), TOML_VALUES, nested=True)),
+       suffix=st.sampled_from([".toml", ".json"]))
+def test_fuzz_from_file_near_valid(tmp, case, suffix):
+    doc, key, _how = case
+    assume(_safe_optimizer(doc))
+    if suffix == ".toml":
+        doc = _without_none(doc)  # TOML has no null: a None value becomes a deleted key
+    text = toml_document(doc) if suffix == ".toml" else json.dumps(doc)
+    path = write_doc(tmp, text, suffix)
+    native = not looks_like_deepspeed({k: v for k, v in doc.items() if k != key.split(".")[0]})
+
+    def switched_reading(msg: str) -> bool:
+        # The mutation made a zerompi document look like a DeepSpeed one (or the reverse): the
+        # message says how it was read, and names keys under that reading.
+        return native and "(read as a DeepSpeed config)" in msg
+
+    judge(f"from_file/near_valid{suffix}", lambda: ZeroConfig.from_file(path), key=key, big_int=_has_big_int(doc),
+          key_ok=switched_reading)
+
+
+# ---- regressions of bugs the fuzzing found ---------------------------------------------------------
+
+@pytest.mark.parametrize("call", [
+    lambda tmp: ZeroConfig.from_dict({"lr": 10**400}),
+    lambda tmp: ZeroConfig(weight_decay=-10**400),
+    lambda tmp: ZeroConfig.from_deepspeed({"gradient_clipping": 10**400}),
+    lambda tmp: ZeroConfig.from_deepspeed({"zero_optimization": {"reduce_bucket_size": 10**400}}),
+    lambda tmp: ZeroConfig.from_file(write_doc(tmp, '{"lr": 1' + "0" * 400 + "}", ".json")),
+    lambda tmp: ZeroConfig.from_file(write_doc(tmp, "lr = 1" + "0" * 400 + "\n", ".toml")),
+], ids=["from_dict", "kwargs", "deepspeed-clipping", "deepspeed-bucket", "json-file", "toml-file"])
+def test_c1_huge_int_is_a_config_error(tmp, call):
+    with pytest.raises(ConfigError):
+        call(tmp)
+
+
+@pytest.mark.parametrize("value", [1e-320, 1e308])
+def test_c2_deepspeed_bucket_size_error_names_the_deepspeed_key(value):
+    with pytest.raises(ConfigError, match=r"zero_optimization\.reduce_bucket_size"):
+        ZeroConfig.from_deepspeed({"zero_optimization": {"reduce_bucket_size": value}})
+
+
+@pytest.mark.parametrize("name,text", [("deep.json", "[" * 100000 + "]" * 100000),
+                                       ("deep.toml", "x = " + "[" * 100000 + "]" * 100000)])
+def test_c3_deeply_nested_file_is_a_config_error(tmp, name, text):
+    path = tmp / name
+    path.write_text(text)
+    with pytest.raises(ConfigError):
+        ZeroConfig.from_file(path)
