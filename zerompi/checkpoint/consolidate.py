@@ -29,14 +29,27 @@ class FullStateDict(Mapping):
 
     def __init__(self, root: str | os.PathLike, tag: str | None = None):
         self.directory = resolve(root, tag)
-        self.index = CheckpointIndex.read(self.directory / schema.INDEX)
-        self._slot_of = self.index.slot_of()
-        self._shapes = {p["name"]: tuple(p["shape"]) for p in self.index.params}
-        self._files = RankFiles(self.directory, self.index.world_size)
+        try:
+            self.index = CheckpointIndex.read(self.directory / schema.INDEX)
+            self._slot_of = self.index.slot_of()
+            self._shapes = {p["name"]: tuple(p["shape"]) for p in self.index.params}
+        except CheckpointError:
+            raise
+        except schema.H5_ERRORS as e:
+            raise schema.damaged(str(self.directory), e) from e
+        self._files = RankFiles(self.directory, self.index.world_size, self.index.save_id)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._shapes:
             raise KeyError(name)
+        try:
+            return self._load(name)
+        except CheckpointError:
+            raise
+        except schema.H5_ERRORS as e:
+            raise schema.damaged(f"{self.directory}: tensor {name}", e) from e
+
+    def _load(self, name: str) -> torch.Tensor:
         shape = self._shapes[name]
         numel = int(np.prod(shape, dtype=np.int64))
         out = np.empty(numel, dtype=np.float32)

@@ -48,6 +48,7 @@ class CheckpointIndex:
     config: dict[str, Any] = field(default_factory=dict)
     client_state: Any = None
     replicated: list[str] = field(default_factory=list)      # frozen parameters and buffers, in index.h5
+    save_id: str = ""  # written into every file of the save: a file of another save is refused
 
     # ---- layout ----------------------------------------------------------
     def layouts(self) -> list[BucketLayout]:
@@ -82,14 +83,21 @@ class CheckpointIndex:
     def write(self, f: h5py.File) -> None:
         schema.write_header(f, "index")
         for key in self._SCALARS:  # for people browsing the file; the reader trusts only the checksummed JSON
-            f.attrs[key] = getattr(self, key)
+            value = getattr(self, key)
+            f.attrs[key] = schema.text_attr(value) if isinstance(value, str) else value
+        f.attrs["save_id"] = schema.text_attr(self.save_id)
         schema.write_json(f, "meta", {k: getattr(self, k) for k in self.__dataclass_fields__})
 
     @classmethod
     def read(cls, path: Path) -> "CheckpointIndex":
-        with schema.open_h5(path) as f:
-            schema.check_header(f, "index")
-            meta = schema.read_json(f, "meta", str(path))
+        try:
+            with schema.open_h5(path) as f:
+                schema.check_header(f, "index")
+                meta = schema.read_json(f, "meta", str(path))
+        except CheckpointError:
+            raise
+        except schema.H5_ERRORS as e:
+            raise schema.damaged(str(path), e) from e
         if not isinstance(meta, dict) or set(meta) != set(cls.__dataclass_fields__):
             raise CheckpointError(f"{path}: index metadata has unexpected fields")
         return cls(**meta)

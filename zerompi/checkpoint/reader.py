@@ -47,8 +47,9 @@ def resolve(root: str | os.PathLike, tag: str | None) -> Path:
 class RankFiles:
     """Opens the writing ranks' files on demand, checking each header once."""
 
-    def __init__(self, directory: Path, world_size: int):
+    def __init__(self, directory: Path, world_size: int, save_id: str = ""):
         self.directory = directory
+        self.save_id = save_id
         self._open: dict[int, Any] = {}
         for r in range(world_size):
             if not (directory / schema.rank_file(r)).is_file():
@@ -61,6 +62,8 @@ class RankFiles:
             schema.check_header(f, "shard")
             if int(f.attrs.get("rank", -1)) != rank:
                 raise CheckpointError(f"{f.filename}: holds rank {f.attrs.get('rank')}, expected {rank}")
+            if f.attrs.get("save_id") != schema.text_attr(self.save_id):
+                raise CheckpointError(f"{f.filename}: belongs to another save than {self.directory / schema.INDEX}")
             self._open[rank] = f
         return self._open[rank]
 
@@ -141,7 +144,7 @@ def prepare(engine, directory: Path) -> Loaded:
     """Read and verify everything this rank needs; touches no engine state."""
     index = CheckpointIndex.read(directory / schema.INDEX)
     _check_compatible(engine, index, directory)
-    files = RankFiles(directory, index.world_size)
+    files = RankFiles(directory, index.world_size, index.save_id)
     try:
         slot_of = index.slot_of()
         buckets = [_read_bucket(b, index, files, slot_of) for b in engine.sharded.buckets]
@@ -156,7 +159,20 @@ def prepare(engine, directory: Path) -> Loaded:
             if f"replicated/{name}" not in f:
                 raise CheckpointError(f"{directory / schema.INDEX}: missing replicated/{name}")
             replicated[name] = schema.read_array(f[f"replicated/{name}"])
+    _check_replicated(engine, replicated, directory)
     return Loaded(index, buckets, rng, replicated)
+
+
+def _check_replicated(engine, replicated: dict[str, np.ndarray], directory: Path) -> None:
+    """Frozen parameters and buffers must match too, before anything is overwritten."""
+    m = engine.module
+    ours = {n: p.numel() for n, p in m.named_parameters() if not p.requires_grad}
+    ours.update({n: b.numel() for n, b in m.named_buffers()})
+    theirs = {n: a.size for n, a in replicated.items()}
+    if ours != theirs:
+        diff = sorted(set(ours) ^ set(theirs)) or sorted(n for n in ours if ours[n] != theirs[n])
+        raise CheckpointError(f"{directory}: checkpoint of a different model: frozen parameters or buffers "
+                              f"differ ({', '.join(diff[:5])})")
 
 
 def _scalar_tensor(value, dtype: str):
@@ -206,8 +222,8 @@ def load(engine, root: str | os.PathLike, tag: str | None = None) -> Any:
         loaded = prepare(engine, resolve(root, tag))
     except CheckpointError as e:
         error = str(e)
-    except (KeyError, ValueError, TypeError, IndexError) as e:  # well-formed HDF5, malformed contents
-        error = f"{root}: malformed checkpoint ({type(e).__name__}: {e})"
+    except schema.H5_ERRORS as e:  # damaged HDF5 structures, or well-formed files with bad contents
+        error = str(schema.damaged(str(root), e))
     all_ranks_ok(engine.group, error, CheckpointError)
     apply(engine, loaded)
     return loaded.index.client_state

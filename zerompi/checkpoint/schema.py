@@ -42,12 +42,18 @@ def check_tag(tag: str, source: str = "tag") -> str:
     return tag
 
 
+def _crc(chunk: np.ndarray, dtype: np.dtype) -> int:
+    # Seeded with the datatype, so a damaged datatype (byte order, signedness) fails the check
+    # even though the bytes are intact: the same bytes would be read as other numbers.
+    return zlib.crc32(np.ascontiguousarray(chunk).view(np.uint8), zlib.crc32(dtype.str.encode()))
+
+
 def block_crcs(flat: np.ndarray) -> np.ndarray:
     """CRC-32 of each ``CRC_BLOCK``-element block of a 1-D array."""
     n = flat.shape[0]
     out = np.empty(max(1, -(-n // CRC_BLOCK)), dtype=np.uint32)
     for i in range(out.shape[0]):
-        out[i] = zlib.crc32(np.ascontiguousarray(flat[i * CRC_BLOCK:(i + 1) * CRC_BLOCK]).view(np.uint8))
+        out[i] = _crc(flat[i * CRC_BLOCK:(i + 1) * CRC_BLOCK], flat.dtype)
     return out
 
 
@@ -75,7 +81,7 @@ def read_array(ds: h5py.Dataset, start: int = 0, stop: int | None = None) -> np.
         raise CheckpointError(f"{ds.file.filename}:{ds.name}: unreadable ({e})") from e
     for b in range(first, last + 1 if hi > lo else first):
         chunk = data[(b - first) * CRC_BLOCK:(b - first + 1) * CRC_BLOCK]
-        if b >= len(crcs) or zlib.crc32(np.ascontiguousarray(chunk).view(np.uint8)) != int(crcs[b]):
+        if b >= len(crcs) or _crc(chunk, ds.dtype) != int(crcs[b]):
             raise CheckpointError(f"{ds.file.filename}:{ds.name}: checksum mismatch in elements "
                                   f"[{b * CRC_BLOCK}, {min(n, (b + 1) * CRC_BLOCK)}): the file is corrupt")
     return data[start - lo:stop - lo]
@@ -107,8 +113,14 @@ def open_h5(path: Path, mode: str = "r") -> h5py.File:
         raise CheckpointError(f"{path}: not a readable HDF5 file ({e})") from e
 
 
+def text_attr(value: str) -> np.bytes_:
+    """A fixed-length string attribute: stored inline, never in HDF5's global heap, whose
+    damaged object sizes can make HDF5 loop forever when the attribute is read."""
+    return np.bytes_(value.encode())
+
+
 def check_header(f: h5py.File, kind: str) -> None:
-    if f.attrs.get("format") != FORMAT or f.attrs.get("kind") != kind:
+    if f.attrs.get("format") != text_attr(FORMAT) or f.attrs.get("kind") != text_attr(kind):
         raise CheckpointError(f"{f.filename}: not a zerompi {kind} file")
     version = int(f.attrs.get("version", -1))
     if version != VERSION:
@@ -116,6 +128,15 @@ def check_header(f: h5py.File, kind: str) -> None:
 
 
 def write_header(f: h5py.File, kind: str) -> None:
-    f.attrs["format"] = FORMAT
-    f.attrs["kind"] = kind
+    f.attrs["format"] = text_attr(FORMAT)
+    f.attrs["kind"] = text_attr(kind)
     f.attrs["version"] = VERSION
+
+
+#: what h5py raises on a damaged file (besides our own CheckpointError, a RuntimeError)
+H5_ERRORS = (OSError, RuntimeError, KeyError, TypeError, ValueError, IndexError, AttributeError)
+
+
+def damaged(where: str, e: Exception) -> CheckpointError:
+    """The CheckpointError for an h5py failure on a damaged file."""
+    return CheckpointError(f"{where}: damaged or unreadable ({type(e).__name__}: {e})")

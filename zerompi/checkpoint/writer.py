@@ -81,10 +81,11 @@ def optimizer_meta(engine) -> dict[str, Any]:
     return {"groups": groups, "state_keys": keys, "scalars": scalars}
 
 
-def _write_rank_file(engine, path: Path, keys: list[str]) -> None:
+def _write_rank_file(engine, path: Path, keys: list[str], save_id: str) -> None:
     rank = engine.groups.shard.rank
     with schema.open_h5(path, "w") as f:
         schema.write_header(f, "shard")
+        f.attrs["save_id"] = schema.text_attr(save_id)
         f.attrs["rank"] = rank
         f.attrs["world_size"] = engine.groups.shard.size
         inner = engine.optimizer.inner
@@ -104,14 +105,19 @@ def _write_rank_file(engine, path: Path, keys: list[str]) -> None:
 
 def verify_file(path: Path) -> None:
     """Re-read every dataset of an HDF5 file and check its checksums."""
-    with schema.open_h5(path) as f:
-        def visit(_name, obj):
-            if hasattr(obj, "shape"):
-                schema.read_array(obj)
-        f.visititems(visit)
+    def visit(_name, obj):
+        if hasattr(obj, "shape"):
+            schema.read_array(obj)
+    try:
+        with schema.open_h5(path) as f:
+            f.visititems(visit)
+    except CheckpointError:
+        raise
+    except schema.H5_ERRORS as e:
+        raise schema.damaged(str(path), e) from e
 
 
-def _index(engine, tag: str, client_state, meta: dict) -> CheckpointIndex:
+def _index(engine, tag: str, client_state, meta: dict, save_id: str) -> CheckpointIndex:
     m = engine.module
     replicated = [n for n, p in m.named_parameters() if not p.requires_grad] + [n for n, _ in m.named_buffers()]
     buckets = [{"index": b.layout.index, "group": b.layout.group, "padded_numel": b.layout.padded_numel,
@@ -124,7 +130,7 @@ def _index(engine, tag: str, client_state, meta: dict) -> CheckpointIndex:
         buckets=buckets, optimizer=meta, replicated=replicated, client_state=client_state,
         scaler=None if scaler is None else {"scale": scaler.scale, "good_steps": scaler.good_steps,
                                             "hysteresis_left": scaler.hysteresis_left},
-        config=engine.config.to_dict())
+        config=engine.config.to_dict(), save_id=save_id)
 
 
 def _write_index(engine, path: Path, index: CheckpointIndex) -> None:
@@ -134,7 +140,8 @@ def _write_index(engine, path: Path, index: CheckpointIndex) -> None:
         index.write(f)
         for name in index.replicated:
             schema.write_array(f, f"replicated/{name}", to_numpy(tensors[name]))
-            f[f"replicated/{name}"].attrs["torch_dtype"] = str(tensors[name].dtype).removeprefix("torch.")
+            f[f"replicated/{name}"].attrs["torch_dtype"] = schema.text_attr(
+                str(tensors[name].dtype).removeprefix("torch."))
             f[f"replicated/{name}"].attrs["shape"] = list(tensors[name].shape)
     fsync_path(path)
 
@@ -203,12 +210,12 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
     # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
     writes = engine.groups.replicate is None or engine.groups.replicate.rank == 0
     path = tmp / schema.rank_file(engine.groups.shard.rank)
-    error = _attempt(lambda: (_write_rank_file(engine, path, meta["state_keys"]), verify_file(path))) \
+    error = _attempt(lambda: (_write_rank_file(engine, path, meta["state_keys"], nonce), verify_file(path))) \
         if writes else None
     all_ranks_ok(group, error, CheckpointError)
     error = None
     if group.rank == 0:
-        index = _index(engine, tag, client_state, meta)
+        index = _index(engine, tag, client_state, meta, nonce)
         error = _attempt(lambda: (_write_index(engine, tmp / schema.INDEX, index),
                                   verify_file(tmp / schema.INDEX), _publish(root, tmp, tag)))
     all_ranks_ok(group, error, CheckpointError)
