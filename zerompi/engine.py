@@ -172,7 +172,7 @@ class Engine:
         s = self._stats
         s.bytes_sent = dict(self.group.bytes_sent)
         s.model_state_bytes = self.sharded.state_bytes() + self.optimizer.state_bytes()
-        s.swapped_bytes = self.optimizer.store.swapped_bytes
+        s.swapped_bytes = self.swapper.reserved_bytes if self.swapper is not None else 0
         s.loss_scale = self.optimizer.loss_scale
         return s
 
@@ -213,6 +213,8 @@ class Engine:
         self.sharded.remove_hooks()
         self.group.stop_watchdog()
         self.optimizer.store.close()
+        if self.swapper is not None:  # also when only the parameters were offloaded
+            self.swapper.close()
 
 
 def _param_groups(module: nn.Module, param_groups):
