@@ -17,7 +17,6 @@ they are staged through pinned host buffers.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -30,6 +29,7 @@ from mpi4py import MPI
 from .errors import ZeroMPIError
 
 _SUM_DTYPES = (torch.float32, torch.float64)
+ABORT_GRACE = 0.5  # seconds between printing why the job aborts and MPI_Abort
 _16BIT = (torch.bfloat16, torch.float16)
 
 
@@ -113,10 +113,11 @@ class Monitor:
         while not self.stop.wait(min(1.0, timeout / 4)):
             waiting = self.waiting
             if waiting is not None and time.monotonic() - waiting[1] > timeout:
-                sys.stderr.write(f"zerompi watchdog: rank {rank} of {size} has waited "
-                                 f"{time.monotonic() - waiting[1]:.0f} s in {waiting[0]} "
-                                 f"(collective_timeout={timeout:g} s); aborting the job\n")
-                sys.stderr.flush()
+                report = (f"zerompi watchdog: rank {rank} of {size} has waited "
+                          f"{time.monotonic() - waiting[1]:.0f} s in {waiting[0]} "
+                          f"(collective_timeout={timeout:g} s); aborting the job\n")
+                os.write(2, report.encode())
+                time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills us
                 comm.Abort(3)
 
 

@@ -6,8 +6,12 @@ for the whole script; this hook covers jobs started as ``python script.py``.
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 import traceback
+
+from .comm import ABORT_GRACE
 
 _installed = False
 
@@ -23,9 +27,10 @@ def abort_on_uncaught_exception(group) -> None:
         if issubclass(kind, KeyboardInterrupt):
             return previous(kind, value, tb)
         text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write(f"zerompi: rank {group.rank} of {group.size} failed with an uncaught "
-                         f"{kind.__name__}: {value}\n{text}zerompi: aborting all ranks\n")
         sys.stderr.flush()
+        os.write(2, (f"zerompi: rank {group.rank} of {group.size} failed with an uncaught "
+                     f"{kind.__name__}: {value}\n{text}zerompi: aborting all ranks\n").encode())
+        time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills the job
         group.abort(1)
 
     sys.excepthook = hook
