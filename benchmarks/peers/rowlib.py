@@ -55,15 +55,20 @@ def parse_args(variants: tuple[str, ...]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="one benchmark row (run under mpiexec)")
     p.add_argument("--size", choices=sorted(MODEL_SIZES), default="20M")
     p.add_argument("--variant", choices=variants, required=True)
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    add_training_args(p, steps=10)
+    p.add_argument("--out", required=True, help="JSON result file (written by rank 0)")
+    return p.parse_args()
+
+
+def add_training_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The training settings every benchmark row shares (same model, data and optimizer)."""
+    p.add_argument("--steps", type=int, default=steps, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--out", required=True, help="JSON result file (written by rank 0)")
-    return p.parse_args()
 
 
 def build_model(size: str, seed: int) -> GPT:
