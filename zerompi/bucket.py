@@ -259,10 +259,10 @@ class Bucket:
     def state_bytes(self) -> int:
         """Bytes held persistently: parameters, master (if separate), gradients."""
         stage = self.where.stage
-        params = self.param_full.nbytes if stage <= 2 else _resident(self.param_shard)
+        params = self.param_full.nbytes if stage <= 2 else _nbytes(self.param_shard)
         if self.param_secondary is not None:
             params += _nbytes(self.param_secondary)
-        master = _resident(self.master) if self.separate else 0
+        master = _nbytes(self.master) if self.separate else 0
         grads = self.grad_full.nbytes if stage <= 1 else _nbytes(self.grad_shard)
         return params + master + grads
 
@@ -276,9 +276,6 @@ class Bucket:
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    """Bytes held; 0 for a tensor emptied into the swap file (its data is an empty tensor)."""
     return t.numel() * t.element_size()
 
-
-def _resident(t: torch.Tensor) -> int:
-    """Bytes actually held: 0 for a tensor emptied into the swap file."""
-    return _nbytes(t)

@@ -45,10 +45,6 @@ class InMemory:
     def stream(self) -> Iterator[int]:
         yield from range(len(self.buckets))
 
-    @property
-    def swapped_bytes(self) -> int:
-        return 0
-
     def close(self) -> None:
         pass
 
@@ -132,10 +128,6 @@ class NVMeResidency(InMemory):
                 self._settle(i - 1)
         if n:
             self._settle(n - 1)
-
-    @property
-    def swapped_bytes(self) -> int:
-        return self.swapper.reserved_bytes
 
     def close(self) -> None:
         self.swapper.close()
