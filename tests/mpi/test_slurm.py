@@ -25,6 +25,8 @@ from .launcher import ROOT
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 TINY = ("--config", "jobs/configs/tiny.toml")
 SINGLETON_HINT = "but MPI sees a world of 1 on every rank"
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE", "PREEMPTED"}
 
 
 def _can_have_slurm() -> str | None:
@@ -48,7 +50,7 @@ class Slurm:
         env.update(SLURM_CONF=conf, PATH=SBIN, ZEROMPI_PYTHON=sys.executable,
                    PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                    MPIR_CVAR_POLLS_BEFORE_YIELD="1", MPIR_CVAR_POSIX_POLL_FREQUENCY="1")
-        self.env, self.tmp = env, tmp
+        self.env, self.tmp, self.submitted = env, tmp, 0
 
     def run(self, *cmd: str, limit: int = 30, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(["timeout", str(limit), *cmd], capture_output=True, text=True, cwd=ROOT,
@@ -56,7 +58,8 @@ class Slurm:
 
     def submit(self, name: str, *train_args: str, env: dict | None = None) -> tuple[str, Path]:
         """sbatch train.sbatch on 2 tasks; returns the job id and its output file."""
-        out = self.tmp / f"{name}.out"
+        self.submitted += 1
+        out = self.tmp / f"{name}-{self.submitted}.out"  # requeued runs append to it
         proc = self.run("sbatch", "--parsable", "--ntasks=2", "--overcommit", "--time=5",
                         f"--output={out}", f"--job-name={name}", "jobs/slurm/train.sbatch", *train_args,
                         env=env)
@@ -68,16 +71,25 @@ class Slurm:
         return self.run("squeue", "-h", "-j", job, "-t", "all", "-o", "%T").stdout.strip()
 
     def wait(self, job: str, limit: float = 90, until=None) -> str:
-        """Poll until the job leaves the queue (or ``until(output)`` holds); returns its state."""
-        deadline = time.monotonic() + limit
+        """Poll until the job reaches a final state (or ``until()`` holds); returns its state.
+
+        Only a final state counts as done: a squeue that times out under load prints nothing,
+        which must not end the wait.
+        """
+        deadline, held = time.monotonic() + limit, 0.0
         while time.monotonic() < deadline:
             if until is not None and until():
                 return self.state(job)
-            if not self.run("squeue", "-h", "-j", job).stdout.strip():
-                return self.state(job)
+            state = self.state(job)
+            if state in FINAL:
+                return state
             if self.run("squeue", "-h", "-j", job, "-o", "%r").stdout.strip() == "BeginTime":
-                # A requeued job waits ~2 minutes before it may start again; let it start now.
-                self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+                # A requeued job waits ~2 minutes before it may start again; let it start sooner,
+                # but not within the second its old credential was revoked: slurmd compares
+                # whole seconds and would kill the restart ("Job credential revoked").
+                held = held or time.monotonic()
+                if time.monotonic() - held > 2:
+                    self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
             time.sleep(0.25)
         self.run("scancel", job)
         raise AssertionError(f"job {job} still {self.state(job)} after {limit} s")
@@ -132,7 +144,8 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     text = _log(log)
     assert "forwarding it to the ranks" in text and "requeueing job" in text, text[-4000:]
     saved = int(text.split("preempted: checkpoint at step ")[1].split()[0])
-    assert f"job {job} (restart 1)" in text and text.splitlines()[0].endswith(str(out_dir))
+    assert f"job {job} (restart 1)" in text, text[-4000:]
+    assert text.splitlines()[0].endswith(str(out_dir)), text[:400]
     restart = next(line for line in text.splitlines() if "(restart 1)" in line)
     assert restart.endswith("--resume"), restart
     assert f"resumed from {out_dir / 'checkpoints'} at step {saved + 1}" in text, text[-4000:]
