@@ -201,6 +201,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "debug_collectives": _bool,
     "collective_timeout": lambda k, v: _optional(k, v, lambda k, v: _float(k, v, gt=0), "no watchdog"),
     "abort_on_exception": _bool,
+    "checkpoint_layout": lambda k, v: _choice(k, v, ("auto", "per_rank", "shared")),
 }
 
 
@@ -309,6 +310,10 @@ class ZeroConfig:
     abort_on_exception: bool = True
     """Install a sys.excepthook that prints an uncaught exception once and calls MPI_Abort,
     so one failing rank ends the job instead of hanging the others."""
+    checkpoint_layout: str = "auto"
+    """'per_rank': save_checkpoint writes one HDF5 file per rank plus index.h5; 'shared': one
+    shards.h5 written collectively through h5py's mpio driver (needs h5py built with MPI);
+    'auto': shared when h5py has MPI, else per_rank. Both load at any world size."""
 
     def __post_init__(self) -> None:
         # Field order, so the first problem reported is the first field's; the

@@ -247,6 +247,8 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     ``[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]``.
     """
     cfg = config if config is not None else ZeroConfig()
+    from .checkpoint.writer import layout
+    layout(cfg)  # a layout this h5py cannot write fails now, not at the first save hours later
     group = ProcessGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
     if cfg.abort_on_exception:
         guard.abort_on_uncaught_exception(group)

@@ -85,7 +85,7 @@ _KNOWN_VALID = {
     "offload_params": st.just("none"), "nvme_path": st.one_of(st.none(), TEXT.filter(bool)),
     "pin_memory": st.booleans(), "nonfinite": st.sampled_from(["raise", "skip"]),
     "debug_collectives": st.booleans(), "collective_timeout": st.one_of(st.none(), _POS),
-    "abort_on_exception": st.booleans(),
+    "abort_on_exception": st.booleans(), "checkpoint_layout": st.sampled_from(["auto", "per_rank"]),
 }
 
 

@@ -8,7 +8,11 @@ from ..errors import CheckpointError
 from . import schema
 from .consolidate import consolidate
 from .index import CheckpointIndex
+from .shared import SharedFile
 from .writer import verify_file
+
+
+_LAYOUTS = {"per_rank": "one file per rank", "shared": "one shared file"}
 
 
 def _tags(root: Path) -> list[str]:
@@ -16,13 +20,22 @@ def _tags(root: Path) -> list[str]:
                   and not p.name.startswith("."))
 
 
-def _verify(directory: Path, world_size: int) -> str:
+def _verify(directory: Path, index: CheckpointIndex) -> str:
     try:
         verify_file(directory / schema.INDEX)
-        for r in range(world_size):
-            verify_file(directory / schema.rank_file(r))
+        if index.layout == "shared":
+            files = SharedFile(directory, index.world_size, index.save_id)
+            try:
+                files.verify(range(index.world_size))
+            finally:
+                files.close()
+        else:
+            for r in range(index.world_size):
+                verify_file(directory / schema.rank_file(r))
     except CheckpointError as e:
         return f"CORRUPT: {e}"
+    except schema.H5_ERRORS as e:
+        return f"CORRUPT: {schema.damaged(str(directory), e)}"
     return "ok (every checksum verified)"
 
 
@@ -38,9 +51,9 @@ def inspect(args) -> int:
     report = []
     for tag in tags:
         index = CheckpointIndex.read(root / tag / schema.INDEX)
-        status = _verify(root / tag, index.world_size) if not args.no_verify else "not verified"
+        status = _verify(root / tag, index) if not args.no_verify else "not verified"
         report.append({"tag": tag, "latest": tag == latest, "steps": index.steps, "world_size": index.world_size,
-                       "stage": index.stage, "dtype": index.dtype, "checksums": status,
+                       "stage": index.stage, "dtype": index.dtype, "layout": index.layout, "checksums": status,
                        "tensors": [{"name": p["name"], "shape": p["shape"], "trainable": p["trainable"],
                                     "bytes_fp32": 4 * _numel(p["shape"])} for p in index.params]})
     if args.json:
@@ -49,7 +62,7 @@ def inspect(args) -> int:
     for r in report:
         total = sum(t["bytes_fp32"] for t in r["tensors"])
         print(f"{r['tag']}{' (latest)' if r['latest'] else ''}: step {r['steps']}, world size {r['world_size']}, "
-              f"stage {r['stage']}, {r['dtype']}, {len(r['tensors'])} tensors, {total / 2**20:.1f} MiB fp32, "
+              f"stage {r['stage']}, {r['dtype']}, {_LAYOUTS[r['layout']]}, {len(r['tensors'])} tensors, {total / 2**20:.1f} MiB fp32, "
               f"checksums {r['checksums']}")
         if args.tensors:
             for t in r["tensors"]:

@@ -21,7 +21,7 @@ import torch
 from ..errors import CheckpointError
 from . import schema
 from .index import CheckpointIndex
-from .reader import RankFiles, merge, resolve
+from .reader import merge, open_shards, resolve
 
 
 class FullStateDict(Mapping):
@@ -37,7 +37,7 @@ class FullStateDict(Mapping):
             raise
         except schema.H5_ERRORS as e:
             raise schema.damaged(str(self.directory), e) from e
-        self._files = RankFiles(self.directory, self.index.world_size, self.index.save_id)
+        self._files = open_shards(self.directory, self.index)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._shapes:

@@ -10,7 +10,7 @@ size, stage or bucket size load a checkpoint.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,6 +49,7 @@ class CheckpointIndex:
     client_state: Any = None
     replicated: list[str] = field(default_factory=list)      # frozen parameters and buffers, in index.h5
     save_id: str = ""  # written into every file of the save: a file of another save is refused
+    layout: str = "per_rank"  # "per_rank": rankNNNNN.h5 files; "shared": one shards.h5 (shared.py)
 
     # ---- layout ----------------------------------------------------------
     def layouts(self) -> list[BucketLayout]:
@@ -98,8 +99,12 @@ class CheckpointIndex:
             raise
         except schema.H5_ERRORS as e:
             raise schema.damaged(str(path), e) from e
-        if not isinstance(meta, dict) or set(meta) != set(cls.__dataclass_fields__):
+        fields = cls.__dataclass_fields__
+        required = {n for n, f in fields.items() if f.default is MISSING and f.default_factory is MISSING}
+        if not isinstance(meta, dict) or not required <= set(meta) <= set(fields):
             raise CheckpointError(f"{path}: index metadata has unexpected fields")
+        if meta.get("layout", "per_rank") not in ("per_rank", "shared"):
+            raise CheckpointError(f"{path}: unknown shard layout {meta['layout']!r}")
         return cls(**meta)
 
     def describe_mismatch(self, named: list[tuple[str, tuple[int, ...], bool]]) -> str | None:

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CheckpointError, all_ranks_ok
 from . import schema
+from .shared import SharedFile
 from .index import CheckpointIndex, Source
 
 
@@ -79,6 +80,13 @@ class RankFiles:
         self._open.clear()
 
 
+def open_shards(directory: Path, index: CheckpointIndex):
+    """The shard files of a checkpoint, per-rank or shared: both answer ``dataset(rank, name)``."""
+    if index.layout == "shared":
+        return SharedFile(directory, index.world_size, index.save_id)
+    return RankFiles(directory, index.world_size, index.save_id)
+
+
 def merge(sources: list[Source]) -> list[Source]:
     """Join runs that are contiguous both in the file and in the destination (one read each)."""
     out: list[Source] = []
@@ -99,7 +107,7 @@ class BucketData:
     scalars: dict[str, list] = field(default_factory=dict)
 
 
-def _read_bucket(bucket, index: CheckpointIndex, files: RankFiles, slot_of) -> BucketData:
+def _read_bucket(bucket, index: CheckpointIndex, files, slot_of) -> BucketData:
     own = bucket.own
     sources = []
     for piece in bucket.layout.pieces(own):
@@ -144,7 +152,7 @@ def prepare(engine, directory: Path) -> Loaded:
     """Read and verify everything this rank needs; touches no engine state."""
     index = CheckpointIndex.read(directory / schema.INDEX)
     _check_compatible(engine, index, directory)
-    files = RankFiles(directory, index.world_size, index.save_id)
+    files = open_shards(directory, index)
     try:
         slot_of = index.slot_of()
         buckets = [_read_bucket(b, index, files, slot_of) for b in engine.sharded.buckets]

@@ -3,7 +3,8 @@
 A checkpoint is a directory ``ROOT/TAG/`` holding ``index.h5`` (what the
 tensors are: names, shapes, the bucket layout that wrote them, the config,
 counters, client state) and one ``rankNNNNN.h5`` per writing rank (that
-rank's fp32 master shards, optimizer state and RNG state). ``ROOT/latest``
+rank's fp32 master shards, optimizer state and RNG state), or all of those
+in one ``shards.h5`` written collectively (shared.py). ``ROOT/latest``
 names the newest complete tag. Only numbers, strings and JSON are stored:
 loading never unpickles anything.
 

@@ -1,8 +1,9 @@
 """Atomic, verified save of an engine's state.
 
 Protocol (a job killed at any moment leaves the previous checkpoint loadable):
-1. every rank writes ``ROOT/.tmp-TAG-NONCE/rankNNNNN.h5``, flushes, fsyncs,
-   re-reads it and checks every checksum;
+1. every rank writes ``ROOT/.tmp-TAG-NONCE/rankNNNNN.h5`` (or its part of the
+   shared ``shards.h5``, see shared.py), flushes, fsyncs, re-reads it and
+   checks every checksum;
 2. rank 0 writes ``index.h5`` the same way, then renames the directory to
    ``ROOT/TAG`` (one ``rename``) and fsyncs the root;
 3. last, ``ROOT/latest`` is replaced through a temporary file and ``rename``.
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, UsageError, all_ranks_ok
-from . import schema
+from . import schema, shared
 from .index import CheckpointIndex
 
 
@@ -81,26 +82,58 @@ def optimizer_meta(engine) -> dict[str, Any]:
     return {"groups": groups, "state_keys": keys, "scalars": scalars}
 
 
-def _write_rank_file(engine, path: Path, keys: list[str], save_id: str) -> None:
+def _parts(engine, keys: list[str]):
+    """(dataset name, this rank's data) for everything a rank saves, one bucket in memory at a time."""
     rank = engine.groups.shard.rank
+    inner = engine.optimizer.inner
+    for i, b in enumerate(engine.sharded.buckets):
+        with engine.optimizer.store.resident(i):  # offloaded state: one bucket in memory at a time
+            yield f"b{b.layout.index}/master", to_numpy(_my_part(b, b.master, rank))
+            state = inner.state.get(b.master, {})
+            for k in keys:
+                if k in state:
+                    yield f"b{b.layout.index}/state/{k}", to_numpy(_my_part(b, state[k], rank))
+    yield "rng/torch_cpu", torch.get_rng_state().numpy()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        yield "rng/torch_cuda", torch.cuda.get_rng_state().numpy()
+
+
+def _write_rank_file(engine, path: Path, keys: list[str], save_id: str) -> None:
     with schema.open_h5(path, "w") as f:
         schema.write_header(f, "shard")
         f.attrs["save_id"] = schema.text_attr(save_id)
-        f.attrs["rank"] = rank
+        f.attrs["rank"] = engine.groups.shard.rank
         f.attrs["world_size"] = engine.groups.shard.size
-        inner = engine.optimizer.inner
-        for i, b in enumerate(engine.sharded.buckets):
-            with engine.optimizer.store.resident(i):  # offloaded state: one bucket in memory at a time
-                g = f.create_group(f"b{b.layout.index}")
-                schema.write_array(g, "master", to_numpy(_my_part(b, b.master, rank)))
-                state = inner.state.get(b.master, {})
-                for k in keys:
-                    if k in state:
-                        schema.write_array(g, f"state/{k}", to_numpy(_my_part(b, state[k], rank)))
-        schema.write_array(f, "rng/torch_cpu", torch.get_rng_state().numpy())
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            schema.write_array(f, "rng/torch_cuda", torch.cuda.get_rng_state().numpy())
+        for name, data in _parts(engine, keys):
+            schema.write_array(f, name, data)
     fsync_path(path)
+    verify_file(path)
+
+
+def _write_shared(engine, path: Path, keys: list[str], save_id: str) -> None:
+    """Collective over the writing ranks: one file through the mpio driver; each rank verifies its part."""
+    writer = shared.SharedWriter(path, engine.groups.shard.comm, save_id)
+    try:
+        for name, data in _parts(engine, keys):
+            writer.put(name, data)
+    finally:
+        writer.close()
+    fsync_path(path)
+    files = shared.SharedFile(path.parent, engine.groups.shard.size, save_id)
+    try:
+        files.verify([engine.groups.shard.rank])
+    finally:
+        files.close()
+
+
+def layout(config) -> str:
+    """The layout a save writes: ``checkpoint_layout``, with 'auto' resolved by what h5py can do."""
+    if config.checkpoint_layout == "auto":
+        return "shared" if shared.available() else "per_rank"
+    if config.checkpoint_layout == "shared" and not shared.available():
+        raise UsageError("checkpoint_layout='shared' needs h5py built with MPI (h5py.get_config().mpi is "
+                         "False here); allowed here: 'per_rank' or 'auto'. README.md says how to build it")
+    return config.checkpoint_layout
 
 
 def verify_file(path: Path) -> None:
@@ -117,7 +150,7 @@ def verify_file(path: Path) -> None:
         raise schema.damaged(str(path), e) from e
 
 
-def _index(engine, tag: str, client_state, meta: dict, save_id: str) -> CheckpointIndex:
+def _index(engine, tag: str, client_state, meta: dict, save_id: str, kind: str) -> CheckpointIndex:
     m = engine.module
     replicated = [n for n, p in m.named_parameters() if not p.requires_grad] + [n for n, _ in m.named_buffers()]
     buckets = [{"index": b.layout.index, "group": b.layout.group, "padded_numel": b.layout.padded_numel,
@@ -130,7 +163,7 @@ def _index(engine, tag: str, client_state, meta: dict, save_id: str) -> Checkpoi
         buckets=buckets, optimizer=meta, replicated=replicated, client_state=client_state,
         scaler=None if scaler is None else {"scale": scaler.scale, "good_steps": scaler.good_steps,
                                             "hysteresis_left": scaler.hysteresis_left},
-        config=engine.config.to_dict(), save_id=save_id)
+        config=engine.config.to_dict(), save_id=save_id, layout=kind)
 
 
 def _write_index(engine, path: Path, index: CheckpointIndex) -> None:
@@ -201,7 +234,7 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
         json.dumps(client_state)
     except (TypeError, ValueError) as e:
         raise UsageError(f"client_state must be JSON-serialisable ({e})") from e
-    group, root = engine.group, Path(root)
+    group, root, kind = engine.group, Path(root), layout(engine.config)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None
@@ -209,13 +242,17 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
     meta = optimizer_meta(engine)
     # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
     writes = engine.groups.replicate is None or engine.groups.replicate.rank == 0
-    path = tmp / schema.rank_file(engine.groups.shard.rank)
-    error = _attempt(lambda: (_write_rank_file(engine, path, meta["state_keys"], nonce), verify_file(path))) \
-        if writes else None
+    if not writes:
+        error = None
+    elif kind == "shared":
+        error = _attempt(_write_shared, engine, tmp / shared.SHARED, meta["state_keys"], nonce)
+    else:
+        error = _attempt(_write_rank_file, engine, tmp / schema.rank_file(engine.groups.shard.rank),
+                         meta["state_keys"], nonce)
     all_ranks_ok(group, error, CheckpointError)
     error = None
     if group.rank == 0:
-        index = _index(engine, tag, client_state, meta, nonce)
+        index = _index(engine, tag, client_state, meta, nonce, kind)
         error = _attempt(lambda: (_write_index(engine, tmp / schema.INDEX, index),
                                   verify_file(tmp / schema.INDEX), _publish(root, tmp, tag)))
     all_ranks_ok(group, error, CheckpointError)

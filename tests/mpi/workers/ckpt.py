@@ -40,7 +40,8 @@ def config(args) -> zerompi.ZeroConfig:
     opt = (dict(optimizer="adamw", lr=1e-2, weight_decay=0.1) if args.optimizer == "adamw"
            else dict(optimizer="sgd", lr=0.2, momentum=0.9))
     return zerompi.ZeroConfig(stage=args.stage, dtype=args.dtype, bucket_mb=args.bucket_mb, **opt,
-                              hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node)
+                              hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node,
+                              checkpoint_layout=args.layout)
 
 
 def snapshot(engine) -> dict[str, np.ndarray]:
@@ -63,6 +64,7 @@ def main():
     p.add_argument("--n-embd", type=int, default=16)
     p.add_argument("--hierarchy", default="flat")
     p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--layout", default="auto")
     args = p.parse_args()
     engine = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
     out: dict[str, np.ndarray] = {}

@@ -1,0 +1,142 @@
+"""The shared-file layout: all shards in one ``shards.h5``, written collectively.
+
+Written through h5py's ``mpio`` driver (h5py built against a parallel HDF5),
+read back with any h5py: the file is plain HDF5. Dataset ``b{i}/master`` (and
+``b{i}/state/{k}``, ``rng/torch_cpu``) holds every writer's part back to back:
+rank r writes elements ``[r*L, (r+1)*L)``, exactly what ``rankNNNNN.h5`` holds
+in the per-rank layout, so the index's arithmetic locates data in both.
+
+A checksum block must not span two writers, so each rank's slice has its own
+CRC blocks, kept in ``crc/<dataset>`` as a (world_size, blocks) array, one row
+per rank. :class:`ShardView` shows rank r's slice with its row as an ordinary
+checksummed 1-D dataset, and the reader needs no other change.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ..errors import CheckpointError
+from . import schema
+
+SHARED = "shards.h5"
+KIND = "shared"
+
+
+def available() -> bool:
+    """Whether this h5py can write through the ``mpio`` driver (built with MPI)."""
+    return bool(h5py.get_config().mpi)
+
+
+class SharedWriter:
+    """Collective writes into one file; every call is made by every writing rank in the same order.
+
+    A write that fails on one rank is reported at the next call, on every rank, so that no rank
+    goes on into a collective the others have left.
+    """
+
+    def __init__(self, path: Path, comm, save_id: str):
+        self.path, self.comm, self.rank, self.size = path, comm, comm.Get_rank(), comm.Get_size()
+        self.error = ""
+        try:
+            self.f = h5py.File(path, "w", driver="mpio", comm=comm)
+            schema.write_header(self.f, KIND)
+            self.f.attrs["save_id"] = schema.text_attr(save_id)
+            self.f.attrs["world_size"] = self.size
+        except (OSError, RuntimeError) as e:
+            self.error = f"cannot create it through the mpio driver ({e})"
+        self._agree(None)
+
+    def _agree(self, what: tuple | None) -> None:
+        seen = self.comm.allgather((what, self.error))
+        failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(seen) if err]
+        if failed:
+            raise CheckpointError(f"{self.path}: writing the shared checkpoint file failed: " + "; ".join(failed))
+        if any(w != what for w, _ in seen):
+            raise CheckpointError(f"{self.path}: ranks disagree on the next dataset: "
+                                  + "; ".join(f"rank {r}: {w}" for r, (w, _) in enumerate(seen)))
+
+    def put(self, name: str, data: np.ndarray) -> None:
+        """Write this rank's ``data`` (1-D) as its slice of dataset ``name``, and its checksums."""
+        flat = np.ascontiguousarray(data).reshape(-1)
+        # Dataset creation is collective: a rank with another name, dtype or length would
+        # corrupt the file's metadata, so the ranks compare before creating anything.
+        self._agree((name, flat.dtype.str, flat.shape[0]))
+        n, crcs = flat.shape[0], schema.block_crcs(flat)
+        ds = self.f.create_dataset(name, shape=(self.size * n,), dtype=flat.dtype)
+        crc = self.f.create_dataset(f"crc/{name}", shape=(self.size, crcs.shape[0]), dtype=np.uint32)
+        try:
+            with ds.collective:  # one MPI-IO collective write: what parallel filesystems do best
+                ds[self.rank * n:(self.rank + 1) * n] = flat
+            crc[self.rank] = crcs
+        except (OSError, RuntimeError) as e:
+            self.error = f"{name}: {e}"
+
+    def close(self) -> None:
+        """Collective: close the file; raises on every rank when any rank's write failed."""
+        try:
+            self._agree(None)
+        finally:
+            self.f.close()
+
+
+class ShardView:
+    """Rank ``rank``'s slice of a shared dataset, as :func:`schema.read_array` expects a dataset."""
+
+    def __init__(self, ds: h5py.Dataset, crcs: np.ndarray, rank: int, length: int):
+        self._ds, self._offset = ds, rank * length
+        self.shape, self.dtype, self.file = (length,), ds.dtype, ds.file
+        self.name = f"{ds.name} (rank {rank}'s part)"
+        self.attrs = {"crc32": crcs}
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        return self._ds[self._offset + s.start:self._offset + s.stop]
+
+
+class SharedFile:
+    """The reader's view of ``shards.h5``: the same ``dataset(rank, name)`` as per-rank files."""
+
+    def __init__(self, directory: Path, world_size: int, save_id: str = ""):
+        path = directory / SHARED
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the index says the shards are in one shared file)")
+        self.f = schema.open_h5(path)
+        try:
+            schema.check_header(self.f, KIND)
+            if int(self.f.attrs.get("world_size", -1)) != world_size:
+                raise CheckpointError(f"{path}: written by {self.f.attrs.get('world_size')} ranks, "
+                                      f"the index says {world_size}")
+            if self.f.attrs.get("save_id") != schema.text_attr(save_id):
+                raise CheckpointError(f"{path}: belongs to another save than {directory / schema.INDEX}")
+        except BaseException:
+            self.f.close()
+            raise
+        self.world_size = world_size
+
+    def dataset(self, rank: int, name: str) -> ShardView:
+        where = f"{self.f.filename}: dataset {name}"
+        if name not in self.f or f"crc/{name}" not in self.f:
+            raise CheckpointError(f"{where}: missing")
+        ds, crc = self.f[name], self.f[f"crc/{name}"]
+        if len(ds.shape) != 1 or ds.shape[0] % self.world_size or crc.shape[:1] != (self.world_size,):
+            raise CheckpointError(f"{where}: shape {ds.shape} (checksums {crc.shape}) does not split "
+                                  f"into {self.world_size} ranks")
+        return ShardView(ds, crc[rank], rank, ds.shape[0] // self.world_size)
+
+    def names(self) -> list[str]:
+        """Every data set (not the checksum tables)."""
+        out: list[str] = []
+        self.f.visititems(lambda n, obj: out.append(n) if isinstance(obj, h5py.Dataset)
+                          and not n.startswith("crc/") else None)
+        return out
+
+    def verify(self, ranks) -> None:
+        """Read ``ranks``' slices of every dataset, checking every checksum."""
+        for name in self.names():
+            for r in ranks:
+                schema.read_array(self.dataset(r, name))
+
+    def close(self) -> None:
+        self.f.close()
