@@ -232,7 +232,8 @@ def build_engine(args, rank: int):
                     n_embd=args.n_embd)
     t0 = time.perf_counter()
     model = GPT(cfg)
-    engine = zerompi.initialize(model, zerompi.ZeroConfig(stage=3, optimizer="adamw", dtype="fp32", lr=1e-4))
+    engine = zerompi.initialize(model, zerompi.ZeroConfig(stage=3, optimizer="adamw", dtype="fp32", lr=1e-4,
+                                                          checkpoint_layout=args.layout))
     data = torch.randint(0, 256, (1, args.block + 1), generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(data[:, :-1], data[:, 1:])[1])
     engine.step()
@@ -278,6 +279,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="JSON results (rank 0)")
     for name, default in (("repeats", 3), ("n-layer", 22), ("n-embd", 1024), ("n-head", 16), ("block", 64)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--layout", default="auto", help="checkpoint_layout: auto, per_rank or shared")
     args = p.parse_args()
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
