@@ -146,6 +146,15 @@ class Bucket:
             self._gather = work
         return work
 
+    def prefetch(self) -> None:
+        """Start what ``unshard()`` will wait on: a non-blocking all-gather, or, for a shard in the
+        NVMe swap file, its read (the gather then runs when the unit needs it)."""
+        if self.param_swap is not None and self.param_secondary is None:
+            if self.state is BucketState.SHARDED:
+                self.param_swap.prefetch()
+        else:
+            self.unshard(async_op=True)
+
     def wait_gathered(self) -> None:
         """Block until a prefetch all-gather into the parameters has landed."""
         if self._gather is not None:

@@ -285,7 +285,8 @@ class ZeroConfig:
     and wait for all of them when backward ends (stages 1-3), instead of reducing in place."""
     prefetch_units: int = 0
     """Stage 3: gather this many gather units ahead, non-blocking (0 = gather on demand, up to 8);
-    the order is recorded on the first step."""
+    the order is recorded on the first step. With offload_params='nvme' the units' shards are
+    read from the swap file this many units ahead (0 there means 1)."""
     mpi_progress: str = "none"
     """How non-blocking collectives progress while Python computes: 'none' (by the MPI library
     alone; with MPICH, MPIR_CVAR_ASYNC_PROGRESS=1 adds a progress thread) or 'test' (MPI_Test

@@ -90,7 +90,9 @@ class Engine:
                           offload_params=cfg.offload_params, pin_memory=cfg.pin_memory)
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
-        overlap = Overlap(cfg.overlap_grad_reduce, cfg.prefetch_units, cfg.mpi_progress == "test")
+        # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.
+        ahead = cfg.prefetch_units or (1 if cfg.offload_params == "nvme" else 0)
+        overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.mpi_progress == "test")
         self.sharded = ShardedModel(module, where, self.groups, cap, membership, overlap)
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
         swapper, error = None, None

@@ -173,8 +173,7 @@ class ShardedModel:
     def _prefetch(self, units: list[Unit]) -> None:
         for u in units:
             for b in u.buckets:
-                if b.param_swap is None:  # swapped shards are read synchronously when needed
-                    b.unshard(async_op=True)
+                b.prefetch()
 
     def _post_forward(self, unit: Unit, output) -> None:
         if self.in_backward:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .aligned import aligned_empty
 from .nvme import NVMeSwapper
 
 
@@ -26,8 +27,11 @@ def _free(t: torch.Tensor) -> None:
 
 
 def _alloc(t: torch.Tensor, numel: int) -> None:
+    # Host memory on a 4 KiB boundary: the swapper moves it with O_DIRECT, no staging copy
+    # (pinned memory is page aligned already).
     if t.numel() != numel:
-        t.data = t.new_empty(numel)
+        t.data = aligned_empty(numel, t.dtype) if t.device.type == "cpu" and not t.is_pinned() \
+            else t.new_empty(numel)
 
 
 class InMemory:
@@ -138,6 +142,8 @@ class ParamSwap:
 
     def __init__(self, swapper: NVMeSwapper, key: str, shard: torch.Tensor):
         self.swapper, self.key, self.shard, self.numel = swapper, key, shard, shard.numel()
+        self._read: Future | None = None  # a read-ahead in flight (prefetch)
+        self.read_ahead = 0  # reads started by prefetch(), for tests and benchmarks
         self.store()
 
     def store(self) -> None:
@@ -146,12 +152,23 @@ class ParamSwap:
         self.swapper.write(self.key, self.shard).result()
         _free(self.shard)
 
+    def prefetch(self) -> None:
+        """Start reading the shard back without waiting: the next ``loaded()`` finds it in memory."""
+        if self._read is None and not self.shard.numel():
+            _alloc(self.shard, self.numel)
+            self._read = self.swapper.read(self.key, self.shard)
+            self.read_ahead += 1
+
     @contextmanager
     def loaded(self, *, load: bool = True) -> Iterator[torch.Tensor]:
         """The shard in memory for the block; released afterwards (``store()`` persists changes)."""
-        _alloc(self.shard, self.numel)
-        if load:
-            self.swapper.read(self.key, self.shard).result()
+        if self._read is not None:  # read ahead: wait for it (also before overwriting the tensor)
+            read, self._read = self._read, None
+            read.result()
+        else:
+            _alloc(self.shard, self.numel)
+            if load:
+                self.swapper.read(self.key, self.shard).result()
         try:
             yield self.shard
         finally:

@@ -34,7 +34,10 @@ def parity(stage, dtype, swap_dir, batches):
         stats = engine.stats
         runs[mode] = run.params
         rows.append(dict(mode=mode, model_state_bytes=stats.model_state_bytes, swapped=stats.swapped_bytes,
-                         padded=sum(b.layout.padded_numel for b in engine.sharded.buckets)))
+                         padded=sum(b.layout.padded_numel for b in engine.sharded.buckets),
+                         read_ahead=sum(b.param_swap.read_ahead for b in engine.sharded.buckets
+                                        if b.param_swap is not None),
+                         units=len(engine.sharded.units)))
         engine.close()
     return dict(identical={m: same(runs["none"], runs[m]) for m in MODES}, rows=rows)
 
