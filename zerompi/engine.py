@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import guard, launch, offload
+from . import deferred, guard, launch, offload
 from .bucket import Placement
 from .comm import ProcessGroup
 from .config import ZeroConfig
@@ -68,7 +68,7 @@ class Engine:
     """Trains ``module`` with ZeRO over the ranks of ``group``; build it with :func:`initialize`."""
 
     def __init__(self, module: nn.Module, cfg: ZeroConfig, group: ProcessGroup,
-                 param_groups: list[dict[str, Any]] | None = None):
+                 param_groups: list[dict[str, Any]] | None = None, param_init: deferred.ParamInit | None = None):
         self.config = cfg
         self.group = group
         self.info = launch.discover(group)
@@ -82,7 +82,8 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
-        self.module = module.to(self.device)
+        deferred.check(module)
+        self.module = deferred.to_device(module, self.device)
         self.groups = build_groups(group, self.info, cfg.hierarchy, cfg.stage, cfg.ranks_per_node)
         shard = self.groups.shard
         where = Placement(cfg.stage, shard.rank, shard.size, cfg.torch_dtype, self.device,
@@ -93,7 +94,7 @@ class Engine:
         # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.
         ahead = cfg.prefetch_units or (1 if cfg.offload_params == "nvme" else 0)
         overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.mpi_progress == "test")
-        self.sharded = ShardedModel(module, where, self.groups, cap, membership, overlap)
+        self.sharded = ShardedModel(module, where, self.groups, cap, membership, overlap, param_init)
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
         swapper, error = None, None
         try:
@@ -241,12 +242,17 @@ def _param_groups(module: nn.Module, param_groups):
 
 
 def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
-               param_groups: list[dict[str, Any]] | None = None) -> Engine:
+               param_groups: list[dict[str, Any]] | None = None,
+               param_init: deferred.ParamInit | None = None) -> Engine:
     """Collective: wrap ``model`` in an :class:`Engine` over ``comm`` (``MPI.COMM_WORLD`` by default).
 
     ``param_groups`` optionally splits the trainable parameters into optimizer
     groups with their own options, like ``torch.optim`` param groups, e.g.
     ``[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]``.
+
+    A model built under ``torch.device("meta")`` is materialised one bucket at
+    a time, each module by ``param_init(module)`` (default: its
+    ``reset_parameters()``), so no rank ever holds the whole model (deferred.py).
     """
     cfg = config if config is not None else ZeroConfig()
     from .checkpoint.writer import layout
@@ -256,4 +262,4 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
         guard.abort_on_uncaught_exception(group)
     if cfg.collective_timeout is not None:
         group.start_watchdog(cfg.collective_timeout)
-    return Engine(model, cfg, group, param_groups)
+    return Engine(model, cfg, group, param_groups, param_init)

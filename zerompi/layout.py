@@ -162,15 +162,31 @@ def choose_units(modules: Sequence[str], own_numel: dict[str, int], cap_numel: i
     subtree not already claimed by a smaller unit reach ``cap_numel``; the
     root is always a unit and takes the rest. Only modules in
     ``callable_modules`` (default: all) can be units: a container such as
-    ``nn.ModuleList`` is never called, so its hooks would never fire.
+    ``nn.ModuleList`` is never called, so its hooks would never fire; when
+    such a container reaches the cap, its callable children with unclaimed
+    elements become units instead.
     """
     unclaimed = {m: own_numel.get(m, 0) for m in modules}
     units: set[str] = {""}
+    children: dict[str, list[str]] = {}
+    for m in modules:
+        if m:
+            children.setdefault(parent_fqn(m), []).append(m)
     for m in sorted(modules, key=lambda f: -len(f.split(".")) if f else 0):
-        if m and unclaimed[m] >= cap_numel and (callable_modules is None or m in callable_modules):
+        if not m:
+            continue
+        if unclaimed[m] >= cap_numel and (callable_modules is None or m in callable_modules):
             units.add(m)
-        elif m:
-            unclaimed[parent_fqn(m)] += unclaimed[m]
+            continue
+        if unclaimed[m] >= cap_numel:
+            # A container (nn.ModuleList of blocks) that reaches the cap but is never called:
+            # its callable children become units, as one would wrap each block, rather than
+            # handing a large subtree up to an ancestor that gathers all of it at once.
+            for c in children.get(m, []):
+                if c not in units and unclaimed[c] > 0 and c in callable_modules:
+                    units.add(c)
+                    unclaimed[m] -= unclaimed[c]
+        unclaimed[parent_fqn(m)] += unclaimed[m]
     mapping = {}
     for m in modules:
         u = m

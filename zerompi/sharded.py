@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .bucket import Bucket, BucketState, Placement
+from .deferred import Materializer, ParamInit
 from .prefetch import Prefetcher
 from .topology import Groups
 
@@ -71,8 +72,10 @@ class ShardedModel:
     """
 
     def __init__(self, module: nn.Module, where: Placement, groups: Groups,
-                 cap_numel: int, param_group: dict[nn.Parameter, int], overlap: Overlap = Overlap()):
+                 cap_numel: int, param_group: dict[nn.Parameter, int], overlap: Overlap = Overlap(),
+                 param_init: ParamInit | None = None):
         self.module = module
+        self.materialize = Materializer(module, where.device, param_init)
         self.overlap = overlap
         self.prefetcher = Prefetcher(overlap.prefetch_units if where.stage >= 3 else 0)
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
@@ -128,6 +131,8 @@ class ShardedModel:
         params = [self._param(slot.fqn) for slot in layout.slots]
         init = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.where.device)
         for p, slot in zip(params, layout.slots):
+            if p.is_meta:  # deferred initialisation: this bucket's modules become real now
+                self.materialize(slot.fqn)
             init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         # every rank starts from rank 0's values, as DDP does
         self.group.broadcast(init, what=f"initial values of bucket {layout.index}")

@@ -277,10 +277,14 @@ def test_choose_units_gpt_blocks():
     assert mapping == expected
 
 
-def test_choose_units_skips_uncallable_container():
-    # h's subtree (1420) reaches the cap but h cannot be a unit: its elements go to its parent.
+def test_choose_units_splits_uncallable_container():
+    # h's subtree (1420) reaches the cap but h cannot be a unit: its blocks (710 each, under the
+    # cap) become the units, not its parent, which would gather the whole of h at once.
     mapping = choose_units(GPT_MODULES, GPT_NUMEL, 1200, GPT_CALLABLE)
-    assert mapping == {m: ("" if m in ("", "lm_head") else "transformer") for m in GPT_MODULES}
+    blocks = {m: m[:len("transformer.h.0")] for m in GPT_MODULES if m.startswith("transformer.h.")}
+    assert mapping == {m: blocks.get(m, "") for m in GPT_MODULES}
+    # wte + wpe + ln_f = 1110 < 1200 stay with the root; h itself maps to its nearest unit
+    assert mapping["transformer.wte"] == mapping["transformer.h"] == ""
     # the same tree with every module callable makes h the unit
     everything = choose_units(GPT_MODULES, GPT_NUMEL, 1200)
     assert {m for m in GPT_MODULES if m.startswith("transformer.h")} == \
@@ -335,12 +339,26 @@ def test_choose_units_only_callable_modules_become_units(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_choose_units_unit_iff_unclaimed_subtree_reaches_cap(seed):
+    """A callable module is a unit iff the elements of its subtree not claimed by a unit below it
+    reach the cap, or it holds some and its parent is an uncallable container that reached the cap
+    (then the container's callable children are the units)."""
     modules, own, callable_, cap = random_tree(seed)
     mapping = choose_units(modules, own, cap, callable_)
+
+    def unclaimed(m):  # elements in m's subtree not claimed by a unit strictly below m
+        return sum(own.get(x, 0) for x in modules if is_ancestor_or_self(m, x) and is_ancestor_or_self(mapping[x], m))
+
+    def split_children(p):
+        return [c for c in modules if c and parent_fqn(c) == p and mapping[c] == c and unclaimed(c) < cap]
+
+    def container_reached_cap(p):  # what p's subtree held for p before its children were split off
+        split = split_children(p)
+        return sum(own.get(x, 0) for x in modules if is_ancestor_or_self(p, x) and (
+            is_ancestor_or_self(mapping[x], p) or mapping[x] in split)) >= cap
+
     for m in modules:
         if not m or m not in callable_:
             continue
-        # elements in m's subtree not claimed by a unit strictly below m
-        unclaimed = sum(own.get(x, 0) for x in modules
-                        if is_ancestor_or_self(m, x) and is_ancestor_or_self(mapping[x], m))
-        assert (mapping[m] == m) == (unclaimed >= cap), (m, unclaimed, cap)
+        u, p = unclaimed(m), parent_fqn(m)
+        by_split = bool(p) and p not in callable_ and u > 0 and container_reached_cap(p)
+        assert (mapping[m] == m) == (u >= cap or by_split), (m, u, cap, p)

@@ -117,6 +117,15 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def init_module(self, module: nn.Module) -> None:
+        """``param_init`` for a GPT built on the meta device: one module's own parameters, from
+        the distributions ``__init__`` gives the whole model (values differ: another draw order)."""
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        self._init_weights(module)
+        if any(m is module for n, m in self.named_modules() if n.endswith("c_proj")):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -1,0 +1,59 @@
+"""zerompi.deferred without MPI: what may be on the meta device, and how a module becomes real."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zerompi.deferred import Materializer, check, to_device
+from zerompi.errors import UsageError
+
+
+def test_frozen_parameters_and_buffers_must_be_real():
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with pytest.raises(UsageError, match="1.running_mean"):
+        check(m)
+    m[1].weight.requires_grad_(False)
+    with pytest.raises(UsageError, match="1.weight"):
+        check(m)
+
+
+def test_materialize_keeps_parameter_objects_and_runs_param_init():
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    m = to_device(m, torch.device("cpu"))  # meta tensors wait
+    weight = m[0].weight
+    seen = []
+    Materializer(m, torch.device("cpu"), lambda mod: (seen.append(mod), nn.init.ones_(mod.weight),
+                                                       nn.init.zeros_(mod.bias)))("0.weight")
+    assert m[0].weight is weight and not weight.is_meta and torch.equal(weight, torch.ones(4, 3))
+    assert seen == [m[0]] and m[1].weight.is_meta  # only the owner of that parameter
+
+
+def test_tied_weight_keeps_its_values_when_its_second_module_is_materialized():
+    with torch.device("meta"):
+        emb, out = nn.Embedding(5, 3), nn.Linear(3, 5)
+    out.weight = emb.weight
+    m = nn.ModuleDict(dict(emb=emb, out=out))
+    mat = Materializer(m, torch.device("cpu"), None)  # reset_parameters()
+    mat("emb.weight")
+    before = emb.weight.detach().clone()
+    mat("out.bias")  # out.reset_parameters() also draws a weight: it must not land in emb.weight
+    assert torch.equal(emb.weight, before) and out.weight is emb.weight and not out.bias.is_meta
+
+
+def test_modules_without_reset_parameters_need_param_init():
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(2))
+    with torch.device("meta"):
+        m = nn.Sequential(Bare())
+    with pytest.raises(UsageError, match="param_init="):
+        Materializer(m, torch.device("cpu"), None)("0.w")
+    with torch.device("meta"):
+        fresh = nn.Sequential(Bare())
+    with pytest.raises(UsageError, match="left w of module '0' on the meta device"):
+        Materializer(fresh, torch.device("cpu"), lambda mod: torch.utils.swap_tensors(
+            mod.w, nn.Parameter(torch.empty(2, device="meta"))))("0.w")
