@@ -94,15 +94,17 @@ class Engine:
         # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.
         ahead = cfg.prefetch_units or (1 if cfg.offload_params == "nvme" else 0)
         overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.mpi_progress == "test")
-        self.sharded = ShardedModel(module, where, self.groups, cap, membership, overlap, param_init)
-        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
         swapper, error = None, None
         try:
-            swapper = offload.attach(self, cfg)
+            swapper = offload.open_swapper(cfg, self.rank)
         except ZeroMPIError as e:  # e.g. nvme_path missing on some ranks only: fail together
             error = str(e)
         all_ranks_ok(group, error)
         self.swapper = swapper
+        built = None if swapper is None else (lambda b: offload.swap_out_bucket(swapper, cfg, b))
+        self.sharded = ShardedModel(module, where, self.groups, cap, membership, overlap, param_init, built)
+        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
+        offload.attach(self, cfg, swapper)
         self._micro = 0  # backward calls since the last step
         self._stats = Stats()
 

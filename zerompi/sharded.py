@@ -9,6 +9,7 @@ from rank 0): they take no gradient and no optimizer state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,8 +74,9 @@ class ShardedModel:
 
     def __init__(self, module: nn.Module, where: Placement, groups: Groups,
                  cap_numel: int, param_group: dict[nn.Parameter, int], overlap: Overlap = Overlap(),
-                 param_init: ParamInit | None = None):
+                 param_init: ParamInit | None = None, built: Callable[[Bucket], None] | None = None):
         self.module = module
+        self.built = built  # called with each new bucket (NVMe offload swaps its shards out)
         self.materialize = Materializer(module, where.device, param_init)
         self.overlap = overlap
         self.prefetcher = Prefetcher(overlap.prefetch_units if where.stage >= 3 else 0)
@@ -137,6 +139,9 @@ class ShardedModel:
         # every rank starts from rank 0's values, as DDP does
         self.group.broadcast(init, what=f"initial values of bucket {layout.index}")
         bucket = Bucket(layout, params, self.where, init, self.groups)
+        del init  # the next bucket's values may take its place
+        if self.built is not None:
+            self.built(bucket)
         if self.where.stage >= 3:
             self._unit[layout.unit].buckets.append(bucket)
         return bucket

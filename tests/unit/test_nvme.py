@@ -401,7 +401,11 @@ def test_streamed_optimizer_state_moves_without_staging(tmp_path):
     reference = [torch.nn.Parameter(m.detach().clone()) for m in masters]
     inner, ref_opt = torch.optim.Adam(masters, lr=0.1), torch.optim.Adam(reference, lr=0.1)
     with NVMeSwapper(tmp_path, 0, SMALL) as sw:
-        res = NVMeResidency([SimpleNamespace(master=m) for m in masters], inner, sw)
+        buckets = [SimpleNamespace(master=m, layout=SimpleNamespace(index=i)) for i, m in enumerate(masters)]
+        for b in buckets:  # as the engine does while it builds the buckets
+            NVMeResidency.swap_out_master(sw, b)
+            assert b.master.numel() == 0
+        res = NVMeResidency(buckets, inner, sw)
         staged = []
         for step in range(3):
             before = sw.stats.staged_bytes

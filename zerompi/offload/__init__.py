@@ -2,30 +2,40 @@
 
 :class:`NVMeSwapper` keeps flat CPU tensors in one file per rank and moves
 them with asynchronous, page-aligned block I/O; :class:`SwapConfig` says how.
-Tensors from :func:`aligned_empty` skip the staging copy. :func:`attach`
-wires an engine's buckets and optimizer to the swap file its config asks for.
+Tensors from :func:`aligned_empty` skip the staging copy. :func:`open_swapper`,
+:func:`swap_out_bucket` (as each bucket is built) and :func:`attach` (once the
+optimizer exists) wire an engine to the swap file its config asks for.
 """
 from zerompi.offload.aligned import aligned_empty
 from zerompi.offload.nvme import NVMeSwapper, SwapConfig
 from zerompi.offload.residency import InMemory, NVMeResidency, ParamSwap
 
-__all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "ParamSwap", "SwapConfig", "aligned_empty", "attach"]
+__all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "ParamSwap", "SwapConfig", "aligned_empty", "attach",
+           "open_swapper", "swap_out_bucket"]
 
 
-def attach(engine, cfg) -> NVMeSwapper | None:
-    """Open this rank's swap file when the config offloads to 'nvme', and move state into it.
-
-    'cpu' offload needs nothing here: the buckets already placed master
-    weights (and stage-3 parameter shards) in host memory.
-    """
+def open_swapper(cfg, rank: int) -> NVMeSwapper | None:
+    """This rank's swap file when the config offloads anything to 'nvme'."""
     if "nvme" not in (cfg.offload_optimizer, cfg.offload_params):
         return None
-    swapper = NVMeSwapper(cfg.nvme_path, engine.rank, SwapConfig(
+    return NVMeSwapper(cfg.nvme_path, rank, SwapConfig(
         block_bytes=cfg.nvme_block_kib * 1024, threads=cfg.nvme_threads, buffers=cfg.nvme_buffers,
         verify=cfg.nvme_verify))
+
+
+def swap_out_bucket(swapper: NVMeSwapper, cfg, bucket) -> None:
+    """Called as each bucket is built: its parameter shard and master go to the swap file before
+    the next bucket exists, so that building the model holds one bucket's state, not the model's.
+
+    'cpu' offload needs nothing: the bucket already placed them in host memory.
+    """
     if cfg.offload_params == "nvme":
-        for b in engine.sharded.buckets:
-            b.param_swap = ParamSwap(swapper, f"b{b.layout.index}.param", b.param_shard)
+        bucket.param_swap = ParamSwap(swapper, f"b{bucket.layout.index}.param", bucket.param_shard)
     if cfg.offload_optimizer == "nvme":
+        NVMeResidency.swap_out_master(swapper, bucket)
+
+
+def attach(engine, cfg, swapper: NVMeSwapper | None) -> None:
+    """After the optimizer exists: let its state stream through the swap file ('nvme')."""
+    if swapper is not None and cfg.offload_optimizer == "nvme":
         engine.optimizer.store = NVMeResidency(engine.sharded.buckets, engine.optimizer.inner, swapper)
-    return swapper

@@ -64,9 +64,17 @@ class NVMeResidency(InMemory):
         self._numel: dict[str, int] = {}  # elements of each swapped tensor, while it is empty
         self._reads: dict[int, list[Future]] = {}
         self._writes: dict[int, list[Future]] = {}
-        for i in range(len(buckets)):  # from the start, only the swap file holds the masters
-            self._evict(i)
-            self._settle(i)
+        for i, b in enumerate(buckets):  # swap_out_master wrote each master as its bucket was built
+            assert b.layout.index == i and not b.master.numel(), "masters are swapped out as buckets are built"
+            self._numel[f"b{i}.master"] = swapper.region(f"b{i}.master").nbytes // b.master.element_size()
+
+    @staticmethod
+    def swap_out_master(swapper: NVMeSwapper, bucket) -> None:
+        """Write a new bucket's master to the swap file and release it (before any step)."""
+        key, master = f"b{bucket.layout.index}.master", bucket.master
+        swapper.reserve(key, master.numel() * master.element_size())
+        swapper.write(key, master).result()
+        _free(master)
 
     def _tensors(self, index: int) -> dict[str, torch.Tensor]:
         """The swapped tensors of a bucket: its master and per-element optimizer state."""
