@@ -1,0 +1,82 @@
+"""One capacity trial: a GPT built on the meta device trains a few steps on N ranks.
+
+    mpiexec -n 2 python -m mpi4py benchmarks/workers/capacity_worker.py --mode stage3-nvme \
+        --n-layer 48 --n-embd 1024 --nvme DIR --out OUT.json
+
+bench_capacity.py runs it inside a memory-capped cgroup; the job either finishes (rank 0
+writes JSON: parameters, seconds per phase, peak RSS and model-state bytes per rank, losses)
+or is killed by the kernel's OOM killer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
+import zerompi  # noqa: E402
+from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
+
+MODES = {
+    "stage0": dict(stage=0),
+    "stage3": dict(stage=3),
+    "stage3+cpu": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+    "stage3+nvme": dict(stage=3, offload_optimizer="nvme", offload_params="nvme"),
+}
+
+
+def peak_rss() -> int:
+    return next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument("--n-layer", type=int, required=True)
+    p.add_argument("--n-embd", type=int, default=1024)
+    p.add_argument("--n-head", type=int, default=16)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--nvme", default=None)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
+                              n_embd=args.n_embd, bias=False))
+    params = sum(p.numel() for p in model.parameters())
+    cfg = zerompi.ZeroConfig(optimizer="adamw", lr=1e-4, dtype=args.dtype, cpu_threads=1, nvme_path=args.nvme,
+                             **MODES[args.mode])
+    engine = zerompi.initialize(model, cfg, param_init=model.init_module)
+    times = {"initialize": time.perf_counter() - t0}
+    data = torch.randint(0, 256, (1, args.block + 1), generator=torch.Generator().manual_seed(comm.rank))
+    losses, steps = [], []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        loss = engine(data[:, :-1], data[:, 1:])[1]
+        engine.backward(loss)
+        engine.step()
+        losses.append(engine.all_reduce_mean(float(loss.detach())))
+        steps.append(time.perf_counter() - t)
+    stats = engine.stats
+    rows = comm.gather({"peak_rss": peak_rss(), "model_state_bytes": stats.model_state_bytes,
+                        "swapped_bytes": stats.swapped_bytes}, root=0)
+    engine.close()
+    if comm.rank == 0:
+        Path(args.out).write_text(json.dumps({
+            "mode": args.mode, "n_layer": args.n_layer, "n_embd": args.n_embd, "params": params,
+            "dtype": args.dtype, "world_size": comm.size, "units": len(engine.sharded.units),
+            "initialize_s": times["initialize"], "step_s": steps, "losses": losses,
+            "finite": all(math.isfinite(x) for x in losses), "ranks": rows}))
+
+
+if __name__ == "__main__":
+    main()
