@@ -108,6 +108,11 @@ class Bucket:
         if where.offload_optimizer != "none":
             self.master = where.host_tensor(self.master)
         self.param_swap = None  # stage 3 offload_params='nvme': set by the sharded model
+        # stages 2-3 offload_optimizer='nvme': the gradient shard lives in the swap file between
+        # reductions, with its squared norm kept here for the step's clipping (set by offload)
+        self.grad_swap = None
+        self.grad_sq = 0.0
+        self._grad_fresh = True  # the next reduction starts the shard (no read of stale zeros)
 
         self.grad_full = FlatBuffer(layout.padded_numel, dtype, where.device, zero=True,
                                     allocated=stage <= 1)
@@ -250,17 +255,37 @@ class Bucket:
             self.groups.replicate.all_reduce(reduced, what=self.name)
         if self.where.stage == 1:
             self.grad_shard.copy_(reduced.div_(n))
+        elif self.grad_swap is not None:
+            self._accumulate_swapped(reduced.div_(n))
+            self.grad_full.free()
         else:
             self.grad_shard.add_(reduced.div_(n))
             self.grad_full.free()
 
+    def _accumulate_swapped(self, reduced: torch.Tensor) -> None:
+        # The same arithmetic as the resident shard (zeros, then add), so results stay bitwise equal.
+        with self.grad_swap.loaded(load=not self._grad_fresh) as shard:
+            if self._grad_fresh:
+                shard.zero_()
+            shard.add_(reduced)
+            self.grad_sq = float(torch.linalg.vector_norm(shard.to(torch.float32), dtype=torch.float32)) ** 2
+            self.grad_swap.store()
+        self._grad_fresh = False
+
     def master_grad(self) -> torch.Tensor:
         """This rank's reduced gradient in fp32, where the master lives (a view when it already is)."""
-        return self.grad_shard.to(self.master.device, torch.float32)
+        if self.grad_swap is None:
+            return self.grad_shard.to(self.master.device, torch.float32)
+        if self._grad_fresh:  # no gradient since the last step
+            return torch.zeros(self.own.numel, dtype=torch.float32, device=self.master.device)
+        with self.grad_swap.loaded() as shard:
+            return shard.to(self.master.device, torch.float32, copy=True)
 
     def zero_grad(self) -> None:
         if self.where.stage <= 1:
             self.grad_full.tensor.zero_()
+        elif self.grad_swap is not None:
+            self._grad_fresh, self.grad_sq = True, 0.0
         else:
             self.grad_shard.zero_()
 

@@ -74,13 +74,18 @@ class ZeroOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        local = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
+        return self._norm_from(sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads))
+
+    def _norm_from(self, local: float) -> float:
+        """The global norm from this rank's sum of squares."""
         if not self.replicated:
             # over the shard group: its shards cover every element once (hsdp replicas would repeat it)
             local = self.buckets[0].groups.shard.sum_floats([local], what="the global gradient norm")[0]
         return math.sqrt(local)
 
     def step(self) -> StepResult:
+        if self.buckets and self.buckets[0].grad_swap is not None:
+            return self._swapped_step()
         # 1. unscale: this rank's reduced gradient shards, in fp32
         grads = [b.master_grad() for b in self.buckets]
         if self.loss_scale != 1.0:
@@ -109,6 +114,31 @@ class ZeroOptimizer:
                 self._update([self.buckets[i]], [grads[i]])
         else:
             self._update(self.buckets, grads)
+        self.zero_grad()
+        return StepResult(True, norm)
+
+    def _swapped_step(self) -> StepResult:
+        """The step with gradient shards in the swap file: the norm comes from the squares kept
+        at reduction time (fp16: of the scaled gradients, then unscaled), and each bucket's
+        gradient is read, unscaled and clipped as its optimizer state streams through."""
+        norm = self._norm_from(sum(b.grad_sq for b in self.buckets)) / self.loss_scale
+        if self.scaler is not None:
+            overflow = not math.isfinite(norm)
+            self.scaler.update(overflow)
+            if overflow:
+                self.zero_grad()
+                return StepResult(False, norm)
+        elif not math.isfinite(norm):
+            self._nonfinite()
+            return StepResult(False, norm)
+        coef = self.clip / (norm + 1e-6) if self.clip is not None else 1.0
+        for i in self.store.stream():
+            g = self.buckets[i].master_grad()
+            if self.loss_scale != 1.0:
+                g.div_(self.loss_scale)
+            if coef < 1.0:
+                g.mul_(coef)
+            self._update([self.buckets[i]], [g])
         self.zero_grad()
         return StepResult(True, norm)
 

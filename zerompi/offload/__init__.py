@@ -33,6 +33,8 @@ def swap_out_bucket(swapper: NVMeSwapper, cfg, bucket) -> None:
         bucket.param_swap = ParamSwap(swapper, f"b{bucket.layout.index}.param", bucket.param_shard)
     if cfg.offload_optimizer == "nvme":
         NVMeResidency.swap_out_master(swapper, bucket)
+        if cfg.stage >= 2:  # the gradient shard goes where the optimizer state is (ZeRO-Infinity)
+            bucket.grad_swap = ParamSwap(swapper, f"b{bucket.layout.index}.grad", bucket.grad_shard)
 
 
 def attach(engine, cfg, swapper: NVMeSwapper | None) -> None:

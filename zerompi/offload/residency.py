@@ -146,7 +146,8 @@ class NVMeResidency(InMemory):
 
 
 class ParamSwap:
-    """Stage 3 ``offload_params='nvme'``: a bucket's parameter shard lives in the swap file."""
+    """A shard that lives in the swap file between uses: a bucket's parameter shard (stage 3
+    ``offload_params='nvme'``) or its gradient shard (stages 2-3 ``offload_optimizer='nvme'``)."""
 
     def __init__(self, swapper: NVMeSwapper, key: str, shard: torch.Tensor):
         self.swapper, self.key, self.shard, self.numel = swapper, key, shard, shard.numel()

@@ -27,13 +27,14 @@ def same(a, b):
     return all(torch.equal(a[n], b[n]) for n in a)
 
 
-def parity(stage, dtype, swap_dir, batches):
+def parity(stage, dtype, swap_dir, batches, **extra):
     runs, rows = {}, []
     for mode in MODES:
-        run, engine = zero_train(tiny_gpt(1), config(stage, dtype, mode, swap_dir), batches)
+        run, engine = zero_train(tiny_gpt(1), config(stage, dtype, mode, swap_dir, **extra), batches)
         stats = engine.stats
         runs[mode] = run.params
         rows.append(dict(mode=mode, model_state_bytes=stats.model_state_bytes, swapped=stats.swapped_bytes,
+                         grad_norm=stats.last_grad_norm,
                          padded=sum(b.layout.padded_numel for b in engine.sharded.buckets),
                          read_ahead=sum(b.param_swap.read_ahead for b in engine.sharded.buckets
                                         if b.param_swap is not None),
@@ -75,6 +76,12 @@ def main():
         for dtype in ("fp32", "bf16"):
             result["parity"].append(dict(stage=stage, dtype=dtype, **parity(stage, dtype, args.swap, batches)))
         result["checkpoint"][stage] = checkpoint_across_modes(stage, args.swap, args.root, batches)
+    # accumulation (a swapped gradient shard is read, added to and written back) and clipping
+    # (its norm is kept from reduction time): still bitwise
+    accum = token_batches(4, COMM.Get_size(), 3, 2)
+    for stage in (2, 3):
+        result["parity"].append(dict(stage=stage, dtype="fp32", accum=2, **parity(
+            stage, "fp32", args.swap, accum, grad_accum_steps=2, clip_grad_norm=0.05)))
     try:
         zerompi.initialize(tiny_gpt(1), config(3, "fp32", "nvme", os.path.join(args.swap, "missing")))
         message = "no error"
