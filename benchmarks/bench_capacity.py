@@ -194,11 +194,20 @@ def reading(data: dict) -> str:
     text = "Reading: "
     if s0 and nv:
         text += (f"NVMe offload trains {nv / s0:.1f}× the parameters of stage 0 under the same cap "
-                 f"(target ≥ 8×). ")
-    text += ("On this machine the CPU is the device, so 'cpu' offload moves nothing out of the memory "
-             "the cap counts: it trains what stage 3 trains. With NVMe offload the resident model "
-             "state is the fp32 gradient shard (4 bytes per parameter / ranks) plus one gather unit "
-             "and the swap buffers; the gradient shard is what the next rung runs out of.")
+                 f"(target ≥ 8×)")
+        text += (", and it was not stopped by memory: the ladder ended, or the next rung ran out of time "
+                 "or disk. " if best["stage3+nvme"]["why"] != "OOM killed" else ". ")
+    s3, cpu = best.get("stage3", {}).get("params"), best.get("stage3+cpu", {}).get("params")
+    if s3 and cpu:
+        text += (f"'cpu' offload trains {cpu / s3:.2f}× what stage 3 trains: on this machine the CPU is the "
+                 "device, so it moves nothing out of the memory the cap counts and only adds a separate "
+                 "fp32 master (and parameter shard) beside the compute parameters; on a GPU node the same "
+                 "setting moves them off the GPU. ")
+    text += ("With NVMe offload the model states "
+             "resident between uses are none: parameter, gradient and optimizer shards live in the swap "
+             "files, and memory holds one gathered unit (plus one read ahead), the optimizer's three "
+             "streaming buckets and the swap buffers, whatever the depth; what grows with the model "
+             "is the time per step (disk traffic) and the swap files.")
     return text
 
 

@@ -93,14 +93,7 @@ class ZeroOptimizer:
                 g.div_(self.loss_scale)
         # 2. one all-reduce gives the global norm; inf/nan there means a bad gradient on some rank
         norm = self._global_norm(grads)
-        if self.scaler is not None:
-            overflow = not math.isfinite(norm)
-            self.scaler.update(overflow)
-            if overflow:
-                self.zero_grad()
-                return StepResult(False, norm)
-        elif not math.isfinite(norm):
-            self._nonfinite()
+        if self._skips(norm):
             return StepResult(False, norm)
         # 3. clip, as torch.nn.utils.clip_grad_norm_ does
         if self.clip is not None:
@@ -117,19 +110,26 @@ class ZeroOptimizer:
         self.zero_grad()
         return StepResult(True, norm)
 
-    def _swapped_step(self) -> StepResult:
-        """The step with gradient shards in the swap file: the norm comes from the squares kept
-        at reduction time (fp16: of the scaled gradients, then unscaled), and each bucket's
-        gradient is read, unscaled and clipped as its optimizer state streams through."""
-        norm = self._norm_from(sum(b.grad_sq for b in self.buckets)) / self.loss_scale
+    def _skips(self, norm: float) -> bool:
+        """Whether a non-finite norm skips this step: fp16 lowers the loss scale (and raises it
+        after a clean window); otherwise nonfinite='raise' raises and 'skip' skips."""
         if self.scaler is not None:
             overflow = not math.isfinite(norm)
             self.scaler.update(overflow)
             if overflow:
                 self.zero_grad()
-                return StepResult(False, norm)
-        elif not math.isfinite(norm):
+            return overflow
+        if not math.isfinite(norm):
             self._nonfinite()
+            return True
+        return False
+
+    def _swapped_step(self) -> StepResult:
+        """The step with gradient shards in the swap file: the norm comes from the squares kept
+        at reduction time (fp16: of the scaled gradients, then unscaled), and each bucket's
+        gradient is read, unscaled and clipped as its optimizer state streams through."""
+        norm = self._norm_from(sum(b.grad_sq for b in self.buckets)) / self.loss_scale
+        if self._skips(norm):
             return StepResult(False, norm)
         coef = self.clip / (norm + 1e-6) if self.clip is not None else 1.0
         for i in self.store.stream():

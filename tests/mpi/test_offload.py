@@ -77,3 +77,27 @@ def test_missing_swap_directory_fails_on_every_rank(result):
 
 def test_swap_files_are_removed(result):
     assert result["left_behind"] == [] and result["swap_after_exit"] == []
+
+
+def test_nvme_resident_memory_does_not_grow_with_the_model(tmp_path):
+    """Peak RSS per rank for a GPT 8× deeper (the benchmark's capacity worker: meta-device build,
+    two AdamW steps, 2 ranks): stage 0 grows by its whole model state (the measurement sees it);
+    stage 3 with NVMe offload must grow by under a tenth of it (one more unit in flight, at most)."""
+    import json
+
+    from .launcher import run_mpi
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    peak, params = {}, {}
+    for mode in ("stage0", "stage3+nvme"):
+        for layers in (2, 16):
+            out = tmp_path / f"{mode}-{layers}.json"
+            run_mpi(2, "benchmarks/workers/capacity_worker.py", "--mode", mode, "--n-layer", str(layers),
+                    "--n-embd", "512", "--n-head", "8", "--nvme", str(swap), "--out", str(out))
+            row = json.loads(out.read_text())
+            assert row["finite"], row
+            peak[mode, layers], params[layers] = max(r["peak_rss"] for r in row["ranks"]), row["params"]
+    state = 16 * (params[16] - params[2])  # fp32 AdamW: parameter, gradient, two moments
+    assert peak["stage0", 16] - peak["stage0", 2] > 0.8 * state, (peak, state)
+    assert peak["stage3+nvme", 16] - peak["stage3+nvme", 2] < 0.1 * state, (peak, state)

@@ -6,7 +6,7 @@ Tensors from :func:`aligned_empty` skip the staging copy. :func:`open_swapper`,
 :func:`swap_out_bucket` (as each bucket is built) and :func:`attach` (once the
 optimizer exists) wire an engine to the swap file its config asks for.
 """
-from zerompi.offload.aligned import aligned_empty
+from zerompi.offload.aligned import aligned_empty, return_freed_memory
 from zerompi.offload.nvme import NVMeSwapper, SwapConfig
 from zerompi.offload.residency import InMemory, NVMeResidency, ParamSwap
 
@@ -18,6 +18,7 @@ def open_swapper(cfg, rank: int) -> NVMeSwapper | None:
     """This rank's swap file when the config offloads anything to 'nvme'."""
     if "nvme" not in (cfg.offload_optimizer, cfg.offload_params):
         return None
+    return_freed_memory()  # shards stream through memory: what is freed must leave the process
     return NVMeSwapper(cfg.nvme_path, rank, SwapConfig(
         block_bytes=cfg.nvme_block_kib * 1024, threads=cfg.nvme_threads, buffers=cfg.nvme_buffers,
         verify=cfg.nvme_verify))
