@@ -44,6 +44,7 @@ class Row:
     runner: str      # script under benchmarks/peers/
     variant: str
     ideal_psi: int   # ZeRO-paper volume of this sharding: 2 (stages 0-2) or 3 (stage 3) x (N-1)/N x 4 bytes x params
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the row's job
 
 
 ROWS = [
@@ -51,6 +52,17 @@ ROWS = [
     Row("zerompi-1", "zerompi stage 1", "run_zerompi.py", "1", 2),
     Row("zerompi-2", "zerompi stage 2", "run_zerompi.py", "2", 2),
     Row("zerompi-3", "zerompi stage 3", "run_zerompi.py", "3", 3),
+    # Overlap, and how non-blocking collectives progress while Python computes: by MPICH alone,
+    # by MPI_Test from the gradient hooks (mpi_progress='test'), or by MPICH's progress thread.
+    Row("zerompi-2-ov", "zerompi stage 2, overlap", "run_zerompi.py", "2-overlap", 2),
+    Row("zerompi-2-ov-test", "zerompi stage 2, overlap + MPI_Test", "run_zerompi.py", "2-overlap-test", 2),
+    Row("zerompi-2-ov-async", "zerompi stage 2, overlap + MPICH async progress", "run_zerompi.py", "2-overlap", 2,
+        (("MPIR_CVAR_ASYNC_PROGRESS", "1"),)),
+    Row("zerompi-3-pf", "zerompi stage 3, overlap + prefetch 1", "run_zerompi.py", "3-overlap", 3),
+    Row("zerompi-3-pf-test", "zerompi stage 3, overlap + prefetch 1 + MPI_Test", "run_zerompi.py",
+        "3-overlap-test", 3),
+    Row("zerompi-3-pf-async", "zerompi stage 3, overlap + prefetch 1 + MPICH async progress", "run_zerompi.py",
+        "3-overlap", 3, (("MPIR_CVAR_ASYNC_PROGRESS", "1"),)),
     Row("ddp", "DDP", "run_ddp.py", "ddp", 2),
     Row("ddp-zero-opt", "DDP + ZeroRedundancyOptimizer", "run_ddp.py", "zero_opt", 2),
     Row("fsdp2", "FSDP2 (reshard after forward)", "run_fsdp.py", "reshard", 3),
@@ -159,6 +171,7 @@ def run_row(row: Row, size: str, np_: int, args, mpiexec: str) -> dict:
                PYTHONWARNINGS="ignore::FutureWarning")
     if args.mpich_yield:
         env.update(MPICH_YIELD)
+    env.update(row.env)
     base = dict(kind="row", row=row.key, label=row.label, size=size, np=np_, ideal_psi=row.ideal_psi,
                 loadavg_before=os.getloadavg())
     t0 = time.perf_counter()

@@ -1,4 +1,8 @@
-"""zerompi stages 0-3: one benchmark row (see rowlib). ``--variant`` is the stage."""
+"""zerompi stages 0-3: one benchmark row (see rowlib).
+
+``--variant`` is the stage, optionally with ``-overlap`` (overlap_grad_reduce, and at stage 3
+prefetch_units=1) and ``-test`` (mpi_progress='test').
+"""
 from __future__ import annotations
 
 import rowlib
@@ -6,9 +10,12 @@ import rowlib
 
 def build(model, args, comm) -> rowlib.Trainer:
     import zerompi
-    cfg = zerompi.ZeroConfig(stage=int(args.variant), optimizer="adamw", lr=args.lr, betas=rowlib.BETAS,
+    stage, *flags = args.variant.split("-")
+    overlap = dict(overlap_grad_reduce=True, prefetch_units=1 if stage == "3" else 0) if "overlap" in flags else {}
+    cfg = zerompi.ZeroConfig(stage=int(stage), optimizer="adamw", lr=args.lr, betas=rowlib.BETAS,
                              eps=rowlib.EPS, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
-                             cpu_threads=1, seed=args.seed)
+                             cpu_threads=1, seed=args.seed, **overlap,
+                             mpi_progress="test" if "test" in flags else "none")
     engine = zerompi.initialize(model, cfg, comm=comm)
 
     def step(x, y) -> float:
@@ -23,4 +30,4 @@ def build(model, args, comm) -> rowlib.Trainer:
 
 
 if __name__ == "__main__":
-    rowlib.main(build, variants=("0", "1", "2", "3"))
+    rowlib.main(build, variants=("0", "1", "2", "3", "2-overlap", "2-overlap-test", "3-overlap", "3-overlap-test"))
