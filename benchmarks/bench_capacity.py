@@ -207,7 +207,18 @@ def reading(data: dict) -> str:
              "resident between uses are none: parameter, gradient and optimizer shards live in the swap "
              "files, and memory holds one gathered unit (plus one read ahead), the optimizer's three "
              "streaming buckets and the swap buffers, whatever the depth; what grows with the model "
-             "is the time per step (disk traffic) and the swap files.")
+             "is the time per step (disk traffic) and the swap files (20 bytes per parameter in fp32: "
+             "parameter, master, gradient, two moments).")
+    nvme = sorted((r for r in data["rows"] if r["mode"] == "stage3+nvme" and r["ok"] and r["cgroup_peak"]),
+                  key=lambda r: r["params"])
+    if len(nvme) >= 2:
+        a, b = nvme[0], nvme[-1]
+        slope = (b["cgroup_peak"] - a["cgroup_peak"]) / (b["params"] - a["params"])
+        reach = (data["cap_gib"] * GiB - a["cgroup_peak"]) / slope + a["params"]
+        text += (f" The job's peak still rises {slope:.2f} bytes per parameter across the NVMe rows "
+                 f"(host-side bookkeeping, not model state); at that rate the cap would be reached near "
+                 f"{reach / 1e9:.0f}B parameters, well past what this disk holds or this CPU trains in "
+                 "reasonable time.")
     return text
 
 
