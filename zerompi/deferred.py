@@ -34,10 +34,6 @@ def reset_parameters(module: nn.Module) -> None:
     reset()
 
 
-def has_meta(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
-
-
 def check(module: nn.Module) -> None:
     """Only trainable parameters may wait on the meta device."""
     bad = [n for n, p in module.named_parameters() if p.is_meta and not p.requires_grad]

@@ -51,6 +51,17 @@ class Trainer:
     info: dict = field(default_factory=dict)  # recorded with the row; callables are called after the last step
 
 
+def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[..., float]:
+    """One plain PyTorch training step (forward, backward, update), for the torch.distributed rows."""
+    def step(x, y) -> float:
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
 def parse_args(variants: tuple[str, ...]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="one benchmark row (run under mpiexec)")
     p.add_argument("--size", choices=sorted(MODEL_SIZES), default="20M")

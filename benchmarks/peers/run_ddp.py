@@ -24,16 +24,10 @@ def build(model, args, comm) -> rowlib.Trainer:
     else:
         opt = torch.optim.AdamW(ddp.parameters(), **kwargs)
 
-    def step(x, y) -> float:
-        _, loss = ddp(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
     n, psi = comm.Get_size(), sum(p.numel() for p in model.parameters())
     allreduce = 2 * (n - 1) * psi * 4 // n  # DDP all-reduces every fp32 gradient once per step
-    return rowlib.Trainer(step=step, bytes_sent=commcount.bytes_sent, implicit_bytes_per_step=allreduce,
+    return rowlib.Trainer(step=rowlib.torch_step(ddp, opt), bytes_sent=commcount.bytes_sent,
+                          implicit_bytes_per_step=allreduce,
                           info=dict(bucket_cap_mb=args.bucket_mb))
 
 

@@ -25,14 +25,7 @@ def build(model, args, comm) -> rowlib.Trainer:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=rowlib.BETAS, eps=rowlib.EPS,
                             weight_decay=args.weight_decay)
 
-    def step(x, y) -> float:
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return rowlib.Trainer(step=step, bytes_sent=commcount.bytes_sent,
+    return rowlib.Trainer(step=rowlib.torch_step(model, opt), bytes_sent=commcount.bytes_sent,
                           info=dict(reshard_after_forward=reshard, units=len(model.transformer.h) + 1))
 
 
