@@ -53,14 +53,19 @@ ROWS = [
     Row("zerompi-2", "zerompi stage 2", "run_zerompi.py", "2", 2),
     Row("zerompi-3", "zerompi stage 3", "run_zerompi.py", "3", 3),
     # Overlap, and how non-blocking collectives progress while Python computes: by MPICH alone,
-    # by MPI_Test from the gradient hooks (mpi_progress='test'), or by MPICH's progress thread.
+    # by MPI_Test from the gradient hooks (mpi_progress='test'), by our communication thread
+    # (mpi_progress='thread'), or by MPICH's progress thread.
     Row("zerompi-2-ov", "zerompi stage 2, overlap", "run_zerompi.py", "2-overlap", 2),
     Row("zerompi-2-ov-test", "zerompi stage 2, overlap + MPI_Test", "run_zerompi.py", "2-overlap-test", 2),
+    Row("zerompi-2-ov-thread", "zerompi stage 2, overlap + communication thread", "run_zerompi.py",
+        "2-overlap-thread", 2),
     Row("zerompi-2-ov-async", "zerompi stage 2, overlap + MPICH async progress", "run_zerompi.py", "2-overlap", 2,
         (("MPIR_CVAR_ASYNC_PROGRESS", "1"),)),
     Row("zerompi-3-pf", "zerompi stage 3, overlap + prefetch 1", "run_zerompi.py", "3-overlap", 3),
     Row("zerompi-3-pf-test", "zerompi stage 3, overlap + prefetch 1 + MPI_Test", "run_zerompi.py",
         "3-overlap-test", 3),
+    Row("zerompi-3-pf-thread", "zerompi stage 3, overlap + prefetch 1 + communication thread", "run_zerompi.py",
+        "3-overlap-thread", 3),
     Row("zerompi-3-pf-async", "zerompi stage 3, overlap + prefetch 1 + MPICH async progress", "run_zerompi.py",
         "3-overlap", 3, (("MPIR_CVAR_ASYNC_PROGRESS", "1"),)),
     Row("ddp", "DDP", "run_ddp.py", "ddp", 2),
@@ -160,10 +165,13 @@ def _error_tail(text: str, lines: int = 6) -> str:
     return "\n".join(keep[-lines:])[-1500:]
 
 
-def run_row(row: Row, size: str, np_: int, args, mpiexec: str) -> dict:
-    """One row as its own mpiexec job; the row's result, or its failure."""
+def run_row(row: Row, size: str, np_: int, args, mpiexec: str, prefix: tuple[str, ...] = ()) -> dict:
+    """One row as its own mpiexec job; the row's result, or its failure.
+
+    ``prefix``: a command each rank runs the row's Python under (e.g. a profiler).
+    """
     out = Path(tempfile.mkstemp(prefix=f"peer-{row.key}-", suffix=".json")[1])
-    cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "mpi4py", str(HERE / "peers" / row.runner),
+    cmd = [mpiexec, "-n", str(np_), *prefix, sys.executable, "-m", "mpi4py", str(HERE / "peers" / row.runner),
            "--size", size, "--variant", row.variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",

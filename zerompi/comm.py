@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -27,6 +28,7 @@ import torch
 from mpi4py import MPI
 
 from .errors import ZeroMPIError
+from .progress import CommThread, thread_support_error
 
 _SUM_DTYPES = (torch.float32, torch.float64)
 ABORT_GRACE = 0.5  # seconds between printing why the job aborts and MPI_Abort
@@ -38,11 +40,16 @@ class CollectiveMismatchError(ZeroMPIError):
 
 
 class Work:
-    """Handle for a collective; ``wait()`` is idempotent and returns the result."""
+    """Handle for a collective; ``wait()`` is idempotent and returns the result.
+
+    The collective is an MPI request, a future of the communication thread
+    (see progress.py), or already complete (neither).
+    """
 
     def __init__(self, request: MPI.Request | None = None, finish: Callable[[], Any] | None = None,
-                 waiting: Callable[[], Any] | None = None):
+                 waiting: Callable[[], Any] | None = None, future: Future | None = None):
         self._request = request
+        self._future = future
         self._finish = finish
         self._waiting = waiting  # the group's watchdog bookkeeping, for the wait below
         self._done = False
@@ -50,9 +57,12 @@ class Work:
 
     def wait(self) -> Any:
         if not self._done:
-            if self._request is not None:
+            if self._request is not None or self._future is not None:
                 with self._waiting() if self._waiting else _nothing():
-                    self._request.Wait()
+                    if self._request is not None:
+                        self._request.Wait()
+                    else:
+                        self._future.result()
             if self._finish is not None:
                 self._result = self._finish()
             self._done = True
@@ -62,6 +72,8 @@ class Work:
         """True once the collective has completed (drives MPI progress)."""
         if self._done:
             return True
+        if self._future is not None:
+            return self._future.done()
         return self._request is None or self._request.Test()
 
 
@@ -102,6 +114,7 @@ class Monitor:
         self.waiting: tuple[str, float] | None = None      # what this rank is blocked in, since when
         self.stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.comm_thread: CommThread | None = None          # mpi_progress="thread"
 
     def start(self, timeout: float, rank: int, size: int, comm) -> None:
         if self._thread is None:
@@ -146,7 +159,7 @@ class ProcessGroup:
 
     def split(self, color: int, key: int, label: str) -> "ProcessGroup":
         """A sub-group (``MPI_Comm_split``) sharing this group's counters, debug mode and watchdog."""
-        return ProcessGroup(self.comm.Split(color, key), cuda_aware=self.cuda_aware, label=label,
+        return ProcessGroup(self._call(lambda: self.comm.Split(color, key)), cuda_aware=self.cuda_aware, label=label,
                             monitor=self.monitor)
 
     # ---- hang protection --------------------------------------------------
@@ -156,6 +169,39 @@ class ProcessGroup:
 
     def stop_watchdog(self) -> None:
         self.monitor.stop.set()
+
+    def start_comm_thread(self) -> None:
+        """Run every collective of this process on one communication thread (progress.py)."""
+        problem = thread_support_error()
+        if problem is not None:
+            raise ZeroMPIError(problem)
+        if self.monitor.comm_thread is None:
+            self.monitor.comm_thread = CommThread()
+
+    def stop_comm_thread(self) -> None:
+        thread, self.monitor.comm_thread = self.monitor.comm_thread, None
+        if thread is not None:
+            thread.close()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """A blocking MPI call, queued behind the communication thread's collectives if there is one."""
+        thread = self.monitor.comm_thread
+        return fn() if thread is None else thread.run(fn)
+
+    def _issue(self, desc: str, blocking: Callable[[], Any], start: Callable[[], MPI.Request],
+               finish: Callable[[], Any], async_op: bool) -> Work:
+        """One collective: blocking, non-blocking (``start``), or on the communication thread."""
+        waiting = lambda: self._blocked(desc)  # noqa: E731
+        if async_op:
+            thread = self.monitor.comm_thread
+            if thread is not None:
+                return Work(finish=finish, waiting=waiting, future=thread.submit(blocking))
+            return Work(start(), finish, waiting)
+        with waiting():
+            self._call(blocking)
+        work = Work(None, finish)
+        work.wait()
+        return work
 
     @contextmanager
     def _blocked(self, what: str) -> Iterator[None]:
@@ -173,7 +219,7 @@ class ProcessGroup:
         self.monitor.seq += 1
         if self.monitor.debug:
             with self._blocked(f"the debug check before {desc}"):
-                descs = self.comm.allgather(desc)
+                descs = self._call(lambda: self.comm.allgather(desc))
             if len(set(descs)) > 1:
                 lines = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descs))
                 raise CollectiveMismatchError(f"ranks are at different collectives (rank-dependent control "
@@ -183,7 +229,7 @@ class ProcessGroup:
     # ---- topology -------------------------------------------------------
     def split_shared(self) -> "ProcessGroup":
         """Ranks sharing this node's memory (``MPI_COMM_TYPE_SHARED``)."""
-        return ProcessGroup(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank),
+        return ProcessGroup(self._call(lambda: self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)),
                             cuda_aware=self.cuda_aware, label="node", monitor=self.monitor)
 
     @staticmethod
@@ -230,12 +276,8 @@ class ProcessGroup:
         else:
             (s, o), back = self._stage(shard, out)
             send = _raw(s)
-        if async_op:
-            return Work(self.comm.Iallgather(send, _raw(o)), back, lambda: self._blocked(desc))
-        with self._blocked(desc):
-            self.comm.Allgather(send, _raw(o))
-        back()
-        return Work()
+        return self._issue(desc, lambda: self.comm.Allgather(send, _raw(o)),
+                           lambda: self.comm.Iallgather(send, _raw(o)), back, async_op)
 
     def reduce_scatter(self, full: torch.Tensor, *, kind: str = "reduce_scatter",
                        async_op: bool = False, what: str = "") -> Work:
@@ -250,16 +292,12 @@ class ProcessGroup:
         n = full.numel() // self.size
         self._count(kind, (self.size - 1) * n * full.element_size())
         desc = self._enter(kind, full, what)
-        blocked = lambda: self._blocked(desc)  # noqa: E731
         if full.dtype in _SUM_DTYPES:
             out = torch.empty(n, dtype=full.dtype, device=full.device)
             (f, o), back = self._stage(full, out)
-            finish = lambda: (back(), out.float())[1]  # noqa: E731
-            if async_op:
-                return Work(self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM), finish, blocked)
-            with blocked():
-                self.comm.Reduce_scatter_block(f, o, op=MPI.SUM)
-            return Work(None, finish)
+            return self._issue(desc, lambda: self.comm.Reduce_scatter_block(f, o, op=MPI.SUM),
+                               lambda: self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM),
+                               lambda: (back(), out.float())[1], async_op)
         if full.dtype not in _16BIT:
             raise ZeroMPIError(f"reduce_scatter: unsupported dtype {full.dtype}")
         recv = torch.empty_like(full)
@@ -268,11 +306,8 @@ class ProcessGroup:
         def finish() -> torch.Tensor:
             back()
             return recv.view(self.size, n).float().sum(dim=0)
-        if async_op:
-            return Work(self.comm.Ialltoall(_raw(f), _raw(r)), finish, blocked)
-        with blocked():
-            self.comm.Alltoall(_raw(f), _raw(r))
-        return Work(None, finish)
+        return self._issue(desc, lambda: self.comm.Alltoall(_raw(f), _raw(r)),
+                           lambda: self.comm.Ialltoall(_raw(f), _raw(r)), finish, async_op)
 
     def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
                    what: str = "") -> Work:
@@ -284,12 +319,8 @@ class ProcessGroup:
         self._count(kind, 2 * (self.size - 1) * t.numel() * t.element_size() // self.size)
         desc = self._enter(kind, t, what)
         (x,), back = self._stage(t)
-        if async_op:
-            return Work(self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back, lambda: self._blocked(desc))
-        with self._blocked(desc):
-            self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
-        back()
-        return Work()
+        return self._issue(desc, lambda: self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
+                           lambda: self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back, async_op)
 
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:
         """In-place broadcast from ``root`` (used once, at initialisation)."""
@@ -299,7 +330,7 @@ class ProcessGroup:
         desc = self._enter(kind, t, what)
         (x,), back = self._stage(t)
         with self._blocked(desc):
-            self.comm.Bcast(_raw(x), root=root)
+            self._call(lambda: self.comm.Bcast(_raw(x), root=root))
         back()
 
     # ---- small control messages ----------------------------------------
@@ -312,11 +343,11 @@ class ProcessGroup:
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank (metadata only, never tensors)."""
         with self._blocked("an exchange of metadata (allgather_object)"):
-            return self.comm.allgather(obj)
+            return self._call(lambda: self.comm.allgather(obj))
 
     def barrier(self) -> None:
         with self._blocked("a barrier"):
-            self.comm.Barrier()
+            self._call(self.comm.Barrier)
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)

@@ -194,7 +194,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "nvme_verify": _bool,
     "overlap_grad_reduce": _bool,
     "prefetch_units": lambda k, v: _int(k, v, 0, 8),
-    "mpi_progress": lambda k, v: _choice(k, v, ("none", "test")),
+    "mpi_progress": lambda k, v: _choice(k, v, ("none", "test", "thread")),
     "hierarchy": lambda k, v: _choice(k, v, ("flat", "hsdp", "hpz")),
     "ranks_per_node": lambda k, v: _optional(k, v, lambda k, v: _int(k, v, 1), "nodes from MPI"),
     "nonfinite": lambda k, v: _choice(k, v, ("raise", "skip")),
@@ -289,8 +289,10 @@ class ZeroConfig:
     read from the swap file this many units ahead (0 there means 1)."""
     mpi_progress: str = "none"
     """How non-blocking collectives progress while Python computes: 'none' (by the MPI library
-    alone; with MPICH, MPIR_CVAR_ASYNC_PROGRESS=1 adds a progress thread) or 'test' (MPI_Test
-    from every gradient hook). See benchmarks/results for what each costs."""
+    alone; with MPICH, MPIR_CVAR_ASYNC_PROGRESS=1 adds a progress thread), 'test' (MPI_Test
+    from every gradient hook) or 'thread' (one communication thread per process runs every
+    collective as a blocking call, in issue order; needs MPI_THREAD_MULTIPLE). See
+    benchmarks/results/overlap.md for what each costs."""
     hierarchy: str = "flat"
     """'flat': shard over all ranks; 'hsdp' (stages 1-3): shard within a node and replicate across
     nodes; 'hpz' (stage 3): flat shards plus a secondary parameter copy sharded within each node,

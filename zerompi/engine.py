@@ -214,9 +214,11 @@ class Engine:
             / self.world_size
 
     def close(self) -> None:
-        """Remove every hook and stop the watchdog; the parameters stay bound to the engine's buffers."""
+        """Remove every hook, stop the watchdog and the communication thread; the parameters stay
+        bound to the engine's buffers."""
         self.sharded.remove_hooks()
         self.group.stop_watchdog()
+        self.group.stop_comm_thread()
         self.optimizer.store.close()
         if self.swapper is not None:  # also when only the parameters were offloaded
             self.swapper.close()
@@ -264,4 +266,6 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
         guard.abort_on_uncaught_exception(group)
     if cfg.collective_timeout is not None:
         group.start_watchdog(cfg.collective_timeout)
+    if cfg.mpi_progress == "thread":
+        group.start_comm_thread()
     return Engine(model, cfg, group, param_groups, param_init)

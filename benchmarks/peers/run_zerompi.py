@@ -1,7 +1,7 @@
 """zerompi stages 0-3: one benchmark row (see rowlib).
 
 ``--variant`` is the stage, optionally with ``-overlap`` (overlap_grad_reduce, and at stage 3
-prefetch_units=1) and ``-test`` (mpi_progress='test').
+prefetch_units=1) and ``-test`` or ``-thread`` (mpi_progress='test' or 'thread').
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def build(model, args, comm) -> rowlib.Trainer:
     cfg = zerompi.ZeroConfig(stage=int(stage), optimizer="adamw", lr=args.lr, betas=rowlib.BETAS,
                              eps=rowlib.EPS, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
                              cpu_threads=1, seed=args.seed, **overlap,
-                             mpi_progress="test" if "test" in flags else "none")
+                             mpi_progress=next((f for f in flags if f in ("test", "thread")), "none"))
     engine = zerompi.initialize(model, cfg, comm=comm)
 
     def step(x, y) -> float:
@@ -30,4 +30,5 @@ def build(model, args, comm) -> rowlib.Trainer:
 
 
 if __name__ == "__main__":
-    rowlib.main(build, variants=("0", "1", "2", "3", "2-overlap", "2-overlap-test", "3-overlap", "3-overlap-test"))
+    rowlib.main(build, variants=("0", "1", "2", "3", "2-overlap", "2-overlap-test", "2-overlap-thread",
+                                     "3-overlap", "3-overlap-test", "3-overlap-thread"))

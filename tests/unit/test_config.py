@@ -167,7 +167,7 @@ BAD_VALUES = [
     ("nvme_verify", ["yes"]),
     ("overlap_grad_reduce", [1, "true"]),
     ("prefetch_units", [-1, 9, 1.0]),
-    ("mpi_progress", ["thread", None]),
+    ("mpi_progress", ["threads", None]),
     ("nvme_path", ["", 3]),
     ("pin_memory", [1, "true", None]),
 ]

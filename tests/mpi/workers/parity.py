@@ -20,7 +20,8 @@ p.add_argument("--steps", type=int, default=3)
 p.add_argument("--hierarchy", default="flat")
 p.add_argument("--ranks-per-node", type=int, default=None)
 p.add_argument("--quick", action="store_true", help="fp32, no accumulation, no clipping only")
-p.add_argument("--overlap", action="store_true", help="non-blocking reduce-scatter, prefetch, MPI_Test")
+p.add_argument("--overlap", choices=("test", "thread"),
+               help="non-blocking reduce-scatter and prefetch, progressed by MPI_Test or a communication thread")
 args = p.parse_args()
 STAGES = {"flat": range(4), "hsdp": range(1, 4), "hpz": (3,)}[args.hierarchy]
 world, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
@@ -36,7 +37,7 @@ for stage, dtype, accum, clip, opt in itertools.product(STAGES, DTYPES, ACCUMS, 
     cfg = zerompi.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=accum, clip_grad_norm=clip,
                              bucket_mb=0.004, seed=0, hierarchy=args.hierarchy,
                              ranks_per_node=args.ranks_per_node, **OPTIMIZERS[opt],
-                             **(dict(overlap_grad_reduce=True, prefetch_units=2, mpi_progress="test")
+                             **(dict(overlap_grad_reduce=True, prefetch_units=2, mpi_progress=args.overlap)
                                 if args.overlap else {}))
     model = tiny_gpt(seed=1)
     init = initial_params(model)
