@@ -24,7 +24,6 @@ import collections
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +36,8 @@ import bench_peers  # noqa: E402
 PARTS = (
     ("communication", ("zerompi/comm.py", "zerompi/progress.py", "distributed/distributed_c10d.py",
                        "_fsdp_collectives.py", "deepspeed/comm/", "distributed/c10d_logger.py")),
+    # DeepSpeed ZeRO-3 swaps F.linear for its own autograd function: that is the model's compute
+    ("compute", ("deepspeed/runtime/zero/linear.py",)),
     ("framework", ("zerompi/", "distributed/fsdp/", "deepspeed/", "nn/parallel/distributed.py",
                    "distributed/optim/")),
     ("optimizer", ("torch/optim/",)),
@@ -45,48 +46,56 @@ PARTS = (
 PART_NAMES = [p for p, _ in PARTS] + ["other"]
 
 
-def classify(stack: list[str]) -> str:
-    """``stack``: frames root first, as py-spy's raw format writes them ("func (file:line)")."""
+def classify(stack: list[str]) -> tuple[str, str]:
+    """The part and the frame that took a sample.
+
+    ``stack``: frames root first, as py-spy's raw format writes them ("func (file:line)").
+    """
     for frame in reversed(stack):
         for part, markers in PARTS:
             if any(m in frame for m in markers):
-                return part
-    return "other"
+                return part, frame
+    return "other", stack[-1] if stack else "?"
 
 
-def split_samples(raw: str) -> collections.Counter:
-    """Samples per part, counting only those taken inside the timed steps."""
+def split_samples(raw: str) -> tuple[collections.Counter, collections.Counter]:
+    """Samples per part and per (part, frame), counting only those taken inside the timed steps."""
     parts: collections.Counter = collections.Counter()
+    frames: collections.Counter = collections.Counter()
     for line in raw.splitlines():
         stack_text, _, count = line.rpartition(" ")
         if not count.isdigit() or "_timed_loop" not in stack_text:
             continue
         stack = stack_text.split(";")
         timed = next(i for i, f in enumerate(stack) if "_timed_loop" in f)
-        parts[classify(stack[timed + 1:])] += int(count)
-    return parts
+        part, frame = classify(stack[timed + 1:])
+        parts[part] += int(count)
+        frames[(part, frame)] += int(count)
+    return parts, frames
 
 
-def profile_row(row, size: str, np_: int, args, mpiexec: str, spy: str) -> dict:
+def profile_row(row, size: str, np_: int, args, mpiexec: str, spy: str, rate: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"prof-{row.key}-"))
     wrapper = work / "spy.sh"
     # one profile file per rank; the rank comes from the launcher's environment
     wrapper.write_text("#!/bin/sh\nr=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}\n"
-                       f'exec {spy} record --idle --rate {args.rate} --format raw --nonblocking '
+                       f'exec {spy} record --idle --rate {rate} --format raw --nonblocking '
                        f'-o {work}/rank$r.txt -- "$@" >/dev/null 2>&1\n')
     wrapper.chmod(0o755)
     result = bench_peers.run_row(row, size, np_, args, mpiexec, prefix=[str(wrapper)])
     per_rank = [split_samples(p.read_text()) for p in sorted(work.glob("rank*.txt"))]
     shutil.rmtree(work, ignore_errors=True)
-    total = collections.Counter()
-    for c in per_rank:
-        total.update(c)
+    total, frames = collections.Counter(), collections.Counter()
+    for parts, fr in per_rank:
+        total.update(parts)
+        frames.update(fr)
     n = sum(total.values())
+    top = {part: [(f, c / n) for (p, f), c in frames.most_common() if p == part][:6] for part in PART_NAMES}
     step = result.get("step_s_median")
     share = {p: total[p] / n if n else 0.0 for p in PART_NAMES}
     return dict(row=row.key, label=row.label, size=size, np=np_, status=result["status"], step_s_median=step,
                 samples=n, ranks_profiled=len(per_rank), share=share,
-                seconds_per_step={p: share[p] * step for p in PART_NAMES} if step else None)
+                seconds_per_step={p: share[p] * step for p in PART_NAMES} if step else None, top_frames=top)
 
 
 def report(rows: list[dict]) -> str:
@@ -104,6 +113,15 @@ def report(rows: list[dict]) -> str:
         cells = [f"{r['seconds_per_step'][p]:.2f} ({100 * r['share'][p]:.0f}%)" for p in PART_NAMES]
         lines.append(f"| {r['label']} | {r['size']} | {r['np']} | {r['step_s_median']:.2f} | "
                      + " | ".join(cells) + f" | {r['samples']} |")
+    lines += ["", "Frames taking the most samples outside the model's compute (share of the row's samples):", ""]
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        lines.append(f"- {r['label']}:")
+        for part in ("communication", "framework", "optimizer", "other"):
+            frames = ", ".join(f"`{f}` {100 * c:.1f}%" for f, c in r["top_frames"][part][:3])
+            if frames:
+                lines.append(f"  - {part}: {frames}")
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +144,7 @@ def main(argv=None) -> None:
     mpiexec = bench_peers.find_mpiexec(None)
     rows = []
     for row in peer_args.row_list:
-        r = profile_row(row, args.size, args.np, peer_args, mpiexec, spy)
+        r = profile_row(row, args.size, args.np, peer_args, mpiexec, spy, args.rate)
         print(json.dumps(r), flush=True)
         rows.append(r)
     out = Path(args.out)
