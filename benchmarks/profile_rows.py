@@ -36,14 +36,15 @@ import bench_peers  # noqa: E402
 PARTS = (
     ("communication", ("zerompi/comm.py", "zerompi/progress.py", "distributed/distributed_c10d.py",
                        "_fsdp_collectives.py", "deepspeed/comm/", "distributed/c10d_logger.py")),
-    # DeepSpeed ZeRO-3 swaps F.linear for its own autograd function: that is the model's compute
-    ("compute", ("deepspeed/runtime/zero/linear.py",)),
+    # the benchmark's model lives in zerompi/models, and DeepSpeed ZeRO-3 swaps F.linear for its
+    # own autograd function: both are the model's compute, not framework
+    ("compute", ("zerompi/models/", "deepspeed/runtime/zero/linear.py")),
     ("framework", ("zerompi/", "distributed/fsdp/", "deepspeed/", "nn/parallel/distributed.py",
                    "distributed/optim/")),
     ("optimizer", ("torch/optim/",)),
-    ("compute", ("torch/nn/", "torch/autograd/", "torch/_tensor.py", "models/gpt.py", "torch/utils/")),
+    ("compute", ("torch/nn/", "torch/autograd/", "torch/_tensor.py", "torch/utils/")),
 )
-PART_NAMES = [p for p, _ in PARTS] + ["other"]
+PART_NAMES = list(dict.fromkeys(p for p, _ in PARTS)) + ["other"]
 
 
 def classify(stack: list[str]) -> tuple[str, str]:
