@@ -87,9 +87,12 @@ class Bucket:
         # Stage 0 "owns" the whole buffer: every rank updates every element.
         self.own = layout.shard(where.rank) if stage >= 1 else layout.full
         own = slice(self.own.start, self.own.stop)
-        # A separate fp32 master unless the compute parameters already are one, in memory.
-        self.separate = dtype != torch.float32 or where.offload_optimizer != "none" \
-            or where.offload_params != "none"
+        # A separate fp32 master unless the compute parameters already are one, in memory. On a
+        # CPU device, 'cpu' offload has nowhere else to go: the shard is in host memory already.
+        moved = {where.offload_optimizer, where.offload_params} - {"none"}
+        if where.device.type == "cpu":
+            moved.discard("cpu")
+        self.separate = dtype != torch.float32 or bool(moved)
 
         self.param_full = FlatBuffer(layout.padded_numel, dtype, where.device)
         self.param_full.tensor.copy_(init)
@@ -105,7 +108,7 @@ class Bucket:
             self.param_secondary = self.param_full.tensor[groups.gather.rank * sec:(groups.gather.rank + 1) * sec].clone()
         # The master starts from the fp32 values, not from their rounded copy.
         self.master = init[own].clone() if self.separate else self.param_shard
-        if where.offload_optimizer != "none":
+        if where.offload_optimizer != "none" and self.separate:
             self.master = where.host_tensor(self.master)
         self.param_swap = None  # stage 3 offload_params='nvme': set by the sharded model
         # stages 2-3 offload_optimizer='nvme': the gradient shard lives in the swap file between

@@ -53,6 +53,14 @@ def test_nvme_keeps_master_and_optimizer_state_out_of_memory(result):
         assert by_mode["none"]["swapped"] == by_mode["cpu"]["swapped"] == 0
 
 
+def test_cpu_offload_on_a_cpu_device_keeps_one_copy(result):
+    # The device is the CPU, so the fp32 shard is in host memory already: 'cpu' offload must not
+    # add a second master beside it (it would train smaller models than no offload).
+    for row in result["parity"]:
+        by_mode = {r["mode"]: r for r in row["rows"]}
+        assert by_mode["cpu"]["model_state_bytes"] == by_mode["none"]["model_state_bytes"], row
+
+
 def test_nvme_parameter_shards_are_read_ahead(result):
     # Stage 3 with offload_params='nvme': forward and backward read each next unit's shard from
     # the swap file before it is needed (parity above shows the read-ahead changes no value).
