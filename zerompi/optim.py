@@ -96,11 +96,10 @@ class ZeroOptimizer:
         if self._skips(norm):
             return StepResult(False, norm)
         # 3. clip, as torch.nn.utils.clip_grad_norm_ does
-        if self.clip is not None:
-            coef = self.clip / (norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+        coef = self._clip_coef(norm)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
         # 4. update the shards, then publish them to the compute parameters
         if self.store.streaming:  # one bucket at a time through memory; the others have no grad
             for i in self.store.stream():
@@ -109,6 +108,10 @@ class ZeroOptimizer:
             self._update(self.buckets, grads)
         self.zero_grad()
         return StepResult(True, norm)
+
+    def _clip_coef(self, norm: float) -> float:
+        """What clip_grad_norm_ scales the gradients by (below 1.0 only when clipping applies)."""
+        return self.clip / (norm + 1e-6) if self.clip is not None else 1.0
 
     def _skips(self, norm: float) -> bool:
         """Whether a non-finite norm skips this step: fp16 lowers the loss scale (and raises it
@@ -131,7 +134,7 @@ class ZeroOptimizer:
         norm = self._norm_from(sum(b.grad_sq for b in self.buckets)) / self.loss_scale
         if self._skips(norm):
             return StepResult(False, norm)
-        coef = self.clip / (norm + 1e-6) if self.clip is not None else 1.0
+        coef = self._clip_coef(norm)
         for i in self.store.stream():
             g = self.buckets[i].master_grad()
             if self.loss_scale != 1.0:
