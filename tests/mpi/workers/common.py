@@ -60,8 +60,14 @@ class Run:
 
 
 def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=gpt_loss,
-                    param_groups=None, zero_missing_grads: bool = True) -> Run:
-    """Single-process training on the global batch with fp32 masters."""
+                    param_groups=None, zero_missing_grads: bool = True, order: "Order | None" = None) -> Run:
+    """Single-process training on the global batch with fp32 masters.
+
+    ``order`` gives the same arithmetic in another summation order (see Order).
+    How far that moves the result is the order noise the parity bounds are
+    multiples of (see ``compare`` and tests/mpi/tolerance.py).
+    """
+    order = order or Order()
     master = copy.deepcopy(model)
     work = master if cfg.dtype == "fp32" else copy.deepcopy(model).to(DTYPES[cfg.dtype])
     pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
@@ -69,13 +75,15 @@ def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=
     opt = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg))
     # fp16: the engine's initial dynamic loss scale (it cannot change within a short run)
     scale = float(2 ** cfg.initial_scale_power) if cfg.dtype == "fp16" else 1.0
+    parts = cfg.grad_accum_steps * order.chunks
     losses = []
     for micro_batches in batches:
         total = 0.0
         for batch in micro_batches:
-            loss = loss_fn(work, batch)
-            (loss * (scale / cfg.grad_accum_steps)).backward()
-            total += float(loss) / cfg.grad_accum_steps
+            for part in order.parts(batch):
+                loss = loss_fn(work, part)
+                (loss * (scale / parts)).backward()
+                total += float(loss) / parts
         losses.append(total)
         for m, w in pairs:
             # Unused parameters count as zero gradients, as in DDP and ZeRO.
@@ -93,6 +101,57 @@ def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=
     return Run({n: p.detach().float().clone() for n, p in master.named_parameters()}, losses)
 
 
+def split_batch(batch, chunks: int) -> list[tuple]:
+    """``batch`` (tensors sharing their first dimension) cut into ``chunks`` equal parts."""
+    if chunks == 1:
+        return [batch]
+    rows = batch[0].shape[0]
+    if rows % chunks:
+        raise ValueError(f"{rows} rows do not split into {chunks} equal chunks")
+    return [tuple(t[i * rows // chunks:(i + 1) * rows // chunks] for t in batch) for i in range(chunks)]
+
+
+@dataclass(frozen=True)
+class Order:
+    """A summation order of the global batch: ``chunks`` equal parts whose gradients autograd
+    sums last part first (1: the whole batch at once), with the rows reversed if ``flip``."""
+
+    chunks: int = 1
+    flip: bool = False
+
+    def parts(self, batch) -> list[tuple]:
+        if self.flip:
+            batch = tuple(t.flip(0) for t in batch)
+        return split_batch(batch, self.chunks)[::-1]
+
+
+def orders(world: int) -> list[Order]:
+    """The reorderings whose spread is the order noise: one chunk per rank (as the engine splits
+    the batch; two on one rank), twice as many chunks, and the rows reversed."""
+    k = max(world, 2)
+    return [Order(k), Order(2 * k), Order(1, flip=True)]
+
+
+def reference_orders(make, cfg, batches, world: int, **kwargs) -> list[Run]:
+    """``reference_train`` of a fresh ``make()`` once per reordering of ``orders(world)``."""
+    return [reference_train(make(), cfg, batches, order=o, **kwargs) for o in orders(world)]
+
+
+def compare(ours: Run, ref: Run, alts: list[Run], init: dict | None = None) -> dict:
+    """What the parity tests judge: per-tensor error of ``ours`` against ``ref``, and the
+    order noise: the largest distance of a reordered reference (``alts``) from ``ref``."""
+    noise = [rel_per_tensor(a.params, ref.params) for a in alts]
+    worst_alt = max(alts, key=lambda a: max(abs(x - y) for x, y in zip(a.losses, ref.losses)))
+    out = dict(err=rel_per_tensor(ours.params, ref.params),
+               noise={n: max(d[n] for d in noise) for n in ref.params},
+               loss_ours=ours.losses, loss_ref=ref.losses, loss_alt=worst_alt.losses)
+    out["max_rel"] = max(out["err"].values())
+    if init is not None:
+        out["rel_update"] = rel_to_update(ours.params, ref.params, init)
+        out["rel_update_noise"] = max(rel_to_update(a.params, ref.params, init) for a in alts)
+    return out
+
+
 def zero_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=gpt_loss,
                param_groups=None, comm=None):
     """The same training through the engine; returns (Run, engine)."""
@@ -104,19 +163,21 @@ def zero_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=gpt_l
         for batch in micro_batches:
             loss = loss_fn(engine, local_part(batch, engine.rank))
             engine.backward(loss)
-            total += float(loss) / cfg.grad_accum_steps
+            total += float(loss.detach()) / cfg.grad_accum_steps
             engine.step()
         losses.append(engine.all_reduce_mean(total))
     return Run(engine.full_state_dict(), losses), engine
 
 
+def rel_per_tensor(ours: dict, ref: dict) -> dict[str, float]:
+    """max|ours - ref| / max|ref| for each tensor (per-tensor scale, robust to tiny entries)."""
+    return {name: float((ours[name] - r).abs().max()) / max(float(r.abs().max()), 1e-12)
+            for name, r in ref.items()}
+
+
 def max_rel_diff(ours: dict, ref: dict) -> float:
-    """max over tensors of max|ours - ref| / max|ref| (per-tensor scale, robust to tiny entries)."""
-    worst = 0.0
-    for name, r in ref.items():
-        scale = max(float(r.abs().max()), 1e-12)
-        worst = max(worst, float((ours[name] - r).abs().max()) / scale)
-    return worst
+    """max over tensors of max|ours - ref| / max|ref|."""
+    return max(rel_per_tensor(ours, ref).values())
 
 
 def rel_to_update(ours: dict, ref: dict, init: dict) -> float:

@@ -11,8 +11,9 @@ import itertools
 from mpi4py import MPI
 
 import zerompi
-from common import (initial_params, max_rel_diff, reference_train, rel_to_update, tiny_gpt,
-                    token_batches, write_json, zero_train)
+from common import (compare, initial_params, reference_orders, reference_train, tiny_gpt, token_batches, write_json,
+                    zero_train)
+from mutation import MUTATIONS, mutate
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -22,7 +23,12 @@ p.add_argument("--ranks-per-node", type=int, default=None)
 p.add_argument("--quick", action="store_true", help="fp32, no accumulation, no clipping only")
 p.add_argument("--overlap", choices=("test", "thread"),
                help="non-blocking reduce-scatter and prefetch, progressed by MPI_Test or a communication thread")
+p.add_argument("--threads", type=int, default=None, help="torch threads per rank (cpu_threads)")
+p.add_argument("--mutate", choices=sorted(MUTATIONS),
+               help="break the gradient reduction on purpose (the parity bounds must catch it)")
 args = p.parse_args()
+if args.mutate:
+    mutate(args.mutate)
 STAGES = {"flat": range(4), "hsdp": range(1, 4), "hpz": (3,)}[args.hierarchy]
 world, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 
@@ -36,7 +42,7 @@ DTYPES, ACCUMS, CLIPS = (("fp32",), (1,), (None,)) if args.quick else (("fp32", 
 for stage, dtype, accum, clip, opt in itertools.product(STAGES, DTYPES, ACCUMS, CLIPS, OPTIMIZERS):
     cfg = zerompi.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=accum, clip_grad_norm=clip,
                              bucket_mb=0.004, seed=0, hierarchy=args.hierarchy,
-                             ranks_per_node=args.ranks_per_node, **OPTIMIZERS[opt],
+                             ranks_per_node=args.ranks_per_node, cpu_threads=args.threads, **OPTIMIZERS[opt],
                              **(dict(overlap_grad_reduce=True, prefetch_units=2, mpi_progress=args.overlap)
                                 if args.overlap else {}))
     model = tiny_gpt(seed=1)
@@ -45,14 +51,13 @@ for stage, dtype, accum, clip, opt in itertools.product(STAGES, DTYPES, ACCUMS, 
     ours, engine = zero_train(model, cfg, batches)
     if rank == 0:
         ref = reference_train(tiny_gpt(seed=1), cfg, batches)
+        alts = reference_orders(lambda: tiny_gpt(seed=1), cfg, batches, world)
         layouts = [b.layout for b in engine.sharded.buckets]
         stats = engine.stats
         results.append(dict(
             stage=stage, dtype=dtype, accum=accum, clip=clip, optimizer=opt, world=world, steps=args.steps,
             hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node,
-            max_rel=max_rel_diff(ours.params, ref.params),
-            rel_update=rel_to_update(ours.params, ref.params, init),
-            loss_ours=ours.losses, loss_ref=ref.losses,
+            mutation=args.mutate, **compare(ours, ref, alts, init),
             bytes_sent=stats.bytes_sent, model_state_bytes=stats.model_state_bytes,
             numel=sum(lay.numel for lay in layouts), padded=sum(lay.padded_numel for lay in layouts),
             buckets=len(layouts), units=len(engine.sharded.units),

@@ -1,0 +1,84 @@
+"""Parity bounds that follow from the arithmetic, measured in the same run.
+
+ZeRO on N ranks computes the same gradients as one process on the global batch,
+summed in another order: each rank sums its micro-batch, MPI sums the ranks.
+fp32 addition is not associative, so the results differ by rounding, and
+training amplifies that (Adam turns the rounding of a gradient that nearly
+cancels into a full-size step). How much depends on the CPU's kernels, the
+thread count and the model, never on one fixed number.
+
+So every worker also trains the single-process reference three more times, in
+other summation orders (workers/common.py ``orders``): the global batch cut
+into one chunk per rank, into twice as many, and with its rows reversed, the
+chunks' gradients summed last first. These runs differ from the reference by
+summation order alone. Their largest distance from the reference, per tensor,
+is the *order noise*; the engine must stay within ``ORDER_K`` times it:
+
+    err(t) <= max(ORDER_K * noise(t), FLOOR)        for every tensor t
+
+with err and noise as max|Δ| / max|reference| of the tensor. ``ORDER_K`` is the
+margin between two samples of the same rounding process (the engine's split
+and the chunked reference are both "one sum per rank, then a sum over ranks");
+``FLOOR`` covers a tensor the reordering happens not to move: 16 units in the
+last place of fp32 (2^-20 relative). ``ORDER_K`` = 8 leaves three doublings
+between two samples of one rounding process; a broken reduction lands orders
+of magnitude beyond it (test_mutation.py, 2 ranks, 3 steps: SGD with every
+gradient off by 1e-3 at ~650x its bound, a sum instead of a mean at ~10^5x, a
+lost bucket at >10^4x with AdamW too).
+
+16-bit compute is judged the same way, on the whole update:
+``rel_update <= ORDER_K * rel_update_noise`` (both ||θ - θ_ref|| / ||θ_ref - θ_0||),
+plus a floor of one bf16 rounding (2^-8) of the update.
+"""
+from __future__ import annotations
+
+import math
+
+ORDER_K = 8.0
+FP32_FLOOR = 2.0 ** -20
+BF16_FLOOR = 2.0 ** -8
+
+
+def tensor_failures(err: dict[str, float], noise: dict[str, float], floor: float = FP32_FLOOR) -> dict:
+    """Tensors whose error exceeds their bound: {name: (error, bound)}."""
+    out = {}
+    for name, e in err.items():
+        bound = max(ORDER_K * noise[name], floor)
+        if not e <= bound:  # NaN fails too
+            out[name] = (e, bound)
+    return out
+
+
+def loss_failures(ours: list[float], ref: list[float], alt: list[float], floor: float) -> list[tuple]:
+    """Steps whose mean loss differs from the reference's by more than its bound."""
+    bad = []
+    for step, (o, r, a) in enumerate(zip(ours, ref, alt)):
+        bound = max(ORDER_K * abs(a - r), floor * abs(r))
+        if not abs(o - r) <= bound:
+            bad.append((step, o, r, bound))
+    return bad
+
+
+def check_parity(r: dict) -> None:
+    """The bounds above, for one row of a parity-judging worker (see workers/common.compare)."""
+    if r["dtype"] == "fp32":
+        failed = tensor_failures(r["err"], r["noise"])
+        assert not failed, f"beyond {ORDER_K:g} x order noise: {failed}; row {_brief(r)}"
+        bad = loss_failures(r["loss_ours"], r["loss_ref"], r["loss_alt"], FP32_FLOOR)
+    else:
+        bound = max(ORDER_K * r["rel_update_noise"], BF16_FLOOR)
+        assert r["rel_update"] <= bound, f"rel_update {r['rel_update']:.3g} > {bound:.3g}; row {_brief(r)}"
+        bad = loss_failures(r["loss_ours"], r["loss_ref"], r["loss_alt"], BF16_FLOOR)
+    assert not bad, f"losses beyond their bound (step, ours, ref, bound): {bad}; row {_brief(r)}"
+
+
+def worst_ratio(r: dict) -> float:
+    """The largest err / bound of a row (< 1 passes): what the README's margins are read from."""
+    if r["dtype"] != "fp32":
+        return r["rel_update"] / max(ORDER_K * r["rel_update_noise"], BF16_FLOOR)
+    return max((e / max(ORDER_K * r["noise"][n], FP32_FLOOR) for n, e in r["err"].items()), default=0.0)
+
+
+def _brief(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("err", "noise", "bytes_sent") and not
+            (isinstance(v, float) and math.isnan(v))}
