@@ -82,3 +82,22 @@ def worst_ratio(r: dict) -> float:
 def _brief(r: dict) -> dict:
     return {k: v for k, v in r.items() if k not in ("err", "noise", "bytes_sent") and not
             (isinstance(v, float) and math.isnan(v))}
+
+
+def check_resume(saved_job: dict, resumed_job: dict, dtype: str) -> None:
+    """A job resumed at another world size or stage against the one that saved, both trained on
+    from the checkpoint: per tensor within ``ORDER_K`` times the order noise, measured as the
+    distance of the resumed job's reordered runs (``<order>/<name>`` entries of workers/ckpt.py
+    --orders) from its own result."""
+    finals = [k for k in resumed_job if k.startswith("final/")]
+    orders = {k.split("/")[0] for k in resumed_job} - {"final", "saved"}
+    assert finals and orders, sorted(resumed_job)
+    err, noise = {}, {}
+    for key in finals:
+        ours, ref = resumed_job[key], saved_job[key]
+        scale = max(float(abs(ref).max()), 1e-12)
+        err[key] = float(abs(ours - ref).max()) / scale
+        noise[key] = max(float(abs(resumed_job[key.replace("final/", f"{o}/")] - ours).max()) / scale
+                         for o in orders)
+    failed = tensor_failures(err, noise, FP32_FLOOR if dtype == "fp32" else BF16_FLOOR)
+    assert not failed, f"beyond {ORDER_K:g} x order noise (error, bound): {failed}"

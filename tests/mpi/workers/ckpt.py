@@ -5,7 +5,10 @@
                save point and at the end to OUT (.npz, no pickle).
 --mode resume: a fresh model with *different* initial values loads the
                checkpoint, rank 0 records the loaded parameters, trains
-               --after steps from the saved data position and writes the end.
+               --after steps from the saved data position and writes the end;
+               with --orders, loads again and trains the same steps on the
+               global batch in other row orders (reversed; rotated by half a
+               rank's rows), for the order noise of the parity bound.
 --mode fail:   load must raise CheckpointError; every rank's message goes to OUT (JSON).
 The global batch (GLOBAL sequences) is the same at every world size, split evenly.
 """
@@ -28,10 +31,16 @@ def global_batch(step: int):
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
-def train(engine, first: int, count: int) -> None:
+ORDERS = {"flip": lambda t, rows: t.flip(0), "roll": lambda t, rows: t.roll(max(rows // 2, 1), 0)}
+
+
+def train(engine, first: int, count: int, order: str | None = None) -> None:
     rows = GLOBAL // engine.world_size
     for step in range(first, first + count):
-        x, y = (t[engine.rank * rows:(engine.rank + 1) * rows] for t in global_batch(step))
+        batch = global_batch(step)
+        if order:
+            batch = tuple(ORDERS[order](t, rows) for t in batch)
+        x, y = (t[engine.rank * rows:(engine.rank + 1) * rows] for t in batch)
         engine.backward(gpt_loss(engine, (x, y)))
         engine.step()
 
@@ -65,6 +74,7 @@ def main():
     p.add_argument("--hierarchy", default="flat")
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--layout", default="auto")
+    p.add_argument("--orders", action="store_true", help="resume: also train in the other orders of ORDERS")
     args = p.parse_args()
     engine = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
     out: dict[str, np.ndarray] = {}
@@ -77,6 +87,12 @@ def main():
         state = engine.load_checkpoint(args.root, tag=args.tag)
         out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
         train(engine, state["next_step"], args.after)
+        for order in ORDERS if args.orders else ():
+            again = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
+            again.load_checkpoint(args.root, tag=args.tag)
+            train(again, state["next_step"], args.after, order)
+            out.update({f"{order}/{k}": v for k, v in snapshot(again).items()})
+            again.close()
     else:
         try:
             engine.load_checkpoint(args.root, tag=args.tag)

@@ -15,8 +15,8 @@ from mpi4py import MPI
 from torch import nn
 
 import zerompi
-from common import (MICRO, gpt_loss, initial_params, max_rel_diff, reference_train, rel_to_update, tiny_gpt,
-                    token_batches, write_json, zero_train)
+from common import (MICRO, compare, gpt_loss, initial_params, reference_orders, reference_train, rel_to_update,
+                    tiny_gpt, token_batches, write_json, zero_train)
 
 COMM = MPI.COMM_WORLD
 WORLD, RANK = COMM.Get_size(), COMM.Get_rank()
@@ -66,8 +66,8 @@ def parity_case(stage, make, loss_fn, batches, cfg_kw, ref_make=None, param_grou
     if RANK != 0:
         return {}
     ref = reference_train((ref_make or make)(), cfg, batches, loss_fn, param_groups=param_groups)
-    return dict(max_rel=max_rel_diff(ours.params, ref.params),
-                rel_update=rel_to_update(ours.params, ref.params, init),
+    alts = reference_orders(ref_make or make, cfg, batches, WORLD, loss_fn=loss_fn, param_groups=param_groups)
+    return dict(dtype=cfg.dtype, **compare(ours, ref, alts, init),
                 moved=rel_to_update(ref.params, init, {n: 0 * t for n, t in init.items()}))
 
 

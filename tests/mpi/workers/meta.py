@@ -14,7 +14,8 @@ from mpi4py import MPI
 from torch import nn
 
 import zerompi
-from common import VOCAB, gpt_loss, local_part, max_rel_diff, reference_train, tiny_gpt, token_batches, write_json
+from common import (VOCAB, Run, compare, gpt_loss, local_part, reference_orders, reference_train, tiny_gpt,
+                    token_batches, write_json)
 
 COMM = MPI.COMM_WORLD
 
@@ -61,14 +62,22 @@ def run(stage: int, kind: str) -> dict:
     meta_left = [n for n, p in model.named_parameters() if p.is_meta]
     init = engine.full_state_dict()
     batches = token_batches(5, COMM.Get_size(), 3, 1)
+    losses = []
     for micro in batches:
-        engine.backward(gpt_loss(engine, local_part(micro[0], engine.rank)))
+        loss = gpt_loss(engine, local_part(micro[0], engine.rank))
+        engine.backward(loss)
         engine.step()
-    ours = engine.full_state_dict()
-    eager = build(kind, 1)
-    missing, unexpected = eager.load_state_dict(init, strict=False)
-    ref = reference_train(eager, cfg, batches)
-    return {"stage": stage, "kind": kind, "meta_left": meta_left, "max_rel": max_rel_diff(ours, ref.params),
+        losses.append(engine.all_reduce_mean(float(loss.detach())))
+    ours = Run(engine.full_state_dict(), losses)
+
+    def eager():
+        model = build(kind, 1)
+        model.load_state_dict(init, strict=False)
+        return model
+    missing, unexpected = build(kind, 1).load_state_dict(init, strict=False)
+    ref = reference_train(eager(), cfg, batches)
+    alts = reference_orders(eager, cfg, batches, COMM.Get_size())
+    return {"stage": stage, "kind": kind, "meta_left": meta_left, "dtype": "fp32", **compare(ours, ref, alts),
             "not_loaded": sorted(missing) + sorted(unexpected), "units": len(engine.sharded.units),
             "stats": stats(init, 3) if kind == "gpt" else {"tied": sorted(init)}}
 
