@@ -16,6 +16,7 @@ they are staged through pinned host buffers.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -27,12 +28,14 @@ from typing import Any, Callable, Iterator
 import torch
 from mpi4py import MPI
 
+from .cuda_aware import Probes
 from .errors import ZeroMPIError
 from .progress import CommThread, thread_support_error
 
 _SUM_DTYPES = (torch.float32, torch.float64)
 ABORT_GRACE = 0.5  # seconds between printing why the job aborts and MPI_Abort
 _16BIT = (torch.bfloat16, torch.float16)
+_MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi.h
 
 
 class CollectiveMismatchError(ZeroMPIError):
@@ -82,13 +85,56 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def cuda_aware_mpi() -> bool:
-    """Whether the MPI library reports CUDA support (Open MPI's MPIX extension)."""
-    query = getattr(MPI, "Query_cuda_support", None)  # mpi4py >= 4 exposes MPIX_Query_cuda_support
+def cuda_probes() -> Probes:
+    """Ask the MPI library, three ways, whether it takes CUDA device buffers (cuda_aware.py weighs it)."""
+    return Probes(memory_alloc_kinds(), _mpix_cuda_support(), _mpix_gpu_cuda_support(), torch.cuda.is_available())
+
+
+def memory_alloc_kinds() -> str | None:
+    """MPI 4.1's ``mpi_memory_alloc_kinds`` of MPI_COMM_WORLD, else of MPI_INFO_ENV; None if neither has it."""
     try:
-        return bool(query()) if query is not None else False
-    except MPI.Exception:  # the MPI lacks the extension: no support
-        return False
+        info = MPI.COMM_WORLD.Get_info()
+        value = info.Get("mpi_memory_alloc_kinds")
+        info.Free()
+        return value if value is not None else MPI.INFO_ENV.Get("mpi_memory_alloc_kinds")
+    except MPI.Exception:  # an MPI older than the key may refuse the query: no answer
+        return None
+
+
+def _mpi_function(name: str, restype: Any, *argtypes: Any) -> Any:
+    """``name`` from the MPI library mpi4py loaded, or None where that library lacks it.
+
+    mpi4py loads libmpi with RTLD_LOCAL, so ``CDLL(None)`` cannot see it: find it in
+    /proc/self/maps and reopen it with RTLD_NOLOAD (never loading a second MPI).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = dict.fromkeys(f[5].strip() for f in (line.split(maxsplit=5) for line in maps) if len(f) == 6)
+    except OSError:  # no /proc (not Linux): not reported
+        return None
+    for path in (p for p in paths if os.path.basename(p).startswith("libmpi")):
+        try:
+            fn = getattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), name)
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = restype, list(argtypes)
+        return fn
+    return None
+
+
+def _mpix_cuda_support() -> bool | None:
+    """Open MPI's (and MPICH's) ``int MPIX_Query_cuda_support(void)``."""
+    query = _mpi_function("MPIX_Query_cuda_support", ctypes.c_int)
+    return None if query is None else bool(query())
+
+
+def _mpix_gpu_cuda_support() -> bool | None:
+    """MPICH's ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)``; None if absent or failing."""
+    query = _mpi_function("MPIX_GPU_query_support", ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+    flag = ctypes.c_int(0)
+    if query is None or query(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag)) != MPI.SUCCESS:
+        return None
+    return bool(flag.value)
 
 
 def _check_flat(name: str, t: torch.Tensor) -> None:

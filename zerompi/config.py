@@ -261,7 +261,7 @@ class ZeroConfig:
     device: str = "auto"
     """'auto', 'cpu' or 'cuda'."""
     cuda_aware_mpi: str = "auto"
-    """'auto', 'on' or 'off': whether device buffers are handed straight to MPI."""
+    """Device buffers straight to MPI: 'auto' (when torch.cuda and the MPI report support), 'on' or 'off'."""
     offload_optimizer: str = "none"
     """Stages 1-3: where fp32 master weights and optimizer state live between steps:
     'none' (with the parameters), 'cpu' (host memory; the update runs on the CPU) or

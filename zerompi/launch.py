@@ -11,9 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import ProcessGroup, cuda_aware_mpi
+from .comm import ProcessGroup, cuda_probes
+from .cuda_aware import decide
 from .errors import ConfigError
 from .launch_check import check_world_matches_launcher
+from .log import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,15 @@ def select_device(kind: str, local_rank: int) -> torch.device:
 
 
 def use_cuda_aware(setting: str) -> bool:
-    """``on``/``off`` force it; ``auto`` asks the MPI library."""
-    return setting == "on" or (setting == "auto" and cuda_aware_mpi())
+    """Whether device buffers go straight to MPI (cuda_aware.py); the choice and its reason go to the log once.
+
+    Raises ConfigError for ``on`` with an MPI that reports no CUDA support.
+    """
+    decision = decide(setting, cuda_probes())
+    if ProcessGroup().rank == 0:  # MPI_COMM_WORLD's rank: set_rank has not run yet
+        path = "go to MPI directly" if decision.use else "are staged through pinned host memory"
+        logger.info("device buffers %s: %s", path, decision.reason)
+    return decision.use
 
 
 def seed_rank(seed: int, rank: int) -> None:
