@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ..components import MISSING, ran, unavailable
 from .launcher import ROOT
 
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -36,9 +37,6 @@ def _can_have_slurm() -> str | None:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         return "Slurm (slurmctld, slurmd, slurm-client) is not installed and this is not root with apt-get"
     return None
-
-
-pytestmark = pytest.mark.skipif(_can_have_slurm() is not None, reason=str(_can_have_slurm()))
 
 
 class Slurm:
@@ -97,12 +95,18 @@ class Slurm:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
+    why = _can_have_slurm()
+    if why:
+        unavailable("Slurm", why)
     scratch = tmp_path_factory.mktemp("slurm")
     up = subprocess.run(["timeout", "300", "bash", str(ROOT / "jobs/ci/slurm_up.sh"), str(scratch)],
                         capture_output=True, text=True, env={**os.environ, "PATH": SBIN})
     if up.returncode != 0:
         subprocess.run(["bash", str(ROOT / "jobs/ci/slurm_down.sh"), str(scratch)], capture_output=True)
+        MISSING["Slurm"] = f"slurm_up.sh failed ({up.returncode})"
         pytest.fail(f"slurm_up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
+    version = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, env={"PATH": SBIN})
+    ran("Slurm", f"{version.stdout.strip() or version.stderr.strip()} (slurmctld + slurmd on this node)")
     try:
         yield Slurm(up.stdout.strip().splitlines()[-1], tmp_path_factory.mktemp("jobs"))
     finally:
