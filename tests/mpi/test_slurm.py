@@ -105,10 +105,10 @@ def slurm(tmp_path_factory):
         subprocess.run(["bash", str(ROOT / "jobs/ci/slurm_down.sh"), str(scratch)], capture_output=True)
         MISSING["Slurm"] = f"slurm_up.sh failed ({up.returncode})"
         pytest.fail(f"slurm_up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
-    version = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, env={"PATH": SBIN})
-    ran("Slurm", f"{version.stdout.strip() or version.stderr.strip()} (slurmctld + slurmd on this node)")
+    cluster = Slurm(up.stdout.strip().splitlines()[-1], tmp_path_factory.mktemp("jobs"))
+    ran("Slurm", f"{cluster.run('sinfo', '--version').stdout.strip()} (slurmctld + slurmd on this node)")
     try:
-        yield Slurm(up.stdout.strip().splitlines()[-1], tmp_path_factory.mktemp("jobs"))
+        yield cluster
     finally:
         subprocess.run(["timeout", "60", "bash", str(ROOT / "jobs/ci/slurm_down.sh"), str(scratch)],
                        capture_output=True)
