@@ -40,14 +40,15 @@ def mpi_env() -> dict[str, str]:
     return env
 
 
-def run_mpi(n: int, script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``workers/SCRIPT`` (or a repository path like ``jobs/x.py``) on ``n`` ranks.
-
-    Raises with the job's output if it fails.
+def run_mpi(n: int, script: str, *args: str, timeout: float = 600,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``workers/SCRIPT`` (or a repository path like ``jobs/x.py``) on ``n`` ranks, with ``env``
+    added to the environment. Raises with the job's output if it fails.
     """
     path = ROOT / script if "/" in script else WORKERS / script
     cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(path), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**mpi_env(), **(env or {})},
+                          cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-8000:]}")
@@ -73,7 +74,8 @@ class WorkerResults:
         return self._rows[(world, *args)]
 
 
-def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float = 600) -> dict:
+def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float = 600,
+                    env: dict[str, str] | None = None) -> dict:
     """Run a worker that writes its results as JSON to ``out`` (rank 0) and load them."""
-    run_mpi(n, script, "--out", str(out), *args, timeout=timeout)
+    run_mpi(n, script, "--out", str(out), *args, timeout=timeout, env=env)
     return json.loads(out.read_text())

@@ -83,7 +83,7 @@ def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=
             for part in order.parts(batch):
                 loss = loss_fn(work, part)
                 (loss * (scale / parts)).backward()
-                total += float(loss) / parts
+                total += float(loss.detach()) / parts
         losses.append(total)
         for m, w in pairs:
             # Unused parameters count as zero gradients, as in DDP and ZeRO.

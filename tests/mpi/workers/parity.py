@@ -21,6 +21,8 @@ p.add_argument("--steps", type=int, default=3)
 p.add_argument("--hierarchy", default="flat")
 p.add_argument("--ranks-per-node", type=int, default=None)
 p.add_argument("--quick", action="store_true", help="fp32, no accumulation, no clipping only")
+p.add_argument("--fp32", action="store_true", help="fp32 only, with accumulation and clipping")
+p.add_argument("--stages", help="comma list of stages (default: all the hierarchy allows)")
 p.add_argument("--overlap", choices=("test", "thread"),
                help="non-blocking reduce-scatter and prefetch, progressed by MPI_Test or a communication thread")
 p.add_argument("--threads", type=int, default=None, help="torch threads per rank (cpu_threads)")
@@ -30,6 +32,8 @@ args = p.parse_args()
 if args.mutate:
     mutate(args.mutate)
 STAGES = {"flat": range(4), "hsdp": range(1, 4), "hpz": (3,)}[args.hierarchy]
+if args.stages:
+    STAGES = [int(x) for x in args.stages.split(",")]
 world, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 
 results = []
@@ -39,6 +43,8 @@ results = []
 OPTIMIZERS = {"adamw": dict(optimizer="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
               "sgd": dict(optimizer="sgd", lr=0.5, momentum=0.9, weight_decay=0.1)}
 DTYPES, ACCUMS, CLIPS = (("fp32",), (1,), (None,)) if args.quick else (("fp32", "bf16"), (1, 2), (None, 0.05))
+if args.fp32:
+    DTYPES = ("fp32",)
 for stage, dtype, accum, clip, opt in itertools.product(STAGES, DTYPES, ACCUMS, CLIPS, OPTIMIZERS):
     cfg = zerompi.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=accum, clip_grad_norm=clip,
                              bucket_mb=0.004, seed=0, hierarchy=args.hierarchy,
