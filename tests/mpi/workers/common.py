@@ -9,6 +9,7 @@ at any stage and world size must reproduce.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -167,6 +168,16 @@ def zero_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=gpt_l
             engine.step()
         losses.append(engine.all_reduce_mean(total))
     return Run(engine.full_state_dict(), losses), engine
+
+
+def digest(run: Run) -> str:
+    """SHA-256 of a run's final parameters (by name) and losses: equal only if bitwise equal."""
+    h = hashlib.sha256()
+    for name in sorted(run.params):
+        h.update(name.encode())
+        h.update(run.params[name].detach().cpu().contiguous().numpy().tobytes())
+    h.update(json.dumps([float(x) for x in run.losses]).encode())
+    return h.hexdigest()
 
 
 def rel_per_tensor(ours: dict, ref: dict) -> dict[str, float]:

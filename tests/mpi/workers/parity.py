@@ -11,8 +11,8 @@ import itertools
 from mpi4py import MPI
 
 import zerompi
-from common import (compare, initial_params, reference_orders, reference_train, tiny_gpt, token_batches, write_json,
-                    zero_train)
+from common import (compare, digest, initial_params, reference_orders, reference_train, tiny_gpt, token_batches,
+                    write_json, zero_train)
 from mutation import MUTATIONS, mutate
 
 p = argparse.ArgumentParser()
@@ -63,7 +63,7 @@ for stage, dtype, accum, clip, opt in itertools.product(STAGES, DTYPES, ACCUMS, 
         results.append(dict(
             stage=stage, dtype=dtype, accum=accum, clip=clip, optimizer=opt, world=world, steps=args.steps,
             hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node,
-            mutation=args.mutate, **compare(ours, ref, alts, init),
+            mutation=args.mutate, digest=digest(ours), **compare(ours, ref, alts, init),
             bytes_sent=stats.bytes_sent, model_state_bytes=stats.model_state_bytes,
             numel=sum(lay.numel for lay in layouts), padded=sum(lay.padded_numel for lay in layouts),
             buckets=len(layouts), units=len(engine.sharded.units),
