@@ -1,0 +1,273 @@
+"""benchmarks/results/capacity.{json,md,png}: the file layout, merging and the report of bench_capacity.py.
+
+Everything in capacity.md is generated here from capacity.json; nothing is added by hand. A results
+file holds one measurement per mode (``measurements[mode]``: the commit and date it was taken at,
+the command, the load average at its start and end) and the trials of all modes (``rows``), so a
+mode can be re-measured and merged without re-running the others (``--modes M --merge``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from datetime import datetime
+from pathlib import Path
+
+log = logging.getLogger("bench_capacity")
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160)
+MODES = ("stage0", "stage3", "stage3+cpu", "stage3+nvme")
+CONFIG = ("cap_gib", "ranks", "n_embd", "n_head", "max_rungs")  # what merged measurements must share
+# The files a measurement depends on: uncommitted changes to them are recorded beside the commit.
+SOURCES = ("zerompi", "benchmarks/bench_capacity.py", "benchmarks/capacity_report.py",
+           "benchmarks/workers/capacity_worker.py", "tests/mpi/launcher.py")
+SCHEMA = 2
+SHARED_LOAD = 0.5  # a 1-minute load average at least this high before the first trial: other work ran
+
+
+def git_state(paths: tuple[str, ...] = SOURCES) -> tuple[str, list[str]]:
+    """HEAD's short hash and the files among ``paths`` with uncommitted changes."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+    status = git("status", "--porcelain", "--", *paths).splitlines()
+    return git("rev-parse", "--short", "HEAD").strip(), sorted(ln[3:] for ln in status)
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.1f} GiB"
+
+
+def load(path: Path) -> dict:
+    """A results file, converted to the current layout if it is the first one (one run for all modes)."""
+    data = json.loads(path.read_text())
+    if data.get("schema", 1) >= SCHEMA:
+        return data
+    measurements = {}
+    for mode in MODES:
+        rows = [r for r in data["rows"] if r["mode"] == mode]
+        if rows:  # that layout kept one commit and date (when written) for the run of all modes
+            measurements[mode] = {
+                "commit": data["commit"], "dirty": None, "date": data["date"], "command": data["command"],
+                "machine": data["machine"], "cores": None, "nvme_dir": data["nvme_dir"],
+                "seconds": sum(r["seconds"] for r in rows), "loadavg_before_run": None, "loadavg_start": None, "loadavg_end": None,
+                "reading": None, "previous": None}
+    return {"schema": SCHEMA, "written_by": None, **{k: data[k] for k in CONFIG},
+            "measurements": measurements, "rows": data["rows"]}
+
+
+def check_merge(old: dict, new: dict) -> None:
+    """Exits unless ``new`` (a results dict, or just its CONFIG) was measured the way ``old`` was."""
+    differ = [k for k in CONFIG if old[k] != new[k]]
+    if differ:
+        raise SystemExit(f"cannot merge: {', '.join(f'{k} {new[k]} here, {old[k]} in the file' for k in differ)}")
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``old`` with the modes measured in ``new`` replaced by ``new``'s trials and measurements."""
+    check_merge(old, new)
+    modes = set(new["measurements"])
+    before = summary(old["rows"])
+    merged = {**old, "measurements": dict(old["measurements"])}
+    for mode in modes:
+        m, prev, best = dict(new["measurements"][mode]), old["measurements"].get(mode), before.get(mode)
+        if prev and best:
+            m["previous"] = {"commit": prev["commit"], "date": prev["date"], "n_layer": best["n_layer"],
+                             "params": best["params"], "cgroup_peak": best["cgroup_peak"]}
+        merged["measurements"][mode] = m
+    rows = [r for r in old["rows"] if r["mode"] not in modes] + new["rows"]
+    merged["rows"] = sorted(rows, key=lambda r: MODES.index(r["mode"]))  # stable: trial order kept per mode
+    return merged
+
+
+def summary(rows: list[dict]) -> dict[str, dict]:
+    best = {}
+    for mode in MODES:
+        ok = [r for r in rows if r["mode"] == mode and r["ok"]]
+        failed = sorted((r for r in rows if r["mode"] == mode and not r["ok"]), key=lambda r: r["n_layer"])
+        if ok:
+            top = max(ok, key=lambda r: r["params"])
+            best[mode] = {"n_layer": top["n_layer"], "params": top["params"], "cgroup_peak": top["cgroup_peak"],
+                          "step_s": top["step_s"][-1], "first_failure": failed[0]["n_layer"] if failed else None,
+                          "why": failed[0]["why"] if failed else "ladder ended"}
+    return best
+
+
+def _gib(x: int | None) -> str:
+    return f"{x / GiB:.2f}" if x else ""
+
+
+def _load(m: dict) -> str:
+    if m.get("loadavg_start") is None:
+        return "not recorded"
+    return f"{m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f} on {m['cores']} cores"
+
+
+def _commit(m: dict) -> str:
+    return m["commit"] + (" + uncommitted changes" if m.get("dirty") else "")
+
+
+def markdown(data: dict) -> str:
+    best, ms = data["best"], data["measurements"]
+    base = best.get("stage0", {}).get("params")
+    w = data["written_by"]
+    machines = sorted({m["machine"] for m in ms.values()})
+    nvme = ms.get("stage3+nvme", {}).get("nvme_dir")
+    lines = ["# Capacity: the largest GPT that trains under one memory cap", "",
+             f"Generated from `capacity.json` by `benchmarks/bench_capacity.py` at commit {_commit(w)}, "
+             f"{w['date']} (`{w['command']}`). Each mode's numbers come from the measurement listed for it "
+             "below, at the commit named there.", "",
+             f"Machine: {'; '.join(machines)}. Cap: {data['cap_gib']:g} GiB for the whole job ({data['ranks']} "
+             "ranks and mpiexec), a cgroup memory limit; no swap. Model: GPT, vocab 256, block 64, "
+             f"n_embd {data['n_embd']}, {data['n_head']} heads, no biases, depth along the ladder "
+             f"{', '.join(map(str, LADDER[:data['max_rungs']]))}, then bisected to about 10%; fp32, AdamW, "
+             "bucket_mb 25, built on the meta device and initialised bucket by bucket "
+             "(`param_init=model.init_module`); micro-batch 1 × 64 tokens per rank, 2 steps."
+             + (f" NVMe: zerompi's default swap settings on the machine's disk (`{nvme}`)." if nvme else ""), "",
+             "| mode | largest that trained | parameters | × stage 0 | job peak memory | s/step | next rung "
+             "| measured at |", "|---|---|---|---|---|---|---|---|"]
+    for mode in MODES:
+        b, m = best.get(mode), ms.get(mode)
+        if m is None:
+            continue
+        if b is None:
+            lines.append(f"| {mode} | none |  |  |  |  |  | {_commit(m)}, {m['date'][:10]} |")
+            continue
+        ratio = f"{b['params'] / base:.1f}×" if base else ""
+        nxt = f"{b['first_failure']} layers: {b['why']}" if b["first_failure"] else b["why"]
+        lines.append(f"| {mode} | {b['n_layer']} layers | {b['params'] / 1e6:.0f}M | {ratio} | "
+                     f"{_gib(b['cgroup_peak'])} GiB | {b['step_s']:.1f} | {nxt} | {_commit(m)}, {m['date'][:10]} |")
+    lines += ["", "Measurements (load: the 1-minute load average when the mode's first trial started → after "
+              "its last):", "", "| mode | commit | date | command | minutes | load |", "|---|---|---|---|---|---|"]
+    for mode in MODES:
+        if (m := ms.get(mode)) is not None:
+            lines.append(f"| {mode} | {m['commit']} | {m['date']} | `{m['command']}` | {m['seconds'] / 60:.0f} | "
+                         f"{_load(m)} |")
+    for mode in MODES:
+        if ms.get(mode, {}).get("dirty"):
+            lines.append(f"\n{mode} ran with uncommitted changes to: {', '.join(ms[mode]['dirty'])}.")
+    if w.get("dirty"):
+        lines.append(f"\nThis file was written with uncommitted changes to: {', '.join(w['dirty'])}.")
+    lines += ["", "Every trial (job peak: the cgroup's max usage, all processes of the job; load: the 1-minute "
+              "load average when the trial started):", "",
+              "| mode | layers | parameters | result | job peak GiB | peak RSS per rank GiB | s/step | trial s | load |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        la = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
+        if r["ok"]:
+            rss = "/".join(f"{x['peak_rss'] / GiB:.2f}" for x in r["ranks"])
+            lines.append(f"| {r['mode']} | {r['n_layer']} | {r['params'] / 1e6:.0f}M | trained | "
+                         f"{_gib(r['cgroup_peak'])} | {rss} | {r['step_s'][-1]:.1f} | {r['seconds']:.0f} | {la} |")
+        else:
+            lines.append(f"| {r['mode']} | {r['n_layer']} |  | {r['why']} (exit {r['exit']}) | "
+                         f"{_gib(r['cgroup_peak'])} |  |  | {r['seconds']:.0f} | {la} |")
+    lines += ["", "## Reading", "", "\n\n".join(reading(data)), ""]
+    return "\n".join(lines)
+
+
+def reading(data: dict) -> list[str]:
+    """Paragraphs: computed from the data, then each measurement's ``--reading`` text."""
+    best, ms, out = data["best"], data["measurements"], []
+    s0, nv = best.get("stage0", {}).get("params"), best.get("stage3+nvme", {}).get("params")
+    if s0 and nv:
+        out.append(f"NVMe offload trains {nv / s0:.1f}× the parameters of stage 0 under the same cap (target ≥ 8×)"
+                   + (", and it was not stopped by memory: the ladder ended, or the next rung ran out of time "
+                      "or disk." if best["stage3+nvme"]["why"] != "OOM killed" else "."))
+    s3, cpu = best.get("stage3", {}).get("params"), best.get("stage3+cpu", {}).get("params")
+    if s3 and cpu:
+        out.append(f"'cpu' offload trains {cpu / s3:.2f}× what stage 3 trains. On this machine the CPU is the "
+                   "device, so 'cpu' offload has nothing to move out of the memory the cap counts; on a GPU node "
+                   "the same setting moves the optimizer state and parameter shards off the GPU.")
+    text = ("With NVMe offload the model states resident between uses are none: parameter, gradient and optimizer "
+            "shards live in the swap files, and memory holds one gathered unit (plus one read ahead), the "
+            "optimizer's three streaming buckets and the swap buffers, whatever the depth; what grows with the "
+            "model is the time per step (disk traffic) and the swap files (20 bytes per parameter in fp32: "
+            "parameter, master, gradient, two moments).")
+    nvme = sorted((r for r in data["rows"] if r["mode"] == "stage3+nvme" and r["ok"] and r["cgroup_peak"]),
+                  key=lambda r: r["params"])
+    if len(nvme) >= 2:
+        a, b = nvme[0], nvme[-1]
+        slope = (b["cgroup_peak"] - a["cgroup_peak"]) / (b["params"] - a["params"])
+        reach = (data["cap_gib"] * GiB - a["cgroup_peak"]) / slope + a["params"]
+        text += (f" The job's peak still rises {slope:.2f} bytes per parameter across the NVMe rows (host-side "
+                 f"bookkeeping, not model state); at that rate the cap would be reached near {reach / 1e9:.0f}B "
+                 "parameters, well past what this disk holds or this CPU trains in reasonable time.")
+    if "stage3+nvme" in best:
+        out.append(text)
+    commits = {m["commit"] for m in ms.values()}
+    if len(commits) > 1:
+        out.append(f"The modes were measured at {len(commits)} commits ({', '.join(sorted(commits))}): a ratio "
+                   "between two modes compares the code at their two commits.")
+    shared = [(mode, m) for mode, m in ms.items() if m.get("loadavg_before_run") and
+              m["loadavg_before_run"][0] >= SHARED_LOAD]
+    if shared:
+        out.append("s/step was taken on a shared machine for " + "; ".join(
+            f"{mode} (1-minute load average {m['loadavg_before_run'][0]:.2f} on {m['cores']} cores before the "
+            "run's first trial)" for mode, m in shared) + ": other work ran beside the job, so those times are "
+            "slower than on an idle machine. Memory (the cap, the job's peak, which depth trains) does not "
+            "depend on it.")
+    unknown = [mode for mode, m in ms.items() if m.get("loadavg_start") is None]
+    if unknown:
+        out.append(f"The load was not recorded for {', '.join(unknown)}: whether other work shared the CPU, "
+                   "and so slowed s/step, is unknown there.")
+    for mode in MODES:
+        m, b = ms.get(mode), best.get(mode)
+        if m and b and (p := m.get("previous")) and p["commit"] != m["commit"]:
+            out.append(f"{mode} at {m['commit']}: {b['n_layer']} layers, {b['params'] / 1e6:.0f}M parameters "
+                       f"(job peak {_gib(b['cgroup_peak'])} GiB); the measurement it replaced, at {p['commit']} "
+                       f"({p['date'][:10]}), trained {p['n_layer']} layers, {p['params'] / 1e6:.0f}M "
+                       f"(peak {_gib(p['cgroup_peak'])} GiB). `git log --oneline {p['commit']}..{m['commit']} -- "
+                       "zerompi/` lists the library's changes in between.")
+    notes: dict[str, list[str]] = {}
+    for mode in MODES:
+        if ms.get(mode, {}).get("reading"):
+            notes.setdefault(ms[mode]["reading"].strip(), []).append(f"{mode} at {ms[mode]['commit']}")
+    out += [f"On {', '.join(where)}:\n\n{text}" for text, where in notes.items()]
+    return out
+
+
+def plot(data: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in MODES:
+        ok = [r for r in data["rows"] if r["mode"] == mode and r["ok"]]
+        if ok:
+            m = data["measurements"][mode]
+            ax.plot([r["params"] / 1e6 for r in ok], [r["cgroup_peak"] / GiB for r in ok], "o-",
+                    label=f"{mode} ({m['commit']})")
+    ax.axhline(data["cap_gib"], color="k", ls="--", lw=1, label=f"cap {data['cap_gib']:g} GiB")
+    ax.set_xscale("log")
+    ax.set_xlabel("GPT parameters (millions), each point a run that trained")
+    ax.set_ylabel("job peak memory, GiB")
+    ax.set_title(f"Capacity under a {data['cap_gib']:g} GiB cap, {data['ranks']} ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, metadata={"Software": None})  # no matplotlib version: same data, same file
+    plt.close(fig)
+    return True
+
+
+def write(data: dict, out: Path, command: str) -> str:
+    """capacity.json, .md and .png under ``out``; the md's text. A png that cannot be redrawn is removed,
+    not left showing older data."""
+    commit, dirty = git_state(SOURCES[1:3])  # the script's own files
+    data = {**data, "written_by": {"commit": commit, "dirty": dirty, "command": command,
+                                   "date": datetime.now().isoformat(timespec="seconds")}}
+    data["best"] = summary(data["rows"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps(data, indent=1) + "\n")
+    md = markdown(data)
+    (out / "capacity.md").write_text(md)
+    if not plot(data, out / "capacity.png") and (out / "capacity.png").exists():
+        (out / "capacity.png").unlink()
+        log.warning("matplotlib is not installed: removed %s rather than leave it showing older data; "
+                    "`--report-only` with matplotlib draws it from capacity.json", out / "capacity.png")
+    return md
