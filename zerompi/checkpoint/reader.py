@@ -7,6 +7,7 @@ every read succeeded, and only then is the engine's state overwritten.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +17,13 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, all_ranks_ok
+from ..log import get_logger, log_rank0
 from . import schema
 from .shared import SharedFile
 from .index import CheckpointIndex, Source
+from .writer import CPU_RNG, CUDA_DEVICES, CUDA_RNG
+
+logger = get_logger(__name__)
 
 
 def resolve(root: str | os.PathLike, tag: str | None) -> Path:
@@ -135,6 +140,48 @@ class Loaded:
     buckets: list[BucketData]
     rng: np.ndarray | None
     replicated: dict[str, np.ndarray]
+    cuda_rng: np.ndarray | None = None  # this rank's CUDA generator state, when it is to be restored
+
+
+def cuda_rng_decision(saved: np.ndarray | None, saved_devices: int | None, available: bool,
+                      devices: int) -> tuple[bool, str | None]:
+    """Whether to restore a saved CUDA RNG state, and what to warn about (None: nothing).
+
+    A rank saves and restores only its current device's generator: its own stream,
+    whatever device it runs on. Without CUDA here nothing draws from a CUDA generator,
+    so the state is skipped, with a warning, rather than failing a resume on a CPU
+    node. Another device count moves ranks to other devices, which does not change
+    their streams: the state is restored, with a warning, because the random numbers
+    of CUDA kernels (dropout masks) can also depend on the GPU model.
+    """
+    if saved is None:
+        return False, None
+    if not available:
+        return False, ("the checkpoint holds a CUDA RNG state but CUDA is not available in this process: "
+                       "not restored (only the CPU RNG state is)")
+    if saved_devices is not None and saved_devices != devices:
+        return True, (f"the checkpoint was written by processes seeing {saved_devices} CUDA devices, this one "
+                      f"sees {devices}: this rank's saved CUDA RNG state is restored on its current device, but "
+                      "CUDA random numbers (dropout masks) may differ on another GPU model")
+    return True, None
+
+
+def _has(files, rank: int, name: str) -> bool:
+    return name in (files(rank) if isinstance(files, RankFiles) else files.f)
+
+
+def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
+    """This rank's saved CUDA RNG state if it is to be restored here (warns when it is not)."""
+    if not _has(files, rank, CUDA_RNG):
+        return None
+    saved = schema.read_array(files.dataset(rank, CUDA_RNG))
+    devices = (int(schema.read_array(files.dataset(rank, CUDA_DEVICES))[0])
+               if _has(files, rank, CUDA_DEVICES) else None)  # older checkpoints do not record it
+    available = torch.cuda.is_available()
+    restore, warning = cuda_rng_decision(saved, devices, available, torch.cuda.device_count() if available else 0)
+    if warning:
+        logger.warning("%s: %s", where, warning)
+    return saved if restore else None
 
 
 def _check_compatible(engine, index: CheckpointIndex, directory: Path) -> None:
@@ -156,9 +203,14 @@ def prepare(engine, directory: Path) -> Loaded:
     try:
         slot_of = index.slot_of()
         buckets = [_read_bucket(b, index, files, slot_of) for b in engine.sharded.buckets]
-        rng = None  # per-rank RNG streams come back when the job has the same flat layout
+        rng = cuda_rng = None  # per-rank RNG streams come back when the job has the same flat layout
         if index.world_size == engine.group.size and not engine.groups.hierarchical:
-            rng = schema.read_array(files.dataset(engine.group.rank, "rng/torch_cpu"))
+            rng = schema.read_array(files.dataset(engine.group.rank, CPU_RNG))
+            cuda_rng = _read_cuda_rng(files, engine.group.rank, directory)
+        else:  # rank r's saved stream is rank r's of another world: each rank keeps its own (seed + rank)
+            log_rank0(logger, logging.INFO, "%s: RNG state not restored (written by %d ranks, hierarchical "
+                      "layout: %s); each rank keeps its current RNG state", directory, index.world_size,
+                      engine.groups.hierarchical)
     finally:
         files.close()
     replicated = {}
@@ -168,7 +220,7 @@ def prepare(engine, directory: Path) -> Loaded:
                 raise CheckpointError(f"{directory / schema.INDEX}: missing replicated/{name}")
             replicated[name] = schema.read_array(f[f"replicated/{name}"])
     _check_replicated(engine, replicated, directory)
-    return Loaded(index, buckets, rng, replicated)
+    return Loaded(index, buckets, rng, replicated, cuda_rng)
 
 
 def _check_replicated(engine, replicated: dict[str, np.ndarray], directory: Path) -> None:
@@ -215,6 +267,11 @@ def apply(engine, loaded: Loaded) -> None:
         scaler.hysteresis_left = int(loaded.index.scaler["hysteresis_left"])
     if loaded.rng is not None:
         torch.set_rng_state(torch.from_numpy(loaded.rng.copy()))
+    if loaded.cuda_rng is not None:
+        try:  # the current device: the engine's (initialize set it), as when it was saved
+            torch.cuda.set_rng_state(torch.from_numpy(loaded.cuda_rng.copy()))
+        except RuntimeError as e:  # e.g. another torch's generator state format; the rest is loaded
+            logger.warning("the saved CUDA RNG state was not restored: %s", e)
     tensors = dict(engine.module.named_parameters())
     tensors.update(engine.module.named_buffers())
     with torch.no_grad():

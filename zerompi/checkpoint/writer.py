@@ -25,6 +25,9 @@ from ..errors import CheckpointError, UsageError, all_ranks_ok
 from . import schema, shared
 from .index import CheckpointIndex
 
+# Per-rank RNG datasets: the CPU generator, the current CUDA device's, and how many devices it saw.
+CPU_RNG, CUDA_RNG, CUDA_DEVICES = "rng/torch_cpu", "rng/torch_cuda", "rng/cuda_device_count"
+
 
 def fsync_path(path: Path) -> None:
     """fsync a file or directory by path (h5py does not expose its descriptor)."""
@@ -93,9 +96,10 @@ def _parts(engine, keys: list[str]):
             for k in keys:
                 if k in state:
                     yield f"b{b.layout.index}/state/{k}", to_numpy(_my_part(b, state[k], rank))
-    yield "rng/torch_cpu", torch.get_rng_state().numpy()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        yield "rng/torch_cuda", torch.cuda.get_rng_state().numpy()
+    yield CPU_RNG, torch.get_rng_state().numpy()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device: the engine's
+        yield CUDA_RNG, torch.cuda.get_rng_state().numpy()
+        yield CUDA_DEVICES, np.array([torch.cuda.device_count()], dtype=np.int64)
 
 
 def _write_rank_file(engine, path: Path, keys: list[str], save_id: str) -> None:
