@@ -160,11 +160,10 @@ def measure(args, modes: list[str], command: str, reading: str | None) -> dict:
             t0 = time.perf_counter()
             data["rows"] += climb(cg, args, mode, scratch)
             end_commit, end_dirty = git_state()
-            if end_commit != commit:
-                log.warning("HEAD moved from %s to %s during %s: its trials name %s", commit, end_commit, mode,
-                            commit)
+            if end_commit != commit:  # later trials may have run the newer code: kept beside the commit
+                log.warning("HEAD moved from %s to %s during %s", commit, end_commit, mode)
             m.update(seconds=time.perf_counter() - t0, loadavg_end=os.getloadavg(),
-                     dirty=sorted(set(dirty) | set(end_dirty)))
+                     commit_end=end_commit, dirty=sorted(set(dirty) | set(end_dirty)))
             if m["dirty"]:
                 log.warning("%s ran with uncommitted changes: %s", mode, "; ".join(m["dirty"]))
             data["measurements"][mode] = m

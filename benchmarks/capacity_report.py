@@ -53,8 +53,8 @@ def load(path: Path) -> dict:
             measurements[mode] = {
                 "commit": data["commit"], "dirty": None, "date": data["date"], "command": data["command"],
                 "machine": data["machine"], "cores": None, "nvme_dir": data["nvme_dir"],
-                "seconds": sum(r["seconds"] for r in rows), "loadavg_before_run": None, "loadavg_start": None, "loadavg_end": None,
-                "reading": None, "previous": None}
+                "commit_end": None, "seconds": sum(r["seconds"] for r in rows), "loadavg_before_run": None,
+                "loadavg_start": None, "loadavg_end": None, "reading": None, "previous": None}
     return {"schema": SCHEMA, "written_by": None, **{k: data[k] for k in CONFIG},
             "measurements": measurements, "rows": data["rows"]}
 
@@ -107,7 +107,9 @@ def _load(m: dict) -> str:
 
 
 def _commit(m: dict) -> str:
-    return m["commit"] + (" + uncommitted changes" if m.get("dirty") else "")
+    moved = m.get("commit_end") not in (None, m["commit"])
+    return m["commit"] + (f" (HEAD at {m['commit_end']} by its end)" if moved else "") + (
+        " + uncommitted changes" if m.get("dirty") else "")
 
 
 def markdown(data: dict) -> str:
@@ -144,8 +146,12 @@ def markdown(data: dict) -> str:
               "its last):", "", "| mode | commit | date | command | minutes | load |", "|---|---|---|---|---|---|"]
     for mode in MODES:
         if (m := ms.get(mode)) is not None:
-            lines.append(f"| {mode} | {m['commit']} | {m['date']} | `{m['command']}` | {m['seconds'] / 60:.0f} | "
+            lines.append(f"| {mode} | {_commit(m)} | {m['date']} | `{m['command']}` | {m['seconds'] / 60:.0f} | "
                          f"{_load(m)} |")
+    for mode in MODES:
+        if (m := ms.get(mode)) and m.get("commit_end") not in (None, m["commit"]):
+            lines.append(f"\n{mode}: HEAD moved during its measurement; `git diff --stat {m['commit']} "
+                         f"{m['commit_end']} -- zerompi/` shows whether its later trials ran other library code.")
     for mode in MODES:
         if ms.get(mode, {}).get("dirty"):
             lines.append(f"\n{mode} ran with uncommitted changes to: {', '.join(ms[mode]['dirty'])}.")
