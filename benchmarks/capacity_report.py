@@ -213,8 +213,9 @@ def reading(data: dict) -> list[str]:
         out.append("s/step was taken on a shared machine for " + "; ".join(
             f"{mode} (1-minute load average {m['loadavg_before_run'][0]:.2f} on {m['cores']} cores before the "
             "run's first trial)" for mode, m in shared) + ": other work ran beside the job, so those times are "
-            "slower than on an idle machine. Memory (the cap, the job's peak, which depth trains) does not "
-            "depend on it.")
+            "slower than on an idle machine. The cap counts the job's memory only, whatever else runs; but each "
+            "depth is tried once, and a depth whose peak comes near the cap may train in one run and be OOM-killed "
+            "in another, so the largest depth is good to about one rung.")
     unknown = [mode for mode, m in ms.items() if m.get("loadavg_start") is None]
     if unknown:
         out.append(f"The load was not recorded for {', '.join(unknown)}: whether other work shared the CPU, "
