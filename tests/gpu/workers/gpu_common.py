@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mpi" / "workers"))
 import torch  # noqa: E402
 
 import zerompi  # noqa: E402
-from common import Run, gpt_loss, local_part, reference_orders, reference_train, tiny_gpt  # noqa: E402
+from common import Run, reference_orders, reference_train, tiny_gpt  # noqa: E402
 
 
 def parser(doc: str, steps: bool = True) -> argparse.ArgumentParser:
@@ -60,20 +60,6 @@ def references(cfg: zerompi.ZeroConfig, batches, world: int, device: torch.devic
     ref = reference_train(tiny_gpt(seed).to(device), cfg, dev)
     alts = reference_orders(lambda: tiny_gpt(seed).to(device), cfg, dev, world)
     return cpu_run(ref), [cpu_run(a) for a in alts]
-
-
-def train(engine, batches, accum: int) -> Run:
-    """tests/mpi/workers/common.zero_train's loop, for an engine built (and checked) apart."""
-    losses = []
-    for micro_batches in batches:
-        total = 0.0
-        for batch in micro_batches:
-            loss = gpt_loss(engine, local_part(batch, engine.rank))
-            engine.backward(loss)
-            total += float(loss.detach()) / accum
-            engine.step()
-        losses.append(engine.all_reduce_mean(total))
-    return Run(engine.full_state_dict(), losses)
 
 
 def devices(tensors) -> list[str]:

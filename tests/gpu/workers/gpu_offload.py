@@ -14,8 +14,8 @@ import numpy as np
 from mpi4py import MPI
 
 import zerompi
-from gpu_common import parser, placement, references, setup, train  # first: puts common on sys.path
-from common import compare, initial_params, tiny_gpt, token_batches, write_json
+from gpu_common import parser, placement, references, setup  # first: puts common on sys.path
+from common import compare, engine_train, initial_params, tiny_gpt, token_batches, write_json
 
 p = parser(__doc__)
 p.add_argument("--mode", choices=("none", "cpu", "nvme"), required=True)
@@ -54,7 +54,7 @@ for stage, dtype, accum, clip in COMBOS:
     except zerompi.ZeroMPIError as e:
         rows.append(dict(row, error=f"{type(e).__name__}: {e}"))
         continue
-    ours = train(engine, batches, accum)
+    ours = engine_train(engine, batches)
     stats = engine.stats
     row.update(placement(engine), pinned=pinned(engine, stage), model_state_bytes=stats.model_state_bytes,
                swapped=stats.swapped_bytes)

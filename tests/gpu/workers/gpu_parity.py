@@ -10,8 +10,8 @@ import itertools
 from mpi4py import MPI
 
 import zerompi
-from gpu_common import parser, placement, references, setup, train  # first: puts common on sys.path
-from common import compare, initial_params, tiny_gpt, token_batches, write_json
+from gpu_common import parser, placement, references, setup  # first: puts common on sys.path
+from common import compare, engine_train, initial_params, tiny_gpt, token_batches, write_json
 
 p = parser(__doc__)
 p.add_argument("--cuda-aware", choices=("off", "on"), required=True)
@@ -38,7 +38,7 @@ for stage, dtype, (accum, clip), opt in itertools.product(range(4), ("fp32", "bf
             raise
         skipped = str(e)
         break
-    ours = train(engine, batches, accum)
+    ours = engine_train(engine, batches)
     where = placement(engine)
     if rank == 0:
         ref, alts = references(cfg, batches, world, device)

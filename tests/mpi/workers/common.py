@@ -158,16 +158,21 @@ def zero_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=gpt_l
     """The same training through the engine; returns (Run, engine)."""
     engine = zerompi.initialize(model, cfg, comm=comm,
                                 param_groups=param_groups(model) if param_groups else None)
+    return engine_train(engine, batches, loss_fn), engine
+
+
+def engine_train(engine, batches, loss_fn=gpt_loss) -> Run:
+    """``batches[step]``'s global micro-batches through ``engine``, each rank on its part."""
     losses = []
     for micro_batches in batches:
         total = 0.0
         for batch in micro_batches:
             loss = loss_fn(engine, local_part(batch, engine.rank))
             engine.backward(loss)
-            total += float(loss.detach()) / cfg.grad_accum_steps
+            total += float(loss.detach()) / len(micro_batches)
             engine.step()
         losses.append(engine.all_reduce_mean(total))
-    return Run(engine.full_state_dict(), losses), engine
+    return Run(engine.full_state_dict(), losses)
 
 
 def digest(run: Run) -> str:

@@ -14,8 +14,8 @@ from mpi4py import MPI
 from torch import nn
 
 import zerompi
-from common import (VOCAB, Run, compare, gpt_loss, local_part, reference_orders, reference_train, tiny_gpt,
-                    token_batches, write_json)
+from common import (VOCAB, compare, engine_train, reference_orders, reference_train, tiny_gpt, token_batches,
+                    write_json)
 
 COMM = MPI.COMM_WORLD
 
@@ -62,13 +62,7 @@ def run(stage: int, kind: str) -> dict:
     meta_left = [n for n, p in model.named_parameters() if p.is_meta]
     init = engine.full_state_dict()
     batches = token_batches(5, COMM.Get_size(), 3, 1)
-    losses = []
-    for micro in batches:
-        loss = gpt_loss(engine, local_part(micro[0], engine.rank))
-        engine.backward(loss)
-        engine.step()
-        losses.append(engine.all_reduce_mean(float(loss.detach())))
-    ours = Run(engine.full_state_dict(), losses)
+    ours = engine_train(engine, batches)
 
     def eager():
         model = build(kind, 1)
