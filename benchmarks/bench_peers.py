@@ -6,8 +6,14 @@ thread per rank) as its own ``mpiexec`` job with a timeout; the torch.distribute
 rows rendezvous over gloo on 127.0.0.1 with rank and size from MPI. A row that
 fails or times out is recorded with its error and the run goes on.
 
+The whole list of rows runs ``--repeats`` times (default 3), interleaved: repeat 1 of every
+row, then repeat 2 of every row, and so on, so that a drifting machine hits every row alike.
+The report gives each row's median over repeats, their spread, and ratios with the range
+the spreads allow ("at parity" where it contains 1.0; peers/repeats.py).
+
     benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py \
-        [--sizes 20M,120M] [--np 2,4] [--steps N] [--rows zerompi-3,ddp,...] [--quick]
+        [--sizes 20M,120M] [--np 2,4] [--cases 20M:2,120M:2] [--repeats 3] [--steps N]
+        [--rows zerompi-3,ddp,...] [--quick]
 
 Set up the venv first: ``bash benchmarks/setup_peers.sh``. Results go to
 ``benchmarks/results/peers.{md,jsonl}`` and ``peers-time.png`` / ``peers-memory.png``
@@ -35,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from peers import plots, report  # noqa: E402
+from peers import repeats as rp  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="20M,120M", help="comma list of 20M, 120M")
     p.add_argument("--np", default="2,4", help="comma list of world sizes")
+    p.add_argument("--cases", help="comma list of SIZE:NP (e.g. 20M:2,20M:4,120M:2), instead of --sizes x --np")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved repeats of the whole list of rows, each repeat its own job per row")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (after --warmup)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rows", default="all", help="comma list of row keys: " + ",".join(r.key for r in ROWS))
@@ -102,6 +112,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.sizes, args.np, args.steps, args.warmup = "20M", "2", 3, 1
     args.out = Path(args.out or HERE / "results" / ("peers-quick" if args.quick else "peers"))
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.cases and not args.quick:
+        try:
+            args.case_list = [(s, int(n)) for s, n in (c.split(":") for c in args.cases.split(","))]
+        except ValueError:
+            p.error(f"--cases: expected SIZE:NP,..., got {args.cases!r}")
+    else:
+        args.case_list = [(s, int(n)) for s in args.sizes.split(",") for n in args.np.split(",")]
     keys = [r.key for r in ROWS]
     wanted = keys if args.rows == "all" else args.rows.split(",")
     unknown = sorted(set(wanted) - set(keys))
@@ -152,7 +171,8 @@ def machine_meta(args, mpiexec: str) -> dict:
         versions={d: _version(d) for d in ("torch", "deepspeed", "mpi4py", "mpich", "zerompi", "numpy")},
         mpi=" ".join(_first_line([str(Path(mpiexec).parent / "mpichversion")]).split()),
         zerompi_commit=_first_line(["git", "rev-parse", "--short", "HEAD"]),
-        settings=dict(sizes=args.sizes, np=args.np, steps=args.steps, warmup=args.warmup, micro_batch=4,
+        settings=dict(sizes=args.sizes, np=args.np, cases=[f"{s}:{n}" for s, n in args.case_list],
+                      repeats=args.repeats, steps=args.steps, warmup=args.warmup, micro_batch=4,
                       seq=256, lr=3e-4, weight_decay=0.01, dtype="fp32", threads_per_rank=1,
                       bucket_mb=args.bucket_mb, seed=args.seed, mpich_yield=args.mpich_yield,
                       timeout_s=args.timeout),
@@ -165,37 +185,56 @@ def _error_tail(text: str, lines: int = 6) -> str:
     return "\n".join(keep[-lines:])[-1500:]
 
 
-def run_row(row: Row, size: str, np_: int, args, mpiexec: str, prefix: tuple[str, ...] = ()) -> dict:
-    """One row as its own mpiexec job; the row's result, or its failure.
-
-    ``prefix``: a command each rank runs the row's Python under (e.g. a profiler).
-    """
-    out = Path(tempfile.mkstemp(prefix=f"peer-{row.key}-", suffix=".json")[1])
-    cmd = [mpiexec, "-n", str(np_), *prefix, sys.executable, "-m", "mpi4py", str(HERE / "peers" / row.runner),
-           "--size", size, "--variant", row.variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed), "--out", str(out)]
+def job_env(args, extra: tuple[tuple[str, str], ...] = ()) -> dict:
+    """The environment of one job: one thread per rank, gloo's rendezvous on 127.0.0.1 at a free port."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
                PYTHONWARNINGS="ignore::FutureWarning")
     if args.mpich_yield:
         env.update(MPICH_YIELD)
-    env.update(row.env)
-    base = dict(kind="row", row=row.key, label=row.label, size=size, np=np_, ideal_psi=row.ideal_psi,
-                loadavg_before=os.getloadavg())
-    t0 = time.perf_counter()
+    env.update(extra)
+    return env
+
+
+def run_job(cmd: list[str], env: dict, timeout: float) -> tuple[str, str, int | None]:
+    """Run one mpiexec job in its own process group: (status ok/failed/timeout, its output, exit code).
+
+    A job past ``timeout`` seconds gets SIGTERM, then SIGKILL, to its whole group (mpiexec and its ranks).
+    """
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        log, _ = proc.communicate(timeout=args.timeout)
-        status = "ok" if proc.returncode == 0 else "failed"
+        log, _ = proc.communicate(timeout=timeout)
+        return ("ok" if proc.returncode == 0 else "failed"), log or "", proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the job's own process group: mpiexec and its ranks
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             log, _ = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             log, _ = proc.communicate()
-        status = "timeout"
+        return "timeout", log or "", proc.returncode
+
+
+def job_error(status: str, log: str, code: int | None, timeout: float) -> str:
+    return (f"timed out after {timeout:.0f} s\n" if status == "timeout" else f"exit code {code}\n") + _error_tail(log)
+
+
+def run_row(row: Row, size: str, np_: int, args, mpiexec: str, prefix: tuple[str, ...] = (),
+            extra: tuple[str, ...] = ()) -> dict:
+    """One row as its own mpiexec job; the row's result, or its failure.
+
+    ``prefix``: a command each rank runs the row's Python under (e.g. a profiler); ``extra``:
+    more arguments of the row's script (``--trace``).
+    """
+    out = Path(tempfile.mkstemp(prefix=f"peer-{row.key}-", suffix=".json")[1])
+    cmd = [mpiexec, "-n", str(np_), *prefix, sys.executable, "-m", "mpi4py", str(HERE / "peers" / row.runner),
+           "--size", size, "--variant", row.variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed), "--out", str(out), *extra]
+    base = dict(kind="row", row=row.key, label=row.label, size=size, np=np_, ideal_psi=row.ideal_psi,
+                loadavg_before=os.getloadavg())
+    t0 = time.perf_counter()
+    status, log, code = run_job(cmd, job_env(args, row.env), args.timeout)
     base.update(wall_s=time.perf_counter() - t0, loadavg_after=os.getloadavg(), status=status)
     try:
         if status == "ok":
@@ -205,8 +244,7 @@ def run_row(row: Row, size: str, np_: int, args, mpiexec: str, prefix: tuple[str
     finally:
         out.unlink(missing_ok=True)
     if status != "ok":
-        base["error"] = (f"timed out after {args.timeout:.0f} s\n" if status == "timeout" else
-                         f"exit code {proc.returncode}\n") + _error_tail(log or "")
+        base["error"] = job_error(status, log, code, args.timeout)
     return base
 
 
@@ -214,7 +252,7 @@ def write_report(meta: dict, results: list[dict], args) -> None:
     reading = Path(args.reading).read_text() if args.reading else None
     md = args.out.with_suffix(".md")
     md.write_text(report.markdown(meta, results, reading))
-    written = plots.write(results, args.out)
+    written = plots.write(rp.fold(results), args.out)
     print(f"wrote {md}" + "".join(f", {p}" for p in written))
 
 
@@ -232,16 +270,16 @@ def main(argv=None) -> None:
     results = []
     with open(jsonl, "w") as f:
         f.write(json.dumps(meta) + "\n")
-        for size in args.sizes.split(","):
-            for np_ in (int(n) for n in args.np.split(",")):
+        for repeat in range(args.repeats):  # round robin: every row's repeat k before any row's k+1
+            for size, np_ in args.case_list:
                 for row in args.row_list:
-                    r = run_row(row, size, np_, args, mpiexec)
+                    r = dict(run_row(row, size, np_, args, mpiexec), repeat=repeat)
                     results.append(r)
                     f.write(json.dumps(r) + "\n")
                     f.flush()
                     shown = f"{r['step_s_median']:.2f} s/step" if r["status"] == "ok" else r["error"].splitlines()[0]
-                    print(f"{size} np={np_} {row.label:34s} {r['status']:7s} {shown} "
-                          f"({r['wall_s']:.0f} s)", flush=True)
+                    print(f"repeat {repeat + 1}/{args.repeats} {size} np={np_} {row.label:34s} {r['status']:7s} "
+                          f"{shown} ({r['wall_s']:.0f} s)", flush=True)
         meta["loadavg_end"] = os.getloadavg()
         f.write(json.dumps(dict(meta, kind="meta_end")) + "\n")
     write_report(meta, results, args)

@@ -22,6 +22,8 @@ from collections import defaultdict
 
 import torch
 
+import calltrace
+
 COUNTS: dict[str, int] = defaultdict(int)
 
 
@@ -87,6 +89,8 @@ def _wrap(name: str, fn):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         COUNTS[KINDS[name]] += _sent(name, bound.arguments)
+        if calltrace.on():  # bench_transport's trace runs only
+            calltrace.record_torch(name, bound.arguments, _world(bound.arguments.get("group")))
         return fn(*args, **kwargs)
     counted.__wrapped_for_counting__ = True
     return counted

@@ -1,5 +1,7 @@
 """PNG plots of a bench_peers.py run: step time and memory per rank, by row and world size.
 
+Takes the folded records of repeats.fold (one per row, size and world size).
+
 Uses matplotlib (installed in the peers venv only); without it no plot is written.
 """
 from __future__ import annotations
@@ -44,9 +46,9 @@ def _time_plot(plt, results, path: Path) -> None:
 
         def err(np_, row):
             r = ok.get((size, np_, row))
-            return (r["step_s_min"], r["step_s_max"]) if r else None
+            return (r.get("step_s_lo", r["step_s_min"]), r.get("step_s_hi", r["step_s_max"])) if r else None
         _bars(ax, rows, nps, value, err=err)
-        ax.set_title(f"{size}: step time (median, min-max bars)")
+        ax.set_title(f"{size}: step time (median of repeats, bars: their min-max)")
         ax.set_ylabel("seconds per step (slowest rank)")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)

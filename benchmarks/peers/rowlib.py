@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, installed or not
 from mpi4py import MPI  # noqa: E402
 
+import calltrace  # noqa: E402
 from zerompi.models.corpus import ByteCorpus  # noqa: E402
 from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -68,6 +69,8 @@ def parse_args(variants: tuple[str, ...]) -> argparse.Namespace:
     p.add_argument("--variant", choices=variants, required=True)
     add_training_args(p, steps=10)
     p.add_argument("--out", required=True, help="JSON result file (written by rank 0)")
+    p.add_argument("--trace", action="store_true",
+                   help="record the collectives of the timed steps (calltrace.py; bench_transport.py)")
     return p.parse_args()
 
 
@@ -124,6 +127,8 @@ def _timed_loop(trainer: Trainer, corpus: ByteCorpus, args, comm: MPI.Comm) -> d
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             sent_before = trainer.bytes_sent()
+            if getattr(args, "trace", False):
+                calltrace.start()
         x, y = batch(corpus, args, step, rank)
         comm.Barrier()  # every rank starts the step together: the slowest rank's time is the step's
         t0 = time.perf_counter()
@@ -131,11 +136,13 @@ def _timed_loop(trainer: Trainer, corpus: ByteCorpus, args, comm: MPI.Comm) -> d
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     sent_after = trainer.bytes_sent()
+    calls = calltrace.stop()
     delta = {k: v - sent_before.get(k, 0) for k, v in sent_after.items()}
     gc.collect()
     return dict(times=times[args.warmup:], losses=losses,
                 bytes_per_step={k: v / args.steps for k, v in delta.items() if v},
-                rss_steady=rss_bytes(), rss_peak=peak_rss_bytes(), threads=torch.get_num_threads())
+                rss_steady=rss_bytes(), rss_peak=peak_rss_bytes(), threads=torch.get_num_threads(),
+                **(dict(trace=calls) if getattr(args, "trace", False) else {}))
 
 
 def _summarise(ranks: list[dict], args, params: int, trainer: Trainer, setup_s: float) -> dict:
@@ -156,7 +163,8 @@ def _summarise(ranks: list[dict], args, params: int, trainer: Trainer, setup_s: 
         bytes_per_step=sum(per_kind.values()) + trainer.implicit_bytes_per_step,
         implicit_bytes_per_step=trainer.implicit_bytes_per_step,
         threads=sorted({r["threads"] for r in ranks}),
-        info={k: v() if callable(v) else v for k, v in trainer.info.items()})
+        info={k: v() if callable(v) else v for k, v in trainer.info.items()},
+        **({"trace": ranks[0]["trace"]} if "trace" in ranks[0] else {}))
 
 
 def main(build: Callable[[torch.nn.Module, argparse.Namespace, MPI.Comm], Trainer],
@@ -170,6 +178,8 @@ def main(build: Callable[[torch.nn.Module, argparse.Namespace, MPI.Comm], Traine
     corpus = ByteCorpus()
     model = build_model(args.size, args.seed)
     params = model.num_params()
+    if args.trace:
+        calltrace.install_zerompi()
     trainer = build(model, args, comm)
     torch.set_num_threads(1)  # a framework may have changed it; every row gets one thread per rank
     comm.Barrier()

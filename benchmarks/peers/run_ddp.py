@@ -17,6 +17,9 @@ def build(model, args, comm) -> rowlib.Trainer:
     rowlib.init_torch_distributed(comm)
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    if args.trace:  # the same bucket all-reduces, through Python, so that calltrace sees each bucket
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     kwargs = dict(lr=args.lr, betas=rowlib.BETAS, eps=rowlib.EPS, weight_decay=args.weight_decay)
     if args.variant == "zero_opt":
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -1,0 +1,185 @@
+"""The collectives of one training step of each row, timed on MPICH shared memory and on gloo over TCP.
+
+zerompi's collectives run on MPI (MPICH: shared memory between the ranks of one node); the
+torch.distributed and DeepSpeed rows of bench_peers.py run on gloo over TCP loopback. This
+separates the two: it records every collective a row issues in one timed step (calltrace.py:
+op, size, function), then replays each row's list alone, blocking, on both transports at the
+same world size, so a step-time gap between zerompi and a peer can be split into transport
+(the peer's calls on gloo against the same calls on MPICH) and pattern (the peer's calls
+against zerompi's, both on MPICH).
+
+    benchmarks/.venv-peers/bin/python benchmarks/bench_transport.py [--np 2,4] [--repeats 3] \\
+        [--rows zerompi-1,zerompi-2,zerompi-3,ddp,fsdp2,ds-3] [--peers benchmarks/results/peers-repeats]
+
+1. trace: each row runs once per world size (1 warm-up + 1 traced step) with ``--trace``.
+2. time: for each repeat, world size and transport (alternating which transport goes first),
+   one mpiexec job (peers/transport_worker.py) replays every row's calls ``--warmup`` + ``--iters``
+   times; the repeats are interleaved, so a drifting machine hits both transports alike.
+
+Results: ``benchmarks/results/transport.{jsonl,md}`` (``--out``); ``--peers PREFIX`` adds the gap
+table from a bench_peers.py run's ``PREFIX.jsonl``; ``--report-only`` rewrites the md from the jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import bench_peers  # noqa: E402
+from peers import repeats as rp  # noqa: E402
+from peers import transport_report  # noqa: E402
+
+DEFAULT_ROWS = "zerompi-1,zerompi-2,zerompi-3,ddp,fsdp2,ds-3"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="20M", choices=("20M", "120M"))
+    p.add_argument("--np", default="2,4", help="comma list of world sizes")
+    p.add_argument("--rows", default=DEFAULT_ROWS, help="row keys of bench_peers.py")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every (world size, transport) job")
+    p.add_argument("--iters", type=int, default=5, help="timed replays of a row's step per job")
+    p.add_argument("--warmup", type=int, default=1, help="untimed replays first")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="as in bench_peers.py (zerompi bucket_mb, DDP's cap)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--mpich-yield", action="store_true", help="let waiting MPICH ranks yield the core")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    p.add_argument("--quick", action="store_true", help="2 ranks, 2 repeats of 2 iterations: a check")
+    p.add_argument("--out", help="results prefix (default benchmarks/results/transport)")
+    p.add_argument("--peers", help="prefix of a bench_peers.py run (its .jsonl) for the step-gap table")
+    p.add_argument("--mpiexec")
+    p.add_argument("--reading", help="a markdown file with the reading, put in the report")
+    p.add_argument("--report-only", action="store_true", help="run nothing: rewrite the md from {out}.jsonl")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.np, args.repeats, args.iters = "2", 2, 2
+    args.out = Path(args.out or HERE / "results" / "transport")
+    keys = {r.key: r for r in bench_peers.ROWS}
+    unknown = [k for k in args.rows.split(",") if k not in keys]
+    if unknown:
+        p.error(f"unknown rows {unknown}")
+    args.row_list = [keys[k] for k in args.rows.split(",")]
+    args.np_list = [int(n) for n in args.np.split(",")]
+    return args
+
+
+def meta_of(args, mpiexec: str) -> dict:
+    shim = argparse.Namespace(sizes=args.size, np=args.np, case_list=[], repeats=args.repeats, steps=1, warmup=1,
+                              bucket_mb=args.bucket_mb, seed=args.seed, mpich_yield=args.mpich_yield,
+                              timeout=args.timeout)
+    meta = bench_peers.machine_meta(shim, mpiexec)
+    meta["gloo_host_address"] = socket.gethostbyname(socket.gethostname())  # gloo's default device binds here
+    meta["settings"] = dict(size=args.size, np=args.np, rows=args.rows, repeats=args.repeats, iters=args.iters,
+                            warmup=args.warmup, trace_warmup=1, bucket_mb=args.bucket_mb, seed=args.seed,
+                            mpich_yield=args.mpich_yield)
+    return meta
+
+
+def trace_rows(args, mpiexec: str, out) -> list[dict]:
+    """Each row once per world size with --trace: the collectives of one timed step."""
+    targs = argparse.Namespace(steps=1, warmup=1, bucket_mb=args.bucket_mb, seed=args.seed, timeout=args.timeout,
+                               mpich_yield=args.mpich_yield)
+    traces = []
+    for np_ in args.np_list:
+        for row in args.row_list:
+            r = bench_peers.run_row(row, args.size, np_, targs, mpiexec, extra=("--trace",))
+            t = dict(kind="trace", row=row.key, label=row.label, size=args.size, np=np_, status=r["status"],
+                     calls=r.get("trace", []), params=r.get("params"),
+                     bytes_per_step_kinds=r.get("bytes_per_step_kinds"), error=r.get("error", ""))
+            if r["status"] == "ok" and not t["calls"]:
+                t.update(status="failed", error="no calls traced")
+            traces.append(t)
+            out.write(json.dumps(t) + "\n")
+            out.flush()
+            print(f"trace np={np_} {row.label:34s} {t['status']:7s} {len(t['calls'])} calls", flush=True)
+    return traces
+
+
+def time_job(transport: str, np_: int, repeat: int, plan: Path, args, mpiexec: str) -> dict:
+    res = Path(tempfile.mkstemp(prefix=f"transport-{transport}-", suffix=".json")[1])
+    cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "mpi4py", str(HERE / "peers" / "transport_worker.py"),
+           "--transport", transport, "--plan", str(plan), "--iters", str(args.iters), "--warmup", str(args.warmup),
+           "--out", str(res)]
+    base = dict(kind="time", transport=transport, np=np_, repeat=repeat, loadavg_before=os.getloadavg())
+    t0 = time.perf_counter()
+    status, log, code = bench_peers.run_job(cmd, bench_peers.job_env(args), args.timeout)
+    base.update(wall_s=time.perf_counter() - t0, loadavg_after=os.getloadavg(), status=status)
+    try:
+        if status == "ok":
+            base["rows"] = json.loads(res.read_text())
+    except (OSError, ValueError) as e:
+        base.update(status="failed", error=f"no result file: {e}")
+    finally:
+        res.unlink(missing_ok=True)
+    if status != "ok":
+        base["error"] = bench_peers.job_error(status, log, code, args.timeout)
+    return base
+
+
+def load_peers(prefix: str | None) -> list[dict] | None:
+    if not prefix:
+        return None
+    path = Path(prefix).with_suffix(".jsonl")
+    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return rp.fold([r for r in lines if r["kind"] == "row"])
+
+
+def write_report(meta: dict, traces: list[dict], times: list[dict], args) -> None:
+    reading = Path(args.reading).read_text() if args.reading else None
+    peers = load_peers(args.peers)
+    name = ""
+    if args.peers:
+        path = Path(args.peers).with_suffix(".jsonl").resolve()
+        name = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+    md = args.out.with_suffix(".md")
+    md.write_text(transport_report.markdown(meta, traces, times, peers, name, reading))
+    print(f"wrote {md}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    jsonl = args.out.with_suffix(".jsonl")
+    if args.report_only:
+        lines = [json.loads(ln) for ln in jsonl.read_text().splitlines() if ln.strip()]
+        meta = [ln for ln in lines if ln["kind"] in ("meta", "meta_end")][-1]
+        write_report(meta, [t for t in lines if t["kind"] == "trace"], [t for t in lines if t["kind"] == "time"], args)
+        return
+    mpiexec = bench_peers.find_mpiexec(args.mpiexec)
+    meta = meta_of(args, mpiexec)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    times = []
+    with open(jsonl, "w") as f, tempfile.TemporaryDirectory() as tmp:
+        f.write(json.dumps(meta) + "\n")
+        traces = trace_rows(args, mpiexec, f)
+        plans = {}
+        for np_ in args.np_list:
+            plans[np_] = Path(tmp) / f"plan-{np_}.json"
+            plans[np_].write_text(json.dumps({t["row"]: t["calls"] for t in traces
+                                              if t["np"] == np_ and t["status"] == "ok"}))
+        for repeat in range(args.repeats):
+            for np_ in args.np_list:
+                order = ("mpi", "gloo") if repeat % 2 == 0 else ("gloo", "mpi")
+                for transport in order:
+                    t = time_job(transport, np_, repeat, plans[np_], args, mpiexec)
+                    times.append(t)
+                    f.write(json.dumps(t) + "\n")
+                    f.flush()
+                    shown = ", ".join(f"{k} {v['median']:.3f}" for k, v in t.get("rows", {}).items()) or \
+                        t.get("error", "").splitlines()[0]
+                    print(f"repeat {repeat + 1}/{args.repeats} np={np_} {transport:4s} {t['status']:7s} {shown} "
+                          f"({t['wall_s']:.0f} s)", flush=True)
+        meta["loadavg_end"] = os.getloadavg()
+        f.write(json.dumps(dict(meta, kind="meta_end")) + "\n")
+    write_report(meta, traces, times, args)
+
+
+if __name__ == "__main__":
+    main()
