@@ -76,7 +76,7 @@ def consolidation(root: Path, scratch: Path) -> list[dict]:
     py, out = sys.executable, scratch / "consolidated.safetensors"
     cases = [("imports only (baseline)", [py, "-c", BASELINE]),
              ("zerompi ckpt consolidate ROOT OUT.safetensors",
-              [py, "-m", "zerompi.cli", "ckpt", "consolidate", str(root), str(out)]),
+              [py, "-m", "zerompi.tools.cli", "ckpt", "consolidate", str(root), str(out)]),
              ("iterate load_full_state_dict, sum each tensor", [py, "-c", ITERATE, str(root)])]
     rows = []
     for name, cmd in cases:  # each reads the checkpoint cold

@@ -6,9 +6,9 @@
 
 Run under any MPI launcher: ``mpiexec -n 4 python -m mpi4py train.py``.
 """
-from .config import ZeroConfig
-from .engine import Engine, Stats, initialize
-from .errors import CheckpointError, ConfigError, ModelMismatchError, UsageError, ZeroMPIError
+from zerompi.config import ZeroConfig
+from zerompi.engine import Engine, Stats, initialize
+from zerompi.errors import CheckpointError, ConfigError, ModelMismatchError, UsageError, ZeroMPIError
 
 __version__ = "0.1.0"
 

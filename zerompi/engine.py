@@ -16,15 +16,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import deferred, guard, launch, offload
-from .bucket import Placement
-from .comm import ProcessGroup
-from .config import ZeroConfig
-from .errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
-from .log import set_rank
-from .optim import ZeroOptimizer
-from .sharded import Overlap, ShardedModel
-from .topology import build_groups
+from zerompi import offload
+from zerompi.dist import guard, launch
+from zerompi.shard import deferred
+from zerompi.shard.bucket import Placement
+from zerompi.dist.mpi import ProcessGroup
+from zerompi.config import ZeroConfig
+from zerompi.errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
+from zerompi.log import set_rank
+from zerompi.optim.optimizer import ZeroOptimizer
+from zerompi.shard.sharded import Overlap, ShardedModel
+from zerompi.dist.topology import build_groups
 
 
 @dataclass
@@ -200,12 +202,12 @@ class Engine:
         ``tag`` defaults to ``step{steps:08d}``; ``client_state`` is any
         JSON-serialisable value (data-loader position, epoch), returned by load.
         """
-        from .checkpoint import save
+        from zerompi.checkpoint import save
         return save(self, path, tag, client_state)
 
     def load_checkpoint(self, path, tag: str | None = None) -> Any:
         """Collective: load ``path/tag`` (``latest`` when None) at any world size; returns client_state."""
-        from .checkpoint import load
+        from zerompi.checkpoint import load
         return load(self, path, tag)
 
     def all_reduce_mean(self, value: float) -> float:
@@ -259,7 +261,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     ``reset_parameters()``), so no rank ever holds the whole model (deferred.py).
     """
     cfg = config if config is not None else ZeroConfig()
-    from .checkpoint.writer import layout
+    from zerompi.checkpoint.writer import layout
     layout(cfg)  # a layout this h5py cannot write fails now, not at the first save hours later
     group = ProcessGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
     if cfg.abort_on_exception:

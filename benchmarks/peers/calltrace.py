@@ -86,7 +86,7 @@ def record_torch(fn: str, a: dict, n: int) -> None:
 
 def install_zerompi() -> None:
     """Wrap zerompi's ProcessGroup collectives so that each call is recorded (idempotent)."""
-    from zerompi.comm import ProcessGroup
+    from zerompi.dist.mpi import ProcessGroup
 
     def wrap(name: str, full):
         fn = getattr(ProcessGroup, name)

@@ -186,7 +186,7 @@ def test_consolidate_and_inspect(tmp_path, saved):
         lo, hi = header[name]["data_offsets"]
         value = np.frombuffer(raw[8 + n + lo:8 + n + hi], dtype="<f4").reshape(header[name]["shape"])
         assert np.array_equal(value, ref[f"saved/{name}"])
-    cli = [sys.executable, "-m", "zerompi.cli", "ckpt", "inspect", str(saved), "--json"]
+    cli = [sys.executable, "-m", "zerompi.tools.cli", "ckpt", "inspect", str(saved), "--json"]
     report = json.loads(subprocess.run(cli, capture_output=True, text=True, check=True, cwd=ROOT,
                                        env=mpi_env()).stdout)
     assert [r["tag"] for r in report] == ["first", "second"]

@@ -1,4 +1,4 @@
-"""zerompi.estimate against the engine's own counters on 2, 3 and 4 real ranks (workers/estimate_check.py).
+"""zerompi.tools.estimate against the engine's own counters on 2, 3 and 4 real ranks (workers/estimate_check.py).
 
 After one step, every rank's ``engine.stats.model_state_bytes`` must equal
 the estimate at the padded parameter count (buckets are padded to a multiple
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerompi.estimate import compute_bytes, optimizer_bytes
+from zerompi.tools.estimate import compute_bytes, optimizer_bytes
 
 from .launcher import WorkerResults
 

@@ -100,7 +100,7 @@ def test_shared_file_consolidates_and_inspects(shared_ckpt, tmp_path):
     for name in full:
         assert np.array_equal(full[name].numpy(), a[f"saved/{name}"]), name
     full.close()
-    proc = subprocess.run([sys.executable, "-m", "zerompi.cli", "ckpt", "inspect", "--json", str(root)],
+    proc = subprocess.run([sys.executable, "-m", "zerompi.tools.cli", "ckpt", "inspect", "--json", str(root)],
                           capture_output=True, text=True, env=mpi_env())
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)[0]
@@ -127,7 +127,7 @@ def test_corrupt_shared_file_is_named_on_every_rank(shared_ckpt, tmp_path):
     messages = json.loads((tmp_path / "e.json").read_text())
     assert len(messages) == 3 and all(m.startswith("CheckpointError") for m in messages), messages
     assert all(SHARED in m and "b0/master" in m and "checksum mismatch" in m for m in messages), messages
-    proc = subprocess.run([sys.executable, "-m", "zerompi.cli", "ckpt", "inspect", str(root)],
+    proc = subprocess.run([sys.executable, "-m", "zerompi.tools.cli", "ckpt", "inspect", str(root)],
                           capture_output=True, text=True, env=mpi_env())
     assert proc.returncode == 1 and "CORRUPT" in proc.stdout and "rank 1's part" in proc.stdout, proc.stdout
 

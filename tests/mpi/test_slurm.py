@@ -5,7 +5,7 @@ inside the allocation and by srun --mpi=pmi2; both must reach world size 2,
 not two singletons. A USR1 before the time limit must checkpoint, requeue and
 resume. Mismatched PMI must fail loudly: srun --mpi=pmix aborts in the pip
 MPICH's MPI_Init, and srun --mpi=none gives real singletons, which
-zerompi.launch_check must refuse with its hint. Every Slurm command runs under
+zerompi.dist.launch_check must refuse with its hint. Every Slurm command runs under
 ``timeout``; Slurm is stopped again by jobs/ci/slurm_down.sh.
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
 
 CHECK = """\
 from mpi4py import MPI
-from zerompi.launch_check import check_world_matches_launcher
+from zerompi.dist.launch_check import check_world_matches_launcher
 
 size = MPI.COMM_WORLD.Get_size()
 check_world_matches_launcher(size)

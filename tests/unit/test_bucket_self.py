@@ -13,11 +13,11 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from zerompi.bucket import Bucket, BucketState, Placement
-from zerompi.comm import ProcessGroup
+from zerompi.shard.bucket import Bucket, BucketState, Placement
+from zerompi.dist.mpi import ProcessGroup
 from zerompi.errors import UsageError
-from zerompi.layout import ParamSpec, plan_buckets
-from zerompi.topology import Groups
+from zerompi.shard.layout import ParamSpec, plan_buckets
+from zerompi.dist.topology import Groups
 
 STAGES = [0, 1, 2, 3]
 DTYPES = [torch.float32, torch.bfloat16]

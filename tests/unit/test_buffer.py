@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerompi.buffer import FlatBuffer
+from zerompi.shard.buffer import FlatBuffer
 from zerompi.errors import ZeroMPIError
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from zerompi.comm import CollectiveMismatchError, Monitor, ProcessGroup, Work
+from zerompi.dist.mpi import CollectiveMismatchError, Monitor, ProcessGroup, Work
 from zerompi.errors import ZeroMPIError
 
 

@@ -1,11 +1,11 @@
-"""zerompi.deferred without MPI: what may be on the meta device, and how a module becomes real."""
+"""zerompi.shard.deferred without MPI: what may be on the meta device, and how a module becomes real."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from zerompi.deferred import Materializer, check, to_device
+from zerompi.shard.deferred import Materializer, check, to_device
 from zerompi.errors import UsageError
 
 

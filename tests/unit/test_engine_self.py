@@ -23,7 +23,7 @@ from torch import nn
 
 import zerompi
 from zerompi.errors import UsageError
-from zerompi.optim import ZeroOptimizer, optimizer_kwargs
+from zerompi.optim.optimizer import ZeroOptimizer, optimizer_kwargs
 
 STEPS, ROWS = 3, 5
 CAP_ELEMENTS = 32  # bucket size: several buckets (stages 0-2) and gather units (stage 3)

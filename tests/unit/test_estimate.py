@@ -1,4 +1,4 @@
-"""zerompi.estimate: the ZeRO paper's Table 1, the per-stage formulas, and `zerompi estimate`."""
+"""zerompi.tools.estimate: the ZeRO paper's Table 1, the per-stage formulas, and `zerompi estimate`."""
 from __future__ import annotations
 
 import itertools
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerompi.cli import main
+from zerompi.tools.cli import main
 from zerompi.errors import ConfigError
-from zerompi.estimate import (communication_per_step, model_state_bytes, optimizer_bytes, parse_count,
+from zerompi.tools.estimate import (communication_per_step, model_state_bytes, optimizer_bytes, parse_count,
                               parse_ranks, shard_numel)
 from zerompi.models.gpt import GPT, gpt_config_from_dict
 

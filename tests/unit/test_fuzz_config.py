@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from zerompi.config import ZeroConfig  # noqa: E402
-from zerompi.config_deepspeed import looks_like_deepspeed  # noqa: E402
+from zerompi.config.deepspeed import looks_like_deepspeed  # noqa: E402
 from zerompi.errors import ConfigError  # noqa: E402
 
 FUZZ = dict(deadline=None, derandomize=True, database=None,

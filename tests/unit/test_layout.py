@@ -1,4 +1,4 @@
-"""Unit tests of zerompi.layout: bucket planning, shards, pieces and stage-3 gather units."""
+"""Unit tests of zerompi.shard.layout: bucket planning, shards, pieces and stage-3 gather units."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from zerompi.layout import (BucketLayout, ParamSlot, ParamSpec, Piece, ShardRange, choose_units,
+from zerompi.shard.layout import (BucketLayout, ParamSlot, ParamSpec, Piece, ShardRange, choose_units,
                             common_ancestor, padded_numel, parent_fqn, plan_buckets)
 
 

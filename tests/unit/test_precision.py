@@ -5,7 +5,7 @@ import pytest
 
 import zerompi
 from zerompi.errors import ConfigError, ZeroMPIError
-from zerompi.precision import LossScaler
+from zerompi.optim.precision import LossScaler
 
 
 def scaler(**overrides) -> LossScaler:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from zerompi.prefetch import Prefetcher
+from zerompi.shard.prefetch import Prefetcher
 
 ROOT, A, B, C = (SimpleNamespace(fqn=n) for n in ("", "a", "b", "c"))
 
@@ -30,7 +30,7 @@ def test_depth_two():
 def test_changed_order_turns_prefetch_off_once(caplog):
     p = Prefetcher(depth=1)
     _forward(p, [ROOT, A, B, C])
-    with caplog.at_level(logging.WARNING, logger="zerompi.prefetch"):
+    with caplog.at_level(logging.WARNING, logger="zerompi.shard.prefetch"):
         assert _forward(p, [ROOT, B, A, C]) == [[A], [], [], []]
         assert _forward(p, [ROOT, B, A, C]) == [[], [], [], []]
     assert not p.enabled and p.backward(C) == []

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from zerompi.errors import ZeroMPIError
-from zerompi.progress import CommThread
+from zerompi.dist.thread import CommThread
 
 
 def test_calls_run_in_submission_order_on_one_other_thread():

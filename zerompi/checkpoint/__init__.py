@@ -4,11 +4,11 @@
 entry points; :func:`load_full_state_dict` and :func:`consolidate` read a
 checkpoint offline without MPI.
 """
-from ..errors import CheckpointError
-from .consolidate import FullStateDict, consolidate, load_full_state_dict
-from .index import CheckpointIndex
-from .reader import load
-from .writer import save
+from zerompi.errors import CheckpointError
+from zerompi.checkpoint.consolidate import FullStateDict, consolidate, load_full_state_dict
+from zerompi.checkpoint.index import CheckpointIndex
+from zerompi.checkpoint.reader import load
+from zerompi.checkpoint.writer import save
 
 __all__ = ["CheckpointError", "CheckpointIndex", "FullStateDict", "consolidate", "load",
            "load_full_state_dict", "save"]

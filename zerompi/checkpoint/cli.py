@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import CheckpointError
-from . import schema
-from .consolidate import consolidate
-from .index import CheckpointIndex
-from .shared import SharedFile
-from .writer import verify_file
+from zerompi.errors import CheckpointError
+from zerompi.checkpoint import schema
+from zerompi.checkpoint.consolidate import consolidate
+from zerompi.checkpoint.index import CheckpointIndex
+from zerompi.checkpoint.shared import SharedFile
+from zerompi.checkpoint.writer import verify_file
 
 
 _LAYOUTS = {"per_rank": "one file per rank", "shared": "one shared file"}

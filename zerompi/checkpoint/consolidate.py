@@ -18,10 +18,10 @@ import h5py
 import numpy as np
 import torch
 
-from ..errors import CheckpointError
-from . import schema
-from .index import CheckpointIndex
-from .reader import merge, open_shards, resolve
+from zerompi.errors import CheckpointError
+from zerompi.checkpoint import schema
+from zerompi.checkpoint.index import CheckpointIndex
+from zerompi.checkpoint.reader import merge, open_shards, resolve
 
 
 class FullStateDict(Mapping):

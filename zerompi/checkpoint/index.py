@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 import h5py
 
-from ..errors import CheckpointError
-from ..layout import BucketLayout, ParamSlot
-from . import schema
+from zerompi.errors import CheckpointError
+from zerompi.shard.layout import BucketLayout, ParamSlot
+from zerompi.checkpoint import schema
 
 
 class Source(NamedTuple):

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, all_ranks_ok
-from ..log import get_logger, log_rank0
-from . import schema
-from .shared import SharedFile
-from .index import CheckpointIndex, Source
-from .writer import CPU_RNG, CUDA_DEVICES, CUDA_RNG
+from zerompi.errors import CheckpointError, all_ranks_ok
+from zerompi.log import get_logger, log_rank0
+from zerompi.checkpoint import schema
+from zerompi.checkpoint.shared import SharedFile
+from zerompi.checkpoint.index import CheckpointIndex, Source
+from zerompi.checkpoint.writer import CPU_RNG, CUDA_DEVICES, CUDA_RNG
 
 logger = get_logger(__name__)
 

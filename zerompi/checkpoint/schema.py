@@ -21,7 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..errors import CheckpointError
+from zerompi.errors import CheckpointError
 
 FORMAT = "zerompi-checkpoint"
 VERSION = 1

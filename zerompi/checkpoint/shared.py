@@ -18,8 +18,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..errors import CheckpointError
-from . import schema
+from zerompi.errors import CheckpointError
+from zerompi.checkpoint import schema
 
 SHARED = "shards.h5"
 KIND = "shared"

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, UsageError, all_ranks_ok
-from . import schema, shared
-from .index import CheckpointIndex
+from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
+from zerompi.checkpoint import schema, shared
+from zerompi.checkpoint.index import CheckpointIndex
 
 # Per-rank RNG datasets: the CPU generator, the current CUDA device's, and how many devices it saw.
 CPU_RNG, CUDA_RNG, CUDA_DEVICES = "rng/torch_cpu", "rng/torch_cuda", "rng/cuda_device_count"

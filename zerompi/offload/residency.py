@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .aligned import aligned_empty
-from .nvme import NVMeSwapper
+from zerompi.offload.aligned import aligned_empty
+from zerompi.offload.nvme import NVMeSwapper
 
 
 def _free(t: torch.Tensor) -> None:

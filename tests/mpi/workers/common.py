@@ -18,7 +18,7 @@ from torch import nn
 
 import zerompi
 from zerompi.models.gpt import GPT, GPTConfig
-from zerompi.optim import optimizer_kwargs
+from zerompi.optim.optimizer import optimizer_kwargs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOCAB, SEQ, MICRO = 32, 16, 4

@@ -4,7 +4,7 @@ For stages 0-3 x fp32/bf16 x AdamW/SGD-with-momentum, a tiny GPT (several
 buckets, so padding occurs at odd world sizes) takes one optimizer step.
 Rank 0 writes one JSON row per combination with every rank's
 ``model_state_bytes``, the true and padded parameter counts, the bytes sent,
-and zerompi.estimate evaluated at both counts; tests/mpi/test_estimate_mpi.py judges them.
+and zerompi.tools.estimate evaluated at both counts; tests/mpi/test_estimate_mpi.py judges them.
 """
 import argparse
 import itertools
@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import zerompi
 from common import gpt_loss, local_part, tiny_gpt, token_batches, write_json
-from zerompi.estimate import communication_per_step, model_state_bytes
+from zerompi.tools.estimate import communication_per_step, model_state_bytes
 
 COMM = MPI.COMM_WORLD
 WORLD, RANK = COMM.Get_size(), COMM.Get_rank()

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .comm import ProcessGroup
-from .errors import ConfigError
-from .launch import RankInfo
+from zerompi.dist.mpi import ProcessGroup
+from zerompi.errors import ConfigError
+from zerompi.dist.launch import RankInfo
 
 
 @dataclass(frozen=True)

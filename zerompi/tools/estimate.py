@@ -31,7 +31,7 @@ import tomllib
 from decimal import Decimal, InvalidOperation
 from typing import Any, NamedTuple
 
-from .errors import ConfigError
+from zerompi.errors import ConfigError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # fp32 optimizer state per parameter; the fp32 master of 16-bit training comes on top.
@@ -213,8 +213,8 @@ def job_model(path: str) -> JobModel:
     """Count the parameters of the GPT a job config's [model] table describes, on the meta device."""
     import torch
 
-    from .config import ZeroConfig
-    from .models.gpt import GPT, gpt_config_from_dict
+    from zerompi.config import ZeroConfig
+    from zerompi.models.gpt import GPT, gpt_config_from_dict
 
     try:
         with open(path, "rb") as f:

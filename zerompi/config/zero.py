@@ -392,7 +392,7 @@ class ZeroConfig:
             doc, where = doc[table], f"{where} [{table}]"
             if not isinstance(doc, Mapping):
                 raise ConfigError(f"{where}: table={table!r} holds {doc!r}, not a table")
-        from .config_deepspeed import looks_like_deepspeed
+        from zerompi.config.deepspeed import looks_like_deepspeed
         deepspeed = looks_like_deepspeed(doc)
         try:
             return cls.from_deepspeed(doc) if deepspeed else cls.from_dict(doc)
@@ -407,7 +407,7 @@ class ZeroConfig:
         Keys zerompi cannot honour are all listed in one ConfigError. Left-out settings
         take DeepSpeed's defaults where they change training (stage 0; no weight decay
         in a given optimizer block), else ZeroConfig's."""
-        from .config_deepspeed import deepspeed_kwargs  # the translation tables live apart
+        from zerompi.config.deepspeed import deepspeed_kwargs  # the translation tables live apart
         if not isinstance(d, Mapping):
             raise ConfigError(f"DeepSpeed config={d!r} is not a mapping")
         _reject_unknown(overrides, [f.name for f in fields(cls)], "from_deepspeed overrides")

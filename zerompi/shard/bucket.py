@@ -24,10 +24,10 @@ from enum import Enum
 
 import torch
 
-from .buffer import FlatBuffer
-from .comm import Work
-from .errors import UsageError
-from .layout import BucketLayout
+from zerompi.shard.buffer import FlatBuffer
+from zerompi.dist.mpi import Work
+from zerompi.errors import UsageError
+from zerompi.shard.layout import BucketLayout
 
 
 class BucketState(Enum):

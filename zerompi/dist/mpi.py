@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterator
 import torch
 from mpi4py import MPI
 
-from .cuda_aware import Probes
-from .errors import ZeroMPIError
-from .progress import CommThread, thread_support_error
+from zerompi.dist.cuda_aware import Probes
+from zerompi.errors import ZeroMPIError
+from zerompi.dist.thread import CommThread, thread_support_error
 
 _SUM_DTYPES = (torch.float32, torch.float64)
 ABORT_GRACE = 0.5  # seconds between printing why the job aborts and MPI_Abort

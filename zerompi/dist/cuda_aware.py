@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from zerompi.errors import ConfigError
 
 
 @dataclass(frozen=True)

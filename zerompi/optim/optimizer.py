@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .bucket import Bucket
-from .comm import ProcessGroup
-from .errors import ZeroMPIError
-from .log import get_logger
-from .offload.residency import InMemory
-from .precision import LossScaler
+from zerompi.shard.bucket import Bucket
+from zerompi.dist.mpi import ProcessGroup
+from zerompi.errors import ZeroMPIError
+from zerompi.log import get_logger
+from zerompi.offload.residency import InMemory
+from zerompi.optim.precision import LossScaler
 
 logger = get_logger(__name__)
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .bucket import Bucket, BucketState, Placement
-from .deferred import Materializer, ParamInit
-from .prefetch import Prefetcher
-from .topology import Groups
+from zerompi.shard.bucket import Bucket, BucketState, Placement
+from zerompi.shard.deferred import Materializer, ParamInit
+from zerompi.shard.prefetch import Prefetcher
+from zerompi.dist.topology import Groups
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,10 @@ class Overlap:
     grad_reduce: bool = False
     prefetch_units: int = 0
     test_progress: bool = False
-from .errors import ZeroMPIError
-from .hooks import HookSet
-from .layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
-from .log import get_logger, log_rank0
+from zerompi.errors import ZeroMPIError
+from zerompi.shard.hooks import HookSet
+from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
+from zerompi.log import get_logger, log_rank0
 
 logger = get_logger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from .errors import ZeroMPIError
+from zerompi.errors import ZeroMPIError
 
 
 def thread_support_error() -> str | None:

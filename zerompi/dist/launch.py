@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import ProcessGroup, cuda_probes
-from .cuda_aware import decide
-from .errors import ConfigError
-from .launch_check import check_world_matches_launcher
-from .log import get_logger
+from zerompi.dist.mpi import ProcessGroup, cuda_probes
+from zerompi.dist.cuda_aware import decide
+from zerompi.errors import ConfigError
+from zerompi.dist.launch_check import check_world_matches_launcher
+from zerompi.log import get_logger
 
 logger = get_logger(__name__)
 

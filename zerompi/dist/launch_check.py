@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from .errors import ZeroMPIError
+from zerompi.errors import ZeroMPIError
 
 # Set to 1 for deliberate singletons under a multi-task launcher (e.g. a sweep of
 # independent one-rank runs started by ``srun -n 8 --mpi=none``).

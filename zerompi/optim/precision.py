@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError, ZeroMPIError
+from zerompi.errors import ConfigError, ZeroMPIError
 
 
 @dataclass

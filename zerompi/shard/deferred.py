@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .errors import UsageError
+from zerompi.errors import UsageError
 
 ParamInit = Callable[[nn.Module], None]
 

@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .config import _CHECKS, _bool, _choices, _float  # noqa: F401  (shared validators)
-from .errors import ConfigError
+from zerompi.config.zero import _CHECKS, _bool, _choices, _float  # noqa: F401  (shared validators)
+from zerompi.errors import ConfigError
 
 
 _DS_MARKERS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",

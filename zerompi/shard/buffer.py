@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ZeroMPIError
+from zerompi.errors import ZeroMPIError
 
 
 class FlatBuffer:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from .log import get_logger
+from zerompi.log import get_logger
 
 logger = get_logger(__name__)
 

@@ -9,10 +9,10 @@ import argparse
 import importlib
 import sys
 
-from .errors import ZeroMPIError
+from zerompi.errors import ZeroMPIError
 
 # module -> subcommand it registers (imported lazily so `zerompi --help` stays fast)
-TOOLS = ("zerompi.checkpoint.cli", "zerompi.estimate")
+TOOLS = ("zerompi.checkpoint.cli", "zerompi.tools.estimate")
 
 
 def main(argv: list[str] | None = None) -> int:
