@@ -17,16 +17,20 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from zerompi import offload
-from zerompi.dist import guard, launch
-from zerompi.shard import deferred
-from zerompi.shard.bucket import Placement
-from zerompi.dist.mpi import ProcessGroup
+from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 from zerompi.config import ZeroConfig
+from zerompi.dist import guard, launch
+from zerompi.dist.mpi import ProcessGroup
+from zerompi.dist.topology import build_groups
 from zerompi.errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
 from zerompi.log import set_rank
+from zerompi.offload.tiers import TierPlan
 from zerompi.optim.optimizer import ZeroOptimizer
-from zerompi.shard.sharded import Overlap, ShardedModel
-from zerompi.dist.topology import build_groups
+from zerompi.phase import PhaseTracker
+from zerompi.shard import deferred
+from zerompi.shard.bucket import Placement
+from zerompi.shard.sharded import Overlap, ShardedModel, ShardOptions
+from zerompi.shard.stages import plan_for
 
 
 @dataclass
@@ -87,10 +91,9 @@ class Engine:
         deferred.check(module)
         self.module = deferred.to_device(module, self.device)
         self.groups = build_groups(group, self.info, cfg.hierarchy, cfg.stage, cfg.ranks_per_node)
-        shard = self.groups.shard
-        where = Placement(cfg.stage, shard.rank, shard.size, cfg.torch_dtype, self.device,
-                          check_finite=cfg.dtype != "fp16", offload_optimizer=cfg.offload_optimizer,
-                          offload_params=cfg.offload_params, pin_memory=cfg.pin_memory)
+        shard, plan = self.groups.shard, plan_for(cfg.stage)
+        placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
+                              check_finite=cfg.dtype != "fp16")
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.
@@ -98,16 +101,17 @@ class Engine:
         overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.mpi_progress == "test")
         swapper, error = None, None
         try:
-            swapper = offload.open_swapper(cfg, self.rank)
+            swapper = offload.open_swapper(cfg.offload, self.rank)
         except ZeroMPIError as e:  # e.g. nvme_path missing on some ranks only: fail together
             error = str(e)
         all_ranks_ok(group, error)
         self.swapper = swapper
-        built = None if swapper is None else (lambda b: offload.swap_out_bucket(swapper, cfg, b))
-        self.sharded = ShardedModel(module, where, self.groups, cap, membership, overlap, param_init, built)
-        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options)
-        offload.attach(self, cfg, swapper)
-        self._micro = 0  # backward calls since the last step
+        tiers = TierPlan(cfg.offload_optimizer, cfg.offload_params, self.device, plan.shard_grads, swapper,
+                         cfg.pin_memory)
+        self.sharded = ShardedModel(module, placement, self.groups,
+                                    ShardOptions(cap, membership, overlap, param_init), tiers)
+        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
+        self._phase = PhaseTracker(cfg.grad_accum_steps)
         self._stats = Stats()
 
     # ---- identity ---------------------------------------------------------
@@ -137,28 +141,28 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this rank's mean micro-batch loss; reduces gradients as they appear."""
-        accum = self.config.grad_accum_steps
-        if self._micro >= accum:
-            raise UsageError(f"backward() called {self._micro + 1} times without step() "
-                             f"(grad_accum_steps={accum}); call engine.step() after each backward")
         if loss.dim() != 0:
             raise UsageError(f"backward() takes a scalar loss, got shape {tuple(loss.shape)}")
-        self.sharded.begin_backward(sync=self._micro + 1 == accum)
+        sync = self._phase.begin_backward()
+        self.sharded.begin_backward(sync=sync)
         try:
-            (loss * (self.optimizer.loss_scale / accum)).backward()
-        finally:
-            self.sharded.in_backward = False
-        self.sharded.finish_backward()
-        self._micro += 1
+            (loss * (self.optimizer.loss_scale / self.config.grad_accum_steps)).backward()
+            self.sharded.finish_backward()
+        except BaseException:
+            if self.sharded.in_backward:
+                self.sharded.abort_backward()
+            self._phase.end_backward(ok=False)
+            raise
+        self._phase.end_backward(ok=True)
 
     def step(self) -> bool:
         """Update at the end of an accumulation window; True when the parameters changed."""
-        if self._micro == 0:
-            raise UsageError("step() called before backward(): there are no gradients to apply")
-        if self._micro < self.config.grad_accum_steps:
+        if not self._phase.begin_step():
             return False
-        self._micro = 0
-        result = self.optimizer.step()
+        try:
+            result = self.optimizer.step()
+        finally:
+            self._phase.end_step()
         self._stats.last_grad_norm = result.grad_norm
         if result.stepped:
             self._stats.steps += 1
@@ -187,7 +191,7 @@ class Engine:
         """Collective: every entry of ``named_parameters()`` as a full fp32 CPU tensor, on every rank."""
         out: dict[str, torch.Tensor] = {}
         for i, b in enumerate(self.sharded.buckets):
-            with self.optimizer.store.resident(i):
+            with self.optimizer.shard_state(i):
                 full = b.full_master().cpu()
             for slot in b.layout.slots:
                 out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
@@ -195,6 +199,23 @@ class Engine:
         for name, p in self.module.named_parameters():
             ordered[name] = out[name] if name in out else p.detach().float().cpu().clone()
         return ordered
+
+    def snapshot(self) -> EngineSnapshot:
+        """What a checkpoint reads of this engine now (a save refuses one taken inside a window)."""
+        s, shard = self._stats, self.groups.shard
+        shards = tuple(ShardSnapshot(b.layout, b.own, b.layout.shard(shard.rank)) for b in self.sharded.buckets)
+        return EngineSnapshot(
+            counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state()), config=self.config,
+            shard_rank=shard.rank, shard_size=shard.size,
+            writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
+            hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
+            between_steps=self._phase.idle)
+
+    def restore(self, counters: Counters) -> None:
+        """After a checkpoint's shards are loaded: its counters, and a new accumulation window."""
+        self._phase.reset()
+        self._stats.steps, self._stats.skipped_steps = counters.steps, counters.skipped_steps
+        self.optimizer.load_scaler_state(counters.scaler)
 
     def save_checkpoint(self, path, tag: str | None = None, client_state: Any = None) -> str:
         """Collective: write a sharded HDF5 checkpoint under ``path``; returns its tag.
@@ -221,7 +242,7 @@ class Engine:
         self.sharded.remove_hooks()
         self.group.stop_watchdog()
         self.group.stop_comm_thread()
-        self.optimizer.store.close()
+        self.optimizer.close()
         if self.swapper is not None:  # also when only the parameters were offloaded
             self.swapper.close()
 

@@ -59,7 +59,7 @@ def instrument(engine) -> dict:
         wrap(b, name, acc, name)
     wrap(engine.optimizer.inner, "step", acc, "adam")
     store = engine.optimizer.store
-    if store.streaming:  # NVMeResidency: waiting for reads (_ready) and for writes (_settle)
+    if isinstance(store, NVMeResidency):  # waiting for reads (_ready) and for writes (_settle)
         for name in ("_ready", "_settle"):
             wrap(store, name, acc, "swap_wait")
     return acc

@@ -1,10 +1,10 @@
-"""zerompi.bucket.Bucket on a world of one (MPI.COMM_SELF), built as zerompi/sharded.py builds it.
+"""zerompi.shard.bucket.Bucket on a world of one (MPI.COMM_SELF), built as shard/sharded.py builds it.
 
 Each verb is checked for its state afterwards, the values it leaves, and the collectives it
 issues (recorded by ``Recording``). On one rank a reduction divides by 1, so the reduced
 gradient must equal the local one exactly. The sequences a bucket should never see are
-pinned as they behave today (raise, or silently do nothing); comments marked "today:" say
-what an explicit state machine could change.
+pinned: an illegal transition raises naming the verb and the state; the no-ops left are the
+idempotent ones (a second reshard, unshard of a gathered bucket).
 """
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.dist.mpi import ProcessGroup
-from zerompi.errors import UsageError
-from zerompi.shard.layout import ParamSpec, plan_buckets
 from zerompi.dist.topology import Groups
+from zerompi.errors import UsageError, ZeroMPIError
+from zerompi.shard.bucket import Bucket, BucketState, Placement
+from zerompi.shard.layout import ParamSpec, plan_buckets
+from zerompi.shard.stages import plan_for
 
 STAGES = [0, 1, 2, 3]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -60,7 +61,7 @@ def build(stage: int, dtype: torch.dtype):
     for p, s in zip(params, layout.slots):
         init[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
     group = Recording()
-    where = Placement(stage, group.rank, group.size, dtype, torch.device("cpu"), check_finite=True)
+    where = Placement(plan_for(stage), group.rank, group.size, dtype, torch.device("cpu"), check_finite=True)
     bucket = Bucket(layout, params, where, init, Groups(group, group, group))
     return model, original, bucket, group, init
 
@@ -89,7 +90,7 @@ def test_construction(stage, dtype):
     assert b.param_full.is_allocated is (stage < 3)
     assert b.grad_full.is_allocated is (stage <= 1)
     assert b.separate is (dtype != torch.float32)
-    assert (b.master is b.param_shard) is (dtype == torch.float32)  # fp32: the master is the parameter
+    assert (b.master is b.param_tier.tensor) is (dtype == torch.float32)  # fp32: the master is the parameter
     assert b.master.dtype == torch.float32 and torch.equal(b.master, init)
     assert b.own.start == 0 and b.own.stop == NUMEL
     assert b.state_bytes() == 2 * NUMEL * 4  # params + grads (c), + an fp32 master when c is bf16
@@ -109,10 +110,10 @@ def test_unshard_reshard(stage, dtype):
     assert group.take() == ([("all_gather", "all_gather", False)] if stage == 3 else [])
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), original[n].to(dtype))
-    # today: a second unshard of a gathered bucket is a silent no-op (a finished Work, no collective)
+    # a second unshard of a gathered bucket has nothing to start (a finished Work, no collective)
     assert b.unshard(async_op=True).wait() is None and group.take() == []
     b.reshard()
-    # today: reshard below stage 3 silently does nothing (the parameters stay gathered)
+    # below stage 3 the parameters are never sharded: reshard keeps them gathered
     assert b.state is (BucketState.SHARDED if stage == 3 else BucketState.GATHERED)
     assert b.param_full.is_allocated is (stage < 3)
     b.reshard()  # twice: no-op
@@ -123,17 +124,23 @@ def test_unshard_reshard(stage, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefetch_then_wait_stage3(dtype):
     model, original, b, group, _ = build(3, dtype)
+    with pytest.raises(ZeroMPIError, match="wait_gathered.. in state SHARDED"):
+        b.wait_gathered()  # no gather was started
     b.prefetch()
-    # today: the state says GATHERED as soon as the all-gather is issued, before it has landed;
-    # "in flight" exists only as the private Work handle that wait_gathered/reshard wait on
-    assert b.state is BucketState.GATHERED and group.take() == [("all_gather", "all_gather", True)]
+    # in flight until waited for: GATHERING, and unshard() hands back the same gather
+    assert b.state is BucketState.GATHERING and group.take() == [("all_gather", "all_gather", True)]
+    b.unshard()
+    assert b.state is BucketState.GATHERING and group.take() == []
     b.progress()
     b.wait_gathered()
+    assert b.state is BucketState.GATHERED
     b.wait_gathered()  # nothing in flight: no-op
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), original[n].to(dtype))
     b.reshard()
     b.prefetch()
+    with pytest.raises(ZeroMPIError, match="publish.. in state GATHERING"):
+        b.publish()  # a step runs on sharded parameters
     b.reshard()  # releasing with a gather in flight waits for it first
     assert b.state is BucketState.SHARDED and not b.param_full.is_allocated
     assert group.take() == [("all_gather", "all_gather", True)]
@@ -164,8 +171,8 @@ def test_overlapped_reduce_applies_at_finish(stage):
     backward(b, gs)
     b.reduce_grads(async_op=True)
     assert group.take() == [("reduce_scatter", "reduce_scatter", True)]
-    # stage 1's shard is a view of the local full gradient; stages 2-3 hold zeros until finish
-    assert torch.equal(b.master_grad(), flat(gs) if stage == 1 else torch.zeros(NUMEL))
+    # no reduction has landed yet: the reduced gradient is zeros until finish
+    assert torch.equal(b.master_grad(), torch.zeros(NUMEL))
     b.progress()
     b.finish_reduce()
     b.finish_reduce()  # nothing in flight: no-op
@@ -226,9 +233,9 @@ def test_zero_grad(stage):
     backward(b, gs)
     b.reduce_grads()
     b.zero_grad()
-    # today: stages 0-1 only forget which slots were written, so master_grad() still returns the
-    # old gradient until the next reduction zeroes the unwritten slots; stages 2-3 zero at once
-    assert torch.equal(b.master_grad(), flat(gs) if stage <= 1 else torch.zeros(NUMEL))
+    # after zero_grad no reduced gradient is left, at any stage (stages 0-1 zero the unwritten slots
+    # of the full buffer at the next reduction)
+    assert torch.equal(b.master_grad(), torch.zeros(NUMEL))
     b.begin_backward()
     b.reduce_grads()  # a backward in which no gradient reached the bucket reduces zeros
     assert torch.equal(b.master_grad(), torch.zeros(NUMEL))
@@ -242,9 +249,9 @@ def test_zero_grad_keeps_an_unreduced_late_gradient(stage):
     b.add_grad(0, torch.ones(2))
     b.zero_grad()
     b.reduce_grads()
-    # today: at stages 2-3 zero_grad clears the shard but not a gradient still waiting in the
-    # full buffer, which the next reduction adds (stages 0-1 would drop it). ShardedModel always
-    # reduces before a step, so the engine never reaches this.
+    # at stages 2-3 zero_grad clears the shard but not a gradient still waiting in the full buffer,
+    # which the next reduction adds (stages 0-1 would drop it). ShardedModel always reduces before a
+    # step, so the engine never reaches this.
     assert b.master_grad()[:2].tolist() == [1.0, 1.0] and not b.master_grad()[2:].any()
 
 
@@ -254,7 +261,7 @@ def test_second_reduce_in_one_backward_is_idempotent_on_one_rank(stage):
     gs = grads(b, 10, torch.float32)
     backward(b, gs)
     b.reduce_grads()
-    # today: nothing pending, yet reduce_grads communicates again (stages 0-1 reduce the same
+    # nothing pending, yet reduce_grads communicates again (stages 0-1 reduce the same
     # full buffer; stages 2-3 re-allocate it and reduce zeros); the result is unchanged here
     b.reduce_grads()
     assert torch.equal(b.master_grad(), flat(gs))

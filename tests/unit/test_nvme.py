@@ -403,7 +403,7 @@ def test_streamed_optimizer_state_moves_without_staging(tmp_path):
     with NVMeSwapper(tmp_path, 0, SMALL) as sw:
         buckets = [SimpleNamespace(master=m, layout=SimpleNamespace(index=i)) for i, m in enumerate(masters)]
         for b in buckets:  # as the engine does while it builds the buckets
-            NVMeResidency.swap_out_master(sw, b)
+            NVMeResidency.swap_out_master(sw, b.layout.index, b.master)
             assert b.master.numel() == 0
         res = NVMeResidency(buckets, inner, sw)
         staged = []

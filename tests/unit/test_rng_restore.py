@@ -21,7 +21,7 @@ from torch import nn
 
 import zerompi
 from zerompi.checkpoint import reader, schema
-from zerompi.checkpoint.writer import CUDA_DEVICES, CUDA_RNG
+from zerompi.checkpoint.schema import CUDA_DEVICES, CUDA_RNG
 
 FAKE = np.arange(16, dtype=np.uint8)
 

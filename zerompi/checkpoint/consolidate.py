@@ -55,11 +55,11 @@ class FullStateDict(Mapping):
         out = np.empty(numel, dtype=np.float32)
         if name in self._slot_of:
             for s in merge(self.index.locate(self._slot_of, name, 0, numel, 0)):
-                ds = self._files.dataset(s.rank, f"b{s.bucket}/master")
+                ds = self._files.dataset(s.rank, schema.master(s.bucket))
                 out[s.dest:s.dest + s.stop - s.start] = schema.read_array(ds, s.start, s.stop)
         else:  # frozen: stored whole in the index
             with schema.open_h5(self.directory / schema.INDEX) as f:
-                out[:] = schema.read_array(f[f"replicated/{name}"]).astype(np.float32)
+                out[:] = schema.read_array(f[schema.replicated(name)]).astype(np.float32)
         return torch.from_numpy(out).view(shape)
 
     def __iter__(self) -> Iterator[str]:

@@ -21,7 +21,7 @@ from zerompi.log import get_logger, log_rank0
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.shared import SharedFile
 from zerompi.checkpoint.index import CheckpointIndex, Source
-from zerompi.checkpoint.writer import CPU_RNG, CUDA_DEVICES, CUDA_RNG
+from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 
 logger = get_logger(__name__)
 
@@ -112,10 +112,10 @@ class BucketData:
     scalars: dict[str, list] = field(default_factory=dict)
 
 
-def _read_bucket(bucket, index: CheckpointIndex, files, slot_of) -> BucketData:
-    own = bucket.own
+def _read_bucket(shard: ShardSnapshot, index: CheckpointIndex, files, slot_of) -> BucketData:
+    own = shard.own
     sources = []
-    for piece in bucket.layout.pieces(own):
+    for piece in shard.layout.pieces(own):
         sources += index.locate(slot_of, piece.fqn, piece.param_start, piece.numel, piece.local_start)
     sources = merge(sources)
     data = BucketData(np.zeros(own.numel, dtype=np.float32))
@@ -124,10 +124,10 @@ def _read_bucket(bucket, index: CheckpointIndex, files, slot_of) -> BucketData:
         data.state[k] = np.zeros(own.numel, dtype=np.float32)
     for s in sources:
         n = s.stop - s.start
-        data.master[s.dest:s.dest + n] = schema.read_array(files.dataset(s.rank, f"b{s.bucket}/master"),
+        data.master[s.dest:s.dest + n] = schema.read_array(files.dataset(s.rank, schema.master(s.bucket)),
                                                            s.start, s.stop)
         for k in keys:
-            ds = files.dataset(s.rank, f"b{s.bucket}/state/{k}")
+            ds = files.dataset(s.rank, schema.state(s.bucket, k))
             data.state[k][s.dest:s.dest + n] = schema.read_array(ds, s.start, s.stop)
     if sources:
         data.scalars = index.optimizer["scalars"][sources[0].bucket]
@@ -172,11 +172,11 @@ def _has(files, rank: int, name: str) -> bool:
 
 def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
     """This rank's saved CUDA RNG state if it is to be restored here (warns when it is not)."""
-    if not _has(files, rank, CUDA_RNG):
+    if not _has(files, rank, schema.CUDA_RNG):
         return None
-    saved = schema.read_array(files.dataset(rank, CUDA_RNG))
-    devices = (int(schema.read_array(files.dataset(rank, CUDA_DEVICES))[0])
-               if _has(files, rank, CUDA_DEVICES) else None)  # older checkpoints do not record it
+    saved = schema.read_array(files.dataset(rank, schema.CUDA_RNG))
+    devices = (int(schema.read_array(files.dataset(rank, schema.CUDA_DEVICES))[0])
+               if _has(files, rank, schema.CUDA_DEVICES) else None)  # older checkpoints do not record it
     available = torch.cuda.is_available()
     restore, warning = cuda_rng_decision(saved, devices, available, torch.cuda.device_count() if available else 0)
     if warning:
@@ -184,41 +184,41 @@ def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
     return saved if restore else None
 
 
-def _check_compatible(engine, index: CheckpointIndex, directory: Path) -> None:
+def _check_compatible(engine, snap: EngineSnapshot, index: CheckpointIndex, directory: Path) -> None:
     named = [(n, tuple(p.shape), p.requires_grad) for n, p in engine.module.named_parameters()]
     problem = index.describe_mismatch(named)
     if problem:
         raise CheckpointError(f"{directory}: checkpoint of a different model: {problem}")
     saved = index.config.get("optimizer")
-    ours = engine.config.to_dict()["optimizer"]
+    ours = snap.config.to_dict()["optimizer"]
     if index.optimizer.get("state_keys") and saved != ours:
         raise CheckpointError(f"{directory}: optimizer state was written by {saved!r}, this job uses {ours!r}")
 
 
-def prepare(engine, directory: Path) -> Loaded:
+def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
     """Read and verify everything this rank needs; touches no engine state."""
     index = CheckpointIndex.read(directory / schema.INDEX)
-    _check_compatible(engine, index, directory)
+    _check_compatible(engine, snap, index, directory)
     files = open_shards(directory, index)
     try:
         slot_of = index.slot_of()
-        buckets = [_read_bucket(b, index, files, slot_of) for b in engine.sharded.buckets]
+        buckets = [_read_bucket(shard, index, files, slot_of) for shard in snap.shards]
         rng = cuda_rng = None  # per-rank RNG streams come back when the job has the same flat layout
-        if index.world_size == engine.group.size and not engine.groups.hierarchical:
-            rng = schema.read_array(files.dataset(engine.group.rank, CPU_RNG))
+        if index.world_size == engine.group.size and not snap.hierarchical:
+            rng = schema.read_array(files.dataset(engine.group.rank, schema.CPU_RNG))
             cuda_rng = _read_cuda_rng(files, engine.group.rank, directory)
         else:  # rank r's saved stream is rank r's of another world: each rank keeps its own (seed + rank)
             log_rank0(logger, logging.INFO, "%s: RNG state not restored (written by %d ranks, hierarchical "
                       "layout: %s); each rank keeps its current RNG state", directory, index.world_size,
-                      engine.groups.hierarchical)
+                      snap.hierarchical)
     finally:
         files.close()
     replicated = {}
     with schema.open_h5(directory / schema.INDEX) as f:
         for name in index.replicated:
-            if f"replicated/{name}" not in f:
-                raise CheckpointError(f"{directory / schema.INDEX}: missing replicated/{name}")
-            replicated[name] = schema.read_array(f[f"replicated/{name}"])
+            if schema.replicated(name) not in f:
+                raise CheckpointError(f"{directory / schema.INDEX}: missing {schema.replicated(name)}")
+            replicated[name] = schema.read_array(f[schema.replicated(name)])
     _check_replicated(engine, replicated, directory)
     return Loaded(index, buckets, rng, replicated, cuda_rng)
 
@@ -241,30 +241,15 @@ def _scalar_tensor(value, dtype: str):
     return torch.tensor(value, dtype=getattr(torch, dtype))
 
 
-def apply(engine, loaded: Loaded) -> None:
+def apply(engine, snap: EngineSnapshot, loaded: Loaded) -> None:
     """Overwrite the engine's state with what ``prepare`` read (all ranks succeeded)."""
-    inner = engine.optimizer.inner
-    for i, (b, data) in enumerate(zip(engine.sharded.buckets, loaded.buckets)):
-        with engine.optimizer.store.resident(i, load=False):  # offloaded: overwritten, then swapped out
-            with torch.no_grad():
-                b.master.copy_(torch.from_numpy(data.master))
-            state = {k: torch.from_numpy(v).to(b.master.device) for k, v in data.state.items()}
-            state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
-            inner.state[b.master] = state
-            b.publish()
-        b.zero_grad()
-    for group, saved in zip(inner.param_groups, loaded.index.optimizer.get("groups", [])):
-        for k, v in saved.items():
-            if k in group and isinstance(group[k], (int, float, tuple, list)) and not isinstance(group[k], bool):
-                group[k] = tuple(v) if isinstance(group[k], tuple) else v
-    engine._micro = 0
-    engine._stats.steps = loaded.index.steps
-    engine._stats.skipped_steps = loaded.index.skipped_steps
-    scaler = engine.optimizer.scaler
-    if scaler is not None and loaded.index.scaler:
-        scaler.scale = float(loaded.index.scaler["scale"])
-        scaler.good_steps = int(loaded.index.scaler["good_steps"])
-        scaler.hysteresis_left = int(loaded.index.scaler["hysteresis_left"])
+    for i, data in enumerate(loaded.buckets):
+        state = {k: torch.from_numpy(v) for k, v in data.state.items()}
+        state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
+        snap.states.load_shard(i, torch.from_numpy(data.master), state)
+    snap.states.load_hyperparameters(loaded.index.optimizer.get("groups", []))
+    index = loaded.index
+    engine.restore(Counters(index.steps, index.skipped_steps, index.scaler or None))
     if loaded.rng is not None:
         torch.set_rng_state(torch.from_numpy(loaded.rng.copy()))
     if loaded.cuda_rng is not None:
@@ -283,12 +268,13 @@ def apply(engine, loaded: Loaded) -> None:
 def load(engine, root: str | os.PathLike, tag: str | None = None) -> Any:
     """Collective: load ``root/tag`` (``latest`` when None); returns the saved client_state."""
     loaded, error = None, None
+    snap = engine.snapshot()
     try:
-        loaded = prepare(engine, resolve(root, tag))
+        loaded = prepare(engine, snap, resolve(root, tag))
     except CheckpointError as e:
         error = str(e)
     except schema.H5_ERRORS as e:  # damaged HDF5 structures, or well-formed files with bad contents
         error = str(schema.damaged(str(root), e))
     all_ranks_ok(engine.group, error, CheckpointError)
-    apply(engine, loaded)
+    apply(engine, snap, loaded)
     return loaded.index.client_state

@@ -31,8 +31,35 @@ CRC_BLOCK = 1 << 20  # elements per checksum block
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
+# Dataset names: every module reads and writes them through these, and nowhere else spells them.
+CPU_RNG, CUDA_RNG, CUDA_DEVICES = "rng/torch_cpu", "rng/torch_cuda", "rng/cuda_device_count"
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.h5"
+
+
+def master(bucket: int) -> str:
+    """Bucket ``bucket``'s fp32 master shard (in a rank file, or a writer's part of shards.h5)."""
+    return f"b{bucket}/master"
+
+
+def state(bucket: int, key: str) -> str:
+    """Bucket ``bucket``'s per-element optimizer state ``key`` (e.g. exp_avg)."""
+    return f"b{bucket}/state/{key}"
+
+
+def replicated(name: str) -> str:
+    """A frozen parameter or buffer, whole, in index.h5."""
+    return f"replicated/{name}"
+
+
+def shared_crc(name: str) -> str:
+    """The (writers, blocks) checksum rows of dataset ``name`` in shards.h5."""
+    return f"crc/{name}"
+
+
+SHARED_CRC_PREFIX = shared_crc("")
 
 
 def check_tag(tag: str, source: str = "tag") -> str:

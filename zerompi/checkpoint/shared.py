@@ -66,7 +66,7 @@ class SharedWriter:
         self._agree((name, flat.dtype.str, flat.shape[0]))
         n, crcs = flat.shape[0], schema.block_crcs(flat)
         ds = self.f.create_dataset(name, shape=(self.size * n,), dtype=flat.dtype)
-        crc = self.f.create_dataset(f"crc/{name}", shape=(self.size, crcs.shape[0]), dtype=np.uint32)
+        crc = self.f.create_dataset(schema.shared_crc(name), shape=(self.size, crcs.shape[0]), dtype=np.uint32)
         try:
             with ds.collective:  # one MPI-IO collective write: what parallel filesystems do best
                 ds[self.rank * n:(self.rank + 1) * n] = flat
@@ -117,9 +117,9 @@ class SharedFile:
 
     def dataset(self, rank: int, name: str) -> ShardView:
         where = f"{self.f.filename}: dataset {name}"
-        if name not in self.f or f"crc/{name}" not in self.f:
+        if name not in self.f or schema.shared_crc(name) not in self.f:
             raise CheckpointError(f"{where}: missing")
-        ds, crc = self.f[name], self.f[f"crc/{name}"]
+        ds, crc = self.f[name], self.f[schema.shared_crc(name)]
         if len(ds.shape) != 1 or ds.shape[0] % self.world_size or crc.shape[:1] != (self.world_size,):
             raise CheckpointError(f"{where}: shape {ds.shape} (checksums {crc.shape}) does not split "
                                   f"into {self.world_size} ranks")
@@ -129,7 +129,7 @@ class SharedFile:
         """Every data set (not the checksum tables)."""
         out: list[str] = []
         self.f.visititems(lambda n, obj: out.append(n) if isinstance(obj, h5py.Dataset)
-                          and not n.startswith("crc/") else None)
+                          and not n.startswith(schema.SHARED_CRC_PREFIX) else None)
         return out
 
     def verify(self, ranks) -> None:

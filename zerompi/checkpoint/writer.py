@@ -25,8 +25,7 @@ from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
 from zerompi.checkpoint import schema, shared
 from zerompi.checkpoint.index import CheckpointIndex
 
-# Per-rank RNG datasets: the CPU generator, the current CUDA device's, and how many devices it saw.
-CPU_RNG, CUDA_RNG, CUDA_DEVICES = "rng/torch_cpu", "rng/torch_cuda", "rng/cuda_device_count"
+from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
 
 
 def fsync_path(path: Path) -> None:
@@ -46,12 +45,10 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy()
 
 
-def _my_part(bucket, t: torch.Tensor, rank: int) -> torch.Tensor:
-    """This rank's shard of a per-element tensor (stage 0 holds it whole: write only our slice)."""
-    if bucket.where.stage >= 1:
-        return t
-    rng = bucket.layout.shard(rank)
-    return t[rng.start:rng.stop]
+def _my_part(shard: ShardSnapshot, t: torch.Tensor) -> torch.Tensor:
+    """The part of a per-element tensor this rank writes (a stage-0 replica writes its slice)."""
+    start = shard.written.start - shard.own.start
+    return t[start:start + shard.written.numel]
 
 
 def _scalar(v) -> list | None:
@@ -62,70 +59,65 @@ def _scalar(v) -> list | None:
     return None
 
 
-def optimizer_meta(engine) -> dict[str, Any]:
+def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
     """Param group options, per-element state keys, and scalar state per bucket (JSON)."""
-    inner = engine.optimizer.inner
-    groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, tuple, list))}
-              for g in inner.param_groups]
     keys: list[str] = []
     scalars = []
-    for b in engine.sharded.buckets:
+    for i in range(len(snap.shards)):
         per_bucket = {}
-        for k, v in inner.state.get(b.master, {}).items():
-            s = _scalar(v)
-            if s is not None:
-                per_bucket[k] = s
-            elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
-                if k not in keys:
-                    keys.append(k)
-            else:
-                raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
-                                      "only per-element tensors and scalars are supported")
+        with snap.states.shard_state(i) as shard:
+            for k, v in shard.state.items():
+                s = _scalar(v)
+                if s is not None:
+                    per_bucket[k] = s
+                elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
+                    if k not in keys:
+                        keys.append(k)
+                else:
+                    raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
+                                          "only per-element tensors and scalars are supported")
         scalars.append(per_bucket)
-    return {"groups": groups, "state_keys": keys, "scalars": scalars}
+    return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars}
 
 
-def _parts(engine, keys: list[str]):
+def _parts(snap: EngineSnapshot, keys: list[str]):
     """(dataset name, this rank's data) for everything a rank saves, one bucket in memory at a time."""
-    rank = engine.groups.shard.rank
-    inner = engine.optimizer.inner
-    for i, b in enumerate(engine.sharded.buckets):
-        with engine.optimizer.store.resident(i):  # offloaded state: one bucket in memory at a time
-            yield f"b{b.layout.index}/master", to_numpy(_my_part(b, b.master, rank))
-            state = inner.state.get(b.master, {})
+    for i, shard in enumerate(snap.shards):
+        with snap.states.shard_state(i) as held:  # offloaded state: one bucket in memory at a time
+            yield schema.master(shard.layout.index), to_numpy(_my_part(shard, held.master))
             for k in keys:
-                if k in state:
-                    yield f"b{b.layout.index}/state/{k}", to_numpy(_my_part(b, state[k], rank))
-    yield CPU_RNG, torch.get_rng_state().numpy()
+                if k in held.state:
+                    yield schema.state(shard.layout.index, k), to_numpy(_my_part(shard, held.state[k]))
+    yield schema.CPU_RNG, torch.get_rng_state().numpy()
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device: the engine's
-        yield CUDA_RNG, torch.cuda.get_rng_state().numpy()
-        yield CUDA_DEVICES, np.array([torch.cuda.device_count()], dtype=np.int64)
+        yield schema.CUDA_RNG, torch.cuda.get_rng_state().numpy()
+        yield schema.CUDA_DEVICES, np.array([torch.cuda.device_count()], dtype=np.int64)
 
 
-def _write_rank_file(engine, path: Path, keys: list[str], save_id: str) -> None:
+def _write_rank_file(snap: EngineSnapshot, path: Path, keys: list[str], save_id: str) -> None:
     with schema.open_h5(path, "w") as f:
         schema.write_header(f, "shard")
         f.attrs["save_id"] = schema.text_attr(save_id)
-        f.attrs["rank"] = engine.groups.shard.rank
-        f.attrs["world_size"] = engine.groups.shard.size
-        for name, data in _parts(engine, keys):
+        f.attrs["rank"] = snap.shard_rank
+        f.attrs["world_size"] = snap.shard_size
+        for name, data in _parts(snap, keys):
             schema.write_array(f, name, data)
     fsync_path(path)
     verify_file(path)
 
 
-def _write_shared(engine, path: Path, keys: list[str], save_id: str) -> None:
+def _write_shared(snap: EngineSnapshot, group, path: Path, keys: list[str], save_id: str) -> None:
     """Collective over the writing ranks: one file through the mpio driver; each rank verifies its part."""
-    writer = shared.SharedWriter(path, engine.groups.shard.comm, save_id)
+    writer = shared.SharedWriter(path, group, save_id)
     try:
-        for name, data in _parts(engine, keys):
+        for name, data in _parts(snap, keys):
             writer.put(name, data)
     finally:
         writer.close()
     fsync_path(path)
-    files = shared.SharedFile(path.parent, engine.groups.shard.size, save_id)
+    files = shared.SharedFile(path.parent, snap.shard_size, save_id)
     try:
-        files.verify([engine.groups.shard.rank])
+        files.verify([snap.shard_rank])
     finally:
         files.close()
 
@@ -154,20 +146,18 @@ def verify_file(path: Path) -> None:
         raise schema.damaged(str(path), e) from e
 
 
-def _index(engine, tag: str, client_state, meta: dict, save_id: str, kind: str) -> CheckpointIndex:
+def _index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict, save_id: str,
+           kind: str) -> CheckpointIndex:
     m = engine.module
     replicated = [n for n, p in m.named_parameters() if not p.requires_grad] + [n for n, _ in m.named_buffers()]
-    buckets = [{"index": b.layout.index, "group": b.layout.group, "padded_numel": b.layout.padded_numel,
-                "slots": [[s.fqn, s.offset, s.numel] for s in b.layout.slots]} for b in engine.sharded.buckets]
-    scaler = engine.optimizer.scaler
+    buckets = [{"index": s.layout.index, "group": s.layout.group, "padded_numel": s.layout.padded_numel,
+                "slots": [[slot.fqn, slot.offset, slot.numel] for slot in s.layout.slots]} for s in snap.shards]
     return CheckpointIndex(
-        tag=tag, world_size=engine.groups.shard.size, stage=engine.config.stage, dtype=engine.config.dtype,
-        steps=engine.stats.steps, skipped_steps=engine.stats.skipped_steps,
+        tag=tag, world_size=snap.shard_size, stage=int(snap.config.stage), dtype=str(snap.config.dtype),
+        steps=snap.counters.steps, skipped_steps=snap.counters.skipped_steps,
         params=[{"name": n, "shape": list(p.shape), "trainable": p.requires_grad} for n, p in m.named_parameters()],
         buckets=buckets, optimizer=meta, replicated=replicated, client_state=client_state,
-        scaler=None if scaler is None else {"scale": scaler.scale, "good_steps": scaler.good_steps,
-                                            "hysteresis_left": scaler.hysteresis_left},
-        config=engine.config.to_dict(), save_id=save_id, layout=kind)
+        scaler=snap.counters.scaler, config=snap.config.to_dict(), save_id=save_id, layout=kind)
 
 
 def _write_index(engine, path: Path, index: CheckpointIndex) -> None:
@@ -176,10 +166,10 @@ def _write_index(engine, path: Path, index: CheckpointIndex) -> None:
     with schema.open_h5(path, "w") as f:
         index.write(f)
         for name in index.replicated:
-            schema.write_array(f, f"replicated/{name}", to_numpy(tensors[name]))
-            f[f"replicated/{name}"].attrs["torch_dtype"] = schema.text_attr(
-                str(tensors[name].dtype).removeprefix("torch."))
-            f[f"replicated/{name}"].attrs["shape"] = list(tensors[name].shape)
+            ds = schema.replicated(name)
+            schema.write_array(f, ds, to_numpy(tensors[name]))
+            f[ds].attrs["torch_dtype"] = schema.text_attr(str(tensors[name].dtype).removeprefix("torch."))
+            f[ds].attrs["shape"] = list(tensors[name].shape)
     fsync_path(path)
 
 
@@ -230,33 +220,32 @@ def _attempt(fn, *args) -> str | None:
 
 def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: Any = None) -> str:
     """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag."""
-    if engine._micro != 0:
+    snap = engine.snapshot()
+    if not snap.between_steps:
         raise UsageError("save_checkpoint() in the middle of a gradient-accumulation window: "
                          "call it after step()")
-    tag = schema.check_tag(tag if tag is not None else f"step{engine.stats.steps:08d}")
+    tag = schema.check_tag(tag if tag is not None else f"step{snap.counters.steps:08d}")
     try:
         json.dumps(client_state)
     except (TypeError, ValueError) as e:
         raise UsageError(f"client_state must be JSON-serialisable ({e})") from e
-    group, root, kind = engine.group, Path(root), layout(engine.config)
+    group, root, kind = engine.group, Path(root), layout(snap.config)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None
     all_ranks_ok(group, error, CheckpointError)
-    meta = optimizer_meta(engine)
+    meta = optimizer_meta(snap)
     # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
-    writes = engine.groups.replicate is None or engine.groups.replicate.rank == 0
-    if not writes:
+    if not snap.writes:
         error = None
     elif kind == "shared":
-        error = _attempt(_write_shared, engine, tmp / shared.SHARED, meta["state_keys"], nonce)
+        error = _attempt(_write_shared, snap, engine.groups.shard, tmp / shared.SHARED, meta["state_keys"], nonce)
     else:
-        error = _attempt(_write_rank_file, engine, tmp / schema.rank_file(engine.groups.shard.rank),
-                         meta["state_keys"], nonce)
+        error = _attempt(_write_rank_file, snap, tmp / schema.rank_file(snap.shard_rank), meta["state_keys"], nonce)
     all_ranks_ok(group, error, CheckpointError)
     error = None
     if group.rank == 0:
-        index = _index(engine, tag, client_state, meta, nonce, kind)
+        index = _index(engine, snap, tag, client_state, meta, nonce, kind)
         error = _attempt(lambda: (_write_index(engine, tmp / schema.INDEX, index),
                                   verify_file(tmp / schema.INDEX), _publish(root, tmp, tag)))
     all_ranks_ok(group, error, CheckpointError)

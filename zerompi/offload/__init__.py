@@ -1,44 +1,29 @@
 """Offload of shards and optimizer state out of device and host memory.
 
-:class:`NVMeSwapper` keeps flat CPU tensors in one file per rank and moves
-them with asynchronous, page-aligned block I/O; :class:`SwapConfig` says how.
-Tensors from :func:`aligned_empty` skip the staging copy. :func:`open_swapper`,
-:func:`swap_out_bucket` (as each bucket is built) and :func:`attach` (once the
-optimizer exists) wire an engine to the swap file its config asks for.
+:class:`TierPlan` (tiers.py) reads the offload settings once and hands each new
+bucket the tier of each of its shards (:class:`Resident` or :class:`Swapped`)
+and the optimizer its store (residency.py: :class:`InMemory` or
+:class:`NVMeResidency`). :class:`NVMeSwapper` keeps flat CPU tensors in one
+file per rank and moves them with asynchronous, page-aligned block I/O;
+tensors from :func:`aligned_empty` skip the staging copy.
 """
 from zerompi.offload.aligned import aligned_empty, return_freed_memory
 from zerompi.offload.nvme import NVMeSwapper, SwapConfig
-from zerompi.offload.residency import InMemory, NVMeResidency, ParamSwap
+from zerompi.offload.residency import InMemory, NVMeResidency
+from zerompi.offload.tiers import Resident, ShardTier, Swapped, TierPlan
 
-__all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "ParamSwap", "SwapConfig", "aligned_empty", "attach",
-           "open_swapper", "swap_out_bucket"]
+__all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "Resident", "ShardTier", "SwapConfig", "Swapped",
+           "TierPlan", "aligned_empty", "open_swapper"]
 
 
-def open_swapper(cfg, rank: int) -> NVMeSwapper | None:
-    """This rank's swap file when the config offloads anything to 'nvme'."""
-    if "nvme" not in (cfg.offload_optimizer, cfg.offload_params):
+def open_swapper(policy, rank: int) -> NVMeSwapper | None:
+    """This rank's swap file when the offload settings send anything to 'nvme'.
+
+    ``policy`` has ``optimizer``, ``params``, ``nvme_path``, ``block_kib``, ``threads``,
+    ``buffers`` and ``verify`` (the config's offload policy)."""
+    if "nvme" not in (policy.optimizer, policy.params):
         return None
     return_freed_memory()  # shards stream through memory: what is freed must leave the process
-    return NVMeSwapper(cfg.nvme_path, rank, SwapConfig(
-        block_bytes=cfg.nvme_block_kib * 1024, threads=cfg.nvme_threads, buffers=cfg.nvme_buffers,
-        verify=cfg.nvme_verify))
-
-
-def swap_out_bucket(swapper: NVMeSwapper, cfg, bucket) -> None:
-    """Called as each bucket is built: its parameter shard and master go to the swap file before
-    the next bucket exists, so that building the model holds one bucket's state, not the model's.
-
-    'cpu' offload needs nothing: the bucket already placed them in host memory.
-    """
-    if cfg.offload_params == "nvme":
-        bucket.param_swap = ParamSwap(swapper, f"b{bucket.layout.index}.param", bucket.param_shard)
-    if cfg.offload_optimizer == "nvme":
-        NVMeResidency.swap_out_master(swapper, bucket)
-        if cfg.stage >= 2:  # the gradient shard goes where the optimizer state is (ZeRO-Infinity)
-            bucket.grad_swap = ParamSwap(swapper, f"b{bucket.layout.index}.grad", bucket.grad_shard)
-
-
-def attach(engine, cfg, swapper: NVMeSwapper | None) -> None:
-    """After the optimizer exists: let its state stream through the swap file ('nvme')."""
-    if swapper is not None and cfg.offload_optimizer == "nvme":
-        engine.optimizer.store = NVMeResidency(engine.sharded.buckets, engine.optimizer.inner, swapper)
+    return NVMeSwapper(policy.nvme_path, rank, SwapConfig(
+        block_bytes=policy.block_kib * 1024, threads=policy.threads, buffers=policy.buffers,
+        verify=policy.verify))

@@ -170,3 +170,18 @@ def direct_io_works(fd: int, pool: BufferPool) -> bool:
         finally:
             os.ftruncate(fd, 0)
     return True
+
+
+def release(t: torch.Tensor) -> None:
+    """Swap ``t``'s data for an empty tensor: the object (an optimizer state key, a bucket's shard)
+    survives, and the old storage goes once any finished transfer drops its view of it."""
+    t.data = t.new_empty(0)
+
+
+def allocate(t: torch.Tensor, numel: int) -> None:
+    """Give a released ``t`` storage for ``numel`` elements again. Host memory is allocated on a
+    4 KiB boundary, so the swapper moves it with O_DIRECT and no staging copy (pinned memory is
+    page aligned already)."""
+    if t.numel() != numel:
+        t.data = aligned_empty(numel, t.dtype) if t.device.type == "cpu" and not t.is_pinned() \
+            else t.new_empty(numel)

@@ -16,28 +16,12 @@ from contextlib import contextmanager
 
 import torch
 
-from zerompi.offload.aligned import aligned_empty
+from zerompi.offload.aligned import allocate, release
 from zerompi.offload.nvme import NVMeSwapper
-
-
-def _free(t: torch.Tensor) -> None:
-    # Swap the tensor's data for an empty one: the object (an optimizer state key) survives, and
-    # the old storage goes once the swapper's finished transfer drops its view of it.
-    t.data = t.new_empty(0)
-
-
-def _alloc(t: torch.Tensor, numel: int) -> None:
-    # Host memory on a 4 KiB boundary: the swapper moves it with O_DIRECT, no staging copy
-    # (pinned memory is page aligned already).
-    if t.numel() != numel:
-        t.data = aligned_empty(numel, t.dtype) if t.device.type == "cpu" and not t.is_pinned() \
-            else t.new_empty(numel)
 
 
 class InMemory:
     """Master and optimizer state stay in memory; nothing moves."""
-
-    streaming = False
 
     def __init__(self, buckets, inner: torch.optim.Optimizer):
         self.buckets, self.inner = buckets, inner
@@ -47,7 +31,12 @@ class InMemory:
         yield
 
     def stream(self) -> Iterator[int]:
+        """Each bucket index, with its state in memory while the caller holds it."""
         yield from range(len(self.buckets))
+
+    def batches(self) -> Iterator[list[int]]:
+        """Bucket indices whose state is in memory together: here all of them at once."""
+        yield list(range(len(self.buckets)))
 
     def close(self) -> None:
         pass
@@ -55,8 +44,6 @@ class InMemory:
 
 class NVMeResidency(InMemory):
     """Master and optimizer state in the swap file, streamed through memory bucket by bucket."""
-
-    streaming = True
 
     def __init__(self, buckets, inner: torch.optim.Optimizer, swapper: NVMeSwapper):
         super().__init__(buckets, inner)
@@ -69,12 +56,12 @@ class NVMeResidency(InMemory):
             self._numel[f"b{i}.master"] = swapper.region(f"b{i}.master").nbytes // b.master.element_size()
 
     @staticmethod
-    def swap_out_master(swapper: NVMeSwapper, bucket) -> None:
-        """Write a new bucket's master to the swap file and release it (before any step)."""
-        key, master = f"b{bucket.layout.index}.master", bucket.master
+    def swap_out_master(swapper: NVMeSwapper, index: int, master: torch.Tensor) -> None:
+        """Write bucket ``index``'s new master to the swap file and release it (before any step)."""
+        key = f"b{index}.master"
         swapper.reserve(key, master.numel() * master.element_size())
         swapper.write(key, master).result()
-        _free(master)
+        release(master)
 
     def _tensors(self, index: int) -> dict[str, torch.Tensor]:
         """The swapped tensors of a bucket: its master and per-element optimizer state."""
@@ -89,7 +76,7 @@ class NVMeResidency(InMemory):
         futures = []
         for key, t in self._tensors(index).items():
             if key in self._numel:
-                _alloc(t, self._numel[key])
+                allocate(t, self._numel[key])
                 if load:
                     futures.append(self.swapper.read(key, t))
         self._reads[index] = futures
@@ -112,7 +99,7 @@ class NVMeResidency(InMemory):
         for f in futures:
             f.result()
         for t in self._tensors(index).values():
-            _free(t)
+            release(t)
 
     @contextmanager
     def resident(self, index: int, *, load: bool = True) -> Iterator[None]:
@@ -141,45 +128,10 @@ class NVMeResidency(InMemory):
         if n:
             self._settle(n - 1)
 
+    def batches(self) -> Iterator[list[int]]:
+        """One bucket at a time, as it streams through memory."""
+        for i in self.stream():
+            yield [i]
+
     def close(self) -> None:
         self.swapper.close()
-
-
-class ParamSwap:
-    """A shard that lives in the swap file between uses: a bucket's parameter shard (stage 3
-    ``offload_params='nvme'``) or its gradient shard (stages 2-3 ``offload_optimizer='nvme'``)."""
-
-    def __init__(self, swapper: NVMeSwapper, key: str, shard: torch.Tensor):
-        self.swapper, self.key, self.shard, self.numel = swapper, key, shard, shard.numel()
-        self._read: Future | None = None  # a read-ahead in flight (prefetch)
-        self.read_ahead = 0  # reads started by prefetch(), for tests and benchmarks
-        self.store()
-
-    def store(self) -> None:
-        """Write the (resident) shard out and release it."""
-        self.swapper.reserve(self.key, self.shard.numel() * self.shard.element_size())
-        self.swapper.write(self.key, self.shard).result()
-        _free(self.shard)
-
-    def prefetch(self) -> None:
-        """Start reading the shard back without waiting: the next ``loaded()`` finds it in memory."""
-        if self._read is None and not self.shard.numel():
-            _alloc(self.shard, self.numel)
-            self._read = self.swapper.read(self.key, self.shard)
-            self.read_ahead += 1
-
-    @contextmanager
-    def loaded(self, *, load: bool = True) -> Iterator[torch.Tensor]:
-        """The shard in memory for the block; released afterwards (``store()`` persists changes)."""
-        if self._read is not None:  # read ahead: wait for it (also before overwriting the tensor)
-            read, self._read = self._read, None
-            read.result()
-        else:
-            _alloc(self.shard, self.numel)
-            if load:
-                self.swapper.read(self.key, self.shard).result()
-        try:
-            yield self.shard
-        finally:
-            if self.shard.numel():
-                _free(self.shard)

@@ -6,22 +6,27 @@ SGD, Adagrad, ...) compute the same update on a flat shard as on the
 parameters it came from; optimizers that look at whole tensors (LAMB's
 trust ratio, Shampoo) would not, and are not supported.
 
-``step()`` reads as its four phases: unscale, one all-reduce for the global
-gradient norm (which also detects fp16 overflow), clip, update and publish.
+``step()`` reads as its phases: one all-reduce of the unscaled squared
+gradient norms (which also detects fp16 overflow), clip, update and publish.
+The gradients come from each bucket's :class:`GradShard` and the state from
+the store the offload tiers chose, so there is one step whatever is offloaded.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 
-from zerompi.shard.bucket import Bucket
-from zerompi.dist.mpi import ProcessGroup
+from zerompi.checkpoint.snapshot import ShardState
+from zerompi.dist.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
-from zerompi.offload.residency import InMemory
+from zerompi.offload.tiers import TierPlan
 from zerompi.optim.precision import LossScaler
+from zerompi.shard.bucket import Bucket
 
 logger = get_logger(__name__)
 
@@ -49,17 +54,18 @@ class ZeroOptimizer:
     Args:
         buckets: every bucket of the sharded model.
         cfg: the ZeroConfig.
-        group: the data-parallel group (for the norm all-reduce).
+        group: the group whose shards cover every element once (for the norm all-reduce).
         group_options: per optimizer param group overrides (e.g. weight_decay).
+        tiers: where master and optimizer state live (their store streams them for the step).
     """
 
     def __init__(self, buckets: list[Bucket], cfg, group: ProcessGroup,
-                 group_options: list[dict[str, Any]]):
+                 group_options: list[dict[str, Any]], tiers: TierPlan = TierPlan()):
         self.buckets = buckets
         self.group = group
         self.clip = cfg.clip_grad_norm
         self.nonfinite = cfg.nonfinite
-        self.replicated = cfg.stage == 0  # every rank holds every gradient: no norm all-reduce
+        self.replicated = not any(b.plan.shard_optimizer for b in buckets)  # no norm all-reduce
         self.scaler = LossScaler.from_config(cfg) if cfg.dtype == "fp16" else None
         groups = []
         for gi, options in enumerate(group_options):
@@ -67,14 +73,11 @@ class ZeroOptimizer:
             if masters:
                 groups.append({**options, "params": masters})
         self.inner = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg))
-        self.store = InMemory(buckets, self.inner)  # engine swaps in NVMeResidency for nvme offload
+        self.store = tiers.optimizer_store(buckets, self.inner)
 
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
-
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        return self._norm_from(sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads))
 
     def _norm_from(self, local: float) -> float:
         """The global norm from this rank's sum of squares."""
@@ -84,28 +87,19 @@ class ZeroOptimizer:
         return math.sqrt(local)
 
     def step(self) -> StepResult:
-        if self.buckets and self.buckets[0].grad_swap is not None:
-            return self._swapped_step()
-        # 1. unscale: this rank's reduced gradient shards, in fp32
-        grads = [b.master_grad() for b in self.buckets]
-        if self.loss_scale != 1.0:
-            for g in grads:
-                g.div_(self.loss_scale)
-        # 2. one all-reduce gives the global norm; inf/nan there means a bad gradient on some rank
-        norm = self._global_norm(grads)
+        scale = self.loss_scale
+        # 1. one all-reduce of the squared norms gives the global norm of the unscaled gradients;
+        #    inf/nan there means a bad gradient on some rank
+        norm = self._norm_from(sum(b.grads.norm_sq(scale) for b in self.buckets))
         if self._skips(norm):
             return StepResult(False, norm)
-        # 3. clip, as torch.nn.utils.clip_grad_norm_ does
+        # 2. clip, as torch.nn.utils.clip_grad_norm_ does
         coef = self._clip_coef(norm)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        # 4. update the shards, then publish them to the compute parameters
-        if self.store.streaming:  # one bucket at a time through memory; the others have no grad
-            for i in self.store.stream():
-                self._update([self.buckets[i]], [grads[i]])
-        else:
-            self._update(self.buckets, grads)
+        # 3. update the buckets whose state the store has brought into memory (all of them, or
+        #    one at a time as it streams them), then publish them to the compute parameters
+        for batch in self.store.batches():
+            buckets = [self.buckets[i] for i in batch]
+            self._update(buckets, [b.grads.take(scale, coef) for b in buckets])
         self.zero_grad()
         return StepResult(True, norm)
 
@@ -126,24 +120,6 @@ class ZeroOptimizer:
             self._nonfinite()
             return True
         return False
-
-    def _swapped_step(self) -> StepResult:
-        """The step with gradient shards in the swap file: the norm comes from the squares kept
-        at reduction time (fp16: of the scaled gradients, then unscaled), and each bucket's
-        gradient is read, unscaled and clipped as its optimizer state streams through."""
-        norm = self._norm_from(sum(b.grad_sq for b in self.buckets)) / self.loss_scale
-        if self._skips(norm):
-            return StepResult(False, norm)
-        coef = self._clip_coef(norm)
-        for i in self.store.stream():
-            g = self.buckets[i].master_grad()
-            if self.loss_scale != 1.0:
-                g.div_(self.loss_scale)
-            if coef < 1.0:
-                g.mul_(coef)
-            self._update([self.buckets[i]], [g])
-        self.zero_grad()
-        return StepResult(True, norm)
 
     def _update(self, buckets: list[Bucket], grads: list[torch.Tensor]) -> None:
         for b, g in zip(buckets, grads):
@@ -178,3 +154,50 @@ class ZeroOptimizer:
                 if isinstance(v, torch.Tensor) and v.dim() > 0:  # resident bytes (0 when swapped out)
                     total += v.numel() * v.element_size()
         return total
+
+    # ---- state, for checkpoints (checkpoint/snapshot.py's ShardStates) ----
+    @contextmanager
+    def shard_state(self, index: int, *, load: bool = True) -> Iterator[ShardState]:
+        """Bucket ``index``'s master and optimizer state, in memory for the block."""
+        with self.store.resident(index, load=load):
+            master = self.buckets[index].master
+            yield ShardState(master, self.inner.state.get(master, {}))
+
+    def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
+        """Overwrite bucket ``index``'s master and state (tensors move to the master's device),
+        publish it to the compute parameters and forget its gradient."""
+        bucket = self.buckets[index]
+        with self.store.resident(index, load=False):  # offloaded: overwritten, then swapped out
+            with torch.no_grad():
+                bucket.master.copy_(master)
+            self.inner.state[bucket.master] = {
+                k: v.to(bucket.master.device) if isinstance(v, torch.Tensor) and v.dim() else v
+                for k, v in state.items()}
+            bucket.publish()
+        bucket.zero_grad()
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Each param group's plain options (numbers, bools, tuples), without its params."""
+        return [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, tuple, list))}
+                for g in self.inner.param_groups]
+
+    def load_hyperparameters(self, saved: list[dict[str, Any]]) -> None:
+        """Restore the numeric options the groups already have (bools and unknown keys are kept)."""
+        for group, options in zip(self.inner.param_groups, saved):
+            for k, v in options.items():
+                if k in group and isinstance(group[k], (int, float, tuple, list)) and not isinstance(group[k], bool):
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        s = self.scaler
+        return None if s is None else {"scale": s.scale, "good_steps": s.good_steps,
+                                       "hysteresis_left": s.hysteresis_left}
+
+    def load_scaler_state(self, saved: dict[str, Any] | None) -> None:
+        if self.scaler is not None and saved:
+            self.scaler.scale = float(saved["scale"])
+            self.scaler.good_steps = int(saved["good_steps"])
+            self.scaler.hysteresis_left = int(saved["hysteresis_left"])
+
+    def close(self) -> None:
+        self.store.close()

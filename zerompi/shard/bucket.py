@@ -1,21 +1,12 @@
 """Bucket: the parameters that are communicated together, and their sharded state.
 
-What a bucket holds persistently depends on the stage (P = padded numel,
-S = P / world, c = compute dtype):
-
-=====  ==============  ===============  =================  ================
-stage  parameters (c)  fp32 master      gradients (c)      optimizer state
-=====  ==============  ===============  =================  ================
-0      full P          full P           full P             full P
-1      full P          shard S          full P             shard S
-2      full P          shard S          shard S            shard S
-3      shard S         shard S          shard S            shard S
-=====  ==============  ===============  =================  ================
-
-In fp32 the master *is* the compute-dtype parameter (a view of it), so it
-costs nothing extra, exactly as the ZeRO paper counts. Transient buffers
-(stage 3's gathered parameters, stage 2/3's full gradient bucket during
-backward) are allocated only while they are needed.
+What a bucket holds persistently depends on the stage (see stages.py's table);
+every difference between stages is a field of its :class:`StagePlan`. In fp32
+the master *is* the compute-dtype parameter shard (a view of it), so it costs
+nothing extra, exactly as the ZeRO paper counts. Transient buffers (stage 3's
+gathered parameters, stage 2/3's full gradient bucket during backward) are
+allocated only while they are needed. Where the shards live between uses
+(device, host, swap file) is the business of the tiers handed in at build.
 """
 from __future__ import annotations
 
@@ -24,39 +15,33 @@ from enum import Enum
 
 import torch
 
+from zerompi.dist.group import Work
+from zerompi.errors import UsageError, ZeroMPIError
+from zerompi.offload.tiers import Resident, ShardTier, TierPlan
 from zerompi.shard.buffer import FlatBuffer
-from zerompi.dist.mpi import Work
-from zerompi.errors import UsageError
+from zerompi.shard.grads import GradShard
 from zerompi.shard.layout import BucketLayout
+from zerompi.shard.stages import StagePlan
 
 
 class BucketState(Enum):
-    SHARDED = "sharded"    # stage 3 only: parameters exist as this rank's shard alone
-    GATHERED = "gathered"  # the full parameters are in ``param_full``
+    """Where the bucket's parameters are. Stages 0-2 are always GATHERED."""
+
+    SHARDED = "sharded"      # stage 3: only this rank's shard exists
+    GATHERING = "gathering"  # stage 3: a non-blocking all-gather into the full buffer is in flight
+    GATHERED = "gathered"    # the full parameters are in ``param_full``
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where and how buckets live: stage, this rank, compute dtype, device."""
+    """How buckets live: what the stage shards, this rank, compute dtype, device."""
 
-    stage: int
+    plan: StagePlan
     rank: int
     world_size: int
     dtype: torch.dtype
     device: torch.device
     check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
-    offload_optimizer: str = "none"  # 'cpu'/'nvme': the fp32 master lives in host memory (nvme: swapped)
-    offload_params: str = "none"     # stage 3 'cpu': parameter shard in host memory ('nvme': ParamSwap)
-    pin_memory: bool = False
-
-    def host_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """A host-memory copy of ``t`` (pinned when there is a GPU to copy to)."""
-        out = t.detach().to("cpu", copy=True)
-        return out.pin_memory() if self.pin_memory and torch.cuda.is_available() else out
-
-
-def _done() -> Work:
-    return Work()
 
 
 class Bucket:
@@ -66,68 +51,53 @@ class Bucket:
         layout: the frozen plan of this bucket.
         params: the module parameters of ``layout.slots``, in slot order; they
             are re-bound as views into this bucket's flat parameter buffer.
-        where: stage, rank (in ``groups.shard``), dtype and device.
+        placement: stage plan, rank (in ``groups.shard``), dtype and device.
         init: the full padded fp32 initial values (identical on every rank).
-        groups: the process groups (flat, HSDP or hpZ; see topology.py).
+        groups: the process groups (flat, HSDP or hpZ; see dist/topology.py).
+        tiers: where the shards live between uses (offload/tiers.py).
     """
 
-    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], where: Placement,
-                 init: torch.Tensor, groups):
-        self.layout = layout
-        self.params = params
-        self.where = where
-        self.groups = groups
-        stage, dtype = where.stage, where.dtype
+    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], placement: Placement,
+                 init: torch.Tensor, groups, tiers: TierPlan = TierPlan()):
+        self.layout, self.params, self.placement, self.groups = layout, params, placement, groups
+        plan, dtype, index = placement.plan, placement.dtype, layout.index
+        self.plan = plan
         more = " ..." if len(layout.slots) > 1 else ""
-        self.name = f"bucket {layout.index} [{layout.slots[0].fqn}{more}]" + \
-            (f" of module '{layout.unit or '<root>'}'" if stage >= 3 else "")
+        self.name = f"bucket {index} [{layout.slots[0].fqn}{more}]" + \
+            (f" of module '{layout.unit or '<root>'}'" if plan.shard_params else "")
         self.nonfinite: list[str] = []  # parameters whose local gradient was NaN/Inf since the last step
-        self._gather: Work | None = None   # a prefetch all-gather still in flight
-        self._reduce: Work | None = None   # an overlapped reduce-scatter still in flight
+        self._gather: Work | None = None   # a non-blocking all-gather in flight (GATHERING)
+        self._reduce: Work | None = None   # an overlapped reduce-scatter in flight
         # Stage 0 "owns" the whole buffer: every rank updates every element.
-        self.own = layout.shard(where.rank) if stage >= 1 else layout.full
+        self.own = layout.shard(placement.rank) if plan.shard_optimizer else layout.full
         own = slice(self.own.start, self.own.stop)
-        # A separate fp32 master unless the compute parameters already are one, in memory. On a
-        # CPU device, 'cpu' offload has nowhere else to go: the shard is in host memory already.
-        moved = {where.offload_optimizer, where.offload_params} - {"none"}
-        if where.device.type == "cpu":
-            moved.discard("cpu")
-        self.separate = dtype != torch.float32 or bool(moved)
+        self.separate = dtype != torch.float32 or tiers.moves_state  # a master apart from the parameters
 
-        self.param_full = FlatBuffer(layout.padded_numel, dtype, where.device)
+        self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device)
         self.param_full.tensor.copy_(init)
-        if stage >= 3:
-            self.param_shard = self.param_full.tensor[own].clone()
-            if where.offload_params != "none":
-                self.param_shard = where.host_tensor(self.param_shard)
+        if plan.shard_params:
+            self.param_tier: ShardTier = tiers.param_tier(index, self.param_full.tensor[own].clone())
         else:
-            self.param_shard = self.param_full.tensor[own]
-        self.param_secondary = None  # hpZ: this node's copy of the parameters, sharded within the node
+            self.param_tier = Resident(self.param_full.tensor[own])
+        self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
         if groups.secondary is not None:
             sec = layout.padded_numel // groups.gather.size
-            self.param_secondary = self.param_full.tensor[groups.gather.rank * sec:(groups.gather.rank + 1) * sec].clone()
+            rank = groups.gather.rank
+            self.secondary = Resident(self.param_full.tensor[rank * sec:(rank + 1) * sec].clone())
         # The master starts from the fp32 values, not from their rounded copy.
-        self.master = init[own].clone() if self.separate else self.param_shard
-        if where.offload_optimizer != "none" and self.separate:
-            self.master = where.host_tensor(self.master)
-        self.param_swap = None  # stage 3 offload_params='nvme': set by the sharded model
-        # stages 2-3 offload_optimizer='nvme': the gradient shard lives in the swap file between
-        # reductions, with its squared norm kept here for the step's clipping (set by offload)
-        self.grad_swap = None
-        self.grad_sq = 0.0
-        self._grad_fresh = True  # the next reduction starts the shard (no read of stale zeros)
+        master = init[own].clone() if self.separate else self.param_tier.tensor
+        self.master = tiers.place_master(index, master, self.separate)
 
-        self.grad_full = FlatBuffer(layout.padded_numel, dtype, where.device, zero=True,
-                                    allocated=stage <= 1)
-        if stage <= 1:
-            self.grad_shard = self.grad_full.tensor[own]
-        else:
-            self.grad_shard = torch.zeros(self.own.numel, dtype=dtype, device=where.device)
+        self.grad_full = FlatBuffer(layout.padded_numel, dtype, placement.device, zero=True,
+                                    allocated=not plan.shard_grads)
+        local = self.grad_full.tensor[own] if not plan.shard_grads else \
+            torch.zeros(self.own.numel, dtype=dtype, device=placement.device)
+        self.grads = GradShard(tiers.grad_tier(index, local), self.own.numel, self.master.device)
 
         for p, slot in zip(params, layout.slots):
             p.data = self.param_full.view(slot.offset, slot.shape)
         self.state = BucketState.GATHERED
-        if stage >= 3:
+        if plan.shard_params:
             self.reshard()
         self._ready: set[int] = set()
         # Slots whose gradient was written since the buffer was (re)started: the first gradient of
@@ -137,41 +107,47 @@ class Bucket:
         self._pending = False   # gradients added since the last reduction
         self._reduced = False   # reduced at least once in this backward
 
+    def _illegal(self, verb: str, allowed: str) -> ZeroMPIError:
+        return ZeroMPIError(f"{self.name}: {verb} in state {self.state.name} (allowed from {allowed})")
 
     # ---- parameters -------------------------------------------------------
+    def _source(self) -> ShardTier:
+        """What a gather reads: hpZ's node-local secondary copy, else the primary shard."""
+        return self.secondary if self.secondary is not None else self.param_tier
+
     def unshard(self, *, async_op: bool = False) -> Work:
-        """Stage 3: all-gather the shards (hpZ: the node's secondary shards) into the full buffer."""
-        if self.state is BucketState.GATHERED:
-            return _done()
+        """Stage 3: SHARDED -> GATHERED (blocking) or GATHERING (``async_op``). A bucket already
+        gathered or gathering has nothing to start: its in-flight gather, if any, is returned."""
+        if self.state is not BucketState.SHARDED:
+            return self._gather if self._gather is not None else Work.done()
+        source = self._source()
+        async_op = async_op and source.stays_resident  # a swapped shard is gone after its block
         self.param_full.alloc()
-        if self.param_secondary is not None:
-            work = self.groups.gather.all_gather(self.param_secondary, self.param_full.tensor,
-                                                 async_op=async_op, what=self.name)
-        elif self.param_swap is not None:  # read the shard back from the swap file, gather, release it
-            with self.param_swap.loaded() as shard:
-                work = self.groups.gather.all_gather(shard, self.param_full.tensor, what=self.name)
-        else:
-            work = self.groups.gather.all_gather(self.param_shard, self.param_full.tensor,
-                                                 async_op=async_op, what=self.name)
-        self.state = BucketState.GATHERED
+        with source.loaded() as shard:
+            work = self.groups.gather.all_gather(shard, self.param_full.tensor, async_op=async_op, what=self.name)
         if async_op:
-            self._gather = work
+            self._gather, self.state = work, BucketState.GATHERING
+        else:
+            self.state = BucketState.GATHERED
         return work
 
     def prefetch(self) -> None:
         """Start what ``unshard()`` will wait on: a non-blocking all-gather, or, for a shard in the
-        NVMe swap file, its read (the gather then runs when the unit needs it)."""
-        if self.param_swap is not None and self.param_secondary is None:
-            if self.state is BucketState.SHARDED:
-                self.param_swap.prefetch()
-        else:
+        swap file, its read (the gather then runs when the unit needs it)."""
+        source = self._source()
+        if source.stays_resident:
             self.unshard(async_op=True)
+        elif self.state is BucketState.SHARDED:
+            source.prefetch()
 
     def wait_gathered(self) -> None:
-        """Block until a prefetch all-gather into the parameters has landed."""
+        """GATHERING -> GATHERED: block until the all-gather has landed (GATHERED: nothing to do)."""
+        if self.state is BucketState.SHARDED:
+            raise self._illegal("wait_gathered()", "GATHERING or GATHERED: no gather was started")
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
+        self.state = BucketState.GATHERED
 
     def progress(self) -> None:
         """Let MPI move this bucket's non-blocking collectives along (MPI_Test)."""
@@ -180,30 +156,27 @@ class Bucket:
                 work.test()
 
     def reshard(self) -> None:
-        """Stage 3: free the gathered parameters (views stay bound, storage is released)."""
-        if self.where.stage < 3 or self.state is BucketState.SHARDED:
+        """Stage 3: GATHERING/GATHERED -> SHARDED, freeing the gathered parameters (views stay
+        bound, storage is released; an in-flight gather is waited for first, since MPI may still be
+        writing). Idempotent; stages 0-2 keep their parameters whole."""
+        if not self.plan.shard_params or self.state is BucketState.SHARDED:
             return
-        self.wait_gathered()  # MPI may still be writing into the buffer
+        self.wait_gathered()
         self.param_full.free()
         self.state = BucketState.SHARDED
 
     def publish(self) -> None:
         """After an optimizer step: bring the updated master into the compute parameters."""
-        if self.param_swap is not None:
-            with self.param_swap.loaded(load=False) as shard:
+        if self.plan.shard_params and self.state is not BucketState.SHARDED:
+            raise self._illegal("publish()", "SHARDED: the step runs between backward and forward")
+        with self.param_tier.loaded(load=False) as shard:
+            if self.separate:
                 shard.copy_(self.master)
-                self._refresh_secondary(shard)
-                self.param_swap.store()
-            return
-        if self.separate:
-            self.param_shard.copy_(self.master)
-        if self.where.stage in (1, 2):
-            self.groups.gather.all_gather(None, self.param_full.tensor, what=self.name)
-        self._refresh_secondary(self.param_shard)
-
-    def _refresh_secondary(self, shard: torch.Tensor) -> None:
-        if self.param_secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
-            self.groups.secondary.all_gather(shard, self.param_secondary, what=self.name)
+            if self.plan.gather_after_step:
+                self.groups.gather.all_gather(None, self.param_full.tensor, what=self.name)
+            if self.secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
+                self.groups.secondary.all_gather(shard, self.secondary.tensor, what=self.name)
+            self.param_tier.store()
 
     # ---- gradients --------------------------------------------------------
     def begin_backward(self) -> None:
@@ -213,7 +186,7 @@ class Bucket:
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> bool:
         """Accumulate one parameter's gradient; True once every slot has reported."""
         self.finish_reduce()  # a late gradient must not race an overlapped reduce-scatter of the buffer
-        if self._reduced and self.where.stage <= 1:
+        if self._reduced and not self.plan.shard_grads:
             raise UsageError(
                 f"parameter {self.layout.slots[slot_index].fqn!r} received a second gradient after its "
                 "bucket was reduced in this backward (reentrant checkpointing of a shared parameter?); "
@@ -222,7 +195,7 @@ class Bucket:
             self.grad_full.alloc()
             self._written.clear()
         slot = self.layout.slots[slot_index]
-        if self.where.check_finite and not _all_finite(grad):
+        if self.placement.check_finite and not _all_finite(grad):
             self.nonfinite.append(slot.fqn)
         dest = self.grad_full.view(slot.offset, slot.shape)
         if slot_index in self._written:
@@ -247,15 +220,16 @@ class Bucket:
             self.grad_full.alloc()
             self._written.clear()
         full = self._zero_unwritten()
-        stage, shard, n = self.where.stage, self.groups.shard, self.groups.world.size
+        shard, n = self.groups.shard, self.groups.world.size
         self._pending = False
         self._reduced = True
-        if stage == 0:
+        if self.plan.all_reduce_grads:
             # reduce-scatter + all-gather = all-reduce, with bitwise identical replicas
             mine = self.layout.shard(shard.rank)
             reduced = shard.reduce_scatter(full, kind="all_reduce", what=self.name).wait()
             full[mine.start:mine.stop].copy_(reduced.div_(n))
             shard.all_gather(None, full, kind="all_reduce", what=self.name)
+            self.grads.filled_in_place()  # the shard is the whole buffer, reduced in place
             return
         self._reduce = shard.reduce_scatter(full, what=self.name, async_op=async_op)
         if not async_op:
@@ -280,56 +254,34 @@ class Bucket:
         reduced, n = work.wait(), self.groups.world.size
         if self.groups.replicate is not None:  # hsdp: sum the node's shard across nodes, in fp32
             self.groups.replicate.all_reduce(reduced, what=self.name)
-        if self.where.stage == 1:
-            self.grad_shard.copy_(reduced.div_(n))
-        elif self.grad_swap is not None:
-            self._accumulate_swapped(reduced.div_(n))
+        # stage 1 reduced the window's local sum once; stages 2-3 add each micro-batch
+        self.grads.write(reduced.div_(n), accumulate=self.plan.shard_grads)
+        if self.plan.shard_grads:
             self.grad_full.free()
-        else:
-            self.grad_shard.add_(reduced.div_(n))
-            self.grad_full.free()
-
-    def _accumulate_swapped(self, reduced: torch.Tensor) -> None:
-        # The same arithmetic as the resident shard (zeros, then add), so results stay bitwise equal.
-        with self.grad_swap.loaded(load=not self._grad_fresh) as shard:
-            if self._grad_fresh:
-                shard.zero_()
-            shard.add_(reduced)
-            self.grad_sq = float(torch.linalg.vector_norm(shard.to(torch.float32), dtype=torch.float32)) ** 2
-            self.grad_swap.store()
-        self._grad_fresh = False
 
     def master_grad(self) -> torch.Tensor:
-        """This rank's reduced gradient in fp32, where the master lives (a view when it already is)."""
-        if self.grad_swap is None:
-            return self.grad_shard.to(self.master.device, torch.float32)
-        if self._grad_fresh:  # no gradient since the last step
-            return torch.zeros(self.own.numel, dtype=torch.float32, device=self.master.device)
-        with self.grad_swap.loaded() as shard:
-            return shard.to(self.master.device, torch.float32, copy=True)
+        """This rank's reduced gradient in fp32, where the master lives (zeros before any reduction)."""
+        return self.grads.peek()
 
     def zero_grad(self) -> None:
-        if self.where.stage <= 1:
+        """After a step: the next reduction starts the gradient afresh."""
+        if not self.plan.shard_grads:
             self._written.clear()  # the next gradients overwrite; the rest is zeroed before reducing
-        elif self.grad_swap is not None:
-            self._grad_fresh, self.grad_sq = True, 0.0
-        else:
-            self.grad_shard.zero_()
+        self.grads.zero()
 
     # ---- state ------------------------------------------------------------
     def state_bytes(self) -> int:
-        """Bytes held persistently: parameters, master (if separate), gradients."""
-        stage = self.where.stage
-        params = self.param_full.nbytes if stage <= 2 else _nbytes(self.param_shard)
-        if self.param_secondary is not None:
-            params += _nbytes(self.param_secondary)
-        master = _nbytes(self.master) if self.separate else 0
-        grads = self.grad_full.nbytes if stage <= 1 else _nbytes(self.grad_shard)
+        """Bytes held persistently in memory: parameters, master (if separate), gradients."""
+        params = self.param_tier.nbytes if self.plan.shard_params else self.param_full.nbytes
+        if self.secondary is not None:
+            params += self.secondary.nbytes
+        master = self.master.numel() * self.master.element_size() if self.separate else 0
+        grads = self.grads.nbytes if self.plan.shard_grads else self.grad_full.nbytes
         return params + master + grads
 
     def full_master(self) -> torch.Tensor:
         """Collective: the full padded fp32 master of this bucket, on every rank."""
-        if self.where.stage == 0:
+        if not self.plan.shard_optimizer:
             return self.master.detach().clone()
         out = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
         self.groups.shard.all_gather(self.master.contiguous(), out, kind="state_dict", what=self.name)
@@ -341,9 +293,3 @@ def _all_finite(t: torch.Tensor) -> bool:
     only a non-finite sum (or finite values summing past the range) needs the elementwise
     check, which is about 40x slower on CPU."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes held; 0 for a tensor emptied into the swap file (its data is an empty tensor)."""
-    return t.numel() * t.element_size()
-

@@ -15,10 +15,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zerompi.dist.topology import Groups
+from zerompi.errors import ZeroMPIError
+from zerompi.log import get_logger, log_rank0
+from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.deferred import Materializer, ParamInit
+from zerompi.shard.hooks import HookSet
+from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
 from zerompi.shard.prefetch import Prefetcher
-from zerompi.dist.topology import Groups
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,12 +35,26 @@ class Overlap:
     grad_reduce: bool = False
     prefetch_units: int = 0
     test_progress: bool = False
-from zerompi.errors import ZeroMPIError
-from zerompi.shard.hooks import HookSet
-from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
-from zerompi.log import get_logger, log_rank0
 
-logger = get_logger(__name__)
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """How the model is cut into buckets and what runs non-blocking."""
+
+    cap_numel: int
+    """Bucket size in elements (stage 3: gather-unit size)."""
+    param_group: dict
+    """Optimizer group index of each trainable parameter (buckets never mix groups)."""
+    overlap: Overlap = Overlap()
+    param_init: ParamInit | None = None
+    """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """The backward in progress."""
+
+    sync: bool  # its gradients are reduced (the window ends, or stages 2-3)
 
 
 @dataclass
@@ -61,41 +82,37 @@ def _owners(module: nn.Module, params: list[nn.Parameter]) -> dict[nn.Parameter,
 
 
 class ShardedModel:
-    """Owns the buckets of ``module`` and the state of the current step.
+    """Owns the buckets of ``module`` and the state of the current backward.
 
     Args:
         module: the model (already on its device).
-        stage: ZeRO stage 0–3.
+        placement: stage plan, rank in the shard group, compute dtype and device.
         groups: the process groups (flat, HSDP or hpZ).
-        placement: compute dtype and device (stage/rank filled in here).
-        cap_numel: bucket size in elements (stage 3: gather-unit size).
-        param_group: optimizer group index for each trainable parameter.
+        options: bucket size, optimizer groups, overlap, deferred initialisation.
+        tiers: where each bucket's shards live between uses (offload/tiers.py).
     """
 
-    def __init__(self, module: nn.Module, where: Placement, groups: Groups,
-                 cap_numel: int, param_group: dict[nn.Parameter, int], overlap: Overlap = Overlap(),
-                 param_init: ParamInit | None = None, built: Callable[[Bucket], None] | None = None):
+    def __init__(self, module: nn.Module, placement: Placement, groups: Groups, options: ShardOptions,
+                 tiers: TierPlan = TierPlan()):
         self.module = module
-        self.built = built  # called with each new bucket (NVMe offload swaps its shards out)
-        self.materialize = Materializer(module, where.device, param_init)
-        self.overlap = overlap
-        self.prefetcher = Prefetcher(overlap.prefetch_units if where.stage >= 3 else 0)
-        self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
-        self.where = where
+        self.placement = placement
+        self.plan = placement.plan
         self.groups = groups
-        self.group = groups.world
+        self.tiers = tiers
+        self.materialize = Materializer(module, placement.device, options.param_init)
+        self.overlap = options.overlap
+        self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0)
+        self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.fqn = {p: n for n, p in named}
         self.units: list[Unit] = []
-        layouts = self._plan(named, cap_numel, param_group)
+        layouts = self._plan(named, options.cap_numel, options.param_group)
         self.buckets = [self._build(layout) for layout in layouts]
-        self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
+        self._slot_of: dict[nn.Parameter, tuple[Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
-                self._where[p] = (b, i)
+                self._slot_of[p] = (b, i)
         self._sync_replicated()
-        self.in_backward = False
-        self._sync = False
+        self._backward: _Backward | None = None  # set between begin_backward and finish_backward
         self.hooks = HookSet()
         self.hooks.on_grad_ready([p for _, p in named], self._on_grad_ready)
         for unit in self.units:
@@ -103,10 +120,14 @@ class ShardedModel:
                                       lambda out, u=unit: self._post_forward(u, out))
         self._log_plan()
 
+    @property
+    def in_backward(self) -> bool:
+        return self._backward is not None
+
     # ---- planning ---------------------------------------------------------
     def _plan(self, named, cap: int, param_group) -> list[BucketLayout]:
-        world = self.where.world_size
-        if self.where.stage < 3:
+        world = self.placement.world_size
+        if not self.plan.shard_params:
             # reverse registration order ~ the order backward produces gradients
             specs = [ParamSpec(n, tuple(p.shape), param_group[p]) for n, p in reversed(named)]
             return plan_buckets(specs, world, cap)
@@ -131,18 +152,16 @@ class ShardedModel:
 
     def _build(self, layout: BucketLayout) -> Bucket:
         params = [self._param(slot.fqn) for slot in layout.slots]
-        init = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.where.device)
+        init = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.placement.device)
         for p, slot in zip(params, layout.slots):
             if p.is_meta:  # deferred initialisation: this bucket's modules become real now
                 self.materialize(slot.fqn)
             init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         # every rank starts from rank 0's values, as DDP does
-        self.group.broadcast(init, what=f"initial values of bucket {layout.index}")
-        bucket = Bucket(layout, params, self.where, init, self.groups)
+        self.groups.world.broadcast(init, what=f"initial values of bucket {layout.index}")
+        bucket = Bucket(layout, params, self.placement, init, self.groups, self.tiers)
         del init  # the next bucket's values may take its place
-        if self.built is not None:
-            self.built(bucket)
-        if self.where.stage >= 3:
+        if self.plan.shard_params:
             self._unit[layout.unit].buckets.append(bucket)
         return bucket
 
@@ -154,10 +173,10 @@ class ShardedModel:
         frozen = [p for p in self.module.parameters() if not p.requires_grad]
         for t in frozen + list(self.module.buffers()):
             if t.is_floating_point():
-                t.data = t.data.to(self.where.dtype)
+                t.data = t.data.to(self.placement.dtype)
             if not t.is_contiguous():
                 t.data = t.data.contiguous()
-            self.group.broadcast(t.data.view(-1), what="a frozen parameter or buffer")
+            self.groups.world.broadcast(t.data.view(-1), what="a frozen parameter or buffer")
 
     def _log_plan(self) -> None:
         if not logger.isEnabledFor(logging.INFO):
@@ -165,8 +184,8 @@ class ShardedModel:
         rows = [f"  bucket {b.layout.index:3d} unit={b.layout.unit or '-':20s} params={len(b.layout.slots):3d} "
                 f"numel={b.layout.numel} padded={b.layout.padded_numel} shard={b.layout.shard_numel}"
                 for b in self.buckets]
-        log_rank0(logger, logging.INFO, "stage %d, %d buckets on %d ranks:\n%s", self.where.stage,
-                  len(self.buckets), self.where.world_size, "\n".join(rows))
+        log_rank0(logger, logging.INFO, "stage %d, %d buckets on %d ranks:\n%s", self.plan.stage,
+                  len(self.buckets), self.placement.world_size, "\n".join(rows))
 
     # ---- forward / backward events ---------------------------------------
     def _pre_forward(self, unit: Unit) -> None:
@@ -199,42 +218,50 @@ class ShardedModel:
         self._prefetch(self.prefetcher.backward(unit))
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        bucket, slot = self._where[p]
+        bucket, slot = self._slot_of[p]
         grad, p.grad = p.grad, None
         if grad is None:
             return
-        if bucket.add_grad(slot, grad) and self._sync:
+        if bucket.add_grad(slot, grad) and self._backward is not None and self._backward.sync:
             self._reduce(bucket)
         if self.overlap.test_progress:
             for b in self._inflight:
                 b.progress()
 
     def _reduce(self, bucket: Bucket) -> None:
-        overlapped = self.overlap.grad_reduce and self.where.stage >= 1
+        overlapped = self.overlap.grad_reduce and not self.plan.all_reduce_grads
         bucket.reduce_grads(async_op=overlapped)
         if overlapped:
             self._inflight.append(bucket)
         bucket.reshard()
 
     def begin_backward(self, sync: bool) -> None:
-        """``sync``: this backward ends a gradient-accumulation window (stages 0–1 reduce then)."""
-        self._sync = sync or self.where.stage >= 2
-        self.in_backward = True
+        """``sync``: this backward ends a gradient-accumulation window (stages 0-1 reduce then;
+        stages 2-3 reduce every backward)."""
+        if self._backward is not None:
+            raise ZeroMPIError("begin_backward() inside a backward: the previous one did not finish")
+        self._backward = _Backward(sync=sync or self.plan.shard_grads)
         for b in self.buckets:
             b.begin_backward()
 
+    def abort_backward(self) -> None:
+        """Autograd raised: leave the backward (its partial gradients are not reduced)."""
+        self._backward = None
+
     def finish_backward(self) -> None:
         """Reduce what backward left unreduced (unused parameters, late gradients); release all."""
-        self.in_backward = False
+        if self._backward is None:
+            raise ZeroMPIError("finish_backward() outside a backward")
+        sync, self._backward = self._backward.sync, None
         for b in self.buckets:
-            if self._sync and b.needs_reduce():
+            if sync and b.needs_reduce():
                 self._reduce(b)
         for b in self._inflight:  # in the order they started, as on every rank
             b.finish_reduce()
         self._inflight.clear()
         for b in self.buckets:
             b.reshard()
-        if self.where.stage >= 3:
+        if self.plan.shard_params:
             stuck = [b.layout.index for b in self.buckets if b.state is not BucketState.SHARDED]
             if stuck:
                 raise ZeroMPIError(f"buckets {stuck} are still gathered after backward")

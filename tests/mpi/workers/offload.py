@@ -36,8 +36,7 @@ def parity(stage, dtype, swap_dir, batches, **extra):
         rows.append(dict(mode=mode, model_state_bytes=stats.model_state_bytes, swapped=stats.swapped_bytes,
                          grad_norm=stats.last_grad_norm,
                          padded=sum(b.layout.padded_numel for b in engine.sharded.buckets),
-                         read_ahead=sum(b.param_swap.read_ahead for b in engine.sharded.buckets
-                                        if b.param_swap is not None),
+                         read_ahead=sum(getattr(b.param_tier, "read_ahead", 0) for b in engine.sharded.buckets),
                          units=len(engine.sharded.units)))
         engine.close()
     return dict(identical={m: same(runs["none"], runs[m]) for m in MODES}, rows=rows)

@@ -1,0 +1,72 @@
+"""What a checkpoint reads from an engine and gives back to it: public snapshots, no privates.
+
+The engine produces an :class:`EngineSnapshot` (``engine.snapshot()``) between
+steps; the writer saves from it and the reader computes, from its shards, the
+byte ranges this rank must read. The per-bucket fp32 master and optimizer state
+come through the engine's :class:`ShardStates` (the optimizer), one bucket in
+memory at a time, and go back through it; counters go back through
+``engine.restore(Counters)``.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from zerompi.shard.layout import BucketLayout, ShardRange
+
+
+class Counters(NamedTuple):
+    """The engine's step counters and fp16 loss-scaler state."""
+
+    steps: int
+    skipped_steps: int
+    scaler: dict[str, Any] | None  # {"scale", "good_steps", "hysteresis_left"}, or None without fp16
+
+
+class ShardSnapshot(NamedTuple):
+    """One bucket as a checkpoint sees it on this rank."""
+
+    layout: BucketLayout
+    own: ShardRange      # the elements of the bucket this rank holds (stage 0: all of them)
+    written: ShardRange  # the part of ``own`` this rank saves (stage 0 replicas save their shard)
+
+
+class ShardState(NamedTuple):
+    """A bucket's fp32 master and its optimizer state, in memory for the duration of a block."""
+
+    master: torch.Tensor
+    state: dict[str, Any]  # per-element tensors and scalars, as the inner optimizer keeps them
+
+
+class ShardStates(Protocol):
+    """Access to each bucket's master and optimizer state (the engine's optimizer)."""
+
+    def shard_state(self, index: int) -> AbstractContextManager[ShardState]:
+        """Bucket ``index``'s state, in memory for the block."""
+
+    def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
+        """Overwrite bucket ``index``'s master and state, and publish it to the parameters."""
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Each optimizer param group's options (without the params)."""
+
+    def load_hyperparameters(self, saved: list[dict[str, Any]]) -> None:
+        """Restore the numeric options of each param group."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What a save needs of an engine, taken between steps."""
+
+    counters: Counters
+    config: Any             # the ZeroConfig
+    shard_rank: int         # this rank in the group the buckets are sharded over
+    shard_size: int
+    writes: bool            # this rank saves a shard (with hsdp only the first node's ranks do)
+    hierarchical: bool      # hsdp/hpz groups: per-rank RNG streams are not restored
+    shards: tuple[ShardSnapshot, ...]
+    states: ShardStates
+    between_steps: bool     # no accumulation window is open (a save needs this)

@@ -1,0 +1,185 @@
+"""Where a bucket's shards live between uses: a tier per shard, chosen once, handed in at build.
+
+A bucket keeps three flat shards that offload may move: its compute-dtype
+parameter shard, its gradient shard and its fp32 master. :class:`TierPlan` is
+the one place that reads the offload settings; a bucket asks it, while it is
+being built, for the tier of each shard, and never learns which tier it got
+beyond what :class:`ShardTier` says:
+
+* :class:`Resident` keeps the tensor in device or host memory;
+* :class:`Swapped` keeps it in the rank's swap file and reads it back for the
+  duration of a ``loaded()`` block (``stays_resident`` is False, so a bucket
+  must finish any collective on it inside the block).
+
+The master and the optimizer state stream through memory during the step
+(``residency.py``); :meth:`TierPlan.optimizer_store` chooses how.
+A new tier is one class here and a branch in :class:`TierPlan`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from zerompi.offload.aligned import allocate, release
+from zerompi.offload.nvme import NVMeSwapper
+from zerompi.offload.residency import InMemory, NVMeResidency
+
+NONE, CPU, NVME = "none", "cpu", "nvme"
+
+
+class ShardTier(Protocol):
+    """Where one flat shard lives between uses."""
+
+    stays_resident: bool
+    """The tensor ``loaded()`` yields stays valid after the block (a collective may outlive it)."""
+
+    def loaded(self, *, load: bool = True) -> AbstractContextManager[torch.Tensor]:
+        """The shard in memory for the block (``load=False``: it is about to be overwritten)."""
+
+    def store(self) -> None:
+        """Inside ``loaded()``: persist what the block changed."""
+
+    def prefetch(self) -> None:
+        """Start bringing the shard into memory, so that the next ``loaded()`` waits less."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory now."""
+
+
+class Resident:
+    """A shard kept in memory (the device's, or the host's for 'cpu' offload)."""
+
+    stays_resident = True
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @contextmanager
+    def loaded(self, *, load: bool = True) -> Iterator[torch.Tensor]:
+        yield self.tensor
+
+    def store(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class Swapped:
+    """A shard in the swap file between uses: a bucket's parameter shard (stage 3,
+    ``offload_params='nvme'``) or its gradient shard (stages 2-3, ``offload_optimizer='nvme'``).
+    Built from the resident shard, which it writes out and releases at once."""
+
+    stays_resident = False
+
+    def __init__(self, swapper: NVMeSwapper, key: str, shard: torch.Tensor):
+        self.swapper, self.key, self.shard, self.numel = swapper, key, shard, shard.numel()
+        self._read: Future | None = None  # a read-ahead in flight (prefetch)
+        self.read_ahead = 0  # reads started by prefetch(), for tests and benchmarks
+        self.store()
+
+    def store(self) -> None:
+        """Write the (resident) shard out and release it."""
+        self.swapper.reserve(self.key, self.shard.numel() * self.shard.element_size())
+        self.swapper.write(self.key, self.shard).result()
+        release(self.shard)
+
+    def prefetch(self) -> None:
+        if self._read is None and not self.shard.numel():
+            allocate(self.shard, self.numel)
+            self._read = self.swapper.read(self.key, self.shard)
+            self.read_ahead += 1
+
+    @contextmanager
+    def loaded(self, *, load: bool = True) -> Iterator[torch.Tensor]:
+        if self._read is not None:  # read ahead: wait for it (also before overwriting the tensor)
+            read, self._read = self._read, None
+            read.result()
+        else:
+            allocate(self.shard, self.numel)
+            if load:
+                self.swapper.read(self.key, self.shard).result()
+        try:
+            yield self.shard
+        finally:
+            if self.shard.numel():
+                release(self.shard)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Where new buckets' shards go, from the offload settings (read here and nowhere else).
+
+    Args:
+        optimizer: ``offload_optimizer``: where master weights and optimizer state live.
+        params: ``offload_params``: where stage 3's parameter shards live.
+        device: the compute device.
+        shard_grads: gradients are sharded (stages 2-3): with 'nvme' optimizer offload their
+            shards go to the swap file too, as in ZeRO-Infinity.
+        swapper: the rank's swap file, when anything goes to 'nvme'.
+        pin_memory: pin host copies when there is a GPU to copy to.
+    """
+
+    optimizer: str = NONE
+    params: str = NONE
+    device: torch.device = torch.device("cpu")
+    shard_grads: bool = False
+    swapper: NVMeSwapper | None = None
+    pin_memory: bool = False
+
+    @property
+    def moves_state(self) -> bool:
+        """A parameter shard or master leaves device memory. On a CPU device, 'cpu' offload has
+        nowhere to move them: they are in host memory already."""
+        moved = {self.optimizer, self.params} - {NONE}
+        if self.device.type == "cpu":
+            moved.discard(CPU)
+        return bool(moved)
+
+    def host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-memory copy of ``t`` (pinned when there is a GPU to copy to)."""
+        out = t.detach().to("cpu", copy=True)
+        return out.pin_memory() if self.pin_memory and torch.cuda.is_available() else out
+
+    def param_tier(self, index: int, shard: torch.Tensor) -> ShardTier:
+        """Bucket ``index``'s parameter shard (stage 3)."""
+        if self.params == NVME:
+            return Swapped(self.swapper, f"b{index}.param", self.host(shard))
+        return Resident(self.host(shard) if self.params == CPU else shard)
+
+    def grad_tier(self, index: int, shard: torch.Tensor) -> ShardTier:
+        """Bucket ``index``'s gradient shard."""
+        if self.optimizer == NVME and self.shard_grads:
+            return Swapped(self.swapper, f"b{index}.grad", shard)
+        return Resident(shard)
+
+    def place_master(self, index: int, master: torch.Tensor, separate: bool) -> torch.Tensor:
+        """Bucket ``index``'s fp32 master, where the optimizer state will live. With 'nvme' it is
+        written to the swap file before the next bucket exists, so that building the model holds
+        one bucket's state, not the model's."""
+        if self.optimizer == NONE or not separate:
+            return master
+        master = self.host(master)
+        if self.optimizer == NVME:
+            NVMeResidency.swap_out_master(self.swapper, index, master)
+        return master
+
+    def optimizer_store(self, buckets, inner: torch.optim.Optimizer) -> InMemory:
+        """How master and optimizer state come into memory for the step."""
+        if self.optimizer == NVME:
+            return NVMeResidency(buckets, inner, self.swapper)
+        return InMemory(buckets, inner)

@@ -1,0 +1,99 @@
+"""GradShard: this rank's reduced gradient of one bucket, wherever its tier keeps it.
+
+The shard is written by the bucket's reductions and read once per step by the
+optimizer, which asks for two things: the squared norm (for clipping and the
+overflow check) and the gradient itself in fp32, unscaled and clipped. Both
+come from here, the same way whatever the tier:
+
+* a resident shard converts to fp32 once per step (a view when it already is
+  fp32 on the master's device), unscales in place, and takes its norm from that;
+* a swapped shard keeps its squared norm from the last reduction, since the
+  gradient is in memory only inside a ``loaded()`` block, and is read back,
+  unscaled and clipped when its bucket's turn in the step comes.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerompi.offload.tiers import ShardTier
+
+
+class GradShard:
+    """The reduced gradient shard of one bucket (stages 2-3 accumulate micro-batches into it;
+    stages 0-1 overwrite it once per window with the reduction of the local sum)."""
+
+    def __init__(self, tier: ShardTier, numel: int, master_device: torch.device):
+        self.tier = tier
+        self.numel = numel
+        self.master_device = master_device
+        self.fresh = True     # no reduction since the last step: the shard holds nothing of use
+        self._sq = 0.0        # squared norm after the last reduction (swapped tiers only)
+        self._fp32: torch.Tensor | None = None  # this step's unscaled fp32 gradient (resident)
+        self._scale = 1.0
+
+    def write(self, reduced: torch.Tensor, *, accumulate: bool) -> None:
+        """Store a reduction: added to what earlier micro-batches left (``accumulate``), or in
+        place of it. Zeros, then add, is the arithmetic of a freshly zeroed shard, so results do
+        not depend on the tier."""
+        with self.tier.loaded(load=accumulate and not self.fresh) as shard:
+            if not accumulate:
+                shard.copy_(reduced)
+            else:
+                if self.fresh:
+                    shard.zero_()
+                shard.add_(reduced)
+            if not self.tier.stays_resident:  # the step will not see this gradient before its turn
+                self._sq = float(torch.linalg.vector_norm(shard.to(torch.float32), dtype=torch.float32)) ** 2
+            self.tier.store()
+        self.fresh = False
+
+    def filled_in_place(self) -> None:
+        """A reduction wrote the (resident) shard directly: stage 0's whole-buffer all-reduce."""
+        self.fresh = False
+
+    def _resident_fp32(self, scale: float) -> torch.Tensor:
+        if self._fp32 is None:
+            with self.tier.loaded() as shard:
+                g = shard.to(self.master_device, torch.float32)
+            if scale != 1.0:
+                g.div_(scale)
+            self._fp32, self._scale = g, scale
+        return self._fp32
+
+    def norm_sq(self, scale: float) -> float:
+        """The squared L2 norm of the unscaled gradient (``scale`` is the fp16 loss scale)."""
+        if self.fresh:
+            return 0.0
+        if self.tier.stays_resident:
+            return float(torch.linalg.vector_norm(self._resident_fp32(scale), dtype=torch.float32)) ** 2
+        return self._sq / (scale * scale)  # exact for the power-of-two scales of dynamic scaling
+
+    def take(self, scale: float, coef: float) -> torch.Tensor:
+        """The fp32 gradient for the update: unscaled, times the clip coefficient when below 1."""
+        if self.fresh:
+            g = torch.zeros(self.numel, dtype=torch.float32, device=self.master_device)
+        elif self.tier.stays_resident:
+            g = self._resident_fp32(scale)
+        else:
+            with self.tier.loaded() as shard:
+                g = shard.to(self.master_device, torch.float32, copy=True)
+            if scale != 1.0:
+                g.div_(scale)
+        if coef < 1.0:
+            g.mul_(coef)
+        return g
+
+    def peek(self) -> torch.Tensor:
+        """The current gradient in fp32 (zeros when fresh), without the step's caching."""
+        if self.fresh:
+            return torch.zeros(self.numel, dtype=torch.float32, device=self.master_device)
+        with self.tier.loaded() as shard:
+            return shard.to(self.master_device, torch.float32, copy=not self.tier.stays_resident)
+
+    def zero(self) -> None:
+        """After a step (or a skipped one): the next reduction starts the shard afresh."""
+        self.fresh, self._sq, self._fp32 = True, 0.0, None
+
+    @property
+    def nbytes(self) -> int:
+        return self.tier.nbytes

@@ -1,0 +1,54 @@
+"""What each ZeRO stage shards and which collectives it runs: one table.
+
+P = a bucket's padded numel, S = P / N its shard, c = compute dtype:
+
+=====  ==============  ===============  =================  ================
+stage  parameters (c)  fp32 master      gradients (c)      optimizer state
+=====  ==============  ===============  =================  ================
+0      full P          full P           full P             full P
+1      full P          shard S          full P             shard S
+2      full P          shard S          shard S            shard S
+3      shard S         shard S          shard S            shard S
+=====  ==============  ===============  =================  ================
+
+Every behaviour that differs between stages reads a field of :class:`StagePlan`
+instead of comparing stage numbers where it lands.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class StagePlan(NamedTuple):
+    """One row of the stage table."""
+
+    stage: int
+    shard_optimizer: bool
+    """Master weights and optimizer state are this rank's shard (else every rank updates all)."""
+    shard_grads: bool
+    """Gradients are reduce-scattered into a shard after every micro-batch (else they accumulate
+    in the full local buffer and are reduced once, at the end of the accumulation window)."""
+    shard_params: bool
+    """Parameters exist as a shard between uses; gather units all-gather them around forward and
+    backward."""
+    all_reduce_grads: bool
+    """Gradients are all-reduced (as reduce-scatter + all-gather, so replicas stay bitwise equal)."""
+    gather_after_step: bool
+    """The updated shards are all-gathered into the full parameters right after the step."""
+
+
+PLANS = {
+    0: StagePlan(0, shard_optimizer=False, shard_grads=False, shard_params=False,
+                 all_reduce_grads=True, gather_after_step=False),
+    1: StagePlan(1, shard_optimizer=True, shard_grads=False, shard_params=False,
+                 all_reduce_grads=False, gather_after_step=True),
+    2: StagePlan(2, shard_optimizer=True, shard_grads=True, shard_params=False,
+                 all_reduce_grads=False, gather_after_step=True),
+    3: StagePlan(3, shard_optimizer=True, shard_grads=True, shard_params=True,
+                 all_reduce_grads=False, gather_after_step=False),
+}
+
+
+def plan_for(stage: int) -> StagePlan:
+    """The table row of ``stage`` (0-3; the config has validated it)."""
+    return PLANS[int(stage)]
