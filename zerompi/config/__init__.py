@@ -1,4 +1,12 @@
-"""The engine's configuration: :class:`ZeroConfig` and the choices it parses once."""
+"""The engine's configuration: :class:`ZeroConfig`, the choices it parses once and
+the policies that group its fields."""
+from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite,
+                                    Offload, Progress, Stage)
+from zerompi.config.policies import (OffloadPolicy, OverlapPolicy, PrecisionPolicy, ReliabilityPolicy,
+                                     TopologyPolicy)
 from zerompi.config.zero import ZeroConfig
 
-__all__ = ["ZeroConfig"]
+__all__ = ["ZeroConfig",
+           "Stage", "DType", "Offload", "Device", "CudaAware", "Progress", "Hierarchy", "NonFinite",
+           "CheckpointLayout",
+           "PrecisionPolicy", "OffloadPolicy", "OverlapPolicy", "TopologyPolicy", "ReliabilityPolicy"]

@@ -10,7 +10,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from zerompi.config.zero import _CHECKS, _bool, _choices, _float  # noqa: F401  (shared validators)
+from zerompi.config.checks import CHECKS, boolean, listing, real
+from zerompi.config.choices import DType
 from zerompi.errors import ConfigError
 
 
@@ -55,6 +56,7 @@ _DS_SGD_PARAMS = ("lr", "momentum", "weight_decay")
 
 
 def looks_like_deepspeed(doc: Mapping[str, Any]) -> bool:
+    """Whether ``doc`` is a DeepSpeed config rather than zerompi's own keys."""
     # zerompi's own "optimizer" is a string, so a dict there means DeepSpeed.
     return any(k in doc for k in _DS_MARKERS) or isinstance(doc.get("optimizer"), Mapping)
 
@@ -90,7 +92,7 @@ def _ds_zero(d: Mapping, kwargs: dict[str, Any]) -> None:
         found, value = _ds_get(d, f"zero_optimization.{name}")
         if found:
             key = f"zero_optimization.{name}"
-            mb = _float(key, value, gt=0) * 4 / 2**20
+            mb = real(key, value, gt=0) * 4 / 2**20
             if not (math.isfinite(mb) and mb > 0):  # representable as elements, not as MiB
                 raise ConfigError(f"{key}={value!r} is not a bucket size zerompi can use "
                                   "(elements, > 0 and below about 1e300)")
@@ -102,7 +104,7 @@ def _ds_zero(d: Mapping, kwargs: dict[str, Any]) -> None:
             dotted = f"zero_optimization.{block}.{name}"
             found, value = _ds_get(d, dotted)
             if found:
-                seen[dotted] = kwargs[name] = _CHECKS[name](dotted, value)
+                seen[dotted] = kwargs[name] = CHECKS[name](dotted, value)
         if len(seen) == 2 and len(set(seen.values())) == 2:
             raise ConfigError(" and ".join(f"{k}={v!r}" for k, v in seen.items())
                               + f" differ; allowed: the same {name} in both blocks")
@@ -111,7 +113,7 @@ def _ds_zero(d: Mapping, kwargs: dict[str, Any]) -> None:
 def _ds_flag(d: Mapping, dotted: str) -> bool:
     """The bool at ``dotted``, False when absent."""
     found, value = _ds_get(d, dotted)
-    return found and _bool(dotted, value)
+    return found and boolean(dotted, value)
 
 
 def _ds_precision(d: Mapping, kwargs: dict[str, Any]) -> None:
@@ -119,7 +121,7 @@ def _ds_precision(d: Mapping, kwargs: dict[str, Any]) -> None:
     if bf16 and fp16:
         raise ConfigError("bf16.enabled=True and fp16.enabled=True are both set; "
                           "allowed: at most one of them enabled")
-    kwargs["dtype"] = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    kwargs["dtype"] = DType.BF16 if bf16 else DType.FP16 if fp16 else DType.FP32
     for flag in ("fp16.auto_cast", "fp16.consecutive_hysteresis"):
         if _ds_flag(d, flag):
             raise ConfigError(f"{flag}=True is not supported; allowed: false")
@@ -131,7 +133,7 @@ def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
     found, kind = _ds_get(d, "optimizer.type")
     if not isinstance(kind, str) or kind.lower() not in {t.lower() for t in _DS_OPTIMIZERS}:
         shown = repr(kind) if found else "(missing)"
-        raise ConfigError(f"optimizer.type={shown} is not one of {_choices(_DS_OPTIMIZERS)} "
+        raise ConfigError(f"optimizer.type={shown} is not one of {listing(_DS_OPTIMIZERS)} "
                           "(case-insensitive)")
     kind = kind.lower()
     params = d["optimizer"].get("params", {})
@@ -142,7 +144,7 @@ def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
                           f"{d['optimizer']['type']!r}; allowed params: {', '.join(allowed)}")
     # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false,
     # and its "AdamW" does so whatever adam_w_mode says.
-    w_mode = _bool("optimizer.params.adam_w_mode", params.get("adam_w_mode", True))
+    w_mode = boolean("optimizer.params.adam_w_mode", params.get("adam_w_mode", True))
     adam = "adamw" if w_mode or kind == "adamw" else "adam"
     kwargs["optimizer"] = "sgd" if kind == "sgd" else adam
     # DeepSpeed's optimizers default to no weight decay; keep that meaning.
@@ -164,5 +166,5 @@ def deepspeed_kwargs(d: Mapping[str, Any]) -> dict[str, Any]:
     for dotted, name in _DS_DIRECT:
         found, value = _ds_get(d, dotted)
         if found:
-            kwargs[name] = _CHECKS[name](dotted, value)
+            kwargs[name] = CHECKS[name](dotted, value)
     return kwargs

@@ -1,0 +1,237 @@
+"""Validators of config values, and the table that checks each ZeroConfig field.
+
+Every validator is called as ``check(key, value, ...)`` and returns the
+normalised value or raises :class:`ConfigError` naming ``key``, the value and
+what is allowed. The key is a parameter so that a DeepSpeed translation reports
+errors under DeepSpeed's dotted names.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import os
+from collections.abc import Callable, Iterable, Mapping
+from enum import Enum
+from typing import Any, TypeVar
+
+import torch
+
+from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite,
+                                    Offload, Progress, Stage)
+from zerompi.errors import ConfigError
+
+E = TypeVar("E", bound=Enum)
+Check = Callable[[str, Any], Any]
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+"""The optimizers ``optimizer`` may name by a short string."""
+_ADAM_ARGS = ("lr", "betas", "eps", "weight_decay")
+FIELD_ARGS: dict[str, tuple[str, ...]] = {
+    "adamw": _ADAM_ARGS, "adam": _ADAM_ARGS, "sgd": ("lr", "momentum", "weight_decay")}
+"""Optimizer arguments the engine fills from fields (``lr`` alone for other optimizers);
+repeating one in optimizer_kwargs would be a second spelling of the same setting."""
+
+
+def listing(values: Iterable[Any]) -> str:
+    """``'a', 'b', 'c'``: allowed values as an error message lists them."""
+    return ", ".join(repr(v) for v in values)
+
+
+def integer(key: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """An int (not a bool) in ``lo..hi``, or ``>= lo`` when ``hi`` is None."""
+    rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+    # bool is an int subclass, but True as a step count is always a mistake.
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not ok or value < lo or (hi is not None and value > hi):
+        raise ConfigError(f"{key}={value!r} is not an int {rng}")
+    return int(value)
+
+
+def real(key: str, value: Any, *, gt: float | None = None, ge: float | None = None,
+         lt: float | None = None) -> float:
+    """A finite number (not a bool) within the given bounds, as a float."""
+    bounds = [f"{op} {b}" for op, b in ((">", gt), (">=", ge), ("<", lt)) if b is not None]
+    try:  # an int beyond the float range is no number a config can mean
+        finite = isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and finite and (gt is None or value > gt)
+            and (ge is None or value >= ge) and (lt is None or value < lt)):
+        raise ConfigError(f"{key}={value!r} is not a finite number {' and '.join(bounds)}")
+    return float(value)
+
+
+def nonnegative(key: str, value: Any) -> float:
+    """A finite number >= 0."""
+    return real(key, value, ge=0)
+
+
+def boolean(key: str, value: Any) -> bool:
+    """True or False (no truthy stand-ins)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a bool (true or false)")
+    return value
+
+
+def choice(key: str, value: Any, kind: type[E]) -> E:
+    """The member of the enum ``kind`` whose value is the string ``value`` (or the member itself)."""
+    member = kind._value2member_map_.get(value) if isinstance(value, str) else None
+    if member is None:
+        raise ConfigError(f"{key}={value!r} is not one of {listing(m.value for m in kind)}")
+    return member
+
+
+def stage(key: str, value: Any) -> Stage:
+    """A ZeRO stage 0..3, as a :class:`Stage`."""
+    return Stage(integer(key, value, 0, 3))
+
+
+def optional(key: str, value: Any, check: Check, none_means: str) -> Any:
+    """None, or what ``check`` makes of ``value``; errors add what None would mean."""
+    if value is None:
+        return None
+    try:
+        return check(key, value)
+    except ConfigError as e:
+        raise ConfigError(f"{e}, or None ({none_means})") from None
+
+
+def path(key: str, value: Any) -> str:
+    """A non-empty path string (an os.PathLike becomes its string)."""
+    p = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(p, str) or not p:
+        raise ConfigError(f"{key}={value!r} is not a non-empty path string")
+    return p
+
+
+def betas(key: str, value: Any) -> tuple[float, float]:
+    """A pair of numbers in [0, 1), as a tuple; errors name the element as ``key[i]``."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ConfigError(f"{key}={value!r} is not a pair of finite numbers >= 0 and < 1")
+    b1, b2 = (real(f"{key}[{i}]", b, ge=0, lt=1) for i, b in enumerate(value))
+    return (b1, b2)
+
+
+def str_mapping(key: str, value: Any) -> dict:
+    """A mapping with str keys, copied into a dict."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{key}={value!r} is not a dict with str keys")
+    return dict(value)
+
+
+def block_kib(key: str, value: Any) -> int:
+    """An NVMe I/O request size in KiB: a multiple of 4 in 4..262144."""
+    value = integer(key, value, 4, 256 * 1024)
+    if value % 4:
+        raise ConfigError(f"{key}={value!r} is not a multiple of 4 KiB (O_DIRECT needs page-aligned I/O)")
+    return value
+
+
+def _import_dotted(key: str, dotted: str) -> Any:
+    module, _, name = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as e:  # an import can fail in any way; report it as a config error
+        raise ConfigError(f"{key}={dotted!r} cannot be imported as 'package.module.ClassName': "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def optimizer_class(key: str, value: Any) -> type[torch.optim.Optimizer]:
+    """The Optimizer subclass a short name, a class or a dotted path names."""
+    if isinstance(value, str) and value in OPTIMIZERS:
+        return OPTIMIZERS[value]
+    if isinstance(value, str) and "." in value:
+        cls = _import_dotted(key, value)
+    elif isinstance(value, type):
+        cls = value
+    else:
+        raise ConfigError(f"{key}={value!r} is not one of {listing(OPTIMIZERS)}, a subclass of "
+                          "torch.optim.Optimizer, or a dotted path 'package.module.ClassName'")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+            and cls is not torch.optim.Optimizer):
+        raise ConfigError(f"{key}={value!r} resolves to {cls!r}, which is not a subclass of "
+                          "torch.optim.Optimizer; allowed: " + listing(OPTIMIZERS)
+                          + ", an Optimizer subclass or a dotted path to one")
+    return cls
+
+
+def _of(kind: type[Enum]) -> Check:
+    return lambda k, v: choice(k, v, kind)
+
+
+CHECKS: dict[str, Check] = {
+    "stage": stage,
+    # Kept as given (not the resolved class), so to_dict writes back what the user wrote.
+    "optimizer": lambda k, v: optimizer_class(k, v) and v,
+    "optimizer_kwargs": str_mapping,
+    "lr": lambda k, v: real(k, v, gt=0),
+    "betas": betas,
+    "eps": lambda k, v: real(k, v, gt=0),
+    "weight_decay": nonnegative,
+    "momentum": nonnegative,
+    "grad_accum_steps": lambda k, v: integer(k, v, 1),
+    # 0 is stored as None: one spelling for "no clipping" downstream.
+    "clip_grad_norm": lambda k, v: optional(k, v, nonnegative, "no clipping") or None,
+    "dtype": _of(DType),
+    "loss_scale": nonnegative,
+    "initial_scale_power": lambda k, v: integer(k, v, 0, 64),
+    "loss_scale_window": lambda k, v: integer(k, v, 1),
+    "hysteresis": lambda k, v: integer(k, v, 1),
+    "min_loss_scale": lambda k, v: real(k, v, gt=0),
+    "bucket_mb": lambda k, v: real(k, v, gt=0),
+    "seed": lambda k, v: integer(k, v, 0),
+    "cpu_threads": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "automatic"),
+    "device": _of(Device),
+    "cuda_aware_mpi": _of(CudaAware),
+    "offload_optimizer": _of(Offload),
+    "offload_params": _of(Offload),
+    "nvme_path": lambda k, v: optional(k, v, path, "no NVMe directory"),
+    "pin_memory": boolean,
+    "nvme_block_kib": block_kib,
+    "nvme_threads": lambda k, v: integer(k, v, 1, 64),
+    "nvme_buffers": lambda k, v: integer(k, v, 1, 1024),
+    "nvme_verify": boolean,
+    "overlap_grad_reduce": boolean,
+    "prefetch_units": lambda k, v: integer(k, v, 0, 8),
+    "mpi_progress": _of(Progress),
+    "hierarchy": _of(Hierarchy),
+    "ranks_per_node": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "nodes from MPI"),
+    "nonfinite": _of(NonFinite),
+    "debug_collectives": boolean,
+    "collective_timeout": lambda k, v: optional(k, v, lambda k, v: real(k, v, gt=0), "no watchdog"),
+    "abort_on_exception": boolean,
+    "checkpoint_layout": _of(CheckpointLayout),
+}
+"""One checker per ZeroConfig field, called as ``check(key, value)`` -> normalised value."""
+
+
+def check_offload(cfg: Any) -> None:
+    """Cross-field rules of offloading, checked after every field is valid."""
+    if cfg.offload_optimizer != Offload.NONE and not cfg.stage.shards_optimizer:
+        raise ConfigError(f"offload_optimizer={cfg.offload_optimizer!r} needs a sharded optimizer: "
+                          "stage=0 is not allowed; allowed: stage 1, 2 or 3")
+    if cfg.offload_params != Offload.NONE and not cfg.stage.shards_params:
+        raise ConfigError(f"offload_params={cfg.offload_params!r} needs sharded parameters: "
+                          f"stage={cfg.stage} is not allowed; allowed: stage 3")
+    if Offload.NVME in (cfg.offload_optimizer, cfg.offload_params) and cfg.nvme_path is None:
+        raise ConfigError("nvme_path=None: offloading to 'nvme' needs a directory for the swap files")
+
+
+def check_optimizer_kwargs(cfg: Any) -> None:
+    """optimizer_kwargs may not repeat what the engine or the fields set for the optimizer."""
+    taken = ("params", *FIELD_ARGS.get(cfg.optimizer, ("lr",)))
+    clash = [k for k in taken if k in cfg.optimizer_kwargs]
+    if clash:
+        raise ConfigError(f"optimizer_kwargs={cfg.optimizer_kwargs!r} sets {listing(clash)}, "
+                          f"which the engine or the fields set for optimizer={cfg.optimizer!r}"
+                          f"; allowed: any str key but {listing(taken)}")
+
+
+def reject_unknown(keys: Iterable[Any], allowed: list[str], what: str) -> None:
+    """Refuse keys not in ``allowed``, listing every unknown one."""
+    unknown = sorted(str(k) for k in keys if k not in allowed)
+    if unknown:
+        raise ConfigError(f"unknown {what}: {', '.join(unknown)}; allowed: {', '.join(allowed)}")

@@ -1,0 +1,151 @@
+"""The closed choices of a :class:`~zerompi.config.ZeroConfig`, as enums parsed once.
+
+Each member's value is the string (or, for :class:`Stage`, the int) a config
+file spells, and a member compares and hashes equal to it: ``cfg.dtype == "fp16"``
+and ``cfg.stage == 3`` hold, ``json.dumps`` writes the plain value. ``repr`` is the
+plain value's too, so a message written as ``f"{key}={value!r}"`` reads
+``dtype='fp16'`` whether ``value`` is the member or the string, and a config's
+repr is the keyword call that builds it.
+"""
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+import torch
+
+
+class Choice(StrEnum):
+    """A string choice; ``repr`` shows the plain value, as a config spells it."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """The allowed values, in declaration order."""
+        return tuple(m.value for m in cls)
+
+
+class Stage(IntEnum):
+    """What is sharded: 1 optimizer state, 2 adds grads, 3 adds params."""
+
+    REPLICATED = 0
+    """Plain data parallel: every rank holds everything and all-reduces gradients."""
+    OPTIMIZER = 1
+    """Optimizer state and the fp32 master weights are sharded."""
+    GRADIENTS = 2
+    """Stage 1 plus reduced gradients sharded."""
+    PARAMETERS = 3
+    """Stage 2 plus parameters sharded, gathered per unit around its forward and backward."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Optimizer state and master weights live in shards (stages 1-3)."""
+        return self >= Stage.OPTIMIZER
+
+    @property
+    def shards_grads(self) -> bool:
+        """Reduced gradients live in shards (stages 2-3)."""
+        return self >= Stage.GRADIENTS
+
+    @property
+    def shards_params(self) -> bool:
+        """Parameters live in shards between gathers (stage 3)."""
+        return self == Stage.PARAMETERS
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DType(Choice):
+    """Compute dtype of parameters and gradients; master weights are always fp32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    """Needs loss scaling: its range is too narrow for small gradients."""
+
+    @property
+    def torch(self) -> torch.dtype:
+        """The matching torch.dtype."""
+        return _TORCH_DTYPES[self.value]
+
+    @property
+    def is_16bit(self) -> bool:
+        """bf16 or fp16."""
+        return self is not DType.FP32
+
+
+class Offload(Choice):
+    """Where offloaded state lives between uses."""
+
+    NONE = "none"
+    """With the parameters (on the compute device)."""
+    CPU = "cpu"
+    """Host memory."""
+    NVME = "nvme"
+    """Per-rank swap files under nvme_path."""
+
+
+class Device(Choice):
+    """The compute device of each rank."""
+
+    AUTO = "auto"
+    """CUDA when torch sees a GPU, else CPU."""
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class CudaAware(Choice):
+    """Whether device buffers go to MPI directly."""
+
+    AUTO = "auto"
+    """When torch.cuda and the MPI library both report support."""
+    ON = "on"
+    OFF = "off"
+    """Stage through pinned host memory."""
+
+
+class Progress(Choice):
+    """How non-blocking collectives progress while Python computes."""
+
+    NONE = "none"
+    """By the MPI library alone."""
+    TEST = "test"
+    """MPI_Test from every gradient hook."""
+    THREAD = "thread"
+    """One communication thread per process runs every collective (MPI_THREAD_MULTIPLE)."""
+
+
+class Hierarchy(Choice):
+    """How ranks are grouped for sharding."""
+
+    FLAT = "flat"
+    """Shard over all ranks."""
+    HSDP = "hsdp"
+    """Shard within a node, replicate across nodes (stages 1-3)."""
+    HPZ = "hpz"
+    """Flat shards plus a secondary parameter copy sharded within each node (stage 3, ZeRO++)."""
+
+
+class NonFinite(Choice):
+    """What a NaN/Inf gradient in fp32/bf16 does (fp16 always skips)."""
+
+    RAISE = "raise"
+    """Raise, naming rank and parameter."""
+    SKIP = "skip"
+    """Skip the step on every rank."""
+
+
+class CheckpointLayout(Choice):
+    """How save_checkpoint lays out its files."""
+
+    AUTO = "auto"
+    """SHARED when h5py has MPI, else PER_RANK."""
+    PER_RANK = "per_rank"
+    """One HDF5 file per rank plus index.h5."""
+    SHARED = "shared"
+    """One shards.h5 written collectively through h5py's mpio driver."""

@@ -1,0 +1,126 @@
+"""Grouped, read-only views of a ZeroConfig's flat fields: one policy per concern.
+
+``cfg.precision``, ``cfg.offload``, ``cfg.overlap``, ``cfg.topology`` and
+``cfg.reliability`` build these from fields ``__post_init__`` has already
+checked, so a policy holds parsed values (enum members, floats, ints) and does
+no validation of its own. The flat fields stay the config's spelling; a policy
+is what a component takes, so it sees only the settings it uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerompi.config.choices import DType, Hierarchy, NonFinite, Offload, Progress
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Compute dtype and fp16 loss scaling."""
+
+    dtype: DType
+    """Parameter/gradient compute dtype; master weights are fp32."""
+    loss_scale: float
+    """fp16: 0 selects dynamic loss scaling, > 0 is a static scale."""
+    initial_scale_power: int
+    """Dynamic loss scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int
+    """Steps without overflow before the dynamic scale doubles."""
+    hysteresis: int
+    """Overflows tolerated before the dynamic scale halves."""
+    min_loss_scale: float
+    """Floor of the dynamic loss scale."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a torch.dtype."""
+        return self.dtype.torch
+
+    @property
+    def scales_loss(self) -> bool:
+        """fp16 needs a loss scaler; fp32 and bf16 do not."""
+        return self.dtype is DType.FP16
+
+    @property
+    def dynamic_scale(self) -> bool:
+        """fp16 with a scale that adapts to overflows (loss_scale == 0)."""
+        return self.scales_loss and self.loss_scale == 0
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where master weights, optimizer state and parameter shards live between uses."""
+
+    optimizer: Offload
+    """Stages 1-3: home of fp32 master weights and optimizer state."""
+    params: Offload
+    """Stage 3: home of the parameter shards between gathers."""
+    nvme_path: str | None
+    """Directory for the per-rank swap files; set whenever a tier is NVME."""
+    pin_memory: bool
+    """Pin host buffers used for offload (when a GPU is present)."""
+    block_kib: int
+    """KiB per swap I/O request."""
+    threads: int
+    """Swap I/O threads (requests in flight)."""
+    buffers: int
+    """Page-aligned staging buffers of block_kib each."""
+    verify: bool
+    """CRC-32 of every swapped block, checked when read back."""
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Either tier swaps to NVMe."""
+        return Offload.NVME in (self.optimizer, self.params)
+
+    @property
+    def uses_cpu(self) -> bool:
+        """Either tier lives in host memory."""
+        return Offload.CPU in (self.optimizer, self.params)
+
+    @property
+    def active(self) -> bool:
+        """Anything is offloaded at all."""
+        return self.optimizer is not Offload.NONE or self.params is not Offload.NONE
+
+
+@dataclass(frozen=True)
+class OverlapPolicy:
+    """How communication overlaps computation."""
+
+    grad_reduce: bool
+    """Start each bucket's gradient reduce-scatter non-blocking as soon as backward fills it."""
+    prefetch_units: int
+    """Stage 3: gather units gathered ahead, non-blocking (0 = on demand)."""
+    progress: Progress
+    """How non-blocking collectives progress while Python computes."""
+
+
+@dataclass(frozen=True)
+class TopologyPolicy:
+    """How ranks are grouped for sharding."""
+
+    hierarchy: Hierarchy
+    """Flat, hsdp (shard in a node, replicate across) or hpz (secondary copy per node)."""
+    ranks_per_node: int | None
+    """Ranks per node; None takes nodes from MPI (shared memory)."""
+
+    @property
+    def is_flat(self) -> bool:
+        """One shard group over all ranks."""
+        return self.hierarchy is Hierarchy.FLAT
+
+
+@dataclass(frozen=True)
+class ReliabilityPolicy:
+    """What happens when training or communication goes wrong."""
+
+    nonfinite: NonFinite
+    """A NaN/Inf gradient in fp32/bf16: raise or skip the step (fp16 always skips)."""
+    debug_collectives: bool
+    """Check before every collective that all ranks are at the same one."""
+    collective_timeout: float | None
+    """Seconds a rank may wait in one collective before the watchdog aborts; None: no watchdog."""
+    abort_on_exception: bool
+    """An uncaught exception on one rank calls MPI_Abort instead of hanging the others."""
