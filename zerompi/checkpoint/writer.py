@@ -116,7 +116,7 @@ def _write_rank_file(engine, path: Path, keys: list[str], save_id: str) -> None:
 
 def _write_shared(engine, path: Path, keys: list[str], save_id: str) -> None:
     """Collective over the writing ranks: one file through the mpio driver; each rank verifies its part."""
-    writer = shared.SharedWriter(path, engine.groups.shard.comm, save_id)
+    writer = shared.SharedWriter(path, engine.groups.shard, save_id)
     try:
         for name, data in _parts(engine, keys):
             writer.put(name, data)

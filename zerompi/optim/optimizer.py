@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerompi.shard.bucket import Bucket
-from zerompi.dist.mpi import ProcessGroup
+from zerompi.dist.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
 from zerompi.offload.residency import InMemory

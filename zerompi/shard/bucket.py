@@ -25,7 +25,7 @@ from enum import Enum
 import torch
 
 from zerompi.shard.buffer import FlatBuffer
-from zerompi.dist.mpi import Work
+from zerompi.dist.group import Work
 from zerompi.errors import UsageError
 from zerompi.shard.layout import BucketLayout
 
