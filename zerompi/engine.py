@@ -20,7 +20,8 @@ from zerompi import offload
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 from zerompi.config import ZeroConfig
 from zerompi.dist import guard, launch
-from zerompi.dist.mpi import ProcessGroup
+from zerompi.dist.group import ProcessGroup
+from zerompi.dist.mpi import MPIGroup
 from zerompi.dist.topology import build_groups
 from zerompi.errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
 from zerompi.log import set_rank
@@ -284,7 +285,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     cfg = config if config is not None else ZeroConfig()
     from zerompi.checkpoint.writer import layout
     layout(cfg)  # a layout this h5py cannot write fails now, not at the first save hours later
-    group = ProcessGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
+    group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
     if cfg.abort_on_exception:
         guard.abort_on_uncaught_exception(group)
     if cfg.collective_timeout is not None:

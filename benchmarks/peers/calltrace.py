@@ -86,10 +86,10 @@ def record_torch(fn: str, a: dict, n: int) -> None:
 
 def install_zerompi() -> None:
     """Wrap zerompi's ProcessGroup collectives so that each call is recorded (idempotent)."""
-    from zerompi.dist.mpi import ProcessGroup
+    from zerompi.dist.mpi import MPIGroup
 
     def wrap(name: str, full):
-        fn = getattr(ProcessGroup, name)
+        fn = getattr(MPIGroup, name)
         if getattr(fn, "__traced__", False):
             return
 
@@ -101,7 +101,7 @@ def install_zerompi() -> None:
                    async_op=bool(kwargs.get("async_op", False)))
             return fn(self, *args, **kwargs)
         traced.__traced__ = True
-        setattr(ProcessGroup, name, traced)
+        setattr(MPIGroup, name, traced)
 
     wrap("all_gather", lambda self, shard, out, **kw: out)
     wrap("reduce_scatter", lambda self, full, **kw: full)

@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from zerompi.dist.mpi import ProcessGroup
+from zerompi.dist.mpi import MPIGroup
 from zerompi.dist.topology import Groups
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.shard.bucket import Bucket, BucketState, Placement
@@ -25,7 +25,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 NUMEL = 3 * 4 + 4 + 4 * 2 + 2
 
 
-class Recording(ProcessGroup):
+class Recording(MPIGroup):
     """COMM_SELF, logging (verb, kind, async_op) of every tensor collective."""
 
     def __init__(self):
@@ -94,7 +94,7 @@ def test_construction(stage, dtype):
     assert b.master.dtype == torch.float32 and torch.equal(b.master, init)
     assert b.own.start == 0 and b.own.stop == NUMEL
     assert b.state_bytes() == 2 * NUMEL * 4  # params + grads (c), + an fp32 master when c is bf16
-    assert group.take() == [] and group.monitor.seq == 0  # no collective: ShardedModel broadcasts init
+    assert group.take() == [] and group.monitor.agreement.seq == 0  # no collective: ShardedModel broadcasts init
     if stage < 3:
         for n, p in model.named_parameters():
             assert p.dtype == dtype and torch.equal(p.detach(), original[n].to(dtype))

@@ -104,7 +104,7 @@ def test_reason_carries_every_probe_answer():
 
 def test_real_probes_on_this_mpi_answer_without_crashing():
     """On the test machines' MPI (the CPU MPICH wheel from PyPI) every probe answers, and says no."""
-    from zerompi.dist.mpi import ProcessGroup, cuda_probes
+    from zerompi.dist.mpi import MPIGroup, cuda_probes
     from zerompi.dist.launch import use_cuda_aware
 
     found = cuda_probes()
@@ -115,7 +115,7 @@ def test_real_probes_on_this_mpi_answer_without_crashing():
         importlib.metadata.version("mpich")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("the expected answers below are those of the PyPI mpich wheel")
-    assert "MPICH" in ProcessGroup.library_version()
+    assert "MPICH" in MPIGroup.library_version()
     assert (found.mpix_cuda, found.mpix_gpu, mpi_says(found)) == (False, False, False)
     assert found.alloc_kinds is not None and "cuda" not in found.alloc_kinds
     assert use_cuda_aware("auto") is False

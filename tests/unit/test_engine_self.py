@@ -182,7 +182,7 @@ KINDS = {0: {"broadcast", "all_reduce"}, 1: {"broadcast", "reduce_scatter", "con
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_collectives_per_phase(stage):
     engine = zerompi.initialize(make_model(), config(stage), comm=MPI.COMM_SELF)
-    seq = engine.group.monitor.seq
+    seq = engine.group.monitor.agreement.seq
     assert set(engine.stats.bytes_sent) == COLLECTIVES[stage][0]
     assert seq == len(engine.sharded.buckets) == (3 if stage == 3 else 5)  # one broadcast per bucket
     if stage == 3:
@@ -192,10 +192,10 @@ def test_collectives_per_phase(stage):
         assert bucket_fqns(engine) == [["4.bias", "4.weight"], ["2.bias"], ["2.weight"], ["0.bias"], ["0.weight"]]
     x, y = batches(1)[0][0]
     engine.backward(mse(engine(x), y))
-    assert engine.group.monitor.seq - seq == COLLECTIVES[stage][1]
-    seq = engine.group.monitor.seq
+    assert engine.group.monitor.agreement.seq - seq == COLLECTIVES[stage][1]
+    seq = engine.group.monitor.agreement.seq
     engine.step()
-    assert engine.group.monitor.seq - seq == COLLECTIVES[stage][2]
+    assert engine.group.monitor.agreement.seq - seq == COLLECTIVES[stage][2]
     stats = engine.stats
     assert set(stats.bytes_sent) == KINDS[stage] and not any(stats.bytes_sent.values())
     assert (stats.steps, stats.skipped_steps, stats.loss_scale) == (1, 0, 1.0)
@@ -206,7 +206,7 @@ def test_initialize_accepts_an_mpi_communicator():
     engine = zerompi.initialize(make_model(), config(2), comm=MPI.COMM_SELF)
     assert (engine.rank, engine.world_size, engine.local_rank) == (0, 1, 0)
     engine.close()
-    # today: a ProcessGroup is not accepted as comm (it is wrapped as if it were an mpi4py communicator)
+    # today: a group is not accepted as comm (MPIGroup wraps it as if it were an mpi4py communicator)
     with pytest.raises(AttributeError):
         zerompi.initialize(make_model(), config(2), comm=engine.group)
 

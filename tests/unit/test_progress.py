@@ -1,4 +1,4 @@
-"""The communication thread: issue order, results and errors, closing (progress.py)."""
+"""The communication thread: issue order, results and errors, closing (zerompi/dist/thread.py)."""
 from __future__ import annotations
 
 import subprocess

@@ -18,8 +18,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from zerompi.errors import CheckpointError
 from zerompi.checkpoint import schema
+from zerompi.dist.group import ProcessGroup
+from zerompi.errors import CheckpointError
 
 SHARED = "shards.h5"
 KIND = "shared"
@@ -37,11 +38,11 @@ class SharedWriter:
     goes on into a collective the others have left.
     """
 
-    def __init__(self, path: Path, comm, save_id: str):
-        self.path, self.comm, self.rank, self.size = path, comm, comm.Get_rank(), comm.Get_size()
+    def __init__(self, path: Path, group: ProcessGroup, save_id: str):
+        self.path, self.group, self.rank, self.size = path, group, group.rank, group.size
         self.error = ""
         try:
-            self.f = h5py.File(path, "w", driver="mpio", comm=comm)
+            self.f = h5py.File(path, "w", driver="mpio", comm=group.h5py_comm())
             schema.write_header(self.f, KIND)
             self.f.attrs["save_id"] = schema.text_attr(save_id)
             self.f.attrs["world_size"] = self.size
@@ -50,7 +51,7 @@ class SharedWriter:
         self._agree(None)
 
     def _agree(self, what: tuple | None) -> None:
-        seen = self.comm.allgather((what, self.error))
+        seen = self.group.allgather_object((what, self.error))
         failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(seen) if err]
         if failed:
             raise CheckpointError(f"{self.path}: writing the shared checkpoint file failed: " + "; ".join(failed))

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zerompi.dist.mpi import ProcessGroup, cuda_probes
 from zerompi.dist.cuda_aware import decide
+from zerompi.dist.group import ProcessGroup
+from zerompi.dist.mpi import cuda_probes, world_rank, world_size
 from zerompi.errors import ConfigError
 from zerompi.dist.launch_check import check_world_matches_launcher
 from zerompi.log import get_logger
@@ -35,14 +36,14 @@ class RankInfo:
 def discover(group: ProcessGroup) -> RankInfo:
     """Collective: rank, local rank and node index of every process in ``group``."""
     # MPI_COMM_WORLD's size, not the group's: comm=COMM_SELF under a multi-rank launch is legitimate
-    check_world_matches_launcher(ProcessGroup(monitor=group.monitor).size)
+    check_world_matches_launcher(world_size())
     local = group.split_shared()
     leaders = group.allgather_object(group.rank if local.rank == 0 else None)
     leader_ranks = sorted(r for r in leaders if r is not None)
     my_leader = local.allgather_object(group.rank if local.rank == 0 else None)[0]
     info = RankInfo(group.rank, group.size, local.rank, local.size,
                     leader_ranks.index(my_leader), len(leader_ranks))
-    local.comm.Free()
+    local.free()
     return info
 
 
@@ -71,7 +72,7 @@ def use_cuda_aware(setting: str) -> bool:
     Raises ConfigError for ``on`` with an MPI that reports no CUDA support.
     """
     decision = decide(setting, cuda_probes())
-    if ProcessGroup().rank == 0:  # MPI_COMM_WORLD's rank: set_rank has not run yet
+    if world_rank() == 0:  # MPI_COMM_WORLD's rank: set_rank has not run yet
         path = "go to MPI directly" if decision.use else "are staged through pinned host memory"
         logger.info("device buffers %s: %s", path, decision.reason)
     return decision.use

@@ -1,4 +1,8 @@
-"""The only user of mpi4py: collectives on flat, contiguous tensors.
+"""The only user of mpi4py: :class:`MPIGroup`, collectives on flat, contiguous tensors.
+
+Besides the group, MPI answers here what the rest of dist/ asks of the
+library: the thread level the communication thread needs, the CUDA probes,
+the world rank and size. Everything else sees a ``ProcessGroup`` (group.py).
 
 Every collective takes 1-D contiguous tensors (MPI would silently send a
 strided tensor in memory order) and returns a :class:`Work` handle. Bytes
@@ -18,71 +22,42 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
-import time
-from collections import defaultdict
-from concurrent.futures import Future
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
 
 from zerompi.dist.cuda_aware import Probes
+from zerompi.dist.group import FutureWork, RequestWork, Work
+from zerompi.dist.monitor import Agreement, Monitor
+from zerompi.dist.thread import CommThread
 from zerompi.errors import ZeroMPIError
-from zerompi.dist.thread import CommThread, thread_support_error
 
 _SUM_DTYPES = (torch.float32, torch.float64)
-ABORT_GRACE = 0.5  # seconds between printing why the job aborts and MPI_Abort
 _16BIT = (torch.bfloat16, torch.float16)
 _MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi.h
 
 
-class CollectiveMismatchError(ZeroMPIError):
-    """Ranks called different collectives (rank-dependent control flow)."""
+def world_rank() -> int:
+    """This process's rank in ``MPI_COMM_WORLD``, whatever communicator the engine runs over."""
+    return MPI.COMM_WORLD.Get_rank()
 
 
-class Work:
-    """Handle for a collective; ``wait()`` is idempotent and returns the result.
-
-    The collective is an MPI request, a future of the communication thread
-    (see progress.py), or already complete (neither).
-    """
-
-    def __init__(self, request: MPI.Request | None = None, finish: Callable[[], Any] | None = None,
-                 waiting: Callable[[], Any] | None = None, future: Future | None = None):
-        self._request = request
-        self._future = future
-        self._finish = finish
-        self._waiting = waiting  # the group's watchdog bookkeeping, for the wait below
-        self._done = False
-        self._result: Any = None
-
-    def wait(self) -> Any:
-        if not self._done:
-            if self._request is not None or self._future is not None:
-                with self._waiting() if self._waiting else _nothing():
-                    if self._request is not None:
-                        self._request.Wait()
-                    else:
-                        self._future.result()
-            if self._finish is not None:
-                self._result = self._finish()
-            self._done = True
-        return self._result
-
-    def test(self) -> bool:
-        """True once the collective has completed (drives MPI progress)."""
-        if self._done:
-            return True
-        if self._future is not None:
-            return self._future.done()
-        return self._request is None or self._request.Test()
+def world_size() -> int:
+    """The size of ``MPI_COMM_WORLD`` (a group over ``COMM_SELF`` under a multi-rank launch is legitimate)."""
+    return MPI.COMM_WORLD.Get_size()
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+def thread_support_error() -> str | None:
+    """Why a communication thread (thread.py) cannot be used with this MPI, or None."""
+    provided = MPI.Query_thread()
+    if provided >= MPI.THREAD_MULTIPLE:
+        return None
+    names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
+    return (f"mpi_progress='thread' needs MPI_THREAD_MULTIPLE, but MPI was initialised with "
+            f"MPI_THREAD_{names.get(provided, provided)} (mpi4py.rc.thread_level, or an MPI built "
+            "without thread support); choose mpi_progress='none' or 'test'")
 
 
 def cuda_probes() -> Probes:
@@ -150,74 +125,59 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype in _16BIT else t
 
 
-class Monitor:
-    """What every group of this process shares: byte counters, the debug sequence, the watchdog."""
-
-    def __init__(self, debug: bool = False):
-        self.bytes_sent: dict[str, int] = defaultdict(int)
-        self.debug = debug
-        self.seq = 0                                       # collectives issued (debug agreement)
-        self.waiting: tuple[str, float] | None = None      # what this rank is blocked in, since when
-        self.stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.comm_thread: CommThread | None = None          # mpi_progress="thread"
-
-    def start(self, timeout: float, rank: int, size: int, comm) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, args=(timeout, rank, size, comm),
-                                            daemon=True, name="zerompi-watchdog")
-            self._thread.start()
-
-    def _watch(self, timeout: float, rank: int, size: int, comm) -> None:
-        while not self.stop.wait(min(1.0, timeout / 4)):
-            waiting = self.waiting
-            if waiting is not None and time.monotonic() - waiting[1] > timeout:
-                report = (f"zerompi watchdog: rank {rank} of {size} has waited "
-                          f"{time.monotonic() - waiting[1]:.0f} s in {waiting[0]} "
-                          f"(collective_timeout={timeout:g} s); aborting the job\n")
-                os.write(2, report.encode())
-                time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills us
-                comm.Abort(3)
-
-
-class ProcessGroup:
-    """An MPI communicator plus rank/size, and the counters of what was sent.
+class MPIGroup:
+    """A :class:`~zerompi.dist.group.ProcessGroup` over an MPI communicator.
 
     Args:
         comm: the mpi4py communicator (``MPI.COMM_WORLD`` when None).
         cuda_aware: pass device tensors straight to MPI (else stage via pinned host memory).
+        debug: compare every collective across ranks first (also set by ``ZEROMPI_DEBUG``).
+        label: "" for groups spanning the job; "intra"/"inter"/"node" for node-aware groups.
+        monitor: the parts shared with the other groups of this process (new ones when None).
     """
 
     def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool = False, debug: bool = False,
-                 label: str = "", monitor: "Monitor | None" = None):
+                 label: str = "", monitor: Monitor | None = None):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.cuda_aware = cuda_aware
-        self.label = label  # "" for groups spanning the job; "intra"/"inter" for node-aware groups
-        self.monitor = monitor if monitor is not None else Monitor(
-            debug=debug or os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0"))
+        self.label = label
+        self.monitor = monitor if monitor is not None else Monitor(Agreement(
+            debug=debug or os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")))
 
     @property
     def bytes_sent(self) -> dict[str, int]:
         """Bytes sent per collective kind by every group of this process (shared counters)."""
-        return self.monitor.bytes_sent
+        return self.monitor.counters.bytes_sent
 
-    def split(self, color: int, key: int, label: str) -> "ProcessGroup":
+    def split(self, color: int, key: int, label: str) -> "MPIGroup":
         """A sub-group (``MPI_Comm_split``) sharing this group's counters, debug mode and watchdog."""
-        return ProcessGroup(self._call(lambda: self.comm.Split(color, key)), cuda_aware=self.cuda_aware, label=label,
-                            monitor=self.monitor)
+        return MPIGroup(self._call(lambda: self.comm.Split(color, key)), cuda_aware=self.cuda_aware, label=label,
+                        monitor=self.monitor)
+
+    def h5py_comm(self) -> MPI.Comm:
+        """The communicator for ``h5py.File(driver="mpio", comm=...)``.
+
+        The one place the raw communicator leaves dist/: h5py's MPI-IO needs an
+        mpi4py communicator and takes no other handle.
+        """
+        return self.comm
+
+    def free(self) -> None:
+        """Release the communicator (``MPI_Comm_free``) of a group made by ``split``/``split_shared``."""
+        self.comm.Free()
 
     # ---- hang protection --------------------------------------------------
     def start_watchdog(self, timeout: float) -> None:
         """Abort the job when this rank waits longer than ``timeout`` seconds in one collective."""
-        self.monitor.start(timeout, self.rank, self.size, self.comm)
+        self.monitor.watchdog.start(timeout, self.rank, self.size, self.comm.Abort)
 
     def stop_watchdog(self) -> None:
-        self.monitor.stop.set()
+        self.monitor.watchdog.stop()
 
     def start_comm_thread(self) -> None:
-        """Run every collective of this process on one communication thread (progress.py)."""
+        """Run every collective of this process on one communication thread (thread.py)."""
         problem = thread_support_error()
         if problem is not None:
             raise ZeroMPIError(problem)
@@ -237,46 +197,35 @@ class ProcessGroup:
     def _issue(self, desc: str, blocking: Callable[[], Any], start: Callable[[], MPI.Request],
                finish: Callable[[], Any], async_op: bool) -> Work:
         """One collective: blocking, non-blocking (``start``), or on the communication thread."""
-        waiting = lambda: self._blocked(desc)  # noqa: E731
+        blocked = lambda: self._blocked(desc)  # noqa: E731
         if async_op:
             thread = self.monitor.comm_thread
             if thread is not None:
-                return Work(finish=finish, waiting=waiting, future=thread.submit(blocking))
-            return Work(start(), finish, waiting)
-        with waiting():
+                return FutureWork(thread.submit(blocking), finish, blocked)
+            return RequestWork(start(), finish, blocked)
+        with blocked():
             self._call(blocking)
-        work = Work(None, finish)
-        work.wait()
-        return work
+        return Work.done(finish())
 
-    @contextmanager
-    def _blocked(self, what: str) -> Iterator[None]:
-        where = f" (group {self.label})" if self.label else ""
-        self.monitor.waiting = (what + where, time.monotonic())
-        try:
-            yield
-        finally:
-            self.monitor.waiting = None
+    def _blocked(self, what: str) -> AbstractContextManager:
+        """The watchdog's record that this rank waits in ``what`` (naming the group)."""
+        return self.monitor.watchdog.blocked(what + (f" (group {self.label})" if self.label else ""))
 
     def _enter(self, kind: str, t: torch.Tensor, what: str) -> str:
-        """Debug mode: every rank must be at the same collective; returns its description."""
-        desc = f"{kind} #{self.monitor.seq} of {t.numel()} x {str(t.dtype).removeprefix('torch.')}" + \
-               (f" for {what}" if what else "")
-        self.monitor.seq += 1
-        if self.monitor.debug:
+        """Number the collective; in debug mode every rank must be at the same one. Returns its description."""
+        agreement = self.monitor.agreement
+        desc = agreement.describe(kind, t, what)
+        if agreement.debug:
             with self._blocked(f"the debug check before {desc}"):
                 descs = self._call(lambda: self.comm.allgather(desc))
-            if len(set(descs)) > 1:
-                lines = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descs))
-                raise CollectiveMismatchError(f"ranks are at different collectives (rank-dependent control "
-                                              f"flow, or a module skipped on some ranks): {lines}")
+            agreement.check(descs)
         return desc
 
     # ---- topology -------------------------------------------------------
-    def split_shared(self) -> "ProcessGroup":
+    def split_shared(self) -> "MPIGroup":
         """Ranks sharing this node's memory (``MPI_COMM_TYPE_SHARED``)."""
-        return ProcessGroup(self._call(lambda: self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)),
-                            cuda_aware=self.cuda_aware, label="node", monitor=self.monitor)
+        return MPIGroup(self._call(lambda: self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)),
+                        cuda_aware=self.cuda_aware, label="node", monitor=self.monitor)
 
     @staticmethod
     def processor_name() -> str:
@@ -302,10 +251,10 @@ class ProcessGroup:
         return hosts, copy_back
 
     def _count(self, kind: str, nbytes: int) -> None:
-        self.monitor.bytes_sent[f"{kind}@{self.label}" if self.label else kind] += int(nbytes)
+        self.monitor.counters.add(kind, self.label, nbytes)
 
     # ---- collectives ----------------------------------------------------
-    def all_gather(self, shard: torch.Tensor, out: torch.Tensor, *, kind: str = "all_gather",
+    def all_gather(self, shard: torch.Tensor | None, out: torch.Tensor, *, kind: str = "all_gather",
                    async_op: bool = False, what: str = "") -> Work:
         """``out[r*S:(r+1)*S] = shard of rank r``; ``shard`` may be ``None`` for in place."""
         _check_flat("all_gather out", out)

@@ -11,7 +11,9 @@ releases the GIL in MPI calls and torch releases it in its kernels.
 This is Horovod's background-thread design reduced to one FIFO. It needs
 ``MPI_THREAD_MULTIPLE``: the main thread still makes local MPI calls
 (ranks, communicators) and the checkpoint writer's MPI-IO, though never a
-collective while the thread holds one.
+collective while the thread holds one. The thread itself knows nothing of
+MPI; ``dist/mpi.py`` checks the thread level before starting it
+(``thread_support_error``).
 """
 from __future__ import annotations
 
@@ -20,20 +22,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from mpi4py import MPI
-
 from zerompi.errors import ZeroMPIError
-
-
-def thread_support_error() -> str | None:
-    """Why a communication thread cannot be used with this MPI, or None."""
-    provided = MPI.Query_thread()
-    if provided >= MPI.THREAD_MULTIPLE:
-        return None
-    names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
-    return (f"mpi_progress='thread' needs MPI_THREAD_MULTIPLE, but MPI was initialised with "
-            f"MPI_THREAD_{names.get(provided, provided)} (mpi4py.rc.thread_level, or an MPI built "
-            "without thread support); choose mpi_progress='none' or 'test'")
 
 
 class CommThread:

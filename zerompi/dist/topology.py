@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerompi.dist.mpi import ProcessGroup
+from zerompi.dist.group import ProcessGroup
 from zerompi.errors import ConfigError
 from zerompi.dist.launch import RankInfo
 

@@ -1,0 +1,1 @@
+"""Command-line tools: the ``zerompi`` command and ``zerompi estimate``."""

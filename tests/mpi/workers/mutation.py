@@ -8,7 +8,7 @@ or, for the model's first bucket, zero ('drop'). Used only by the parity worker'
 """
 from __future__ import annotations
 
-from zerompi.dist.mpi import ProcessGroup
+from zerompi.dist.mpi import MPIGroup
 
 MUTATIONS = {
     "scale": lambda out, group, what: out.mul_(1 + 1e-3),
@@ -35,10 +35,10 @@ class _Mutated:
 
 
 def mutate(kind: str) -> None:
-    original = ProcessGroup.reduce_scatter
+    original = MPIGroup.reduce_scatter
     change = MUTATIONS[kind]
 
     def reduce_scatter(self, full, **kwargs):
         work = original(self, full, **kwargs)
         return _Mutated(work, lambda out: change(out, self, kwargs.get("what", "")))
-    ProcessGroup.reduce_scatter = reduce_scatter
+    MPIGroup.reduce_scatter = reduce_scatter

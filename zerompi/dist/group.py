@@ -1,0 +1,141 @@
+"""What the rest of zerompi asks of a process group, and the handles its collectives return.
+
+The package outside ``dist/`` types groups as :class:`ProcessGroup` and never
+sees a communicator; ``dist/mpi.py`` (:class:`~zerompi.dist.mpi.MPIGroup`) is
+the one implementation, and the only module that uses mpi4py. Collectives
+take flat, contiguous tensors and return a :class:`Work`.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Protocol
+
+import torch
+
+Blocked = Callable[[], AbstractContextManager]  # the watchdog's "this rank waits in ..." bookkeeping
+
+
+class Work:
+    """Handle for a collective whose data has already moved; ``wait()`` is idempotent and returns the result.
+
+    ``finish`` (copying staged data back, summing 16-bit chunks) runs once, at
+    the first ``wait()``. ``Work()`` is a handle with nothing left to do.
+    Subclasses add the wait for data still in flight.
+    """
+
+    def __init__(self, finish: Callable[[], Any] | None = None):
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    @staticmethod
+    def done(result: Any = None) -> "Work":
+        """A handle whose result is already known (a blocking collective)."""
+        work = Work()
+        work._done, work._result = True, result
+        return work
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._transfer()
+            if self._finish is not None:
+                self._result = self._finish()
+            self._done = True
+        return self._result
+
+    def test(self) -> bool:
+        """True once the data has moved (``wait()`` then returns without blocking on other ranks)."""
+        return self._done or self._transferred()
+
+    def _transfer(self) -> None:
+        """Block until the data has moved; here it already has."""
+
+    def _transferred(self) -> bool:
+        return True
+
+
+class Request(Protocol):
+    """A non-blocking MPI request, as mpi4py's ``MPI.Request`` (typed here without mpi4py)."""
+
+    def Wait(self) -> Any: ...
+    def Test(self) -> bool: ...
+
+
+class RequestWork(Work):
+    """A non-blocking MPI collective: ``Wait``/``Test`` on its request also drive MPI's progress."""
+
+    def __init__(self, request: Request, finish: Callable[[], Any] | None = None, blocked: Blocked = nullcontext):
+        super().__init__(finish)
+        self._request = request
+        self._blocked = blocked
+
+    def _transfer(self) -> None:
+        with self._blocked():
+            self._request.Wait()
+
+    def _transferred(self) -> bool:
+        return self._request.Test()
+
+
+class FutureWork(Work):
+    """A blocking collective queued on the communication thread (thread.py); done when its future is."""
+
+    def __init__(self, future: Future, finish: Callable[[], Any] | None = None, blocked: Blocked = nullcontext):
+        super().__init__(finish)
+        self._future = future
+        self._blocked = blocked
+
+    def _transfer(self) -> None:
+        with self._blocked():
+            self._future.result()
+
+    def _transferred(self) -> bool:
+        return self._future.done()
+
+
+class ProcessGroup(Protocol):
+    """The ranks one collective runs over, and the verbs zerompi uses on them.
+
+    Every group of a process shares its byte counters, its debug sequence, the
+    watchdog and the communication thread; ``split``/``split_shared`` make
+    sub-groups that keep sharing them.
+    """
+
+    rank: int
+    size: int
+    label: str        # "" for groups spanning the job; counters are keyed ``kind@label`` otherwise
+    cuda_aware: bool  # device tensors go to the collective directly (else staged via pinned host memory)
+
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes sent per collective kind by every group of this process."""
+
+    # ---- collectives on flat tensors ------------------------------------
+    def all_gather(self, shard: torch.Tensor | None, out: torch.Tensor, *, kind: str = "all_gather",
+                   async_op: bool = False, what: str = "") -> Work: ...
+    def reduce_scatter(self, full: torch.Tensor, *, kind: str = "reduce_scatter",
+                       async_op: bool = False, what: str = "") -> Work: ...
+    def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
+                   what: str = "") -> Work: ...
+    def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None: ...
+
+    # ---- small control messages ----------------------------------------
+    def sum_floats(self, values: list[float], *, kind: str = "control", what: str = "") -> list[float]: ...
+    def allgather_object(self, obj: Any) -> list[Any]: ...
+    def barrier(self) -> None: ...
+    def abort(self, code: int = 1) -> None: ...
+
+    # ---- sub-groups and where this rank runs ----------------------------
+    def split(self, color: int, key: int, label: str) -> "ProcessGroup": ...
+    def split_shared(self) -> "ProcessGroup": ...
+    def free(self) -> None: ...
+    def processor_name(self) -> str: ...
+    def library_version(self) -> str: ...
+    def h5py_comm(self) -> Any: ...
+
+    # ---- hang protection and progress -----------------------------------
+    def start_watchdog(self, timeout: float) -> None: ...
+    def stop_watchdog(self) -> None: ...
+    def start_comm_thread(self) -> None: ...
+    def stop_comm_thread(self) -> None: ...

@@ -1,0 +1,68 @@
+"""What every process group of one process shares, one concern per part.
+
+A sub-group (``split``, ``split_shared``) counts into the same totals, numbers
+its collectives in the same sequence, is watched by the same watchdog and
+queues on the same communication thread as its parent, so :class:`Monitor`
+is made once per process and handed to each group.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from zerompi.dist.thread import CommThread
+from zerompi.dist.watchdog import Watchdog
+from zerompi.errors import ZeroMPIError
+
+
+class CollectiveMismatchError(ZeroMPIError):
+    """Ranks called different collectives (rank-dependent control flow)."""
+
+
+class Counters:
+    """Bytes sent per collective kind, the way the ZeRO paper counts them; ``kind@label`` for labelled groups."""
+
+    def __init__(self) -> None:
+        self.bytes_sent: dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, label: str, nbytes: int) -> None:
+        self.bytes_sent[f"{kind}@{label}" if label else kind] += int(nbytes)
+
+
+class Agreement:
+    """Numbers this process's collectives; in debug mode the ranks compare descriptions before each one.
+
+    A rank at another collective than its peers (rank-dependent control flow)
+    would otherwise hang or, worse, exchange the wrong data silently.
+    """
+
+    def __init__(self, debug: bool = False) -> None:
+        self.debug = debug
+        self.seq = 0  # collectives issued so far
+
+    def describe(self, kind: str, t: torch.Tensor, what: str) -> str:
+        """The next collective's description (which takes the next sequence number)."""
+        desc = f"{kind} #{self.seq} of {t.numel()} x {str(t.dtype).removeprefix('torch.')}" + \
+               (f" for {what}" if what else "")
+        self.seq += 1
+        return desc
+
+    @staticmethod
+    def check(descs: list[str]) -> None:
+        """Raise unless every rank's description (rank order) is the same."""
+        if len(set(descs)) > 1:
+            lines = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descs))
+            raise CollectiveMismatchError(f"ranks are at different collectives (rank-dependent control "
+                                          f"flow, or a module skipped on some ranks): {lines}")
+
+
+@dataclass
+class Monitor:
+    """The parts shared by all groups of a process."""
+
+    agreement: Agreement = field(default_factory=Agreement)
+    counters: Counters = field(default_factory=Counters)
+    watchdog: Watchdog = field(default_factory=Watchdog)
+    comm_thread: CommThread | None = None  # mpi_progress="thread": every collective runs on it
