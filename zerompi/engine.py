@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_map
 
 from zerompi import offload
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
-from zerompi.config import ZeroConfig
+from zerompi.checkpoint.stores import store_for
+from zerompi.config import DType, Offload, Progress, ZeroConfig
 from zerompi.dist import guard, launch
 from zerompi.dist.group import ProcessGroup
 from zerompi.dist.mpi import MPIGroup
@@ -91,15 +92,15 @@ class Engine:
         launch.seed_rank(cfg.seed, self.info.rank)
         deferred.check(module)
         self.module = deferred.to_device(module, self.device)
-        self.groups = build_groups(group, self.info, cfg.hierarchy, cfg.stage, cfg.ranks_per_node)
+        self.groups = build_groups(group, self.info, cfg.topology, cfg.stage)
         shard, plan = self.groups.shard, plan_for(cfg.stage)
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
-                              check_finite=cfg.dtype != "fp16")
+                              check_finite=cfg.dtype != DType.FP16)  # fp16 overflows are the loss scaler's
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.
-        ahead = cfg.prefetch_units or (1 if cfg.offload_params == "nvme" else 0)
-        overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.mpi_progress == "test")
+        ahead = cfg.prefetch_units or (1 if cfg.offload.params == Offload.NVME else 0)
+        overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.overlap.progress == Progress.TEST)
         swapper, error = None, None
         try:
             swapper = offload.open_swapper(cfg.offload, self.rank)
@@ -107,8 +108,8 @@ class Engine:
             error = str(e)
         all_ranks_ok(group, error)
         self.swapper = swapper
-        tiers = TierPlan(cfg.offload_optimizer, cfg.offload_params, self.device, plan.shard_grads, swapper,
-                         cfg.pin_memory)
+        tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
+                         cfg.offload.pin_memory)
         self.sharded = ShardedModel(module, placement, self.groups,
                                     ShardOptions(cap, membership, overlap, param_init), tiers)
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
@@ -283,13 +284,12 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     ``reset_parameters()``), so no rank ever holds the whole model (deferred.py).
     """
     cfg = config if config is not None else ZeroConfig()
-    from zerompi.checkpoint.writer import layout
-    layout(cfg)  # a layout this h5py cannot write fails now, not at the first save hours later
+    store_for(cfg.checkpoint_layout)  # a layout this h5py cannot write fails now, not at the first save
     group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
     if cfg.abort_on_exception:
         guard.abort_on_uncaught_exception(group)
     if cfg.collective_timeout is not None:
         group.start_watchdog(cfg.collective_timeout)
-    if cfg.mpi_progress == "thread":
+    if cfg.overlap.progress == Progress.THREAD:
         group.start_comm_thread()
     return Engine(model, cfg, group, param_groups, param_init)

@@ -134,7 +134,8 @@ def test_different_model_is_refused(tmp_path, saved):
 KILL = """
 import os, signal, sys
 sys.path.insert(0, {workers!r})
-import zerompi.checkpoint.writer as w
+import importlib
+w = importlib.import_module("zerompi.checkpoint." + {module!r})
 original = getattr(w, {point!r})
 def die(*args, **kwargs):
     if {after}:
@@ -148,13 +149,15 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("point,after", [("_write_rank_file", False), ("verify_file", False),
-                                         ("_write_index", False), ("_publish", False), ("_publish", True)])
-def test_kill_during_save_keeps_latest_loadable(tmp_path, saved, point, after):
+@pytest.mark.parametrize("module,point,after", [
+    ("writer", "_write_shards", False),   # before the rank file exists
+    ("per_rank", "verify_file", False),   # rank file written, not yet verified
+    ("writer", "_write_index", False), ("writer", "_publish", False), ("writer", "_publish", True)])
+def test_kill_during_save_keeps_latest_loadable(tmp_path, saved, module, point, after):
     """SIGKILL at each stage of a save: `latest` always names a complete, verified checkpoint."""
     root = _copy(saved, tmp_path / "root")
     workers = ROOT / "tests" / "mpi" / "workers"
-    code = KILL.format(workers=str(workers), point=point, after=after, root=str(root),
+    code = KILL.format(workers=str(workers), module=module, point=point, after=after, root=str(root),
                        out=str(tmp_path / "x.npz"), script=str(workers / "ckpt.py"))
     proc = subprocess.run([sys.executable, "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
                           timeout=120)

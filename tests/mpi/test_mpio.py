@@ -151,7 +151,7 @@ def test_hsdp_writes_one_node_and_per_rank_stays_selectable(mpio, tmp_path):
 @pytest.mark.skipif(h5py.get_config().mpi, reason="this h5py has MPI")
 def test_shared_without_parallel_h5py_is_refused_up_front():
     from zerompi import UsageError, ZeroConfig
-    from zerompi.checkpoint.writer import layout
+    from zerompi.checkpoint.stores import store_for
     with pytest.raises(UsageError, match="checkpoint_layout='shared' needs h5py built with MPI"):
-        layout(ZeroConfig(checkpoint_layout="shared"))
-    assert layout(ZeroConfig()) == "per_rank"
+        store_for(ZeroConfig(checkpoint_layout="shared").checkpoint_layout)
+    assert store_for(ZeroConfig().checkpoint_layout).kind == "per_rank"

@@ -8,8 +8,8 @@ from zerompi.errors import CheckpointError
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.consolidate import consolidate
 from zerompi.checkpoint.index import CheckpointIndex
-from zerompi.checkpoint.shared import SharedFile
-from zerompi.checkpoint.writer import verify_file
+from zerompi.checkpoint.stores import store_named
+from zerompi.checkpoint.durable import verify_file
 
 
 _LAYOUTS = {"per_rank": "one file per rank", "shared": "one shared file"}
@@ -23,15 +23,7 @@ def _tags(root: Path) -> list[str]:
 def _verify(directory: Path, index: CheckpointIndex) -> str:
     try:
         verify_file(directory / schema.INDEX)
-        if index.layout == "shared":
-            files = SharedFile(directory, index.world_size, index.save_id)
-            try:
-                files.verify(range(index.world_size))
-            finally:
-                files.close()
-        else:
-            for r in range(index.world_size):
-                verify_file(directory / schema.rank_file(r))
+        store_named(index.layout, directory / schema.INDEX).verify(directory, index.world_size, index.save_id)
     except CheckpointError as e:
         return f"CORRUPT: {e}"
     except schema.H5_ERRORS as e:

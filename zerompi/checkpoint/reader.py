@@ -19,7 +19,7 @@ import torch
 from zerompi.errors import CheckpointError, all_ranks_ok
 from zerompi.log import get_logger, log_rank0
 from zerompi.checkpoint import schema
-from zerompi.checkpoint.shared import SharedFile
+from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.checkpoint.index import CheckpointIndex, Source
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 
@@ -50,46 +50,9 @@ def resolve(root: str | os.PathLike, tag: str | None) -> Path:
     return directory
 
 
-class RankFiles:
-    """Opens the writing ranks' files on demand, checking each header once."""
-
-    def __init__(self, directory: Path, world_size: int, save_id: str = ""):
-        self.directory = directory
-        self.save_id = save_id
-        self._open: dict[int, Any] = {}
-        for r in range(world_size):
-            if not (directory / schema.rank_file(r)).is_file():
-                raise CheckpointError(f"{directory / schema.rank_file(r)}: missing rank file "
-                                      f"(the checkpoint was written by {world_size} ranks)")
-
-    def __call__(self, rank: int):
-        if rank not in self._open:
-            f = schema.open_h5(self.directory / schema.rank_file(rank))
-            schema.check_header(f, "shard")
-            if int(f.attrs.get("rank", -1)) != rank:
-                raise CheckpointError(f"{f.filename}: holds rank {f.attrs.get('rank')}, expected {rank}")
-            if f.attrs.get("save_id") != schema.text_attr(self.save_id):
-                raise CheckpointError(f"{f.filename}: belongs to another save than {self.directory / schema.INDEX}")
-            self._open[rank] = f
-        return self._open[rank]
-
-    def dataset(self, rank: int, name: str):
-        f = self(rank)
-        if name not in f:
-            raise CheckpointError(f"{f.filename}: missing dataset {name}")
-        return f[name]
-
-    def close(self) -> None:
-        for f in self._open.values():
-            f.close()
-        self._open.clear()
-
-
-def open_shards(directory: Path, index: CheckpointIndex):
-    """The shard files of a checkpoint, per-rank or shared: both answer ``dataset(rank, name)``."""
-    if index.layout == "shared":
-        return SharedFile(directory, index.world_size, index.save_id)
-    return RankFiles(directory, index.world_size, index.save_id)
+def open_shards(directory: Path, index: CheckpointIndex) -> ShardFiles:
+    """The shard files of a checkpoint, whatever its layout: ``dataset(rank, name)``."""
+    return store_named(index.layout, directory / schema.INDEX).open(directory, index.world_size, index.save_id)
 
 
 def merge(sources: list[Source]) -> list[Source]:
@@ -166,17 +129,13 @@ def cuda_rng_decision(saved: np.ndarray | None, saved_devices: int | None, avail
     return True, None
 
 
-def _has(files, rank: int, name: str) -> bool:
-    return name in (files(rank) if isinstance(files, RankFiles) else files.f)
-
-
 def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
     """This rank's saved CUDA RNG state if it is to be restored here (warns when it is not)."""
-    if not _has(files, rank, schema.CUDA_RNG):
+    if not files.has(rank, schema.CUDA_RNG):
         return None
     saved = schema.read_array(files.dataset(rank, schema.CUDA_RNG))
     devices = (int(schema.read_array(files.dataset(rank, schema.CUDA_DEVICES))[0])
-               if _has(files, rank, schema.CUDA_DEVICES) else None)  # older checkpoints do not record it
+               if files.has(rank, schema.CUDA_DEVICES) else None)  # older checkpoints do not record it
     available = torch.cuda.is_available()
     restore, warning = cuda_rng_decision(saved, devices, available, torch.cuda.device_count() if available else 0)
     if warning:

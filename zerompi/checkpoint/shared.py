@@ -116,6 +116,9 @@ class SharedFile:
             raise
         self.world_size = world_size
 
+    def has(self, rank: int, name: str) -> bool:
+        return name in self.f
+
     def dataset(self, rank: int, name: str) -> ShardView:
         where = f"{self.f.filename}: dataset {name}"
         if name not in self.f or schema.shared_crc(name) not in self.f:

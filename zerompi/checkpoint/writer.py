@@ -21,20 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
-from zerompi.checkpoint import schema, shared
+from zerompi.checkpoint import schema
+from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.checkpoint.index import CheckpointIndex
-
 from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path (h5py does not expose its descriptor)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from zerompi.checkpoint.stores import ShardStore, store_for
+from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -94,56 +86,9 @@ def _parts(snap: EngineSnapshot, keys: list[str]):
         yield schema.CUDA_DEVICES, np.array([torch.cuda.device_count()], dtype=np.int64)
 
 
-def _write_rank_file(snap: EngineSnapshot, path: Path, keys: list[str], save_id: str) -> None:
-    with schema.open_h5(path, "w") as f:
-        schema.write_header(f, "shard")
-        f.attrs["save_id"] = schema.text_attr(save_id)
-        f.attrs["rank"] = snap.shard_rank
-        f.attrs["world_size"] = snap.shard_size
-        for name, data in _parts(snap, keys):
-            schema.write_array(f, name, data)
-    fsync_path(path)
-    verify_file(path)
-
-
-def _write_shared(snap: EngineSnapshot, group, path: Path, keys: list[str], save_id: str) -> None:
-    """Collective over the writing ranks: one file through the mpio driver; each rank verifies its part."""
-    writer = shared.SharedWriter(path, group, save_id)
-    try:
-        for name, data in _parts(snap, keys):
-            writer.put(name, data)
-    finally:
-        writer.close()
-    fsync_path(path)
-    files = shared.SharedFile(path.parent, snap.shard_size, save_id)
-    try:
-        files.verify([snap.shard_rank])
-    finally:
-        files.close()
-
-
-def layout(config) -> str:
-    """The layout a save writes: ``checkpoint_layout``, with 'auto' resolved by what h5py can do."""
-    if config.checkpoint_layout == "auto":
-        return "shared" if shared.available() else "per_rank"
-    if config.checkpoint_layout == "shared" and not shared.available():
-        raise UsageError("checkpoint_layout='shared' needs h5py built with MPI (h5py.get_config().mpi is "
-                         "False here); allowed here: 'per_rank' or 'auto'. README.md says how to build it")
-    return config.checkpoint_layout
-
-
-def verify_file(path: Path) -> None:
-    """Re-read every dataset of an HDF5 file and check its checksums."""
-    def visit(_name, obj):
-        if hasattr(obj, "shape"):
-            schema.read_array(obj)
-    try:
-        with schema.open_h5(path) as f:
-            f.visititems(visit)
-    except CheckpointError:
-        raise
-    except schema.H5_ERRORS as e:
-        raise schema.damaged(str(path), e) from e
+def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, keys: list[str],
+                  save_id: str) -> None:
+    store.write(directory, group, _parts(snap, keys), save_id)
 
 
 def _index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict, save_id: str,
@@ -229,23 +174,19 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
         json.dumps(client_state)
     except (TypeError, ValueError) as e:
         raise UsageError(f"client_state must be JSON-serialisable ({e})") from e
-    group, root, kind = engine.group, Path(root), layout(snap.config)
+    group, root, store = engine.group, Path(root), store_for(snap.config.checkpoint_layout)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None
     all_ranks_ok(group, error, CheckpointError)
     meta = optimizer_meta(snap)
     # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
-    if not snap.writes:
-        error = None
-    elif kind == "shared":
-        error = _attempt(_write_shared, snap, engine.groups.shard, tmp / shared.SHARED, meta["state_keys"], nonce)
-    else:
-        error = _attempt(_write_rank_file, snap, tmp / schema.rank_file(snap.shard_rank), meta["state_keys"], nonce)
+    error = _attempt(_write_shards, store, snap, engine.groups.shard, tmp, meta["state_keys"], nonce) \
+        if snap.writes else None
     all_ranks_ok(group, error, CheckpointError)
     error = None
     if group.rank == 0:
-        index = _index(engine, snap, tag, client_state, meta, nonce, kind)
+        index = _index(engine, snap, tag, client_state, meta, nonce, store.kind.value)
         error = _attempt(lambda: (_write_index(engine, tmp / schema.INDEX, index),
                                   verify_file(tmp / schema.INDEX), _publish(root, tmp, tag)))
     all_ranks_ok(group, error, CheckpointError)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerompi.config.choices import CudaAware
 from zerompi.errors import ConfigError
 
 
@@ -80,16 +81,16 @@ def mpi_says(probes: Probes) -> bool | None:
     return False if False in answers else None
 
 
-def decide(setting: str, probes: Probes) -> Decision:
+def decide(setting: CudaAware, probes: Probes) -> Decision:
     """``off``/``on`` as told (``on`` refused when MPI says no); ``auto`` needs torch.cuda and a yes.
 
     Raises ConfigError for ``on`` with an MPI that reports no CUDA support: handing it
     device pointers would crash inside MPI, far from the setting that caused it.
     """
     said, evidence = mpi_says(probes), probes.describe()
-    if setting == "off":
+    if setting == CudaAware.OFF:
         return Decision(False, "cuda_aware_mpi='off'")
-    if setting == "on":
+    if setting == CudaAware.ON:
         if said is False:
             raise ConfigError(f"cuda_aware_mpi='on' but the MPI library reports no CUDA support ({evidence}); "
                               "use 'auto' or 'off' to stage device buffers through host memory")

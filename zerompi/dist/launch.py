@@ -14,6 +14,7 @@ import torch
 from zerompi.dist.cuda_aware import decide
 from zerompi.dist.group import ProcessGroup
 from zerompi.dist.mpi import cuda_probes, world_rank, world_size
+from zerompi.config.choices import CudaAware, Device
 from zerompi.errors import ConfigError
 from zerompi.dist.launch_check import check_world_matches_launcher
 from zerompi.log import get_logger
@@ -55,9 +56,9 @@ def cpu_threads_for(requested: int | None, local_size: int) -> int:
     return max(1, cores // max(1, local_size))
 
 
-def select_device(kind: str, local_rank: int) -> torch.device:
+def select_device(kind: Device, local_rank: int) -> torch.device:
     """``auto``: this rank's GPU by local rank when CUDA is available, else the CPU."""
-    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+    if kind == Device.CPU or (kind == Device.AUTO and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("device='cuda' but torch.cuda.is_available() is False on this rank")
@@ -66,7 +67,7 @@ def select_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def use_cuda_aware(setting: str) -> bool:
+def use_cuda_aware(setting: CudaAware) -> bool:
     """Whether device buffers go straight to MPI (cuda_aware.py); the choice and its reason go to the log once.
 
     Raises ConfigError for ``on`` with an MPI that reports no CUDA support.

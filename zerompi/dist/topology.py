@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerompi.dist.group import ProcessGroup
+from zerompi.config.choices import Hierarchy, Stage
+from zerompi.config.policies import TopologyPolicy
 from zerompi.errors import ConfigError
 from zerompi.dist.launch import RankInfo
 
@@ -50,14 +52,14 @@ def node_layout(info: RankInfo, ranks_per_node: int | None) -> tuple[int, int, i
             info.world_size // ranks_per_node)
 
 
-def build_groups(world: ProcessGroup, info: RankInfo, hierarchy: str, stage: int,
-                 ranks_per_node: int | None) -> Groups:
-    """Collective: split ``world`` for ``hierarchy`` ('flat', 'hsdp', 'hpz')."""
-    if hierarchy == "flat":
+def build_groups(world: ProcessGroup, info: RankInfo, topology: TopologyPolicy, stage: Stage) -> Groups:
+    """Collective: split ``world`` for ``topology.hierarchy`` (flat, hsdp, hpz)."""
+    hierarchy, ranks_per_node = topology.hierarchy, topology.ranks_per_node
+    if hierarchy == Hierarchy.FLAT:
         return Groups(world, world, world)
-    if hierarchy == "hsdp" and stage < 1:
+    if hierarchy == Hierarchy.HSDP and not stage.shards_optimizer:
         raise ConfigError("hierarchy='hsdp' shards within a node: it needs stage 1, 2 or 3")
-    if hierarchy == "hpz" and stage != 3:
+    if hierarchy == Hierarchy.HPZ and not stage.shards_params:
         raise ConfigError(f"hierarchy='hpz' is a stage-3 parameter partition; stage={stage}")
     node, local, per_node, nodes = node_layout(info, ranks_per_node)
     sizes = world.allgather_object(per_node)
@@ -66,7 +68,7 @@ def build_groups(world: ProcessGroup, info: RankInfo, hierarchy: str, stage: int
                           f"got {sorted(set(sizes))}; set ranks_per_node to a common divisor")
     intra = world.split(node, local, "intra")
     inter = world.split(local, node, "inter")
-    if hierarchy == "hsdp":
+    if hierarchy == Hierarchy.HSDP:
         return Groups(world, intra, intra, replicate=inter)
     # hpz: order the primary shards so that node-local rank l's secondary block is made of the
     # primary shards of the ranks (l, node 0..R-1), i.e. one all-gather over the inter group.

@@ -19,9 +19,8 @@ __all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "Resident", "ShardTier", 
 def open_swapper(policy, rank: int) -> NVMeSwapper | None:
     """This rank's swap file when the offload settings send anything to 'nvme'.
 
-    ``policy`` has ``optimizer``, ``params``, ``nvme_path``, ``block_kib``, ``threads``,
-    ``buffers`` and ``verify`` (the config's offload policy)."""
-    if "nvme" not in (policy.optimizer, policy.params):
+    ``policy`` is the config's :class:`~zerompi.config.policies.OffloadPolicy`."""
+    if not policy.uses_nvme:
         return None
     return_freed_memory()  # shards stream through memory: what is freed must leave the process
     return NVMeSwapper(policy.nvme_path, rank, SwapConfig(

@@ -25,11 +25,11 @@ from typing import Protocol
 
 import torch
 
+from zerompi.config.choices import Offload
 from zerompi.offload.aligned import allocate, release
 from zerompi.offload.nvme import NVMeSwapper
 from zerompi.offload.residency import InMemory, NVMeResidency
 
-NONE, CPU, NVME = "none", "cpu", "nvme"
 
 
 class ShardTier(Protocol):
@@ -134,8 +134,8 @@ class TierPlan:
         pin_memory: pin host copies when there is a GPU to copy to.
     """
 
-    optimizer: str = NONE
-    params: str = NONE
+    optimizer: Offload = Offload.NONE
+    params: Offload = Offload.NONE
     device: torch.device = torch.device("cpu")
     shard_grads: bool = False
     swapper: NVMeSwapper | None = None
@@ -145,9 +145,9 @@ class TierPlan:
     def moves_state(self) -> bool:
         """A parameter shard or master leaves device memory. On a CPU device, 'cpu' offload has
         nowhere to move them: they are in host memory already."""
-        moved = {self.optimizer, self.params} - {NONE}
+        moved = {self.optimizer, self.params} - {Offload.NONE}
         if self.device.type == "cpu":
-            moved.discard(CPU)
+            moved.discard(Offload.CPU)
         return bool(moved)
 
     def host(self, t: torch.Tensor) -> torch.Tensor:
@@ -157,13 +157,13 @@ class TierPlan:
 
     def param_tier(self, index: int, shard: torch.Tensor) -> ShardTier:
         """Bucket ``index``'s parameter shard (stage 3)."""
-        if self.params == NVME:
+        if self.params == Offload.NVME:
             return Swapped(self.swapper, f"b{index}.param", self.host(shard))
-        return Resident(self.host(shard) if self.params == CPU else shard)
+        return Resident(self.host(shard) if self.params == Offload.CPU else shard)
 
     def grad_tier(self, index: int, shard: torch.Tensor) -> ShardTier:
         """Bucket ``index``'s gradient shard."""
-        if self.optimizer == NVME and self.shard_grads:
+        if self.optimizer == Offload.NVME and self.shard_grads:
             return Swapped(self.swapper, f"b{index}.grad", shard)
         return Resident(shard)
 
@@ -171,15 +171,15 @@ class TierPlan:
         """Bucket ``index``'s fp32 master, where the optimizer state will live. With 'nvme' it is
         written to the swap file before the next bucket exists, so that building the model holds
         one bucket's state, not the model's."""
-        if self.optimizer == NONE or not separate:
+        if self.optimizer == Offload.NONE or not separate:
             return master
         master = self.host(master)
-        if self.optimizer == NVME:
+        if self.optimizer == Offload.NVME:
             NVMeResidency.swap_out_master(self.swapper, index, master)
         return master
 
     def optimizer_store(self, buckets, inner: torch.optim.Optimizer) -> InMemory:
         """How master and optimizer state come into memory for the step."""
-        if self.optimizer == NVME:
+        if self.optimizer == Offload.NVME:
             return NVMeResidency(buckets, inner, self.swapper)
         return InMemory(buckets, inner)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerompi.checkpoint.snapshot import ShardState
+from zerompi.config.choices import DType, NonFinite
 from zerompi.dist.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
@@ -66,7 +67,7 @@ class ZeroOptimizer:
         self.clip = cfg.clip_grad_norm
         self.nonfinite = cfg.nonfinite
         self.replicated = not any(b.plan.shard_optimizer for b in buckets)  # no norm all-reduce
-        self.scaler = LossScaler.from_config(cfg) if cfg.dtype == "fp16" else None
+        self.scaler = LossScaler.from_config(cfg) if cfg.dtype == DType.FP16 else None
         groups = []
         for gi, options in enumerate(group_options):
             masters = [b.master for b in buckets if b.layout.group == gi]
@@ -137,7 +138,7 @@ class ZeroOptimizer:
         message = ("non-finite (NaN/Inf) gradient " + (f"from {where}" if where else
                    "after reduction (no rank saw one locally: the sum overflowed)"))
         self.zero_grad()
-        if self.nonfinite == "raise":
+        if self.nonfinite == NonFinite.RAISE:
             raise ZeroMPIError(message + "; set nonfinite='skip' to skip such steps instead")
         logger.warning("skipping the optimizer step: %s", message)
 

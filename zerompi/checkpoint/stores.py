@@ -1,0 +1,116 @@
+"""Where the writing ranks' shards go: a store per layout, chosen once.
+
+A store writes one rank's datasets durably and verified (``write``) and opens a
+checkpoint's shards for reading (``open``), answering ``dataset(rank, name)``
+whatever the layout, so the reader's arithmetic is the same for all of them:
+
+* :class:`PerRankStore`: one ``rankNNNNN.h5`` per writing rank (any h5py);
+* :class:`SharedStore`: one ``shards.h5`` written collectively through h5py's
+  ``mpio`` driver (needs a parallel h5py to write; any h5py reads it).
+
+A new store is one class here and one member of ``CheckpointLayout``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from zerompi.checkpoint import schema, shared
+from zerompi.checkpoint.durable import fsync_path, verify_file
+from zerompi.checkpoint.per_rank import RankFiles, write_rank_file
+from zerompi.config.choices import CheckpointLayout
+from zerompi.dist.group import ProcessGroup
+from zerompi.errors import CheckpointError, UsageError
+
+Parts = Iterable[tuple[str, np.ndarray]]
+
+
+class ShardFiles(Protocol):
+    """A checkpoint's shards opened for reading."""
+
+    def dataset(self, rank: int, name: str) -> Any:
+        """Writer ``rank``'s dataset ``name`` (checksummed 1-D, as schema.read_array reads)."""
+
+    def has(self, rank: int, name: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class ShardStore(Protocol):
+    kind: CheckpointLayout
+
+    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str) -> None:
+        """This rank's datasets, durable and verified (collective over ``group`` where the layout is)."""
+
+    def open(self, directory: Path, world_size: int, save_id: str) -> ShardFiles: ...
+
+    def verify(self, directory: Path, world_size: int, save_id: str) -> None:
+        """Re-read every writer's datasets, checking every checksum (``zerompi ckpt inspect``)."""
+
+
+class PerRankStore:
+    kind = CheckpointLayout.PER_RANK
+
+    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str) -> None:
+        write_rank_file(directory / schema.rank_file(group.rank), group.rank, group.size, parts, save_id)
+
+    def open(self, directory: Path, world_size: int, save_id: str) -> ShardFiles:
+        return RankFiles(directory, world_size, save_id)
+
+    def verify(self, directory: Path, world_size: int, save_id: str) -> None:
+        for r in range(world_size):
+            verify_file(directory / schema.rank_file(r))
+
+
+class SharedStore:
+    kind = CheckpointLayout.SHARED
+
+    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str) -> None:
+        path = directory / shared.SHARED
+        writer = shared.SharedWriter(path, group, save_id)
+        try:
+            for name, data in parts:
+                writer.put(name, data)
+        finally:
+            writer.close()
+        fsync_path(path)
+        files = shared.SharedFile(directory, group.size, save_id)
+        try:
+            files.verify([group.rank])  # each rank re-reads its own part
+        finally:
+            files.close()
+
+    def open(self, directory: Path, world_size: int, save_id: str) -> ShardFiles:
+        return shared.SharedFile(directory, world_size, save_id)
+
+    def verify(self, directory: Path, world_size: int, save_id: str) -> None:
+        files = shared.SharedFile(directory, world_size, save_id)
+        try:
+            files.verify(range(world_size))
+        finally:
+            files.close()
+
+
+_STORES: dict[CheckpointLayout, ShardStore] = {s.kind: s for s in (PerRankStore(), SharedStore())}
+
+
+def store_for(setting: CheckpointLayout) -> ShardStore:
+    """The store a save writes with: ``checkpoint_layout``, 'auto' resolved by what h5py can do."""
+    setting = CheckpointLayout(setting)
+    if setting == CheckpointLayout.AUTO:
+        setting = CheckpointLayout.SHARED if shared.available() else CheckpointLayout.PER_RANK
+    elif setting == CheckpointLayout.SHARED and not shared.available():
+        raise UsageError("checkpoint_layout='shared' needs h5py built with MPI (h5py.get_config().mpi is "
+                         "False here); allowed here: 'per_rank' or 'auto'. README.md says how to build it")
+    return _STORES[setting]
+
+
+def store_named(kind: str, where: Path) -> ShardStore:
+    """The store of a checkpoint whose index says ``kind`` (the index has validated it)."""
+    try:
+        return _STORES[CheckpointLayout(kind)]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"{where}: unknown shard layout {kind!r}") from None
