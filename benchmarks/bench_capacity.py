@@ -35,7 +35,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 from capacity_report import CONFIG, LADDER, MODES, check_merge, git_state, load, machine, merge, write  # noqa: E402
-from tests.mpi.launcher import mpi_env, mpiexec  # noqa: E402
+from zerompi.tools.mpirun import mpiexec  # noqa: E402
+from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
 
 log = logging.getLogger("bench_capacity")
 GiB = 1 << 30
@@ -102,7 +103,7 @@ def trial(cg: Cgroup, args, mode: str, n_layer: int, scratch: Path) -> dict:
     loadavg = os.getloadavg()[0]
     t0 = time.perf_counter()
     try:
-        proc = cg.run(cmd, mpi_env(), args.trial_timeout)
+        proc = cg.run(cmd, _mpi_env(ROOT), args.trial_timeout)
         code, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
     except subprocess.TimeoutExpired:
         code, tail = None, f"over --trial-timeout {args.trial_timeout} s"

@@ -27,7 +27,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE / "workers")]  # run from a checkout, uninstalled
 import ckpt_bench_worker as worker  # noqa: E402
-from tests.mpi.launcher import mpi_env, mpiexec  # noqa: E402
+from zerompi.tools.mpirun import mpiexec  # noqa: E402
+from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
 
 log = logging.getLogger("bench_checkpoint")
 MiB, GiB = 1 << 20, 1 << 30
@@ -62,7 +63,7 @@ def run_worker(world: int, scratch: Path, model: dict, repeats: int) -> dict:
            str(scratch / "ckpt"), "--out", str(out), "--repeats", str(repeats),
            *(f"--{k.replace('_', '-')}={v}" for k, v in model.items())]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, env=_mpi_env(ROOT), cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     for line in (ln for ln in proc.stderr.splitlines() if "ranks]" in ln and "bucket " not in ln):
@@ -81,7 +82,7 @@ def consolidation(root: Path, scratch: Path) -> list[dict]:
     rows = []
     for name, cmd in cases:  # each reads the checkpoint cold
         worker.evict(worker.files_under(root))
-        seconds, peak, text = worker.child_peak_rss(cmd, mpi_env(), ROOT)
+        seconds, peak, text = worker.child_peak_rss(cmd, _mpi_env(ROOT), ROOT)
         rows.append({"case": name, "seconds": seconds, "peak_rss": peak, "output": text[-200:]})
         log.info("%s: peak RSS %.0f MiB in %.1f s", name, peak / MiB, seconds)
     with open(out, "rb") as f:

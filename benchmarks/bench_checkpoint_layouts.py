@@ -27,7 +27,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE / "workers")]
 import ckpt_bench_worker as worker  # noqa: E402
 from bench_checkpoint import MODELS, machine  # noqa: E402
-from tests.mpi.launcher import mpi_env  # noqa: E402
+from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
 
 log = logging.getLogger("bench_checkpoint_layouts")
 GiB = 1 << 30
@@ -38,7 +38,7 @@ LAYOUTS = ("per_rank", "shared")
 def run_job(layout: str, ranks: int, scratch: Path, model: dict, repeats: int) -> dict:
     shutil.rmtree(scratch / "ckpt", ignore_errors=True)
     out = scratch / f"{layout}.json"
-    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_MCA_", "MPIR_"))}
+    env = {k: v for k, v in _mpi_env(ROOT).items() if not k.startswith(("OMPI_MCA_", "MPIR_"))}
     cmd = ["mpiexec.openmpi", "--oversubscribe", "-n", str(ranks), str(VENV / "bin" / "python"), "-m", "mpi4py",
            worker.__file__, "--root", str(scratch / "ckpt"), "--out", str(out), "--repeats", str(repeats),
            "--layout", layout, *(f"--{k.replace('_', '-')}={v}" for k, v in model.items())]

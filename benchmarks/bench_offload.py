@@ -27,7 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
-from tests.mpi.launcher import mpi_env, mpiexec  # noqa: E402
+from zerompi.tools.mpirun import mpiexec  # noqa: E402
+from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
 
 log = logging.getLogger("bench_offload")
 WORKER = HERE / "workers" / "offload_bench_worker.py"
@@ -46,7 +47,7 @@ def run_job(ranks: int, out: Path, *args: str) -> dict:
     """One ``mpiexec -n RANKS`` job of the worker; its JSON plus wall time and load averages."""
     cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(WORKER), "--out", str(out), *args]
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    proc = subprocess.run(cmd, env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=_mpi_env(ROOT), cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return {**json.loads(out.read_text()), "job_s": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]]}

@@ -41,7 +41,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKERS = ROOT / "tests" / "mpi" / "workers"
 sys.path[:0] = [str(ROOT), str(WORKERS)]
-from tests.mpi.launcher import mpi_env, mpiexec  # noqa: E402
+from zerompi.tools.mpirun import mpiexec  # noqa: E402
+from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
 
 # ---- 1. rank failures ------------------------------------------------------------------------
 
@@ -49,7 +50,7 @@ from tests.mpi.launcher import mpi_env, mpiexec  # noqa: E402
 def _launch(n: int, case: str, out: Path, module: bool = True) -> subprocess.Popen:
     cmd = [*mpiexec(), "-n", str(n), sys.executable, *(("-m", "mpi4py") if module else ()),
            str(WORKERS / "reliability.py"), "--case", case, "--out", str(out)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=_mpi_env(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 
@@ -317,7 +318,7 @@ def interrupted_saves(repeat: int, random_kills: int, tmp: Path, log) -> dict:
 def fuzz(tmp: Path, log) -> dict:
     report = tmp / "fuzz.json"
     junit = tmp / "fuzz.xml"
-    env = dict(mpi_env(), ZEROMPI_FUZZ_REPORT=str(report))
+    env = dict(_mpi_env(ROOT), ZEROMPI_FUZZ_REPORT=str(report))
     start = time.monotonic()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
            "tests/unit/test_fuzz_checkpoint.py", "tests/unit/test_fuzz_config.py"]

@@ -29,6 +29,7 @@ from mpi4py import MPI  # noqa: E402
 
 import zerompi  # noqa: E402
 from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
+from zerompi.offload.residency import NVMeResidency  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 

@@ -2,42 +2,21 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-from functools import lru_cache
 from pathlib import Path
+
+from zerompi.tools.mpirun import mpi_env as _mpi_env
+from zerompi.tools.mpirun import mpiexec
+
+__all__ = ["ROOT", "WORKERS", "mpi_env", "mpiexec", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
-@lru_cache(maxsize=None)
-def mpiexec() -> list[str]:
-    """The mpiexec beside this Python (the pip MPI), else ``$ZEROMPI_MPIEXEC`` or PATH's."""
-    exe = os.environ.get("ZEROMPI_MPIEXEC") or str(Path(sys.executable).with_name("mpiexec"))
-    if not Path(exe).exists():
-        exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        raise RuntimeError("no mpiexec found: install the 'mpich' extra or load your site's MPI")
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    if "Open MPI" in version or "OpenRTE" in version:
-        return [exe, "--oversubscribe"]
-    return [exe]
-
-
 def mpi_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # Oversubscribed MPICH ranks busy-poll; yielding early leaves the cores to ranks with work.
-    env.setdefault("MPIR_CVAR_POLLS_BEFORE_YIELD", "1")
-    env.setdefault("MPIR_CVAR_POSIX_POLL_FREQUENCY", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_btl", "self,sm")
-    return env
+    return _mpi_env(ROOT)
 
 
 def run_mpi(n: int, script: str, *args: str, timeout: float = 600,

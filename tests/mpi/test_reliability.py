@@ -1,7 +1,6 @@
 """No hangs, clear errors: a misbehaving rank ends the job or makes every rank raise (workers/reliability.py)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

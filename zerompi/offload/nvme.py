@@ -24,7 +24,6 @@ it behind; its name carries rank and pid so that it can be identified.
 """
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 import threading
@@ -34,13 +33,16 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
-from zerompi.errors import ConfigError, UsageError, ZeroMPIError
+from zerompi.errors import ConfigError, UsageError
 from zerompi.log import get_logger
 from zerompi.offload.aligned import ALIGN, BufferPool, create_file, direct_io_works
+from zerompi.offload.swapfile import (Region, SwapConfig, SwapError, SwapStats, check_tensor, claim_space,
+                                      remove_file, round_up)
+
+__all__ = ["NVMeSwapper", "Region", "SwapConfig", "SwapError", "SwapStats"]
 
 try:  # the same crc32 as zlib's, with carry-less multiply: ~10x faster, and frees the GIL too
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -49,70 +51,8 @@ except ImportError:
 
 logger = get_logger(__name__)
 
-_MiB = 1 << 20
 _file_seq = itertools.count()
 _WRITE, _READ = "write", "read"
-
-
-class SwapError(ZeroMPIError):
-    """Swap file I/O failed, the file changed underneath us, or a key was misused."""
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _check_int(key: str, value: object, lo: int, hi: int, multiple: int = 1) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if not ok or not lo <= value <= hi or value % multiple:
-        extra = f" and a multiple of {multiple}" if multiple > 1 else ""
-        raise ConfigError(f"SwapConfig.{key}={value!r} is not an int in {lo}..{hi}{extra}")
-
-
-@dataclass(frozen=True)
-class SwapConfig:
-    """How an :class:`NVMeSwapper` does its I/O."""
-
-    block_bytes: int = 8 * _MiB
-    """Bytes per I/O request; larger tensors are split into blocks that are in
-    flight together. A multiple of 4096 in 4 KiB..256 MiB."""
-    threads: int = 4
-    """I/O threads, i.e. blocks in flight at once (also bounded by ``buffers``). 1..64."""
-    buffers: int = 8
-    """Staging buffers of ``block_bytes`` each, created on first use; staging
-    memory never exceeds ``buffers * block_bytes``. At most ``threads`` are
-    ever in use at once, so more than ``threads`` costs nothing. 1..1024."""
-    direct: bool = True
-    """Open the file with ``O_DIRECT`` (bypass the page cache); falls back to
-    buffered I/O with one warning where the filesystem refuses it."""
-    verify: bool = True
-    """Record a crc32 per block at write and check it at read."""
-
-    def __post_init__(self):
-        _check_int("block_bytes", self.block_bytes, 4096, 256 * _MiB, ALIGN)
-        _check_int("threads", self.threads, 1, 64)
-        _check_int("buffers", self.buffers, 1, 1024)
-        for key in ("direct", "verify"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"SwapConfig.{key}={getattr(self, key)!r} is not a bool (True or False)")
-
-
-class Region(NamedTuple):
-    """Where a key lives in the swap file: ``nbytes`` bytes from ``offset``."""
-    offset: int
-    nbytes: int
-
-
-class SwapStats(NamedTuple):
-    """Totals since the swapper was opened. Seconds are summed over I/O threads."""
-    bytes_written: int
-    bytes_read: int
-    write_seconds: float
-    read_seconds: float
-    checksum_seconds: float
-    staged_bytes: int
-    """Bytes copied through staging buffers; the rest moved straight from or to
-    tensors whose memory is 4 KiB aligned (see ``aligned_empty``)."""
 
 
 @dataclass
@@ -145,7 +85,7 @@ class _Op:
         """(start within the key, payload bytes, I/O bytes rounded up to ALIGN) of a block."""
         start = index * self.block
         n = min(self.block, self.region.nbytes - start)
-        return start, n, _round_up(n)
+        return start, n, round_up(n)
 
     def block_done(self, error: BaseException | None) -> bool:
         """Record one finished block; True for the last one."""
@@ -154,55 +94,6 @@ class _Op:
                 self.error = error
             self._left -= 1
             return self._left == 0
-
-
-def _remove_file(fd: int, path: str) -> None:
-    """Close and delete the swap file (once: a closed fd number may be reused)."""
-    for action in (lambda: os.close(fd), lambda: os.unlink(path)):
-        try:
-            action()
-        except OSError as e:
-            if e.errno not in (errno.EBADF, errno.ENOENT):
-                logger.warning("removing swap file %s: %s", path, e)
-
-
-def _claim_space(fd: int, directory: str, what: str, offset: int, size: int) -> None:
-    """Allocate ``size`` bytes at ``offset`` now, so that a full disk fails at
-    reserve() and not in the middle of a step. ``what`` names key and file."""
-    if size == 0:
-        return
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    # Filesystems without size accounting (ramfs, some FUSE) report 0 blocks in all.
-    if st.f_blocks and size > free:
-        raise SwapError(f"cannot reserve {size} bytes for {what}: only {free} bytes free on the "
-                        f"filesystem of {directory!r}; hint: free space or point nvme_path at a larger disk")
-    try:
-        os.posix_fallocate(fd, offset, size)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise SwapError(f"cannot reserve {size} bytes at offset {offset} for {what}: {e.strerror}; "
-                            f"hint: free space on {directory!r}") from e
-        os.ftruncate(fd, offset + size)  # no fallocate here: a sparse file must do
-
-
-def _check_tensor(tensor: object, what: str, key: str, nbytes: int) -> None:
-    """Check that ``tensor`` is a contiguous CPU tensor of exactly ``nbytes``."""
-    if not isinstance(tensor, torch.Tensor):
-        raise SwapError(f"{what} of key {key!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-    problem = None
-    if tensor.device.type != "cpu":
-        problem = f"is on {tensor.device}; hint: move it to (pinned) CPU memory first"
-    elif tensor.layout != torch.strided or not tensor.is_contiguous():
-        problem = "is not a contiguous strided tensor; hint: swap a .contiguous() copy or a flat buffer"
-    elif tensor.is_conj() or tensor.is_neg():
-        problem = "is a lazy conj/neg view; hint: swap tensor.resolve_conj().resolve_neg()"
-    elif tensor.numel() * tensor.element_size() != nbytes:
-        got = tensor.numel() * tensor.element_size()
-        problem = (f"has {got} bytes but the key's region holds {nbytes}; "
-                   "hint: reserve a separate key for a tensor of another size")
-    if problem:
-        raise SwapError(f"{what} of key {key!r}: tensor {tuple(tensor.shape)} {tensor.dtype} {problem}")
 
 
 class NVMeSwapper:
@@ -225,7 +116,7 @@ class NVMeSwapper:
         self.path = os.path.join(directory, f"zerompi-swap-rank{rank}-{os.getpid()}-{next(_file_seq)}.bin")
         self._pool = BufferPool(config.buffers, config.block_bytes)
         self._fd, self.direct = self._open()
-        self._finalizer = weakref.finalize(self, _remove_file, self._fd, self.path)
+        self._finalizer = weakref.finalize(self, remove_file, self._fd, self.path)
         self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix=f"zerompi-swap{rank}")
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
@@ -241,12 +132,12 @@ class NVMeSwapper:
         try:
             fd, direct = create_file(self.path, self.config.direct)
             if direct and not direct_io_works(fd, self._pool):
-                _remove_file(fd, self.path)
+                remove_file(fd, self.path)
                 fd = None
                 fd, direct = create_file(self.path, False)
         except OSError as e:
             if fd is not None:
-                _remove_file(fd, self.path)
+                remove_file(fd, self.path)
             raise SwapError(f"cannot create swap file {self.path!r}: {e.strerror} (errno {e.errno}); "
                             "hint: the directory must be writable by this process") from e
         if self.config.direct and not direct:
@@ -295,8 +186,8 @@ class NVMeSwapper:
                     raise SwapError(f"reserve of key {key!r}: already reserved with {entry.region.nbytes} "
                                     f"bytes, asked for {nbytes}; hint: use a new key for a new size")
                 return entry.region
-            size = _round_up(nbytes)
-            _claim_space(self._fd, self.directory, f"key {key!r} in {self.path}", self._end, size)
+            size = round_up(nbytes)
+            claim_space(self._fd, self.directory, f"key {key!r} in {self.path}", self._end, size)
             region = Region(self._end, nbytes)
             self._end += size
             self._entries[key] = _Entry(region)
@@ -370,7 +261,7 @@ class NVMeSwapper:
         with self._lock:
             self._check_open(kind)
             entry = self._entry(key, kind)
-            _check_tensor(tensor, kind, key, entry.region.nbytes)
+            check_tensor(tensor, kind, key, entry.region.nbytes)
             self._check_conflicts(kind, key, entry, tensor)
             op = _Op(kind, key, entry.region, tensor, self.config.block_bytes)
             if kind == _READ:

@@ -9,7 +9,6 @@ from rank 0): they take no gradient and no optimizer state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch

@@ -8,7 +8,6 @@ skip together), and misuse that must raise the same zerompi error on every
 rank instead of hanging. Rank 0 writes one JSON row per (case, stage).
 """
 import argparse
-import copy
 
 import torch
 from mpi4py import MPI
