@@ -144,7 +144,7 @@ NOTES = [
     "How: every collective a row issued in one timed step of its training (traced by `peers/calltrace.py`: "
     "zerompi's `ProcessGroup` calls, the peers' `torch.distributed` calls, DDP's buckets through torch's own "
     "`allreduce_hook`) is replayed alone, in order, blocking, on buffers of the same size, with no compute in "
-    "between. MPICH shm: mpi4py on `MPI_COMM_WORLD` with the calls zerompi/comm.py makes (`Reduce_scatter_block`, "
+    "between. MPICH shm: mpi4py on `MPI_COMM_WORLD` with the calls zerompi/dist/mpi.py makes (`Reduce_scatter_block`, "
     "`Allgather`, `Allreduce(IN_PLACE)`, `Bcast`); MPICH between ranks of one node uses shared memory. gloo TCP: "
     "`torch.distributed` on a gloo group that rendezvoused at 127.0.0.1, exactly as the peer rows do, with the "
     "function the row called (zerompi's calls: `reduce_scatter_single`, `all_gather_single`, `all_reduce`); "

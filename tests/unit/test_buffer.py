@@ -1,4 +1,4 @@
-"""Unit tests of zerompi.buffer.FlatBuffer: free/alloc cycles with live views and parameters."""
+"""Unit tests of zerompi.shard.buffer.FlatBuffer: free/alloc cycles with live views and parameters."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""The cuda_aware_mpi decision from fake probe answers (zerompi/cuda_aware.py), and the real probes here."""
+"""The cuda_aware_mpi decision from fake probe answers (zerompi/dist/cuda_aware.py), and the real probes here."""
 from __future__ import annotations
 
 import importlib.metadata

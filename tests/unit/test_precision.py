@@ -1,4 +1,4 @@
-"""Unit tests of zerompi.precision.LossScaler: dynamic and static fp16 loss scaling."""
+"""Unit tests of zerompi.optim.precision.LossScaler: dynamic and static fp16 loss scaling."""
 from __future__ import annotations
 
 import pytest

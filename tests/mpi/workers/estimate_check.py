@@ -1,4 +1,4 @@
-"""Estimate worker: the engine's memory and traffic counters after one step, next to zerompi.estimate.
+"""Estimate worker: the engine's memory and traffic counters after one step, next to zerompi.tools.estimate.
 
 For stages 0-3 x fp32/bf16 x AdamW/SGD-with-momentum, a tiny GPT (several
 buckets, so padding occurs at odd world sizes) takes one optimizer step.
