@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     train.update({k: v for k, v in (("steps", args.steps), ("out_dir", args.out), ("save_every", args.save_every))
                   if v is not None})
     gpt_cfg = gpt_config_from_dict(model_doc)
+    if zero_doc.get("lr_schedule", "constant") != "constant" and "total_steps" not in zero_doc:
+        zero_doc = {**zero_doc, "total_steps": train["steps"]}  # the schedule decays over the run
     cfg = zerompi.ZeroConfig.from_dict(zero_doc)
     if args.stage is not None:
         cfg = cfg.replace(stage=args.stage)
@@ -178,12 +180,13 @@ def main(argv: list[str] | None = None) -> None:
             break
         if not rank0:
             continue
-        line = f"step {step}/{steps} | loss {loss:.3f} | {tok_s:,.0f} tok/s | {elapsed:.1f}s"
+        lr = engine.get_lr()[0]  # what the next step uses
+        line = f"step {step}/{steps} | loss {loss:.3f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | {elapsed:.1f}s"
         if evaluating:
             line += f" | val {val_loss:.3f}"
         if step % train["log_every"] == 0 or step in (1, steps) or evaluating:
             interval = step - last["step"]
-            record = dict(step=step, loss=loss,
+            record = dict(step=step, loss=loss, lr=lr,
                           tokens_per_s=interval * tokens_per_step / (train_time - last["time"]),
                           model_state_bytes=engine.stats.model_state_bytes,
                           bytes_sent_total=sent,

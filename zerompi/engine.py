@@ -9,6 +9,7 @@ batch, exactly as single-process training on that batch would.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,14 +26,17 @@ from zerompi.dist.group import ProcessGroup
 from zerompi.dist.mpi import MPIGroup
 from zerompi.dist.topology import build_groups
 from zerompi.errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
-from zerompi.log import set_rank
+from zerompi.log import get_logger, set_rank
 from zerompi.offload.tiers import TierPlan
+from zerompi.optim import schedules
 from zerompi.optim.optimizer import ZeroOptimizer
 from zerompi.phase import PhaseTracker
 from zerompi.shard import deferred
 from zerompi.shard.bucket import Placement
 from zerompi.shard.sharded import Overlap, ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -76,7 +80,8 @@ class Engine:
     """Trains ``module`` with ZeRO over the ranks of ``group``; build it with :func:`initialize`."""
 
     def __init__(self, module: nn.Module, cfg: ZeroConfig, group: ProcessGroup,
-                 param_groups: list[dict[str, Any]] | None = None, param_init: deferred.ParamInit | None = None):
+                 param_groups: list[dict[str, Any]] | None = None, param_init: deferred.ParamInit | None = None,
+                 lr_scheduler: schedules.SchedulerFactory | None = None):
         self.config = cfg
         self.group = group
         self.info = launch.discover(group)
@@ -115,6 +120,8 @@ class Engine:
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
         self._phase = PhaseTracker(cfg.grad_accum_steps)
         self._stats = Stats()
+        self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_config(cfg), self.optimizer)
+        """Stepped by ``step()`` after each optimizer step that updated (None: the lr stays)."""
 
     # ---- identity ---------------------------------------------------------
     @property
@@ -168,9 +175,15 @@ class Engine:
         self._stats.last_grad_norm = result.grad_norm
         if result.stepped:
             self._stats.steps += 1
+            if self.lr_scheduler is not None:  # a skipped (fp16 overflow) step does not advance it
+                self.lr_scheduler.step()
         else:
             self._stats.skipped_steps += 1
         return result.stepped
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer param group, as the next step will use it."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -207,7 +220,8 @@ class Engine:
         s, shard = self._stats, self.groups.shard
         shards = tuple(ShardSnapshot(b.layout, b.own, b.layout.shard(shard.rank)) for b in self.sharded.buckets)
         return EngineSnapshot(
-            counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state()), config=self.config,
+            counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state(),
+                              json.loads(schedules.state_json(self.lr_scheduler) or "null")), config=self.config,
             shard_rank=shard.rank, shard_size=shard.size,
             writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
             hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
@@ -218,6 +232,12 @@ class Engine:
         self._phase.reset()
         self._stats.steps, self._stats.skipped_steps = counters.steps, counters.skipped_steps
         self.optimizer.load_scaler_state(counters.scaler)
+        if self.lr_scheduler is not None and counters.scheduler is not None:
+            self.lr_scheduler.load_state_dict(counters.scheduler)
+        elif self.lr_scheduler is not None or counters.scheduler is not None:
+            had, has = ("no", "an") if self.lr_scheduler is not None else ("an", "no")
+            logger.warning("the checkpoint has %s lr scheduler state and this engine has %s lr scheduler: the "
+                           "learning rates are the checkpoint's param-group values, not rescheduled", had, has)
 
     def save_checkpoint(self, path, tag: str | None = None, client_state: Any = None) -> str:
         """Collective: write a sharded HDF5 checkpoint under ``path``; returns its tag.
@@ -272,7 +292,8 @@ def _param_groups(module: nn.Module, param_groups):
 
 def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
                param_groups: list[dict[str, Any]] | None = None,
-               param_init: deferred.ParamInit | None = None) -> Engine:
+               param_init: deferred.ParamInit | None = None,
+               lr_scheduler: schedules.SchedulerFactory | None = None) -> Engine:
     """Collective: wrap ``model`` in an :class:`Engine` over ``comm`` (``MPI.COMM_WORLD`` by default).
 
     ``param_groups`` optionally splits the trainable parameters into optimizer
@@ -282,6 +303,9 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     A model built under ``torch.device("meta")`` is materialised one bucket at
     a time, each module by ``param_init(module)`` (default: its
     ``reset_parameters()``), so no rank ever holds the whole model (deferred.py).
+
+    ``lr_scheduler(optimizer)`` builds any ``torch.optim.lr_scheduler`` scheduler on the
+    engine's optimizer (default: the config's ``lr_schedule``); ``engine.step()`` steps it.
     """
     cfg = config if config is not None else ZeroConfig()
     store_for(cfg.checkpoint_layout)  # a layout this h5py cannot write fails now, not at the first save
@@ -292,4 +316,4 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
         group.start_watchdog(cfg.collective_timeout)
     if cfg.overlap.progress == Progress.THREAD:
         group.start_comm_thread()
-    return Engine(model, cfg, group, param_groups, param_init)
+    return Engine(model, cfg, group, param_groups, param_init, lr_scheduler)

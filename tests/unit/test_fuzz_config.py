@@ -86,6 +86,9 @@ _KNOWN_VALID = {
     "pin_memory": st.booleans(), "nonfinite": st.sampled_from(["raise", "skip"]),
     "debug_collectives": st.booleans(), "collective_timeout": st.one_of(st.none(), _POS),
     "abort_on_exception": st.booleans(), "checkpoint_layout": st.sampled_from(["auto", "per_rank"]),
+    # a decaying schedule needs total_steps > warmup_steps and min_lr <= lr: test_fuzz_decaying_schedules
+    "lr_schedule": st.just("constant"), "warmup_steps": st.integers(0, 10**4),
+    "total_steps": st.one_of(st.none(), st.integers(1, 10**6)), "min_lr": st.just(0.0),
 }
 
 
@@ -363,6 +366,18 @@ def test_fuzz_valid_dicts_round_trip(doc):
     cfg = judge("from_dict/valid", lambda: ZeroConfig.from_dict(doc))
     assert cfg is not None, "a valid document was refused"
     json.dumps(cfg.to_dict())  # "a plain dict that from_dict accepts and JSON can hold"
+
+
+@settings(max_examples=100, **FUZZ)
+@given(st.sampled_from(["warmup_cosine", "warmup_linear"]), st.integers(0, 10**4), st.integers(1, 10**4),
+       _POS, st.floats(0, 1))
+def test_fuzz_decaying_schedules(schedule, warmup, more, lr, fraction):
+    doc = dict(lr_schedule=schedule, warmup_steps=warmup, total_steps=warmup + more, lr=lr, min_lr=lr * fraction)
+    cfg = judge("from_dict/schedule", lambda: ZeroConfig.from_dict(doc))
+    assert cfg is not None and ZeroConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in (dict(total_steps=warmup), dict(min_lr=lr * 2 + 1), dict(total_steps=None)):
+        with pytest.raises(ConfigError, match="total_steps|min_lr"):
+            ZeroConfig.from_dict({**doc, **bad})
 
 
 # ---- from_deepspeed ----------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class CheckpointIndex:
     replicated: list[str] = field(default_factory=list)      # frozen parameters and buffers, in index.h5
     save_id: str = ""  # written into every file of the save: a file of another save is refused
     layout: str = "per_rank"  # "per_rank": rankNNNNN.h5 files; "shared": one shards.h5 (shared.py)
+    scheduler: Any = None     # the lr scheduler's state_dict (JSON), when the engine had one
 
     # ---- layout ----------------------------------------------------------
     def layouts(self) -> list[BucketLayout]:

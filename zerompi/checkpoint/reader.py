@@ -208,7 +208,7 @@ def apply(engine, snap: EngineSnapshot, loaded: Loaded) -> None:
         snap.states.load_shard(i, torch.from_numpy(data.master), state)
     snap.states.load_hyperparameters(loaded.index.optimizer.get("groups", []))
     index = loaded.index
-    engine.restore(Counters(index.steps, index.skipped_steps, index.scaler or None))
+    engine.restore(Counters(index.steps, index.skipped_steps, index.scaler or None, index.scheduler))
     if loaded.rng is not None:
         torch.set_rng_state(torch.from_numpy(loaded.rng.copy()))
     if loaded.cuda_rng is not None:

@@ -24,6 +24,7 @@ class Counters(NamedTuple):
     steps: int
     skipped_steps: int
     scaler: dict[str, Any] | None  # {"scale", "good_steps", "hysteresis_left"}, or None without fp16
+    scheduler: dict[str, Any] | None = None  # the lr scheduler's state_dict, or None without one
 
 
 class ShardSnapshot(NamedTuple):

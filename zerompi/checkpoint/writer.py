@@ -102,7 +102,8 @@ def _index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict, sav
         steps=snap.counters.steps, skipped_steps=snap.counters.skipped_steps,
         params=[{"name": n, "shape": list(p.shape), "trainable": p.requires_grad} for n, p in m.named_parameters()],
         buckets=buckets, optimizer=meta, replicated=replicated, client_state=client_state,
-        scaler=snap.counters.scaler, config=snap.config.to_dict(), save_id=save_id, layout=kind)
+        scaler=snap.counters.scaler, config=snap.config.to_dict(), save_id=save_id, layout=kind,
+        scheduler=snap.counters.scheduler)
 
 
 def _write_index(engine, path: Path, index: CheckpointIndex) -> None:

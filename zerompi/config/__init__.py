@@ -1,12 +1,12 @@
 """The engine's configuration: :class:`ZeroConfig`, the choices it parses once and
 the policies that group its fields."""
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite,
-                                    Offload, Progress, Stage)
+                                    Offload, Progress, Schedule, Stage)
 from zerompi.config.policies import (OffloadPolicy, OverlapPolicy, PrecisionPolicy, ReliabilityPolicy,
                                      TopologyPolicy)
 from zerompi.config.zero import ZeroConfig
 
 __all__ = ["ZeroConfig",
-           "Stage", "DType", "Offload", "Device", "CudaAware", "Progress", "Hierarchy", "NonFinite",
+           "Stage", "DType", "Offload", "Device", "CudaAware", "Progress", "Hierarchy", "NonFinite", "Schedule",
            "CheckpointLayout",
            "PrecisionPolicy", "OffloadPolicy", "OverlapPolicy", "TopologyPolicy", "ReliabilityPolicy"]

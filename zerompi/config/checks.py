@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite,
-                                    Offload, Progress, Stage)
+                                    Offload, Progress, Schedule, Stage)
 from zerompi.errors import ConfigError
 
 E = TypeVar("E", bound=Enum)
@@ -204,6 +204,10 @@ CHECKS: dict[str, Check] = {
     "collective_timeout": lambda k, v: optional(k, v, lambda k, v: real(k, v, gt=0), "no watchdog"),
     "abort_on_exception": boolean,
     "checkpoint_layout": _of(CheckpointLayout),
+    "lr_schedule": _of(Schedule),
+    "warmup_steps": lambda k, v: integer(k, v, 0),
+    "total_steps": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "no decay"),
+    "min_lr": nonnegative,
 }
 """One checker per ZeroConfig field, called as ``check(key, value)`` -> normalised value."""
 
@@ -218,6 +222,18 @@ def check_offload(cfg: Any) -> None:
                           f"stage={cfg.stage} is not allowed; allowed: stage 3")
     if Offload.NVME in (cfg.offload_optimizer, cfg.offload_params) and cfg.nvme_path is None:
         raise ConfigError("nvme_path=None: offloading to 'nvme' needs a directory for the swap files")
+
+
+def check_schedule(cfg: Any) -> None:
+    """A decaying schedule needs to know where it ends, after the warm-up."""
+    if cfg.lr_schedule == Schedule.CONSTANT:
+        return
+    if cfg.total_steps is None or cfg.total_steps <= cfg.warmup_steps:
+        raise ConfigError(f"lr_schedule={cfg.lr_schedule!r} decays until total_steps, which must be more than "
+                          f"warmup_steps={cfg.warmup_steps}; got total_steps={cfg.total_steps!r}; allowed: an int "
+                          f"> {cfg.warmup_steps}, or lr_schedule='constant'")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"min_lr={cfg.min_lr!r} is above lr={cfg.lr!r}; allowed: 0 <= min_lr <= lr")
 
 
 def check_optimizer_kwargs(cfg: Any) -> None:

@@ -140,6 +140,17 @@ class NonFinite(Choice):
     """Skip the step on every rank."""
 
 
+class Schedule(Choice):
+    """The learning-rate schedule the engine steps (``lr_schedule``)."""
+
+    CONSTANT = "constant"
+    """``lr`` throughout (no scheduler)."""
+    WARMUP_COSINE = "warmup_cosine"
+    """Linear warm-up over ``warmup_steps`` to ``lr``, then cosine decay to ``min_lr`` at ``total_steps``."""
+    WARMUP_LINEAR = "warmup_linear"
+    """Linear warm-up over ``warmup_steps`` to ``lr``, then linear decay to ``min_lr`` at ``total_steps``."""
+
+
 class CheckpointLayout(Choice):
     """How save_checkpoint lays out its files."""
 

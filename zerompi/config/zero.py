@@ -20,7 +20,7 @@ import torch
 
 from zerompi.config import checks
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite,
-                                    Offload, Progress, Stage)
+                                    Offload, Progress, Schedule, Stage)
 from zerompi.config.deepspeed import deepspeed_kwargs, looks_like_deepspeed
 from zerompi.config.files import read_document
 from zerompi.config.policies import (OffloadPolicy, OverlapPolicy, PrecisionPolicy, ReliabilityPolicy,
@@ -137,6 +137,20 @@ class ZeroConfig:
     """'per_rank': save_checkpoint writes one HDF5 file per rank plus index.h5; 'shared': one
     shards.h5 written collectively through h5py's mpio driver (needs h5py built with MPI);
     'auto': shared when h5py has MPI, else per_rank. Both load at any world size."""
+    lr_schedule: Schedule = Schedule.CONSTANT
+    """Learning-rate schedule the engine steps after each optimizer step: 'constant' (lr
+    throughout), 'warmup_cosine' or 'warmup_linear' (linear warm-up from lr/warmup_steps to lr
+    over warmup_steps steps, then cosine or linear decay to min_lr at total_steps, min_lr after).
+    Per optimizer param group, relative to that group's lr. ``initialize(lr_scheduler=fn)``
+    takes any torch.optim.lr_scheduler instead."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up, >= 0."""
+    total_steps: int | None = None
+    """The optimizer step at which a decaying schedule reaches min_lr; > warmup_steps. None only
+    with lr_schedule='constant'."""
+    min_lr: float = 0.0
+    """The learning rate a decaying schedule ends at, 0 <= min_lr <= lr (a group with another lr
+    ends at min_lr scaled by that group's lr / lr)."""
 
     def __post_init__(self) -> None:
         # Field order, so the first problem reported is the first field's; the
@@ -144,6 +158,7 @@ class ZeroConfig:
         for f in fields(self):
             object.__setattr__(self, f.name, checks.CHECKS[f.name](f.name, getattr(self, f.name)))
         checks.check_offload(self)
+        checks.check_schedule(self)
         checks.check_optimizer_kwargs(self)
 
     def __eq__(self, other: object) -> bool:

@@ -49,8 +49,14 @@ def optimizer_kwargs(cfg) -> dict[str, Any]:
     return {**base, **cfg.optimizer_kwargs}
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """Runs ``cfg.optimizer`` over the buckets' master shards.
+
+    To schedulers and to user code it is a ``torch.optim.Optimizer`` whose
+    ``param_groups`` are the user's groups (one, or the ``param_groups`` given to
+    ``initialize``, in that order): they are the inner optimizer's group dicts
+    themselves, so setting ``param_groups[i]["lr"]`` (or any option) reaches every
+    bucket shard of group i. Its ``state`` is the inner optimizer's, keyed by shard.
 
     Args:
         buckets: every bucket of the sharded model.
@@ -75,6 +81,10 @@ class ZeroOptimizer:
                 groups.append({**options, "params": masters})
         self.inner = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg))
         self.store = tiers.optimizer_store(buckets, self.inner)
+        # torch.optim.Optimizer's bookkeeping over the inner optimizer's own group dicts (shared,
+        # not copied) and state, so that schedulers and hooks see and change the real thing
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        self.state = self.inner.state
 
     @property
     def loss_scale(self) -> float:

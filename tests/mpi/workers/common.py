@@ -61,8 +61,12 @@ class Run:
 
 
 def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=gpt_loss,
-                    param_groups=None, zero_missing_grads: bool = True, order: "Order | None" = None) -> Run:
+                    param_groups=None, zero_missing_grads: bool = True, order: "Order | None" = None,
+                    lr_scheduler=None, lrs: list | None = None) -> Run:
     """Single-process training on the global batch with fp32 masters.
+
+    ``lr_scheduler(opt)`` builds a scheduler stepped after every optimizer step; ``lrs``
+    collects each step's learning rates (of every param group).
 
     ``order`` gives the same arithmetic in another summation order (see Order).
     How far that moves the result is the order noise the parity bounds are
@@ -74,6 +78,7 @@ def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=
     pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
     groups = param_groups(master) if param_groups else [{"params": [m for m, _ in pairs]}]
     opt = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg))
+    sched = lr_scheduler(opt) if lr_scheduler is not None else None
     # fp16: the engine's initial dynamic loss scale (it cannot change within a short run)
     scale = float(2 ** cfg.initial_scale_power) if cfg.dtype == "fp16" else 1.0
     parts = cfg.grad_accum_steps * order.chunks
@@ -92,7 +97,11 @@ def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=
             m.grad = None if g is None else g.float() / scale
         if cfg.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], cfg.clip_grad_norm)
+        if lrs is not None:
+            lrs.append([g["lr"] for g in opt.param_groups])
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         work.zero_grad(set_to_none=True)
         if work is not master:
@@ -154,17 +163,20 @@ def compare(ours: Run, ref: Run, alts: list[Run], init: dict | None = None) -> d
 
 
 def zero_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=gpt_loss,
-               param_groups=None, comm=None):
+               param_groups=None, comm=None, lr_scheduler=None, lrs: list | None = None):
     """The same training through the engine; returns (Run, engine)."""
-    engine = zerompi.initialize(model, cfg, comm=comm,
+    engine = zerompi.initialize(model, cfg, comm=comm, lr_scheduler=lr_scheduler,
                                 param_groups=param_groups(model) if param_groups else None)
-    return engine_train(engine, batches, loss_fn), engine
+    return engine_train(engine, batches, loss_fn, lrs), engine
 
 
-def engine_train(engine, batches, loss_fn=gpt_loss) -> Run:
-    """``batches[step]``'s global micro-batches through ``engine``, each rank on its part."""
+def engine_train(engine, batches, loss_fn=gpt_loss, lrs: list | None = None) -> Run:
+    """``batches[step]``'s global micro-batches through ``engine``, each rank on its part
+    (``lrs`` collects the learning rates each step used)."""
     losses = []
     for micro_batches in batches:
+        if lrs is not None:
+            lrs.append(engine.get_lr())
         total = 0.0
         for batch in micro_batches:
             loss = loss_fn(engine, local_part(batch, engine.rank))
