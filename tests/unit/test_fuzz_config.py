@@ -87,6 +87,7 @@ _KNOWN_VALID = {
     "debug_collectives": st.booleans(), "collective_timeout": st.one_of(st.none(), _POS),
     "abort_on_exception": st.booleans(), "checkpoint_layout": st.sampled_from(["auto", "per_rank"]),
     # a decaying schedule needs total_steps > warmup_steps and min_lr <= lr: test_fuzz_decaying_schedules
+    "param_persistence_threshold": st.just(0),
     "lr_schedule": st.just("constant"), "warmup_steps": st.integers(0, 10**4),
     "total_steps": st.one_of(st.none(), st.integers(1, 10**6)), "min_lr": st.just(0.0),
 }

@@ -204,6 +204,7 @@ CHECKS: dict[str, Check] = {
     "collective_timeout": lambda k, v: optional(k, v, lambda k, v: real(k, v, gt=0), "no watchdog"),
     "abort_on_exception": boolean,
     "checkpoint_layout": _of(CheckpointLayout),
+    "param_persistence_threshold": lambda k, v: integer(k, v, 0),
     "lr_schedule": _of(Schedule),
     "warmup_steps": lambda k, v: integer(k, v, 0),
     "total_steps": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "no decay"),
@@ -220,6 +221,9 @@ def check_offload(cfg: Any) -> None:
     if cfg.offload_params != Offload.NONE and not cfg.stage.shards_params:
         raise ConfigError(f"offload_params={cfg.offload_params!r} needs sharded parameters: "
                           f"stage={cfg.stage} is not allowed; allowed: stage 3")
+    if cfg.param_persistence_threshold and not cfg.stage.shards_params:
+        raise ConfigError(f"param_persistence_threshold={cfg.param_persistence_threshold} keeps small parameters "
+                          f"gathered, which only stage 3 shards; stage={cfg.stage}; allowed: 0, or stage 3")
     if Offload.NVME in (cfg.offload_optimizer, cfg.offload_params) and cfg.nvme_path is None:
         raise ConfigError("nvme_path=None: offloading to 'nvme' needs a directory for the swap files")
 

@@ -137,6 +137,11 @@ class ZeroConfig:
     """'per_rank': save_checkpoint writes one HDF5 file per rank plus index.h5; 'shared': one
     shards.h5 written collectively through h5py's mpio driver (needs h5py built with MPI);
     'auto': shared when h5py has MPI, else per_rank. Both load at any world size."""
+    param_persistence_threshold: int = 0
+    """Stage 3: trainable parameters with fewer elements than this stay gathered on every rank
+    between uses (their optimizer state and gradients stay sharded, as at stage 2), which saves
+    their many small all-gathers in forward and backward for c bytes each of memory; 0 shards
+    every parameter. DeepSpeed's stage3_param_persistence_threshold."""
     lr_schedule: Schedule = Schedule.CONSTANT
     """Learning-rate schedule the engine steps after each optimizer step: 'constant' (lr
     throughout), 'warmup_cosine' or 'warmup_linear' (linear warm-up from lr/warmup_steps to lr

@@ -80,7 +80,7 @@ class Bucket:
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
         self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
-        if groups.secondary is not None:
+        if groups.secondary is not None and plan.shard_params:
             sec = layout.padded_numel // groups.gather.size
             rank = groups.gather.rank
             self.secondary = Resident(self.param_full.tensor[rank * sec:(rank + 1) * sec].clone())
@@ -172,8 +172,8 @@ class Bucket:
         with self.param_tier.loaded(load=False) as shard:
             if self.separate:
                 shard.copy_(self.master)
-            if self.plan.gather_after_step:
-                self.groups.gather.all_gather(None, self.param_full.tensor, what=self.name)
+            if self.plan.gather_after_step:  # over the group the bucket is sharded over
+                self.groups.shard.all_gather(None, self.param_full.tensor, what=self.name)
             if self.secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
                 self.groups.secondary.all_gather(shard, self.secondary.tensor, what=self.name)
             self.param_tier.store()

@@ -8,6 +8,7 @@ from rank 0): they take no gradient and no optimizer state.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.hooks import HookSet
 from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
 from zerompi.shard.prefetch import Prefetcher
+from zerompi.shard.stages import plan_for
 
 logger = get_logger(__name__)
 
@@ -47,6 +49,8 @@ class ShardOptions:
     overlap: Overlap = Overlap()
     param_init: ParamInit | None = None
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
+    persistence_threshold: int = 0
+    """Stage 3: parameters with fewer elements stay gathered (buckets planned as at stage 2)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,8 @@ class ShardedModel:
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.units: list[Unit] = []
-        layouts = self._plan(named, options.cap_numel, options.param_group)
+        self._persistent: set[int] = set()  # stage 3: indices of buckets whose parameters stay gathered
+        layouts = self._plan(named, options.cap_numel, options.param_group, options.persistence_threshold)
         self.buckets = [self._build(layout) for layout in layouts]
         self._slot_of: dict[nn.Parameter, tuple[Bucket, int]] = {}
         for b in self.buckets:
@@ -124,12 +129,15 @@ class ShardedModel:
         return self._backward is not None
 
     # ---- planning ---------------------------------------------------------
-    def _plan(self, named, cap: int, param_group) -> list[BucketLayout]:
+    def _plan(self, named, cap: int, param_group, persistence: int) -> list[BucketLayout]:
         world = self.placement.world_size
+        # reverse registration order ~ the order backward produces gradients
+        kept = [(n, p) for n, p in named if not self.plan.shard_params or p.numel() < persistence]
+        layouts = plan_buckets([ParamSpec(n, tuple(p.shape), param_group[p]) for n, p in reversed(kept)], world, cap)
         if not self.plan.shard_params:
-            # reverse registration order ~ the order backward produces gradients
-            specs = [ParamSpec(n, tuple(p.shape), param_group[p]) for n, p in reversed(named)]
-            return plan_buckets(specs, world, cap)
+            return layouts
+        self._persistent = {lay.index for lay in layouts}
+        named = [(n, p) for n, p in named if p.numel() >= persistence]
         owners = _owners(self.module, [p for _, p in named])
         modules = dict(self.module.named_modules())
         own_numel: dict[str, int] = {}
@@ -137,7 +145,6 @@ class ShardedModel:
             own_numel[owner] = own_numel.get(owner, 0) + p.numel()
         runs = {n for n, m in modules.items() if type(m).forward is not nn.Module.forward}
         unit_of = choose_units(list(modules), own_numel, cap, runs)
-        layouts: list[BucketLayout] = []
         for fqn in modules:
             if unit_of[fqn] != fqn:
                 continue
@@ -158,9 +165,12 @@ class ShardedModel:
             init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         # every rank starts from rank 0's values, as DDP does
         self.groups.world.broadcast(init, what=f"initial values of bucket {layout.index}")
-        bucket = Bucket(layout, params, self.placement, init, self.groups, self.tiers)
+        placement = self.placement
+        if layout.index in self._persistent:  # stage 3's small parameters: kept whole, as at stage 2
+            placement = dataclasses.replace(placement, plan=plan_for(2))
+        bucket = Bucket(layout, params, placement, init, self.groups, self.tiers)
         del init  # the next bucket's values may take its place
-        if self.plan.shard_params:
+        if bucket.plan.shard_params:
             self._unit[layout.unit].buckets.append(bucket)
         return bucket
 
@@ -261,7 +271,7 @@ class ShardedModel:
         for b in self.buckets:
             b.reshard()
         if self.plan.shard_params:
-            stuck = [b.layout.index for b in self.buckets if b.state is not BucketState.SHARDED]
+            stuck = [b.layout.index for b in self.buckets if b.plan.shard_params and b.state is not BucketState.SHARDED]
             if stuck:
                 raise ZeroMPIError(f"buckets {stuck} are still gathered after backward")
 
