@@ -115,8 +115,6 @@ def main(argv: list[str] | None = None) -> None:
     train.update({k: v for k, v in (("steps", args.steps), ("out_dir", args.out), ("save_every", args.save_every))
                   if v is not None})
     gpt_cfg = gpt_config_from_dict(model_doc)
-    if zero_doc.get("lr_schedule", "constant") != "constant" and "total_steps" not in zero_doc:
-        zero_doc = {**zero_doc, "total_steps": train["steps"]}  # the schedule decays over the run
     cfg = zerompi.ZeroConfig.from_dict(zero_doc)
     if args.stage is not None:
         cfg = cfg.replace(stage=args.stage)
