@@ -18,6 +18,7 @@ ranks by node). Every node must have the same number of ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from zerompi.dist.group import ProcessGroup
 from zerompi.config.choices import Hierarchy, Stage
@@ -41,15 +42,24 @@ class Groups:
         return self.replicate is not None or self.secondary is not None
 
 
-def node_layout(info: RankInfo, ranks_per_node: int | None) -> tuple[int, int, int, int]:
-    """(node, local rank, ranks per node, number of nodes) of this rank."""
+class NodePlacement(NamedTuple):
+    """Where this rank sits among the nodes."""
+
+    node: int
+    local_rank: int
+    ranks_per_node: int
+    nodes: int
+
+
+def node_placement(info: RankInfo, ranks_per_node: int | None) -> NodePlacement:
+    """This rank's node, its rank within it, the ranks per node and the number of nodes."""
     if ranks_per_node is None:
-        return info.node_rank, info.local_rank, info.local_size, info.num_nodes
+        return NodePlacement(info.node_rank, info.local_rank, info.local_size, info.num_nodes)
     if info.world_size % ranks_per_node:
         raise ConfigError(f"ranks_per_node={ranks_per_node} does not divide the world size "
                           f"{info.world_size}; allowed: a divisor of the world size")
-    return (info.rank // ranks_per_node, info.rank % ranks_per_node, ranks_per_node,
-            info.world_size // ranks_per_node)
+    return NodePlacement(info.rank // ranks_per_node, info.rank % ranks_per_node, ranks_per_node,
+                         info.world_size // ranks_per_node)
 
 
 def build_groups(world: ProcessGroup, info: RankInfo, topology: TopologyPolicy, stage: Stage) -> Groups:
@@ -61,7 +71,7 @@ def build_groups(world: ProcessGroup, info: RankInfo, topology: TopologyPolicy, 
         raise ConfigError("hierarchy='hsdp' shards within a node: it needs stage 1, 2 or 3")
     if hierarchy == Hierarchy.HPZ and not stage.shards_params:
         raise ConfigError(f"hierarchy='hpz' is a stage-3 parameter partition; stage={stage}")
-    node, local, per_node, nodes = node_layout(info, ranks_per_node)
+    node, local, per_node, nodes = node_placement(info, ranks_per_node)
     sizes = world.allgather_object(per_node)
     if len(set(sizes)) != 1:
         raise ConfigError(f"hierarchy={hierarchy!r} needs the same number of ranks on every node, "
