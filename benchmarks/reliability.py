@@ -375,6 +375,14 @@ def summary(results: dict) -> list[str]:
                    f"(CheckpointError), {ck.get('unused_bytes', 0)} landed in unused bytes (identical values); "
                    f"known bugs hit: {known}; anything else (crash, hang, wrong values, half-loaded engine, "
                    f"another exception): {ck.get('violation', 0)}.")
+        hostile = [c for k, c in fz["checkpoint"].get("by_kind", {}).items()
+                   if k.startswith(("structure/", "outside/"))]
+        if hostile:
+            out.append(f"- Hostile structures (links, virtual datasets, external storage, filters, data swapped "
+                       f"between tensors, ranks or saves, symbolic links out of the checkpoint): "
+                       f"{sum(c.get('tried', 0) for c in hostile)} tried, "
+                       f"{sum(c.get('engine_detected', 0) for c in hostile)} refused by `engine.load_checkpoint` "
+                       f"and {sum(c.get('full_detected', 0) for c in hostile)} by `load_full_state_dict`.")
     if cf:
         known = ", ".join(f"{k.removeprefix('known_bug_')}: {v}" for k, v in sorted(cf.items())
                           if k.startswith("known_bug")) or "none"
@@ -498,6 +506,15 @@ def render(results: dict, meta: dict) -> str:
                   f"**{t.get('unused_bytes', 0)}** | **{known_total}** | **{t.get('violation', 0)}** |", "",
                   "`files/...` are every deletion, swap and copy of whole files; `fuzz/...` the hypothesis "
                   "examples (1-8 bit flips, half of them within 64 bytes of an HDF5 structure; truncations). "
+                  "`structure/...` are hand-crafted files that are valid HDF5 with valid checksums: a dataset "
+                  "made a soft, hard or external link, a virtual dataset, external raw storage, filtered "
+                  "(fletcher32, gzip, lzf, shuffle) or declaring 2^40 elements (on any dataset of any file, "
+                  "drawn by hypothesis, and on fixed ones), datasets swapped between tensors (`swap_tensors`, "
+                  "`hard_link`), ranks (`swap_ranks`) and saves (`swap_saves`), and a tag directory, `latest` or "
+                  "a file replaced by a symbolic link out of the checkpoint (`symlink_out`); each must be "
+                  "refused. `outside/...` are external storage, a virtual dataset and an external link whose "
+                  "target is a FIFO: a loader that opened it would hang (the per-load limit makes that a "
+                  "violation). "
                   "K2 and K5 need one of a few specific bits among ~10^5 and are rare under random flips; they "
                   "were found by flipping single bits of the datatype messages and by an earlier out-of-process "
                   "batch of 120 random mutations (one load spun for over a minute), and have deterministic "

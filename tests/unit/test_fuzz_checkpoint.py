@@ -10,6 +10,11 @@ single-process loads reshard. Copies of them are damaged by
   signatures, datatype messages, attribute names, the first data bytes),
 * truncation at any offset, deletion of any file, swapped / duplicated rank files,
 * loading into a different model or optimizer,
+* hostile structures (hostile.py) that are valid HDF5 with valid checksums: soft,
+  hard and external links, virtual datasets, external raw storage, filters, a
+  2^40-element declaration, datasets swapped between tensors, ranks and saves,
+  symbolic links out of the checkpoint; each must be refused by both loaders,
+  and a FIFO as the outside target shows that nothing outside is opened,
 
 and then loaded twice: ``load_full_state_dict(root, tag)`` reading every tensor,
 and ``engine.load_checkpoint`` into a fresh single-process engine. The
@@ -29,7 +34,8 @@ carries the save's id), K5 (a damaged global-heap object size made HDF5 loop
 forever: no attribute lives in the global heap any more), S1 (a kill while
 re-saving the tag ``latest`` names).
 
-Set ``ZEROMPI_FUZZ_REPORT=path.json`` to get the counts (section ``checkpoint``).
+Set ``ZEROMPI_FUZZ_REPORT=path.json`` to get the counts (section ``checkpoint``; the hostile
+structures under ``structure/...`` and ``outside/...``).
 """
 from __future__ import annotations
 
@@ -66,6 +72,7 @@ import zerompi  # noqa: E402
 from zerompi.checkpoint import load_full_state_dict  # noqa: E402
 from zerompi.errors import CheckpointError  # noqa: E402
 from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
+from tests.unit import hostile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 15      # one load of these few-KiB files takes milliseconds; longer is a hang
@@ -162,6 +169,7 @@ class Base:
     files: list[str] = field(default_factory=list)        # mutable files, relative to root
     sizes: dict[str, int] = field(default_factory=dict)
     hotspots: dict[str, list[int]] = field(default_factory=dict)
+    datasets: dict[str, list[str]] = field(default_factory=dict)   # per .h5 file, every dataset
     gcol: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # global heaps (K5)
     ref_full: dict[str, tuple] = field(default_factory=dict)
     ref_engine: dict[str, Any] = field(default_factory=dict)
@@ -194,6 +202,13 @@ def hotspots(path: Path) -> list[int]:
     return sorted(spots)
 
 
+def dataset_names(path: Path) -> list[str]:
+    out: list[str] = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda n, o: out.append(n) if isinstance(o, h5py.Dataset) else None)
+    return out
+
+
 def prepare_base(name: str, root: Path) -> Base:
     if name == "one":
         base = Base(name, root, lambda: zerompi.initialize(Net(), one_config()), world=1)
@@ -204,6 +219,7 @@ def prepare_base(name: str, root: Path) -> Base:
     base.hotspots = {f: hotspots(root / f) for f in base.files if f.endswith(".h5")}
     base.hotspots["latest"] = [0]
     base.gcol = {f: global_heaps(root / f) for f in base.files if f.endswith(".h5")}
+    base.datasets = {f: dataset_names(root / f) for f in base.files if f.endswith(".h5")}
     base.ref_full = read_full(root, "good")
     engine = base.make_engine()
     client = engine.load_checkpoint(root, "good")
@@ -242,11 +258,13 @@ def write_two(root: Path) -> bool:
 @dataclass(frozen=True)
 class Mutation:
     base: str
-    kind: str                                  # flip | truncate | delete | swap | copy
+    kind: str                                  # flip | truncate | delete | swap | copy, or one of STRUCTURAL
     path: str                                  # relative to the root
     flips: tuple[tuple[int, int], ...] = ()    # (byte offset, bit)
     size: int = 0                              # truncate: new length
-    other: str = ""                            # swap / copy: the second file
+    other: str = ""                            # swap / copy: the second file; structural: see STRUCTURAL
+    dataset: str = ""                          # structural: the dataset changed in ``path``
+    fifo: bool = False                         # structural: the target outside the root is a FIFO
 
     @property
     def tag(self) -> str | None:
@@ -271,13 +289,40 @@ class Mutation:
             tmp.rename(root / self.other)
         elif self.kind == "copy":  # `other` replaces `path`
             shutil.copyfile(root / self.other, target)
+        elif self.kind in STRUCTURAL:
+            STRUCTURAL[self.kind](self, root)
         else:
             raise ValueError(self.kind)
 
     def __str__(self) -> str:
         extra = {"flip": f" flips(offset, bit)={list(self.flips)}", "truncate": f" to {self.size} bytes",
                  "swap": f" <-> {self.other}", "copy": f" := {self.other}"}.get(self.kind, "")
+        if self.kind in STRUCTURAL:
+            extra = f" {self.dataset}{' / ' + self.other if self.other else ''}{' (FIFO)' if self.fifo else ''}"
         return f"[{self.base}] {self.kind} {self.path}{extra}"
+
+
+def _swap_saves(m: Mutation, root: Path) -> None:
+    """``m.other`` is the same rank file of another save (outside this copy): a copy of it is used."""
+    other = hostile.outside(root) / f"other-save-{Path(m.path).name}"
+    shutil.copyfile(m.other, other)
+    hostile.swap_files(root, m.path, other, m.dataset)
+
+
+# Structural mutations (hostile.py): each must be refused by both loaders, reading nothing outside.
+STRUCTURAL: dict[str, Callable[[Mutation, Path], None]] = {
+    "soft_link": lambda m, root: hostile.soft_link(root, m.path, m.dataset, m.other),
+    "hard_link": lambda m, root: hostile.hard_link(root, m.path, m.dataset, m.other),
+    "external_link": lambda m, root: hostile.external_link(root, m.path, m.dataset, m.fifo),
+    "virtual": lambda m, root: hostile.virtual(root, m.path, m.dataset, m.fifo),
+    "external_storage": lambda m, root: hostile.external_storage(root, m.path, m.dataset, m.fifo),
+    "filter": lambda m, root: hostile.filtered(root, m.path, m.dataset, m.other),
+    "huge": lambda m, root: hostile.huge(root, m.path, m.dataset),
+    "swap_tensors": lambda m, root: hostile.swap_tensors(root, m.path, m.dataset, m.other),
+    "swap_ranks": lambda m, root: hostile.swap_files(root, m.path, root / m.other, m.dataset),
+    "swap_saves": _swap_saves,
+    "symlink_out": lambda m, root: hostile.symlink_out(root, m.path),
+}
 
 
 class HypothesisDraw:
@@ -668,6 +713,94 @@ def test_deleted_swapped_and_copied_files_are_detected(bases, workdir, base_name
     assert (full.outcome, eng.outcome) == ("detected", "detected"), (str(m), full, eng)
     name = Path(path if kind != "copy" else path).name
     assert name in full.error or (path == "good" and "good" in full.error), full.error
+
+
+# ---- hostile structure: links, virtual datasets, external storage, filters, swapped data -----------
+# Hand-crafted files (hostile.py) that are valid HDF5 with valid checksums: before they were
+# refused, an external-storage or swapped dataset loaded without an error. Every one must be
+# refused by both loaders with a CheckpointError naming the file, the object and the reason.
+
+R0, R1, IDX = "good/rank00000.h5", "good/rank00001.h5", "good/index.h5"
+STRUCTURE_CASES = [  # (base, kind, path, dataset, other, what the error says)
+    ("one", "soft_link", R0, "b0/master", "b0/state/exp_avg", "soft link"),
+    ("one", "external_link", R0, "b0/master", "", "external link"),
+    ("one", "virtual", R0, "b0/master", "", "virtual dataset"),
+    ("one", "external_storage", R0, "b0/master", "", "external files"),
+    ("one", "external_storage", IDX, "replicated/scale", "", "external files"),
+    ("one", "external_link", IDX, "meta", "", "external link"),
+    ("one", "filter", R0, "b0/master", "fletcher32", "filter"),
+    ("one", "filter", R0, "b1/master", "gzip", "filter"),
+    ("one", "filter", R0, "rng/torch_cpu", "lzf", "filter"),
+    ("one", "filter", IDX, "replicated/scale", "shuffle", "filter"),
+    ("one", "huge", R0, "b0/master", "", "more than the whole file"),
+    ("one", "hard_link", R0, "b0/master", "b0/state/exp_avg", "checksum mismatch"),
+    ("one", "swap_tensors", R0, "b0/master", "b0/state/exp_avg", "checksum mismatch"),
+    ("one", "swap_tensors", R0, "b0/master", "b1/master", "shape"),
+    ("one", "swap_saves", R0, "b0/master", "prev/rank00000.h5", "checksum mismatch"),
+    ("one", "symlink_out", "good", "", "", "outside the checkpoint root"),
+    ("one", "symlink_out", "latest", "", "", "outside the checkpoint root"),
+    ("one", "symlink_out", R0, "", "", "outside the checkpoint directory"),
+    ("one", "symlink_out", IDX, "", "", "outside the checkpoint directory"),
+    ("two", "swap_ranks", R0, "b0/master", R1, "checksum mismatch"),
+    ("two", "swap_ranks", R0, "b1/master", R1, "checksum mismatch"),
+    ("two", "soft_link", R1, "b0/master", "b0/state/exp_avg", "soft link"),
+    ("two", "external_storage", R1, "b1/master", "", "external files"),
+    ("two", "symlink_out", "good", "", "", "outside the checkpoint root"),
+]
+
+
+def _structure_id(case) -> str:
+    base, kind, path, dataset, other, _ = case
+    return "-".join(x.split("/")[-1] for x in (base, kind, path, dataset, other) if x)
+
+
+def _mutation(base: Base, kind: str, path: str, dataset: str = "", other: str = "", fifo: bool = False) -> Mutation:
+    if kind == "swap_saves":  # the rank file of the save before, from the pristine base
+        other = str(base.root / other)
+    return Mutation(base.name, kind, path, other=other, dataset=dataset, fifo=fifo)
+
+
+@pytest.mark.parametrize("case", STRUCTURE_CASES, ids=[_structure_id(c) for c in STRUCTURE_CASES])
+def test_hostile_structures_are_refused(bases, workdir, worker, case):
+    base_name, kind, path, dataset, other, says = case
+    if base_name not in bases:
+        pytest.skip("no 2-rank checkpoint (no usable mpiexec)")
+    m = _mutation(bases[base_name], kind, path, dataset, other)
+    full, eng, _ = run_mutation(bases[base_name], m, workdir, worker, record="structure")
+    assert (full.outcome, eng.outcome) == ("detected", "detected"), (str(m), full, eng)
+    for r in (full, eng):
+        assert says in r.error, (str(m), r.error)
+        named = Path(path).name if kind != "symlink_out" else path
+        assert named in r.error and (not dataset or kind.startswith(("swap", "hard")) or dataset in r.error), \
+            (str(m), r.error)
+
+
+PER_DATASET = ("soft_link", "external_link", "virtual", "external_storage", "filter", "huge")
+
+
+@settings(max_examples=40, **FUZZ)
+@given(data=st.data())
+def test_fuzz_hostile_structure_anywhere(bases, workdir, worker, data):
+    """Any of these structures on any dataset of any file is refused: a file is checked whole on opening."""
+    d = HypothesisDraw(data)
+    base = bases[d.choice(sorted(bases))]
+    path = d.choice(sorted(base.datasets))
+    dataset = d.choice(base.datasets[path])
+    kind = d.choice(PER_DATASET)
+    other = {"soft_link": d.choice(base.datasets[path]), "filter": d.choice(sorted(hostile.FILTERS))}.get(kind, "")
+    m = _mutation(base, kind, path, dataset, other)
+    full, eng, _ = run_mutation(base, m, workdir, worker, record="structure")
+    assert (full.outcome, eng.outcome) == ("detected", "detected"), (str(m), full, eng)
+
+
+@pytest.mark.parametrize("kind", ["external_storage", "virtual", "external_link"])
+def test_nothing_outside_the_checkpoint_is_opened(bases, workdir, worker, kind):
+    """The target outside the checkpoint is a FIFO: opening it would block, so a loader that touched
+    it would hang (the worker's time limit turns that into a failure) instead of failing fast."""
+    base = bases["one"]
+    m = _mutation(base, kind, R0, "b0/master", fifo=True)
+    full, eng, _ = run_mutation(base, m, workdir, worker, timeout=10, record="outside")
+    assert (full.outcome, eng.outcome) == ("detected", "detected"), (str(m), full, eng)
 
 
 def test_no_hdf5_file_stays_open_after_failed_loads(bases, workdir):

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from zerompi.errors import CheckpointError
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import paths, schema
 from zerompi.checkpoint.consolidate import consolidate
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.stores import store_named
@@ -16,19 +16,29 @@ _LAYOUTS = {"per_rank": "one file per rank", "shared": "one shared file"}
 
 
 def _tags(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / schema.INDEX).exists()
-                  and not p.name.startswith("."))
+    """Tags under ``root``; a tag leading outside the root through a symbolic link is refused."""
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")
+                  and paths.directory_in(root, p) and (p / schema.INDEX).exists())
 
 
 def _verify(directory: Path, index: CheckpointIndex) -> str:
     try:
         verify_file(directory / schema.INDEX)
-        store_named(index.layout, directory / schema.INDEX).verify(directory, index.world_size, index.save_id)
+        store = store_named(index.layout, directory / schema.INDEX)
+        store.verify(directory, index.world_size, index.save_id, index.version)
     except CheckpointError as e:
         return f"CORRUPT: {e}"
     except schema.H5_ERRORS as e:
         return f"CORRUPT: {schema.damaged(str(directory), e)}"
     return "ok (every checksum verified)"
+
+
+def _latest(root: Path) -> str | None:
+    pointer = root / schema.LATEST
+    if not pointer.exists() and not pointer.is_symlink():
+        return None
+    paths.regular_file(pointer, root, "checkpoint root")
+    return pointer.read_text(errors="replace").strip()
 
 
 def inspect(args) -> int:
@@ -39,9 +49,10 @@ def inspect(args) -> int:
         tags = _tags(root)
     else:
         raise CheckpointError(f"{root}: no such checkpoint directory")
-    latest = (root / schema.LATEST).read_text().strip() if (root / schema.LATEST).exists() else None
-    report = []
+    report, latest = [], _latest(root)
     for tag in tags:
+        if not paths.directory_in(root, root / tag):
+            raise CheckpointError(f"{root / tag}: missing")
         index = CheckpointIndex.read(root / tag / schema.INDEX)
         status = _verify(root / tag, index) if not args.no_verify else "not verified"
         report.append({"tag": tag, "latest": tag == latest, "steps": index.steps, "world_size": index.world_size,

@@ -21,7 +21,7 @@ import torch
 from zerompi.errors import CheckpointError
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex
-from zerompi.checkpoint.reader import merge, open_shards, resolve
+from zerompi.checkpoint.reader import FP32, merge, open_shards, resolve
 
 
 class FullStateDict(Mapping):
@@ -55,11 +55,12 @@ class FullStateDict(Mapping):
         out = np.empty(numel, dtype=np.float32)
         if name in self._slot_of:
             for s in merge(self.index.locate(self._slot_of, name, 0, numel, 0)):
-                ds = self._files.dataset(s.rank, schema.master(s.bucket))
+                ds = self._files.dataset(s.rank, schema.master(s.bucket), self.index.shard_length(s.bucket), FP32)
                 out[s.dest:s.dest + s.stop - s.start] = schema.read_array(ds, s.start, s.stop)
         else:  # frozen: stored whole in the index
+            ds = schema.replicated(name)
             with schema.open_h5(self.directory / schema.INDEX) as f:
-                out[:] = schema.read_array(f[schema.replicated(name)]).astype(np.float32)
+                out[:] = schema.read_array(schema.open_array(f, ds, self.index.binding(ds), numel)).astype(np.float32)
         return torch.from_numpy(out).view(shape)
 
     def __iter__(self) -> Iterator[str]:

@@ -51,6 +51,7 @@ class CheckpointIndex:
     save_id: str = ""  # written into every file of the save: a file of another save is refused
     layout: str = "per_rank"  # "per_rank": rankNNNNN.h5 files; "shared": one shards.h5 (shared.py)
     scheduler: Any = None     # the lr scheduler's state_dict (JSON), when the engine had one
+    version: int = field(default=schema.VERSION, compare=False)  # the files' format (header, not meta)
 
     # ---- layout ----------------------------------------------------------
     def layouts(self) -> list[BucketLayout]:
@@ -88,25 +89,37 @@ class CheckpointIndex:
             value = getattr(self, key)
             f.attrs[key] = schema.text_attr(value) if isinstance(value, str) else value
         f.attrs["save_id"] = schema.text_attr(self.save_id)
-        schema.write_json(f, "meta", {k: getattr(self, k) for k in self.__dataclass_fields__})
+        schema.write_json(f, "meta", {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "version"})
 
     @classmethod
     def read(cls, path: Path) -> "CheckpointIndex":
         try:
             with schema.open_h5(path) as f:
-                schema.check_header(f, "index")
-                meta = schema.read_json(f, "meta", str(path))
+                version = schema.check_header(f, "index")
+                save_id = schema.save_id_of(f)
+                meta = schema.read_json(f, "meta", schema.Binding("meta", save_id, schema.INDEX_RANK, version))
         except CheckpointError:
             raise
         except schema.H5_ERRORS as e:
             raise schema.damaged(str(path), e) from e
-        fields = cls.__dataclass_fields__
-        required = {n for n, f in fields.items() if f.default is MISSING and f.default_factory is MISSING}
-        if not isinstance(meta, dict) or not required <= set(meta) <= set(fields):
+        fields = set(cls.__dataclass_fields__) - {"version"}
+        required = {n for n, f in cls.__dataclass_fields__.items()
+                    if f.default is MISSING and f.default_factory is MISSING}
+        if not isinstance(meta, dict) or not required <= set(meta) <= fields:
             raise CheckpointError(f"{path}: index metadata has unexpected fields")
         if meta.get("layout", "per_rank") not in ("per_rank", "shared"):
             raise CheckpointError(f"{path}: unknown shard layout {meta['layout']!r}")
-        return cls(**meta)
+        if meta.get("save_id", "") != save_id:
+            raise CheckpointError(f"{path}: the header's save id {save_id!r} differs from the metadata's")
+        return cls(**meta, version=version)
+
+    def binding(self, name: str, rank: int = schema.INDEX_RANK) -> schema.Binding:
+        """What the checksums of dataset ``name`` written by ``rank`` of this save are bound to."""
+        return schema.Binding(name, self.save_id, rank, self.version)
+
+    def shard_length(self, bucket: int) -> int:
+        """Elements of bucket ``bucket`` each writing rank holds (its datasets' length)."""
+        return self.buckets[bucket]["padded_numel"] // self.world_size
 
     def describe_mismatch(self, named: list[tuple[str, tuple[int, ...], bool]]) -> str | None:
         """Why this checkpoint cannot load into a model with these (name, shape, trainable)."""

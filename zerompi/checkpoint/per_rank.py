@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import objects, paths, schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.errors import CheckpointError
 
@@ -31,34 +31,49 @@ def write_rank_file(path: Path, rank: int, world_size: int, parts: Iterable[tupl
 class RankFiles:
     """Opens the writing ranks' files on demand, checking each header once."""
 
-    def __init__(self, directory: Path, world_size: int, save_id: str = ""):
-        self.directory = directory
-        self.save_id = save_id
+    def __init__(self, directory: Path, world_size: int, save_id: str, version: int):
+        self.directory, self.world_size = directory, world_size
+        self.save_id, self.version = save_id, version
         self._open: dict[int, Any] = {}
         for r in range(world_size):
-            if not (directory / schema.rank_file(r)).is_file():
-                raise CheckpointError(f"{directory / schema.rank_file(r)}: missing rank file "
-                                      f"(the checkpoint was written by {world_size} ranks)")
+            path = directory / schema.rank_file(r)
+            if not path.exists() and not path.is_symlink():
+                raise CheckpointError(f"{path}: missing rank file (the checkpoint was written by {world_size} ranks)")
+            paths.regular_file(path)
 
     def __call__(self, rank: int):
         if rank not in self._open:
             f = schema.open_h5(self.directory / schema.rank_file(rank))
-            schema.check_header(f, KIND)
-            if int(f.attrs.get("rank", -1)) != rank:
-                raise CheckpointError(f"{f.filename}: holds rank {f.attrs.get('rank')}, expected {rank}")
-            if f.attrs.get("save_id") != schema.text_attr(self.save_id):
-                raise CheckpointError(f"{f.filename}: belongs to another save than {self.directory / schema.INDEX}")
+            try:
+                self._check(f, rank)
+            except BaseException:
+                f.close()
+                raise
             self._open[rank] = f
         return self._open[rank]
 
-    def has(self, rank: int, name: str) -> bool:
-        return name in self(rank)
+    def _check(self, f, rank: int) -> None:
+        version = schema.check_header(f, KIND)
+        if version != self.version:
+            raise CheckpointError(f"{f.filename}: format version {version}, the index's is {self.version}")
+        if objects.attr(f, "rank", "int") != rank:
+            raise CheckpointError(f"{f.filename}: holds rank {f.attrs.get('rank')}, expected {rank}")
+        if schema.save_id_of(f) != self.save_id:
+            raise CheckpointError(f"{f.filename}: belongs to another save than {self.directory / schema.INDEX}")
 
-    def dataset(self, rank: int, name: str):
-        f = self(rank)
-        if name not in f:
-            raise CheckpointError(f"{f.filename}: missing dataset {name}")
-        return f[name]
+    def has(self, rank: int, name: str) -> bool:
+        return objects.exists(self(rank), name)
+
+    def dataset(self, rank: int, name: str, length: int = -1, dtype: str | None = None) -> schema.Array:
+        """Writer ``rank``'s dataset ``name``, checked (and of ``length`` elements of ``dtype`` when given)."""
+        return schema.open_array(self(rank), name, schema.Binding(name, self.save_id, rank, self.version),
+                                 length, dtype)
+
+    def verify(self) -> None:
+        """Read every dataset of every rank file, checking every checksum."""
+        for r in range(self.world_size):
+            for name in objects.walk(self(r)):
+                schema.read_array(self.dataset(r, name))
 
     def close(self) -> None:
         for f in self._open.values():

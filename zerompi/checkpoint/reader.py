@@ -18,32 +18,36 @@ import torch
 
 from zerompi.errors import CheckpointError, all_ranks_ok
 from zerompi.log import get_logger, log_rank0
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import paths, schema
 from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.checkpoint.index import CheckpointIndex, Source
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 
 logger = get_logger(__name__)
+FP32 = "<f4"  # master shards and optimizer state are stored as little-endian fp32
 
 
 def resolve(root: str | os.PathLike, tag: str | None) -> Path:
-    """The directory of ``tag`` (``latest`` when None), checked to be a plain child of ``root``."""
+    """The directory of ``tag`` (``latest`` when None), checked to be a plain child of ``root``
+    that does not lead outside it through a symbolic link."""
     root = Path(root)
     if tag is None:
         pointer = root / schema.LATEST
+        if not pointer.exists() and not pointer.is_symlink():
+            raise CheckpointError(f"{pointer}: missing: no checkpoint was completed under {root}")
+        paths.regular_file(pointer, root, "checkpoint root")
         try:
             tag = pointer.read_text().strip()
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{pointer}: missing: no checkpoint was completed under {root}") from e
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{pointer}: unreadable ({e})") from e
         schema.check_tag(tag, f"{pointer} names")
     else:
         schema.check_tag(tag)
     directory = root / tag
-    if not directory.is_dir():
+    if not paths.directory_in(root, directory):
         # a save killed while replacing this tag leaves the complete previous copy aside
-        aside = sorted(p for p in root.glob(f".old-{tag}-*") if (p / schema.INDEX).is_file())
+        aside = sorted(p for p in root.glob(f".old-{tag}-*")
+                       if paths.directory_in(root, p) and (p / schema.INDEX).is_file())
         if aside:
             return aside[-1]
         raise CheckpointError(f"{directory}: missing")
@@ -52,7 +56,8 @@ def resolve(root: str | os.PathLike, tag: str | None) -> Path:
 
 def open_shards(directory: Path, index: CheckpointIndex) -> ShardFiles:
     """The shard files of a checkpoint, whatever its layout: ``dataset(rank, name)``."""
-    return store_named(index.layout, directory / schema.INDEX).open(directory, index.world_size, index.save_id)
+    store = store_named(index.layout, directory / schema.INDEX)
+    return store.open(directory, index.world_size, index.save_id, index.version)
 
 
 def merge(sources: list[Source]) -> list[Source]:
@@ -86,11 +91,11 @@ def _read_bucket(shard: ShardSnapshot, index: CheckpointIndex, files, slot_of) -
     for k in keys:
         data.state[k] = np.zeros(own.numel, dtype=np.float32)
     for s in sources:
-        n = s.stop - s.start
-        data.master[s.dest:s.dest + n] = schema.read_array(files.dataset(s.rank, schema.master(s.bucket)),
-                                                           s.start, s.stop)
+        n, length = s.stop - s.start, index.shard_length(s.bucket)
+        master = files.dataset(s.rank, schema.master(s.bucket), length, FP32)
+        data.master[s.dest:s.dest + n] = schema.read_array(master, s.start, s.stop)
         for k in keys:
-            ds = files.dataset(s.rank, schema.state(s.bucket, k))
+            ds = files.dataset(s.rank, schema.state(s.bucket, k), length, FP32)
             data.state[k][s.dest:s.dest + n] = schema.read_array(ds, s.start, s.stop)
     if sources:
         data.scalars = index.optimizer["scalars"][sources[0].bucket]
@@ -133,8 +138,8 @@ def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
     """This rank's saved CUDA RNG state if it is to be restored here (warns when it is not)."""
     if not files.has(rank, schema.CUDA_RNG):
         return None
-    saved = schema.read_array(files.dataset(rank, schema.CUDA_RNG))
-    devices = (int(schema.read_array(files.dataset(rank, schema.CUDA_DEVICES))[0])
+    saved = schema.read_array(files.dataset(rank, schema.CUDA_RNG, dtype="u1"))
+    devices = (int(schema.read_array(files.dataset(rank, schema.CUDA_DEVICES, 1, "<i8"))[0])
                if files.has(rank, schema.CUDA_DEVICES) else None)  # older checkpoints do not record it
     available = torch.cuda.is_available()
     restore, warning = cuda_rng_decision(saved, devices, available, torch.cuda.device_count() if available else 0)
@@ -164,7 +169,7 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
         buckets = [_read_bucket(shard, index, files, slot_of) for shard in snap.shards]
         rng = cuda_rng = None  # per-rank RNG streams come back when the job has the same flat layout
         if index.world_size == engine.group.size and not snap.hierarchical:
-            rng = schema.read_array(files.dataset(engine.group.rank, schema.CPU_RNG))
+            rng = schema.read_array(files.dataset(engine.group.rank, schema.CPU_RNG, dtype="u1"))
             cuda_rng = _read_cuda_rng(files, engine.group.rank, directory)
         else:  # rank r's saved stream is rank r's of another world: each rank keeps its own (seed + rank)
             log_rank0(logger, logging.INFO, "%s: RNG state not restored (written by %d ranks, hierarchical "
@@ -172,26 +177,27 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
                       snap.hierarchical)
     finally:
         files.close()
-    replicated = {}
-    with schema.open_h5(directory / schema.INDEX) as f:
-        for name in index.replicated:
-            if schema.replicated(name) not in f:
-                raise CheckpointError(f"{directory / schema.INDEX}: missing {schema.replicated(name)}")
-            replicated[name] = schema.read_array(f[schema.replicated(name)])
-    _check_replicated(engine, replicated, directory)
+    replicated = _read_replicated(engine, index, directory)
     return Loaded(index, buckets, rng, replicated, cuda_rng)
 
 
-def _check_replicated(engine, replicated: dict[str, np.ndarray], directory: Path) -> None:
-    """Frozen parameters and buffers must match too, before anything is overwritten."""
+def _read_replicated(engine, index: CheckpointIndex, directory: Path) -> dict[str, np.ndarray]:
+    """Frozen parameters and buffers must match too, checked before anything is read or overwritten."""
     m = engine.module
     ours = {n: p.numel() for n, p in m.named_parameters() if not p.requires_grad}
     ours.update({n: b.numel() for n, b in m.named_buffers()})
-    theirs = {n: a.size for n, a in replicated.items()}
-    if ours != theirs:
-        diff = sorted(set(ours) ^ set(theirs)) or sorted(n for n in ours if ours[n] != theirs[n])
-        raise CheckpointError(f"{directory}: checkpoint of a different model: frozen parameters or buffers "
-                              f"differ ({', '.join(diff[:5])})")
+    out = {}
+    with schema.open_h5(directory / schema.INDEX) as f:
+        arrays = {n: schema.open_array(f, schema.replicated(n), index.binding(schema.replicated(n)))
+                  for n in index.replicated if n in ours}
+        theirs = {n: a.length for n, a in arrays.items()}
+        if set(ours) != set(index.replicated) or ours != theirs:
+            diff = sorted(set(ours) ^ set(index.replicated)) or sorted(n for n in ours if ours[n] != theirs[n])
+            raise CheckpointError(f"{directory}: checkpoint of a different model: frozen parameters or buffers "
+                                  f"differ ({', '.join(diff[:5])})")
+        for name, arr in arrays.items():
+            out[name] = schema.read_array(arr)
+    return out
 
 
 def _scalar_tensor(value, dtype: str):

@@ -9,22 +9,28 @@ names the newest complete tag. Only numbers, strings and JSON are stored:
 loading never unpickles anything.
 
 Every dataset carries one CRC-32 per block of ``CRC_BLOCK`` elements, so a
-reader that needs only a slice (resharding) still verifies every byte it uses.
+reader that needs only a slice (resharding) still verifies every byte it uses;
+the checksums are bound to the tensor, writer and save (:class:`Binding`).
+Before any data is read, objects.py checks that the dataset is stored plainly
+in its own file, and paths.py that the file lies inside the checkpoint.
 """
 from __future__ import annotations
 
 import json
 import re
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from zerompi.checkpoint import objects, paths
 from zerompi.errors import CheckpointError
 
 FORMAT = "zerompi-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums bound to the dataset's name, writer rank, save and block (Binding)
+READS = (1, 2)  # the versions this zerompi loads
 INDEX = "index.h5"
 LATEST = "latest"
 CRC_BLOCK = 1 << 20  # elements per checksum block
@@ -70,48 +76,106 @@ def check_tag(tag: str, source: str = "tag") -> str:
     return tag
 
 
-def _crc(chunk: np.ndarray, dtype: np.dtype) -> int:
-    # Seeded with the datatype, so a damaged datatype (byte order, signedness) fails the check
+INDEX_RANK = -1  # the "writer rank" index.h5's datasets are bound to
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a dataset's checksums are bound to besides its bytes and datatype.
+
+    From format version 2 each block's CRC-32 is seeded with the dataset's name (as this
+    module spells it), the writing rank (``INDEX_RANK`` in index.h5), the save's id and
+    the block's number, so that data moved to another tensor, rank, save or block no
+    longer matches its checksums. Version-1 files seed with the datatype only.
+    """
+
+    name: str
+    save_id: str
+    rank: int
+    version: int  # the file's format version (1: seeded with the datatype only)
+
+    def seed(self, dtype: np.dtype, block: int) -> int:
+        if self.version == 1:
+            return zlib.crc32(dtype.str.encode())
+        key = json.dumps([dtype.str, self.name, self.save_id, self.rank, block])
+        return zlib.crc32(key.encode())
+
+
+def bound_to(f: h5py.File, name: str) -> Binding:
+    """The binding of dataset ``name`` of a file zerompi wrote, from its header (written first)."""
+    rank, version = objects.attr(f, "rank", "int"), objects.attr(f, "version", "int")
+    return Binding(name.strip("/"), save_id_of(f), INDEX_RANK if rank is None else int(rank),
+                   VERSION if version is None else int(version))
+
+
+def _crc(chunk: np.ndarray, dtype: np.dtype, binding: Binding, block: int) -> int:
+    # Seeded with the datatype too, so a damaged datatype (byte order, signedness) fails the check
     # even though the bytes are intact: the same bytes would be read as other numbers.
-    return zlib.crc32(np.ascontiguousarray(chunk).view(np.uint8), zlib.crc32(dtype.str.encode()))
+    return zlib.crc32(np.ascontiguousarray(chunk).view(np.uint8), binding.seed(dtype, block))
 
 
-def block_crcs(flat: np.ndarray) -> np.ndarray:
+def blocks(n: int) -> int:
+    """How many checksum blocks an ``n``-element array has (at least one)."""
+    return max(1, -(-n // CRC_BLOCK))
+
+
+def block_crcs(flat: np.ndarray, binding: Binding) -> np.ndarray:
     """CRC-32 of each ``CRC_BLOCK``-element block of a 1-D array."""
-    n = flat.shape[0]
-    out = np.empty(max(1, -(-n // CRC_BLOCK)), dtype=np.uint32)
+    out = np.empty(blocks(flat.shape[0]), dtype=np.uint32)
     for i in range(out.shape[0]):
-        out[i] = _crc(flat[i * CRC_BLOCK:(i + 1) * CRC_BLOCK], flat.dtype)
+        out[i] = _crc(flat[i * CRC_BLOCK:(i + 1) * CRC_BLOCK], flat.dtype, binding, i)
     return out
 
 
-def write_array(group: h5py.Group, name: str, data: np.ndarray) -> None:
-    """Write a 1-D array with its block checksums."""
+def write_array(group: h5py.Group, name: str, data: np.ndarray, binding: Binding | None = None) -> None:
+    """Write a 1-D array with its block checksums (bound to the file's header unless ``binding``)."""
     flat = np.ascontiguousarray(data).reshape(-1)
     ds = group.create_dataset(name, data=flat)
-    ds.attrs["crc32"] = block_crcs(flat)
+    path = f"{group.name.strip('/')}/{name}".strip("/")
+    ds.attrs["crc32"] = block_crcs(flat, binding or bound_to(group.file, path))
 
 
-def read_array(ds: h5py.Dataset, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Read ``ds[start:stop]``, verifying the checksum of every block it touches."""
-    n = ds.shape[0]
+class Array:
+    """A checked, checksummed 1-D run of elements: a dataset, or one writer's slice of a shared one."""
+
+    def __init__(self, ds: h5py.Dataset, crcs: np.ndarray, binding: Binding, offset: int = 0,
+                 length: int | None = None):
+        self.ds, self.crcs, self.binding, self.offset = ds, crcs, binding, offset
+        self.length = ds.shape[0] if length is None else length
+        self.dtype = ds.dtype
+        part = f" (rank {binding.rank}'s part)" if length is not None else ""
+        self.where = f"{ds.file.filename}: {binding.name}{part}"
+
+
+def open_array(f: h5py.File, name: str, binding: Binding, length: int = -1, dtype: str | None = None) -> Array:
+    """Dataset ``name`` of ``f`` with its checksums, after the structural checks (objects.py) and,
+    when given, the expected length and element type: nothing of its data is read yet."""
+    ds = objects.dataset(f, name)
+    objects.check_shape(ds, name, (length,), dtype)
+    crcs = objects.attr(ds, "crc32", "<u4", (blocks(ds.shape[0]),))
+    if crcs is None:
+        raise CheckpointError(f"{f.filename}: {name}: no checksum attribute")
+    return Array(ds, crcs, binding)
+
+
+def read_array(arr: Array, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Read elements ``[start, stop)`` of ``arr``, verifying the checksum of every block it touches."""
+    n = arr.length
     stop = n if stop is None else stop
     if not 0 <= start <= stop <= n:
-        raise CheckpointError(f"{ds.file.filename}:{ds.name}: range [{start}, {stop}) outside [0, {n})")
-    crcs = ds.attrs.get("crc32")
-    if crcs is None:
-        raise CheckpointError(f"{ds.file.filename}:{ds.name}: no checksum attribute")
+        raise CheckpointError(f"{arr.where}: range [{start}, {stop}) outside [0, {n})")
     first, last = start // CRC_BLOCK, max(start, stop - 1) // CRC_BLOCK
     lo, hi = first * CRC_BLOCK, min(n, (last + 1) * CRC_BLOCK)
     try:
-        data = ds[lo:hi]
+        data = arr.ds[arr.offset + lo:arr.offset + hi]
     except (OSError, RuntimeError) as e:  # truncated or damaged file
-        raise CheckpointError(f"{ds.file.filename}:{ds.name}: unreadable ({e})") from e
+        raise CheckpointError(f"{arr.where}: unreadable ({e})") from e
     for b in range(first, last + 1 if hi > lo else first):
         chunk = data[(b - first) * CRC_BLOCK:(b - first + 1) * CRC_BLOCK]
-        if b >= len(crcs) or _crc(chunk, ds.dtype) != int(crcs[b]):
-            raise CheckpointError(f"{ds.file.filename}:{ds.name}: checksum mismatch in elements "
-                                  f"[{b * CRC_BLOCK}, {min(n, (b + 1) * CRC_BLOCK)}): the file is corrupt")
+        if b >= len(arr.crcs) or _crc(chunk, arr.dtype, arr.binding, b) != int(arr.crcs[b]):
+            raise CheckpointError(f"{arr.where}: checksum mismatch in elements [{b * CRC_BLOCK}, "
+                                  f"{min(n, (b + 1) * CRC_BLOCK)}): the file is corrupt, or this data belongs "
+                                  "to another tensor, rank or save")
     return data[start - lo:stop - lo]
 
 
@@ -121,24 +185,38 @@ def write_json(group: h5py.Group, name: str, obj) -> None:
     write_array(group, name, raw)
 
 
-def read_json(group: h5py.Group, name: str, where: str):
-    if name not in group:
-        raise CheckpointError(f"{where}: missing {group.name.rstrip('/')}/{name}")
-    raw = read_array(group[name])
+def read_json(f: h5py.File, name: str, binding: Binding):
+    raw = read_array(open_array(f, name, binding, dtype="u1"))
     try:
         return json.loads(raw.tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{where}: {name} is not valid JSON ({e})") from e
+        raise CheckpointError(f"{f.filename}: {name} is not valid JSON ({e})") from e
 
 
 def open_h5(path: Path, mode: str = "r") -> h5py.File:
-    """Open an HDF5 file, turning any failure into a CheckpointError naming it."""
+    """Open an HDF5 file, turning any failure into a CheckpointError naming it.
+
+    For reading, the file must be a regular file inside its directory (paths.py), and every
+    object in it is checked before the file is handed out (objects.check_file): a file holding a
+    link, virtual dataset, external storage or filter anywhere is refused as a whole."""
+    path = Path(path)
     try:
-        return h5py.File(path, mode)
+        if mode != "r":
+            return h5py.File(path, mode)
+        paths.regular_file(path)
+        f = h5py.File(path, "r")
     except FileNotFoundError as e:
         raise CheckpointError(f"{path}: missing") from e
     except OSError as e:
         raise CheckpointError(f"{path}: not a readable HDF5 file ({e})") from e
+    try:
+        objects.check_file(f)
+    except BaseException as e:
+        f.close()
+        if isinstance(e, H5_ERRORS) and not isinstance(e, CheckpointError):
+            raise damaged(str(path), e) from e
+        raise
+    return f
 
 
 def text_attr(value: str) -> np.bytes_:
@@ -147,12 +225,21 @@ def text_attr(value: str) -> np.bytes_:
     return np.bytes_(value.encode())
 
 
-def check_header(f: h5py.File, kind: str) -> None:
-    if f.attrs.get("format") != text_attr(FORMAT) or f.attrs.get("kind") != text_attr(kind):
+def check_header(f: h5py.File, kind: str) -> int:
+    """Check the header of a zerompi ``kind`` file; returns its format version."""
+    if objects.attr(f, "format", "text") != text_attr(FORMAT) or objects.attr(f, "kind", "text") != text_attr(kind):
         raise CheckpointError(f"{f.filename}: not a zerompi {kind} file")
-    version = int(f.attrs.get("version", -1))
-    if version != VERSION:
-        raise CheckpointError(f"{f.filename}: format version {version}, this zerompi reads {VERSION}")
+    version = objects.attr(f, "version", "int")
+    if version is None or int(version) not in READS:
+        raise CheckpointError(f"{f.filename}: format version {version}, this zerompi reads versions "
+                              f"{', '.join(map(str, READS))}")
+    return int(version)
+
+
+def save_id_of(f: h5py.File) -> str:
+    """The save's id in a file's header (checked to be a short fixed-length string)."""
+    raw = objects.attr(f, "save_id", "text")
+    return "" if raw is None else raw.decode(errors="replace")
 
 
 def write_header(f: h5py.File, kind: str) -> None:

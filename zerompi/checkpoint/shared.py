@@ -8,8 +8,9 @@ in the per-rank layout, so the index's arithmetic locates data in both.
 
 A checksum block must not span two writers, so each rank's slice has its own
 CRC blocks, kept in ``crc/<dataset>`` as a (world_size, blocks) array, one row
-per rank. :class:`ShardView` shows rank r's slice with its row as an ordinary
-checksummed 1-D dataset, and the reader needs no other change.
+per rank, bound to that rank. :meth:`SharedFile.dataset` shows rank r's slice
+with its row as an ordinary checksummed ``schema.Array``, and the reader needs
+no other change.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import objects, schema
 from zerompi.dist.group import ProcessGroup
 from zerompi.errors import CheckpointError
 
@@ -40,6 +41,7 @@ class SharedWriter:
 
     def __init__(self, path: Path, group: ProcessGroup, save_id: str):
         self.path, self.group, self.rank, self.size = path, group, group.rank, group.size
+        self.save_id = save_id
         self.error = ""
         try:
             self.f = h5py.File(path, "w", driver="mpio", comm=group.h5py_comm())
@@ -65,7 +67,8 @@ class SharedWriter:
         # Dataset creation is collective: a rank with another name, dtype or length would
         # corrupt the file's metadata, so the ranks compare before creating anything.
         self._agree((name, flat.dtype.str, flat.shape[0]))
-        n, crcs = flat.shape[0], schema.block_crcs(flat)
+        binding = schema.Binding(name, self.save_id, self.rank, schema.VERSION)
+        n, crcs = flat.shape[0], schema.block_crcs(flat, binding)
         ds = self.f.create_dataset(name, shape=(self.size * n,), dtype=flat.dtype)
         crc = self.f.create_dataset(schema.shared_crc(name), shape=(self.size, crcs.shape[0]), dtype=np.uint32)
         try:
@@ -83,58 +86,51 @@ class SharedWriter:
             self.f.close()
 
 
-class ShardView:
-    """Rank ``rank``'s slice of a shared dataset, as :func:`schema.read_array` expects a dataset."""
-
-    def __init__(self, ds: h5py.Dataset, crcs: np.ndarray, rank: int, length: int):
-        self._ds, self._offset = ds, rank * length
-        self.shape, self.dtype, self.file = (length,), ds.dtype, ds.file
-        self.name = f"{ds.name} (rank {rank}'s part)"
-        self.attrs = {"crc32": crcs}
-
-    def __getitem__(self, s: slice) -> np.ndarray:
-        return self._ds[self._offset + s.start:self._offset + s.stop]
-
-
 class SharedFile:
-    """The reader's view of ``shards.h5``: the same ``dataset(rank, name)`` as per-rank files."""
+    """The reader's view of ``shards.h5``: the same ``dataset(rank, name)`` as per-rank files.
 
-    def __init__(self, directory: Path, world_size: int, save_id: str = ""):
+    Rank r's part of a dataset is checked with row r of its checksums, bound to rank r
+    (schema.Binding): a row or a part moved to another rank does not verify.
+    """
+
+    def __init__(self, directory: Path, world_size: int, save_id: str, version: int):
         path = directory / SHARED
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():
             raise CheckpointError(f"{path}: missing (the index says the shards are in one shared file)")
         self.f = schema.open_h5(path)
         try:
-            schema.check_header(self.f, KIND)
-            if int(self.f.attrs.get("world_size", -1)) != world_size:
+            found = schema.check_header(self.f, KIND)
+            if found != version:
+                raise CheckpointError(f"{path}: format version {found}, the index's is {version}")
+            if objects.attr(self.f, "world_size", "int") != world_size:
                 raise CheckpointError(f"{path}: written by {self.f.attrs.get('world_size')} ranks, "
                                       f"the index says {world_size}")
-            if self.f.attrs.get("save_id") != schema.text_attr(save_id):
+            if schema.save_id_of(self.f) != save_id:
                 raise CheckpointError(f"{path}: belongs to another save than {directory / schema.INDEX}")
         except BaseException:
             self.f.close()
             raise
-        self.world_size = world_size
+        self.world_size, self.save_id, self.version = world_size, save_id, version
 
     def has(self, rank: int, name: str) -> bool:
-        return name in self.f
+        return objects.exists(self.f, name)
 
-    def dataset(self, rank: int, name: str) -> ShardView:
-        where = f"{self.f.filename}: dataset {name}"
-        if name not in self.f or schema.shared_crc(name) not in self.f:
-            raise CheckpointError(f"{where}: missing")
-        ds, crc = self.f[name], self.f[schema.shared_crc(name)]
-        if len(ds.shape) != 1 or ds.shape[0] % self.world_size or crc.shape[:1] != (self.world_size,):
-            raise CheckpointError(f"{where}: shape {ds.shape} (checksums {crc.shape}) does not split "
-                                  f"into {self.world_size} ranks")
-        return ShardView(ds, crc[rank], rank, ds.shape[0] // self.world_size)
+    def dataset(self, rank: int, name: str, length: int = -1, dtype: str | None = None) -> schema.Array:
+        """Rank ``rank``'s part of ``name``, checked (and of ``length`` elements of ``dtype`` when given)."""
+        filename, n = self.f.filename, self.world_size
+        ds = objects.dataset(self.f, name)
+        crc = objects.dataset(self.f, schema.shared_crc(name))
+        objects.check_shape(ds, name, (-1 if length == -1 else n * length,), dtype)
+        part = ds.shape[0] // n
+        if ds.shape[0] % n:
+            raise CheckpointError(f"{filename}: {name}: {ds.shape[0]} elements do not split into {n} ranks")
+        objects.check_shape(crc, schema.shared_crc(name), (n, schema.blocks(part)), "<u4")
+        return schema.Array(ds, crc[rank], schema.Binding(name, self.save_id, rank, self.version),
+                            offset=rank * part, length=part)
 
     def names(self) -> list[str]:
-        """Every data set (not the checksum tables)."""
-        out: list[str] = []
-        self.f.visititems(lambda n, obj: out.append(n) if isinstance(obj, h5py.Dataset)
-                          and not n.startswith(schema.SHARED_CRC_PREFIX) else None)
-        return out
+        """Every data set (not the checksum tables), refusing any link but hard ones."""
+        return [n for n in objects.walk(self.f) if not n.startswith(schema.SHARED_CRC_PREFIX)]
 
     def verify(self, ranks) -> None:
         """Read ``ranks``' slices of every dataset, checking every checksum."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from zerompi.checkpoint import schema, shared
-from zerompi.checkpoint.durable import fsync_path, verify_file
+from zerompi.checkpoint.durable import fsync_path
 from zerompi.checkpoint.per_rank import RankFiles, write_rank_file
 from zerompi.config.choices import CheckpointLayout
 from zerompi.dist.group import ProcessGroup
@@ -31,8 +31,9 @@ Parts = Iterable[tuple[str, np.ndarray]]
 class ShardFiles(Protocol):
     """A checkpoint's shards opened for reading."""
 
-    def dataset(self, rank: int, name: str) -> Any:
-        """Writer ``rank``'s dataset ``name`` (checksummed 1-D, as schema.read_array reads)."""
+    def dataset(self, rank: int, name: str, length: int = -1, dtype: str | None = None) -> schema.Array:
+        """Writer ``rank``'s dataset ``name``, checked to be stored plainly in the checkpoint (objects.py)
+        and, when given, to hold ``length`` elements of ``dtype``; schema.read_array reads it."""
 
     def has(self, rank: int, name: str) -> bool: ...
 
@@ -45,9 +46,9 @@ class ShardStore(Protocol):
     def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str) -> None:
         """This rank's datasets, durable and verified (collective over ``group`` where the layout is)."""
 
-    def open(self, directory: Path, world_size: int, save_id: str) -> ShardFiles: ...
+    def open(self, directory: Path, world_size: int, save_id: str, version: int) -> ShardFiles: ...
 
-    def verify(self, directory: Path, world_size: int, save_id: str) -> None:
+    def verify(self, directory: Path, world_size: int, save_id: str, version: int) -> None:
         """Re-read every writer's datasets, checking every checksum (``zerompi ckpt inspect``)."""
 
 
@@ -57,12 +58,15 @@ class PerRankStore:
     def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str) -> None:
         write_rank_file(directory / schema.rank_file(group.rank), group.rank, group.size, parts, save_id)
 
-    def open(self, directory: Path, world_size: int, save_id: str) -> ShardFiles:
-        return RankFiles(directory, world_size, save_id)
+    def open(self, directory: Path, world_size: int, save_id: str, version: int) -> ShardFiles:
+        return RankFiles(directory, world_size, save_id, version)
 
-    def verify(self, directory: Path, world_size: int, save_id: str) -> None:
-        for r in range(world_size):
-            verify_file(directory / schema.rank_file(r))
+    def verify(self, directory: Path, world_size: int, save_id: str, version: int) -> None:
+        files = RankFiles(directory, world_size, save_id, version)
+        try:
+            files.verify()
+        finally:
+            files.close()
 
 
 class SharedStore:
@@ -77,17 +81,17 @@ class SharedStore:
         finally:
             writer.close()
         fsync_path(path)
-        files = shared.SharedFile(directory, group.size, save_id)
+        files = shared.SharedFile(directory, group.size, save_id, schema.VERSION)
         try:
             files.verify([group.rank])  # each rank re-reads its own part
         finally:
             files.close()
 
-    def open(self, directory: Path, world_size: int, save_id: str) -> ShardFiles:
-        return shared.SharedFile(directory, world_size, save_id)
+    def open(self, directory: Path, world_size: int, save_id: str, version: int) -> ShardFiles:
+        return shared.SharedFile(directory, world_size, save_id, version)
 
-    def verify(self, directory: Path, world_size: int, save_id: str) -> None:
-        files = shared.SharedFile(directory, world_size, save_id)
+    def verify(self, directory: Path, world_size: int, save_id: str, version: int) -> None:
+        files = shared.SharedFile(directory, world_size, save_id, version)
         try:
             files.verify(range(world_size))
         finally:
