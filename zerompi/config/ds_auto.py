@@ -15,7 +15,8 @@ returns a copy of the document without any ``"auto"``:
   ``reduce_bucket_size`` = h², ``stage3_prefetch_bucket_size`` = 0.9·h²,
   ``stage3_param_persistence_threshold`` = 10·h; without a model the key is dropped,
   so zerompi's default applies;
-* batch sizes become None: "not given" (zerompi.deepspeed derives them as DeepSpeed does).
+* batch sizes are dropped: "not given" (zerompi.deepspeed derives them as DeepSpeed does);
+* a value that resolves to None (no override and no default given) is dropped too.
 
 Any other ``"auto"`` stays, and the translation refuses it under its own key.
 """
@@ -70,7 +71,7 @@ def _rules(model: nn.Module | None, overrides: Mapping, defaults: Mapping,
         "gradient_accumulation_steps": get("grad_accum_steps"),
         # None (no clipping) is spelled 0 in DeepSpeed.
         "gradient_clipping": lambda: _field("clip_grad_norm", overrides, defaults) or 0.0,
-        "train_batch_size": lambda: None, "train_micro_batch_size_per_gpu": lambda: None,
+        "train_batch_size": lambda: _DROP, "train_micro_batch_size_per_gpu": lambda: _DROP,
         "zero_optimization.reduce_bucket_size": lambda: h * h if h else _DROP,
         "zero_optimization.stage3_prefetch_bucket_size": lambda: int(0.9 * h * h) if h else _DROP,
         "zero_optimization.stage3_param_persistence_threshold": lambda: 10 * h if h else _DROP,
@@ -113,7 +114,7 @@ def resolve_auto(doc: Mapping[str, Any], model: nn.Module | None, overrides: Map
             node = node.get(part) if isinstance(node, Mapping) else None
         if isinstance(node, dict) and is_auto(node.get(leaf)):
             value = resolve()
-            if value is _DROP:
+            if value is _DROP or value is None:
                 del node[leaf]
             else:
                 node[leaf] = list(value) if isinstance(value, tuple) else value

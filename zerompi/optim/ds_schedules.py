@@ -54,7 +54,7 @@ class DeepSpeedFactor:
         i, w = k - 1, self.warmup_num_steps
         if i < 0 and w > 0:
             return 0.0 if self.cosine else self.low
-        if i < w:
+        if 0 <= i < w:
             gamma = (1.0 / math.log(w)) * math.log(i + 1) if self.warmup_log else i / w
             return self.low + gamma * (self.high - self.low) if self.cosine \
                 else self.low + (self.high - self.low) * gamma
