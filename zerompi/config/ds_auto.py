@@ -23,6 +23,8 @@ Any other ``"auto"`` stays, and the translation refuses it under its own key.
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -98,15 +100,24 @@ def _needs(overrides: Mapping, name: str, dotted: str) -> Any:
     return overrides[name]
 
 
+def _positive(value: Any) -> bool:
+    """A finite number > 0 (not a bool, not an int beyond the float range)."""
+    try:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    except OverflowError:
+        return False
+
+
 def resolve_auto(doc: Mapping[str, Any], model: nn.Module | None, overrides: Mapping[str, Any],
                  defaults: Mapping[str, Any]) -> dict[str, Any]:
     """A deep copy of ``doc`` with each resolvable ``"auto"`` replaced (see the module docstring)."""
     out = copy.deepcopy(dict(doc))
     params = out.get("optimizer", {}).get("params", {}) if isinstance(out.get("optimizer"), Mapping) else {}
     lr = params.get("lr") if isinstance(params, Mapping) else None
-    if lr is None or is_auto(lr) or isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+    if not _positive(lr):
         lr = _field("lr", overrides, defaults)  # a bad explicit lr is reported under its own key later
     lr = overrides.get("lr", lr)
+    lr = lr if _positive(lr) else 1.0  # only ratios use it, and the bad lr is reported later
     for dotted, resolve in _rules(model, overrides, defaults, lr).items():
         *parents, leaf = dotted.split(".")
         node: Any = out

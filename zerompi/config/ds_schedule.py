@@ -64,7 +64,7 @@ def read_schedule(doc: Mapping[str, Any], auto_warmup: bool) -> DeepSpeedSchedul
     if block is None:
         return None
     kind = block.get("type")
-    if kind not in PARAMS:
+    if not isinstance(kind, str) or kind not in PARAMS:
         shown = repr(kind) if "type" in block else "(missing)"
         raise ConfigError(f"scheduler.type={shown} is not one of {listing(PARAMS)}; other DeepSpeed or "
                           "torch schedulers: build them yourself and pass lr_scheduler=")
@@ -76,10 +76,10 @@ def read_schedule(doc: Mapping[str, Any], auto_warmup: bool) -> DeepSpeedSchedul
     key = "scheduler.params."
     steps = integer(key + "warmup_num_steps", params.get("warmup_num_steps", 1000), 0 if auto_warmup else 1)
     wtype = params.get("warmup_type", "log")
-    if wtype not in _WARMUP_TYPES:
+    if not isinstance(wtype, str) or wtype not in _WARMUP_TYPES:
         raise ConfigError(f"{key}warmup_type={wtype!r} is not one of {listing(_WARMUP_TYPES)}")
     out: dict[str, Any] = dict(kind=kind, warmup_num_steps=max(2, steps) if steps else 0, warmup_log=wtype == "log")
-    if kind != "WarmupLR" or "total_num_steps" in params:
+    if kind != "WarmupLR":
         if "total_num_steps" not in params:
             raise ConfigError(f"{key}total_num_steps is missing; {kind} needs it (an int >= 1)")
         out["total_num_steps"] = integer(key + "total_num_steps", params["total_num_steps"], 1)
