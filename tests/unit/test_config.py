@@ -494,7 +494,8 @@ def test_from_deepspeed_full():
 def test_from_deepspeed_defaults():
     cfg = ZeroConfig.from_deepspeed({})
     assert cfg.stage == 0  # DeepSpeed without zero_optimization is plain data parallel
-    assert cfg.dtype == "fp32" and cfg.clip_grad_norm is None and cfg.weight_decay == 0.01
+    assert cfg.dtype == "fp32" and cfg.weight_decay == 0.01
+    assert cfg.clip_grad_norm == 1.0  # DeepSpeed 0.19 clips at 1.0 unless gradient_clipping says otherwise
 
 
 def test_from_deepspeed_allgather_bucket_alone():
@@ -561,7 +562,7 @@ def test_from_deepspeed_sgd_params():
     ({"type": "SGD", "params": {"betas": [0.9, 0.9]}}, r"optimizer.params.betas"),
     ({"type": "Adam", "params": {"momentum": 0.9}}, r"optimizer.params.momentum"),
     ({"type": "Adam", "params": {"adam_w_mode": "no"}}, r"optimizer.params.adam_w_mode='no'"),
-    ({"type": "Adam", "params": {"lr": "auto"}}, r"optimizer.params.lr='auto'"),
+    ({"type": "Adam", "params": {"lr": "autox"}}, r"optimizer.params.lr='autox'"),
     ({"type": "Adam", "params": {"betas": [0.9, 1.5]}}, r"optimizer.params.betas\[1\]=1.5"),
     ({"type": "Adam", "params": 0.1}, r"optimizer.params=0.1"),
 ])
@@ -572,20 +573,19 @@ def test_from_deepspeed_optimizer_errors(block, match):
 
 def test_from_deepspeed_unsupported_keys_in_one_error():
     d = full_deepspeed()
-    d["scheduler"] = {"type": "WarmupLR"}
+    d["scheduler"] = {"type": "WarmupLR", "params": {"warmup_steps": 3}}
     d["activation_checkpointing"] = {"partition_activations": True}
-    d["zero_optimization"]["stage3_prefetch_bucket_size"] = 5e7
+    d["zero_optimization"]["stage3_prefetch_bucket_size"] = 5e7  # supported
     d["zero_optimization"]["offload_param"]["buffer_count"] = 4
     d["optimizer"]["params"]["foo"] = 1
-    d["fp16"]["fp16_master_weights_and_grads"] = False
+    d["fp16"]["fp16_master_weights"] = False
     d["seed"] = 1  # not a DeepSpeed key
     with pytest.raises(ConfigError) as err:
         ZeroConfig.from_deepspeed(d)
     assert str(err.value) == (
         "unsupported DeepSpeed config keys: activation_checkpointing, "
-        "fp16.fp16_master_weights_and_grads, optimizer.params.foo, scheduler, seed, "
-        "zero_optimization.offload_param.buffer_count, "
-        "zero_optimization.stage3_prefetch_bucket_size")
+        "fp16.fp16_master_weights, optimizer.params.foo, scheduler.params.warmup_steps, seed, "
+        "zero_optimization.offload_param.buffer_count")
 
 
 @pytest.mark.parametrize("d,key", [
@@ -663,7 +663,7 @@ def test_from_file_deepspeed_in_table(tmp_path):
 
 def test_from_file_deepspeed_error_mentions_translation(tmp_path):
     d = full_deepspeed()
-    d["scheduler"] = {}
+    d["scheduler"] = {"kind": "WarmupLR"}
     with pytest.raises(ConfigError) as err:
         ZeroConfig.from_file(_write(tmp_path, "ds.json", json.dumps(d)))
     assert "DeepSpeed" in str(err.value) and "scheduler" in str(err.value)

@@ -37,6 +37,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("hypothesis")
+# The DeepSpeed translation warns about tuning keys with no effect; the property here is the outcome.
+pytestmark = pytest.mark.filterwarnings(r"ignore:(DeepSpeed config keys accepted|scheduler\.type=)")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -103,34 +105,77 @@ VALID_FIELDS = {name: _KNOWN_VALID.get(name, st.just(_default(name))) for name i
 VALID_DICTS = st.fixed_dictionaries({}, optional=VALID_FIELDS)
 
 
+# The ZeroConfig field stage3_param_persistence_threshold maps to, added on another branch: until
+# it exists, a stage-3 document carries that key only as "auto" (dropped without a model).
+HAS_PERSISTENCE = "param_persistence_threshold" in FIELDS
+_SIZES = st.one_of(st.integers(1, 10**9), st.floats(1.0, 1e9))
+_AUTO = st.just("auto")
+
+
+def _maybe_auto(draw, strategy):
+    """A value from ``strategy``, or "auto" (Hugging Face's templates) a third of the time."""
+    return draw(st.one_of(strategy, _AUTO, strategy))
+
+
+@st.composite
+def deepspeed_scheduler(draw) -> dict:
+    kind = draw(st.sampled_from(["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]))
+    params: dict[str, Any] = {}
+    if kind != "WarmupLR":
+        params["total_num_steps"] = draw(st.integers(1, 10**6))
+    if draw(st.booleans()):
+        params["warmup_num_steps"] = draw(st.one_of(st.integers(1, 10**4), _AUTO))
+    if draw(st.booleans()):
+        params["warmup_type"] = draw(st.sampled_from(["log", "linear"]))
+    if kind == "WarmupCosineLR":
+        for key in ("warmup_min_ratio", "cos_min_ratio"):
+            if draw(st.booleans()):
+                params[key] = _maybe_auto(draw, st.floats(0, 1))
+    else:
+        for key in ("warmup_min_lr", "warmup_max_lr"):
+            if draw(st.booleans()):
+                params[key] = _maybe_auto(draw, _POS)
+    return {"type": kind, "params": params}
+
+
 @st.composite
 def valid_deepspeed(draw) -> dict:
     """A DeepSpeed config zerompi accepts (always with two DeepSpeed markers, so that one mutation
-    cannot make from_file read it as a zerompi config)."""
-    doc: dict[str, Any] = {"train_batch_size": draw(st.integers(1, 4096))}
+    cannot make from_file read it as a zerompi config), "auto" values and tuning keys included."""
+    doc: dict[str, Any] = {"train_batch_size": _maybe_auto(draw, st.integers(1, 4096))}
     zero: dict[str, Any] = {}
     if draw(st.booleans()):
         zero["stage"] = draw(st.integers(0, 3))
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if draw(st.booleans()):
-            zero[key] = draw(st.one_of(st.integers(1, 10**9), st.floats(1.0, 1e9)))
-    for key in ("contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions"):
+            zero[key] = _maybe_auto(draw, _SIZES) if key == "reduce_bucket_size" else draw(_SIZES)
+    for key in ("contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions",
+                "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save"):
         if draw(st.booleans()):
             zero[key] = draw(st.booleans())
+    for key in ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        if draw(st.booleans()):
+            zero[key] = draw(_SIZES)
+    if draw(st.booleans()):
+        zero["stage3_prefetch_bucket_size"] = _maybe_auto(draw, st.one_of(st.just(0), _SIZES))
+    if draw(st.booleans()):
+        persistence = st.integers(0, 10**7) if HAS_PERSISTENCE else st.nothing()
+        zero["stage3_param_persistence_threshold"] = _maybe_auto(draw, persistence) if HAS_PERSISTENCE else "auto"
     nvme, pin = draw(st.one_of(st.none(), TEXT.filter(bool))), draw(st.booleans())
     for block in ("offload_optimizer", "offload_param"):
         if draw(st.booleans()):
             zero[block] = {"device": "none", "pin_memory": pin} | ({"nvme_path": nvme} if nvme else {})
     doc["zero_optimization"] = zero
     if draw(st.booleans()):
-        doc["gradient_accumulation_steps"] = draw(st.integers(1, 64))
+        doc["gradient_accumulation_steps"] = _maybe_auto(draw, st.integers(1, 64))
     if draw(st.booleans()):
-        doc["gradient_clipping"] = draw(_NONNEG)
-    precision = draw(st.sampled_from(["fp32", "bf16", "fp16"]))
-    if precision == "bf16" or draw(st.booleans()):
-        doc["bf16"] = {"enabled": precision == "bf16"}
-    if precision == "fp16" or draw(st.booleans()):
-        fp16: dict[str, Any] = {"enabled": precision == "fp16", "auto_cast": False}
+        doc["gradient_clipping"] = _maybe_auto(draw, _NONNEG)
+    precision = draw(st.sampled_from(["fp32", "bf16", "fp16", "auto"]))
+    if precision in ("bf16", "auto") or draw(st.booleans()):
+        doc["bf16"] = {"enabled": "auto" if precision == "auto" else precision == "bf16"}
+    if precision in ("fp16", "auto") or draw(st.booleans()):
+        fp16: dict[str, Any] = {"enabled": "auto" if precision == "auto" else precision == "fp16",
+                                "auto_cast": False}
         for key, strat in (("loss_scale", _NONNEG), ("initial_scale_power", st.integers(0, 64)),
                            ("loss_scale_window", st.integers(1, 5000)), ("hysteresis", st.integers(1, 8)),
                            ("min_loss_scale", _POS)):
@@ -139,16 +184,22 @@ def valid_deepspeed(draw) -> dict:
         doc["fp16"] = fp16
     if draw(st.booleans()):
         kind = draw(st.sampled_from(["Adam", "AdamW", "SGD", "adamw", "sgd"]))
-        params: dict[str, Any] = {"lr": draw(_POS)}
+        params: dict[str, Any] = {"lr": _maybe_auto(draw, _POS)}
         if kind.lower() == "sgd":
-            params["momentum"] = draw(_NONNEG)
+            params["momentum"] = _maybe_auto(draw, _NONNEG)
         else:
-            params["betas"] = draw(st.lists(st.floats(0, 0.999), min_size=2, max_size=2))
-            params["eps"] = draw(_POS)
+            params["betas"] = _maybe_auto(draw, st.lists(st.floats(0, 0.999), min_size=2, max_size=2))
+            params["eps"] = _maybe_auto(draw, _POS)
             params["adam_w_mode"] = draw(st.booleans())
-        params["weight_decay"] = draw(_NONNEG)
+            if draw(st.booleans()):
+                params["torch_adam"] = draw(st.booleans())
+        params["weight_decay"] = _maybe_auto(draw, _NONNEG)
         doc["optimizer"] = {"type": kind, "params": params}
-    for key, strat in (("steps_per_print", st.integers(1, 100)), ("wall_clock_breakdown", st.booleans())):
+    if draw(st.booleans()):
+        doc["scheduler"] = draw(deepspeed_scheduler())
+    for key, strat in (("steps_per_print", st.integers(1, 100)), ("wall_clock_breakdown", st.booleans()),
+                       ("prescale_gradients", st.booleans()), ("zero_allow_untested_optimizer", st.booleans()),
+                       ("train_micro_batch_size_per_gpu", st.one_of(st.integers(1, 64), _AUTO))):
         if draw(st.booleans()):
             doc[key] = draw(strat)
     return doc

@@ -1,17 +1,24 @@
 """Translation of DeepSpeed JSON configs into ZeroConfig fields.
 
-Keys zerompi understands are mapped one by one; every other key is collected
-and refused in one ConfigError, because silently dropping a setting changes
-training.
+Keys zerompi understands are mapped one by one. Tuning keys that cannot change
+the result (``overlap_comm`` aside, which maps to overlap_grad_reduce) are accepted
+and named in :attr:`Translation.no_effect`, which the caller reports in one warning.
+Every other key is collected and refused in one ConfigError, because silently
+dropping a setting changes training. ``"auto"`` values are resolved first (ds_auto.py).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-from zerompi.config.checks import CHECKS, boolean, listing, real
+from torch import nn
+
+from zerompi.config.checks import CHECKS, boolean, integer, listing, real
 from zerompi.config.choices import DType
+from zerompi.config.ds_auto import is_auto, resolve_auto
+from zerompi.config.ds_batch import BatchKeys, read_batch_keys
+from zerompi.config.ds_schedule import ALL_PARAMS, DeepSpeedSchedule, read_schedule
 from zerompi.errors import ConfigError
 
 
@@ -25,16 +32,22 @@ _DS_SCHEMA: dict[str, Any] = {
         "stage": None, "reduce_bucket_size": None, "allgather_bucket_size": None,
         "offload_optimizer": _DS_OFFLOAD, "offload_param": _DS_OFFLOAD,
         "contiguous_gradients": None, "overlap_comm": None, "reduce_scatter": None,
-        "allgather_partitions": None},
+        "allgather_partitions": None, "round_robin_gradients": None, "sub_group_size": None,
+        "stage3_prefetch_bucket_size": None, "stage3_param_persistence_threshold": None,
+        "stage3_max_live_parameters": None, "stage3_max_reuse_distance": None,
+        "stage3_gather_16bit_weights_on_model_save": None, "cpu_offload": None},
     "gradient_accumulation_steps": None, "gradient_clipping": None,
     "bf16": ("enabled",),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
-             "hysteresis", "min_loss_scale", "auto_cast", "consecutive_hysteresis"),
+             "hysteresis", "min_loss_scale", "auto_cast", "consecutive_hysteresis",
+             "fp16_master_weights_and_grads"),
     "optimizer": {"type": None, "params": ("lr", "betas", "eps", "weight_decay", "momentum",
                                            "adam_w_mode", "torch_adam")},
-    # Data loader and logging settings, outside this config's scope.
+    "scheduler": {"type": None, "params": ALL_PARAMS},
+    # Data loader settings: zerompi.deepspeed checks and derives them (ds_batch.py).
     "train_batch_size": None, "train_micro_batch_size_per_gpu": None,
-    "steps_per_print": None, "wall_clock_breakdown": None,
+    "steps_per_print": None, "wall_clock_breakdown": None, "prescale_gradients": None,
+    "zero_allow_untested_optimizer": None,
 }
 # DeepSpeed keys that carry one ZeroConfig field unchanged.
 _DS_DIRECT = (
@@ -47,9 +60,23 @@ _DS_DIRECT = (
                                  "hysteresis", "min_loss_scale")),
     *((f"optimizer.params.{k}", k) for k in ("lr", "betas", "eps", "weight_decay", "momentum")),
 )
-# Switches for behaviour zerompi always has (or an implementation choice): any bool is fine.
-_DS_IGNORED_BOOLS = ("optimizer.params.torch_adam", *(f"zero_optimization.{k}" for k in (
-    "contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions")))
+# Tuning and logging keys that cannot change the result: accepted, checked for their type
+# ("bool", or "size": a number >= 0), and named in one warning when present.
+NO_EFFECT: dict[str, str] = {
+    "optimizer.params.torch_adam": "bool", "steps_per_print": "size", "wall_clock_breakdown": "bool",
+    "prescale_gradients": "bool", "zero_allow_untested_optimizer": "bool",
+    **{f"zero_optimization.{k}": "bool" for k in (
+        "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
+        "stage3_gather_16bit_weights_on_model_save")},
+    **{f"zero_optimization.{k}": "size" for k in (
+        "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")},
+}
+# Stage-3 sizes that map onto fields at stage 3 only; at other stages they have no effect.
+_STAGE3_ONLY = ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold")
+# Switches whose only allowed value is what zerompi does: another value changes the result.
+_MUST_BE_FALSE = {"fp16.auto_cast": "", "fp16.consecutive_hysteresis": "",
+                  "fp16.fp16_master_weights_and_grads": "",
+                  "zero_optimization.cpu_offload": "; use zero_optimization.offload_optimizer.device='cpu'"}
 _DS_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 _DS_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam")
 _DS_SGD_PARAMS = ("lr", "momentum", "weight_decay")
@@ -122,9 +149,9 @@ def _ds_precision(d: Mapping, kwargs: dict[str, Any]) -> None:
         raise ConfigError("bf16.enabled=True and fp16.enabled=True are both set; "
                           "allowed: at most one of them enabled")
     kwargs["dtype"] = DType.BF16 if bf16 else DType.FP16 if fp16 else DType.FP32
-    for flag in ("fp16.auto_cast", "fp16.consecutive_hysteresis"):
+    for flag, hint in _MUST_BE_FALSE.items():
         if _ds_flag(d, flag):
-            raise ConfigError(f"{flag}=True is not supported; allowed: false")
+            raise ConfigError(f"{flag}=True is not supported; allowed: false{hint}")
 
 
 def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
@@ -151,15 +178,70 @@ def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
     kwargs["weight_decay"] = 0.0
 
 
-def deepspeed_kwargs(d: Mapping[str, Any]) -> dict[str, Any]:
-    """ZeroConfig keyword arguments for a DeepSpeed config (unsupported keys: one ConfigError)."""
+def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
+    """The tuning keys present in ``d`` (type-checked), and stage-3 sizes below stage 3."""
+    present = []
+    for dotted, kind in NO_EFFECT.items():
+        found, value = _ds_get(d, dotted)
+        if found:
+            if kind == "bool":
+                boolean(dotted, value)
+            elif not is_auto(value):
+                real(dotted, value, ge=0)
+            present.append(dotted)
+    for dotted in _STAGE3_ONLY:
+        found, value = _ds_get(d, dotted)
+        if found and not stage3:
+            real(dotted, value, ge=0)
+            present.append(dotted)
+    return present
+
+
+def _ds_stage3(d: Mapping, kwargs: dict[str, Any], bucket_mb: float) -> None:
+    """Stage-3 sizes (elements): the prefetch size becomes whole gather units of bucket_mb
+    (fp32 elements, as bucket sizes are counted), rounded up so that the prefetched units
+    cover it, at least 1 and at most prefetch_units' 8; 0 keeps gathering on demand."""
+    found, value = _ds_get(d, "zero_optimization.stage3_prefetch_bucket_size")
+    if found:
+        size = real("zero_optimization.stage3_prefetch_bucket_size", value, ge=0)
+        unit = bucket_mb * 2**20 / 4
+        kwargs["prefetch_units"] = 0 if size == 0 else min(8, max(1, math.ceil(size / unit)))
+    found, value = _ds_get(d, "zero_optimization.stage3_param_persistence_threshold")
+    if found:
+        key = "zero_optimization.stage3_param_persistence_threshold"
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 1e5 in JSON is a float
+        kwargs["param_persistence_threshold"] = integer(key, value, 0)
+
+
+class Translation(NamedTuple):
+    """What a DeepSpeed config says, in zerompi's terms."""
+
+    kwargs: dict[str, Any]
+    """ZeroConfig keyword arguments (the caller applies its overrides on top)."""
+    schedule: DeepSpeedSchedule | None
+    """The scheduler block, or None."""
+    batch: BatchKeys
+    """The batch keys given (zerompi.deepspeed completes and checks them)."""
+    no_effect: tuple[str, ...]
+    """Dotted keys accepted without any effect in zerompi (to be named in one warning)."""
+
+
+def translate(d: Mapping[str, Any], model: nn.Module | None = None, overrides: Mapping[str, Any] | None = None,
+              defaults: Mapping[str, Any] | None = None) -> Translation:
+    """Translate a DeepSpeed config (unsupported keys: one ConfigError listing them all).
+
+    ``overrides`` and ``defaults`` are ZeroConfig field values that resolve "auto" (ds_auto.py);
+    ``model`` gives the hidden size the tuning sizes' "auto" follow.
+    """
     unsupported: list[str] = []
     _ds_walk(d, _DS_SCHEMA, "", unsupported)
     if unsupported:
         raise ConfigError("unsupported DeepSpeed config keys: " + ", ".join(sorted(unsupported)))
-    for dotted in _DS_IGNORED_BOOLS:
-        _ds_flag(d, dotted)
-    kwargs: dict[str, Any] = {"stage": 0}
+    overrides, defaults = overrides or {}, defaults or {}
+    auto_warmup = is_auto(_ds_get(d, "scheduler.params.warmup_num_steps")[1])
+    d = resolve_auto(d, model, overrides, defaults)
+    kwargs: dict[str, Any] = {"stage": 0, "clip_grad_norm": 1.0}  # DeepSpeed 0.19's defaults
     _ds_zero(d, kwargs)
     _ds_precision(d, kwargs)
     _ds_optimizer(d, kwargs)
@@ -167,4 +249,30 @@ def deepspeed_kwargs(d: Mapping[str, Any]) -> dict[str, Any]:
         found, value = _ds_get(d, dotted)
         if found:
             kwargs[name] = CHECKS[name](dotted, value)
-    return kwargs
+    if _ds_get(d, "zero_optimization.overlap_comm")[0]:
+        kwargs["overlap_grad_reduce"] = _ds_flag(d, "zero_optimization.overlap_comm")
+    stage3 = overrides.get("stage", kwargs["stage"]) == 3
+    if stage3:
+        bucket_mb = overrides.get("bucket_mb", kwargs.get("bucket_mb", defaults.get("bucket_mb", 25.0)))
+        _ds_stage3(d, kwargs, real("bucket_mb", bucket_mb, gt=0))
+    return Translation(kwargs, read_schedule(d, auto_warmup), read_batch_keys(d), tuple(_ds_no_effect(d, stage3)))
+
+
+def deepspeed_kwargs(d: Mapping[str, Any], model: nn.Module | None = None,
+                     overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """ZeroConfig keyword arguments for a DeepSpeed config, without overrides applied
+    (unsupported keys: one ConfigError)."""
+    return translate(d, model, overrides).kwargs
+
+
+def warning_text(t: Translation, lr: float, schedule_applied: bool) -> str | None:
+    """The one warning a translation deserves: the keys that change nothing, and a scheduler
+    block that only zerompi.deepspeed applies (None when there is nothing to say)."""
+    parts = []
+    if t.no_effect:
+        parts.append("DeepSpeed config keys accepted with no effect in zerompi (tuning and logging settings "
+                     "its own buckets, overlap and checkpoints replace): " + ", ".join(sorted(t.no_effect)))
+    if t.schedule is not None and not schedule_applied and not t.schedule.is_constant(lr):
+        parts.append(f"scheduler.type={t.schedule.kind!r} is applied by zerompi.deepspeed.initialize; with "
+                     "zerompi.initialize pass lr_scheduler=zerompi.deepspeed.scheduler_factory(config)")
+    return "; ".join(parts) or None

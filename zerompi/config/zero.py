@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -21,7 +22,7 @@ import torch
 from zerompi.config import checks
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite,
                                     Offload, Progress, Schedule, Stage)
-from zerompi.config.deepspeed import deepspeed_kwargs, looks_like_deepspeed
+from zerompi.config.deepspeed import Translation, looks_like_deepspeed, translate, warning_text
 from zerompi.config.files import read_document
 from zerompi.config.policies import (OffloadPolicy, OverlapPolicy, PrecisionPolicy, ReliabilityPolicy,
                                      TopologyPolicy)
@@ -254,16 +255,32 @@ class ZeroConfig:
             raise ConfigError(f"{where}{how}: {e}") from None
 
     @classmethod
-    def from_deepspeed(cls, d: Mapping[str, Any], **overrides: Any) -> ZeroConfig:
+    def from_deepspeed(cls, d: Mapping[str, Any], model: torch.nn.Module | None = None,
+                       **overrides: Any) -> ZeroConfig:
         """Translate a DeepSpeed JSON config; ``overrides`` are field values applied on top.
 
-        Keys zerompi cannot honour are all listed in one ConfigError. Left-out settings
-        take DeepSpeed's defaults where they change training (stage 0; no weight decay
-        in a given optimizer block), else ZeroConfig's."""
+        Keys zerompi cannot honour are all listed in one ConfigError; tuning keys with no
+        effect are named in one warning. Left-out settings take DeepSpeed's defaults where
+        they change training (stage 0; clipping at 1.0; no weight decay in a given optimizer
+        block), else ZeroConfig's. "auto" values resolve from ``overrides`` or the defaults,
+        tuning sizes from ``model``'s hidden size (config/ds_auto.py). A scheduler block is
+        checked here and applied by ``zerompi.deepspeed.initialize``."""
+        cfg, t = cls.translate_deepspeed(d, model, overrides)
+        text = warning_text(t, cfg.lr, schedule_applied=False)
+        if text:
+            warnings.warn(text, stacklevel=2)
+        return cfg
+
+    @classmethod
+    def translate_deepspeed(cls, d: Mapping[str, Any], model: torch.nn.Module | None,
+                            overrides: Mapping[str, Any]) -> tuple[ZeroConfig, Translation]:
+        """from_deepspeed without its warning: the config and the whole translation."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"DeepSpeed config={d!r} is not a mapping")
-        checks.reject_unknown(overrides, [f.name for f in fields(cls)], "from_deepspeed overrides")
-        kwargs = deepspeed_kwargs(d)
-        kwargs.update(overrides)
-        return cls(**kwargs)
+        names = [f.name for f in fields(cls)]
+        checks.reject_unknown(overrides, names, "from_deepspeed overrides")
+        overrides = {k: checks.CHECKS[k](k, v) for k, v in overrides.items()}
+        defaults = {f.name: f.default for f in fields(cls) if f.default is not dataclasses.MISSING}
+        t = translate(d, model, overrides, defaults)
+        return cls(**{**t.kwargs, **overrides}), t
 

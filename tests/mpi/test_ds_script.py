@@ -1,0 +1,75 @@
+"""A DeepSpeed training script (workers/ds_script.py) run unchanged but for its import, on 2 ranks.
+
+zerompi must train it (the loss falls), follow the config's WarmupDecayLR step for step, and
+write a checkpoint a fresh engine loads. Its per-step losses, and those of real DeepSpeed
+running the same script (peers venv, gloo on CPU; skipped outside CI without that venv), are
+each judged against a single-process run on the global batch by the parity bound of
+tests/mpi/tolerance.py: within ORDER_K times the distance between two summation orders of
+that run (whole batch, and the ranks' micro-batches summed), or 16 fp32 ulps of the loss.
+Both within that bound of one reference, the two agree with each other as closely as
+summation order allows.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from zerompi.config.ds_schedule import read_schedule
+from zerompi.optim.ds_schedules import factor_for
+
+from ..peers import deepspeed_python
+from .launcher import ROOT, WORKERS, mpi_env, run_worker_json
+from .tolerance import FP32_FLOOR, loss_failures
+
+SCHEDULE = {"scheduler": {"type": "WarmupDecayLR", "params": {
+    "total_num_steps": 10, "warmup_num_steps": 2, "warmup_min_lr": 0.002, "warmup_max_lr": 0.02,
+    "warmup_type": "linear"}}}  # the script's, for the expected learning rates
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds_ref") / "ref.json"
+    return run_worker_json(1, "ds_script.py", out, "--impl", "reference", "--world", "2")
+
+
+@pytest.fixture(scope="module")
+def zerompi_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ds_zerompi")
+    return run_worker_json(2, "ds_script.py", tmp / "out.json", "--impl", "zerompi", "--ckpt", str(tmp / "ckpt"))
+
+
+def check_against_reference(run: dict, ref: dict) -> None:
+    bad = loss_failures(run["losses"], ref["loss_ref"], ref["loss_alt"], FP32_FLOOR)
+    assert not bad, f"{run['impl']}: losses beyond the order-noise bound (step, ours, ref, bound): {bad}"
+
+
+def test_zerompi_trains_the_script(zerompi_run, reference):
+    losses = zerompi_run["losses"]
+    assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
+    factor = factor_for(read_schedule(SCHEDULE, False), 0.02)
+    assert zerompi_run["lrs"] == pytest.approx([factor.value(k) for k in range(10)], rel=1e-12)
+    check_against_reference(zerompi_run, reference)
+
+
+def test_zerompi_checkpoint_loads(zerompi_run):
+    r = zerompi_run
+    assert r["load_path"].endswith("global_step10") and r["client_state"] == {"step": 10}
+    assert r["eval_loaded"] == r["eval_trained"] != r["eval_fresh"]
+    assert r["lr_loaded"] == r["lr_trained"]
+
+
+def test_deepspeed_agrees(zerompi_run, reference, tmp_path):
+    python = deepspeed_python()
+    out = tmp_path / "out.json"
+    cmd = [str(python.with_name("mpiexec")), "-n", "2", str(python), "-m", "mpi4py", str(WORKERS / "ds_script.py"),
+           "--impl", "deepspeed", "--out", str(out), "--ckpt", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**mpi_env(), "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    theirs = json.loads(out.read_text())
+    check_against_reference(theirs, reference)
+    assert theirs["lrs"] == pytest.approx(zerompi_run["lrs"], rel=4 * 2**-52)
+    assert theirs["eval_loaded"] == theirs["eval_trained"]  # the same script's checkpoint round trip, under DeepSpeed
+

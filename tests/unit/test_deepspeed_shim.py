@@ -1,0 +1,140 @@
+"""zerompi.deepspeed on a world of one (MPI.COMM_SELF): DeepSpeed's initialize and engine methods."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import zerompi.deepspeed as deepspeed
+from zerompi.config.ds_schedule import read_schedule
+from zerompi.errors import ConfigError, UsageError
+from zerompi.optim.ds_schedules import factor_for
+
+LOCAL = {"device": "cpu", "cpu_threads": 1, "abort_on_exception": False, "checkpoint_layout": "per_rank"}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def config(**extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,
+                                                              "warmup_max_lr": 0.01, "warmup_type": "linear"}},
+            **extra}
+
+
+def start(cfg=None, **kwargs):
+    m = model()
+    kwargs.setdefault("model_parameters", m.parameters())
+    return deepspeed.initialize(model=m, config=cfg or config(), comm=MPI.COMM_SELF, overrides=LOCAL, **kwargs)
+
+
+def test_training_loop_and_getters(tmp_path):
+    engine, optimizer, loader, scheduler = start()
+    assert loader is None and optimizer is engine.optimizer and scheduler is engine.lr_scheduler
+    assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            engine.train_batch_size()) == (2, 2, 4)
+    assert (engine.global_rank, engine.world_size, engine.local_rank) == (0, 1, 0)
+    spec = read_schedule(config(), False)
+    factor = factor_for(spec, 0.01)
+    g = torch.Generator().manual_seed(1)
+    lrs, losses = [], []
+    for step in range(5):
+        lrs.append(engine.get_lr()[0])
+        for _ in range(2):
+            x = torch.randn(2, 4, generator=g)
+            loss = (engine(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+        losses.append(loss.item())
+        assert engine.global_steps == step + 1
+    assert lrs == pytest.approx([factor.value(k) for k in range(5)], rel=1e-12)
+    assert engine.save_checkpoint(tmp_path, client_state={"epoch": 1}) is True
+    assert (tmp_path / "global_step5").is_dir()
+    engine.eval()
+    assert not engine.module.training
+    engine.close()
+
+    again, *_ = start()
+    path, client = again.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / "global_step5") and client == {"epoch": 1}
+    assert again.get_lr() == pytest.approx([factor.value(5)])
+    assert again.global_steps == 5
+    again.close()
+
+
+def test_load_without_checkpoint_returns_none(tmp_path):
+    engine, *_ = start()
+    assert engine.load_checkpoint(tmp_path) == (None, None)
+    engine.close()
+
+
+def test_param_groups_and_derived_accumulation():
+    m = model()
+    groups = [{"params": list(m[0].parameters())}, {"params": list(m[2].parameters()), "lr": 0.002}]
+    cfg = config(train_batch_size=8, train_micro_batch_size_per_gpu=2)
+    del cfg["gradient_accumulation_steps"], cfg["scheduler"]
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=m, model_parameters=groups, config=cfg,
+                                                           comm=MPI.COMM_SELF, overrides=LOCAL)
+    assert engine.gradient_accumulation_steps() == 4 and engine.engine.config.grad_accum_steps == 4
+    assert [g["lr"] for g in optimizer.param_groups] == [0.01, 0.002] and scheduler is None
+    engine.close()
+
+
+def test_config_file_and_args(tmp_path):
+    import json
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config()))
+    args = deepspeed.add_config_arguments(__import__("argparse").ArgumentParser()).parse_args(
+        ["--deepspeed", "--deepspeed_config", str(path)])
+    engine, *_ = deepspeed.initialize(args=args, model=model(), comm=MPI.COMM_SELF, overrides=LOCAL)
+    assert engine.gradient_accumulation_steps() == 2
+    engine.close()
+
+
+def test_user_scheduler_callable_wins():
+    engine, _, _, scheduler = start(lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+    engine.close()
+
+
+def test_tuning_keys_warned_once():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = start(config(steps_per_print=10, wall_clock_breakdown=False))
+    assert [str(w.message).count("steps_per_print") for w in caught] == [1]
+    assert "scheduler" not in str(caught[0].message)  # applied here
+    engine.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)), "config's optimizer block"),
+    (dict(lr_scheduler=torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 1)),
+     "pass a callable lr_scheduler"),
+    (dict(training_data=[1, 2]), "training_data= .*DataLoader"),
+    (dict(mpu=object()), "mpu="),
+    (dict(pipeline=True), r"pipeline= \(unknown keyword\)"),
+    (dict(model_parameters=[{"params": []}, nn.Parameter(torch.zeros(1))]), "mixes parameters and param-group"),
+])
+def test_what_zerompi_cannot_honour(kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        start(**kwargs)
+
+
+def test_inconsistent_batch_raises_naming_keys():
+    with pytest.raises(ConfigError, match="train_batch_size=8, train_micro_batch_size_per_gpu=2, "
+                                          "gradient_accumulation_steps=2 disagree on 1 ranks"):
+        start(config(train_batch_size=8))
+
+
+def test_no_config():
+    with pytest.raises(UsageError, match="no DeepSpeed config"):
+        deepspeed.initialize(model=model(), comm=MPI.COMM_SELF)
