@@ -20,7 +20,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -100,6 +100,17 @@ def shard_indices(n: int, global_batch: int, step: int, seed: int, rank: int, wo
     return order[i * global_batch:(i + 1) * global_batch][rank::world]
 
 
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) to every rank, as DDP does before each forward.
+
+    Each rank normalises with its own batch's statistics, but the running statistics
+    that evaluation uses, and that a checkpoint saves (rank 0's), are the same everywhere,
+    so a resumed run repeats an uninterrupted one.
+    """
+    for buf in module.buffers():
+        MPI.COMM_WORLD.Bcast(buf.detach().numpy(), root=0)
+
+
 def progress(text: str, final: bool = False) -> None:
     # On a terminal redraw one line in place; in a log file write whole lines.
     if sys.stderr.isatty():
@@ -165,8 +176,13 @@ EvalFn = Callable[[], dict]         # -> {"val_loss": ..., maybe "val_accuracy":
 ExtraFn = Callable[[int], dict]     # steps since the last record -> more fields of this record
 
 
-def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn | None = None) -> dict:
-    """Steps first_step..steps; returns the last step's metrics (empty when there was nothing to do)."""
+class LoopResult(NamedTuple):
+    metrics: dict     # the last step's metrics and the last evaluation's (empty when there was nothing to do)
+    completed: bool   # False when preempted: the job should stop without a final report
+
+
+def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn | None = None) -> LoopResult:
+    """Steps first_step..steps, evaluating, checkpointing and logging on the way."""
     engine, train = run.engine, run.train
     steps, rate_key = train["steps"], f"{run.unit}_per_s"
     metrics = open(run.out_dir / "metrics.jsonl", "a" if run.first_step > 1 else "w") if run.rank0 else None
@@ -175,7 +191,7 @@ def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn
     train_time = 0.0  # excludes evaluation, so the rate measures training alone
     mark = dict(step=run.first_step - 1, time=0.0)
     start = time.perf_counter()
-    step = run.first_step - 1
+    step, stop = run.first_step - 1, False
     for step in range(run.first_step, steps + 1):
         t0 = time.perf_counter()
         # Tiny collectives every step, so every rank takes part whatever rank 0 shows.
@@ -229,4 +245,4 @@ def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn
               f"loss {first['loss']:.3f} -> {last['loss']:.3f}{shown}, "
               f"{done * run.per_step / max(train_time, 1e-9):,.0f} {run.unit}/s, "
               f"{time.perf_counter() - start:.1f}s; metrics in {run.out_dir / 'metrics.jsonl'}", flush=True)
-    return {**last, **val}
+    return LoopResult({**last, **val}, not stop)
