@@ -154,11 +154,13 @@ class Run:
 
 
 def start_run(engine, train: dict, config: dict, resume: bool, unit: str, per_step: int,
-              preemption: Preemption) -> Run:
-    """Resume from the latest checkpoint if asked; on rank 0 write config.json."""
+              preemption: Preemption, first_step: int = 1) -> Run:
+    """Resume from the latest checkpoint if asked; on rank 0 write config.json.
+
+    ``first_step`` > 1 continues a run (a later phase of the same job): metrics are appended.
+    """
     out_dir = Path(train["out_dir"])
     ckpt_dir = Path(train["ckpt_dir"] or out_dir / "checkpoints")
-    first_step = 1
     if resume and (ckpt_dir / "latest").exists():
         first_step = engine.load_checkpoint(ckpt_dir)["next_step"]
         log.warning("resumed from %s at step %d", ckpt_dir, first_step)

@@ -42,3 +42,13 @@ def test_cnn_resumes_exactly(tmp_path):
     a, b = records(tmp_path / "a")[-1], records(tmp_path / "b")[-1]
     assert a["step"] == b["step"] == 20
     assert (a["loss"], a["val_loss"], a["val_accuracy"]) == (b["loss"], b["val_loss"], b["val_accuracy"])
+
+
+def test_classifier_beats_chance_after_mlm_warmup_with_frozen_embeddings(tmp_path):
+    """The default config: 60 masked-LM steps, then 240 fine-tuning steps with the embeddings frozen."""
+    proc = run_mpi(2, "jobs/train_classifier.py", "--out", str(tmp_path), "--stage", "3")
+    accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
+    assert accuracy >= 0.5, proc.stdout  # chance: 0.25; the README states ~0.68
+    rows = records(tmp_path)
+    assert [r["phase"] for r in rows if r["step"] in (60, 70)] == ["mlm", "finetune"]
+    assert rows[-1]["step"] == 300 and "val_accuracy" in rows[-1]
