@@ -111,6 +111,17 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
         MPI.COMM_WORLD.Bcast(buf.detach().numpy(), root=0)
 
 
+def test_metrics(engine, n: int, mean_loss: float, correct: int | None = None) -> dict:
+    """val_loss (and val_accuracy) over every rank's n test examples: sums over ranks (the
+    mean times world_size), since the ranks' shares of a test set may differ by one."""
+    world = engine.world_size
+    total = engine.all_reduce_mean(n) * world
+    out = {"val_loss": engine.all_reduce_mean(mean_loss * n) * world / total}
+    if correct is not None:
+        out["val_accuracy"] = engine.all_reduce_mean(correct) * world / total
+    return out
+
+
 def progress(text: str, final: bool = False) -> None:
     # On a terminal redraw one line in place; in a log file write whole lines.
     if sys.stderr.isatty():

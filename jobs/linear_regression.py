@@ -18,7 +18,7 @@ from torch import nn
 
 import zerompi
 from common import (LOOP_DEFAULTS, Preemption, apply_flags, load_config, parse_args, setup_logging,
-                    shard_indices, start_run, train_loop)
+                    shard_indices, start_run, test_metrics, train_loop)
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, batch=0, out_dir="out/linear-regression", tolerance=1e-4)
 DATA_DEFAULTS = dict(features=16, n_train=2048, n_test=512, noise=0.1, data_seed=0)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def eval_fn() -> dict:
         with torch.no_grad():  # each rank its share of the test set
-            return {"val_loss": engine.all_reduce_mean(mse(x_test[rank::world], y_test[rank::world]).item())}
+            return test_metrics(engine, len(y_test[rank::world]), mse(x_test[rank::world], y_test[rank::world]).item())
 
     result = train_loop(run, step_fn, eval_fn)
     if result.completed:

@@ -26,7 +26,7 @@ from torch import nn
 
 import zerompi
 from common import (EVAL_STREAM, LOOP_DEFAULTS, Preemption, apply_flags, generator, load_config, parse_args,
-                    setup_logging, start_run, train_loop)
+                    setup_logging, start_run, test_metrics, train_loop)
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, modules=["argparse", "subprocess", "tarfile", "typing"], snippet=256,
                       micro_batch=16, test_fraction=0.2, eval_per_module=64, mlm_steps=0, mlm_lr=1e-3,
@@ -155,10 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                 loss, correct = losses(engine, x_test[rank::world], y_test[rank::world], mlm,
                                        train["mask_fraction"], generator(train["seed"], EVAL_STREAM, rank))
             engine.train()
-            n = len(y_test[rank::world])
-            total = engine.all_reduce_mean(n) * world  # sums over ranks: shards may differ by one
-            out = {"val_loss": engine.all_reduce_mean(loss.item() * n) * world / total}
-            return out if mlm else out | {"val_accuracy": engine.all_reduce_mean(correct) * world / total}
+            return test_metrics(engine, len(y_test[rank::world]), loss.item(), correct)
 
         result = train_loop(run, step_fn, eval_fn, lambda _interval: {"phase": phase})
         if not result.completed:

@@ -18,7 +18,7 @@ from torch import nn
 
 import zerompi
 from common import (LOOP_DEFAULTS, Preemption, apply_flags, broadcast_buffers, generator, load_config,
-                    parse_args, setup_logging, shard_indices, start_run, train_loop)
+                    parse_args, setup_logging, shard_indices, start_run, test_metrics, train_loop)
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, batch=64, test_fraction=0.2, out_dir="out/cnn")
 MODEL_DEFAULTS = dict(channels=16, hidden=64, dropout=0.25)
@@ -68,11 +68,7 @@ def evaluate(engine, x: torch.Tensor, y: torch.Tensor) -> dict:
     with torch.no_grad():
         loss, correct = classify(engine, x[engine.rank::world], y[engine.rank::world])
     engine.train()
-    n = len(x[engine.rank::world])
-    # Sums over ranks (the mean times world): the shards may differ in size by one.
-    total = engine.all_reduce_mean(n) * world
-    return {"val_loss": engine.all_reduce_mean(loss.item() * n) * world / total,
-            "val_accuracy": engine.all_reduce_mean(correct) * world / total}
+    return test_metrics(engine, len(x[engine.rank::world]), loss.item(), correct)
 
 
 def main(argv: list[str] | None = None) -> None:
