@@ -96,7 +96,8 @@ def draw(runs: list[Series], out: Path) -> Path:
                             label=run.label if key == keys[0] or keys[0] not in run.curves else None)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
-        if log_y:
+        values = [v for run in runs for k in keys if k in run.curves for v in run.curves[k][1]]
+        if log_y and min(values) > 0 and max(values) > 20 * min(values):  # log only over a wide range
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
