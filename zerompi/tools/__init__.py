@@ -1,1 +1,1 @@
-"""Command-line tools: the ``zerompi`` command and ``zerompi estimate``."""
+"""Command-line tools: the ``zerompi`` command, ``zerompi estimate`` and ``zerompi plot``."""

@@ -1,0 +1,261 @@
+"""What the training jobs share: flags, TOML config, run directory, the step loop, preemption.
+
+Each job (train_gpt.py, train_cnn.py, train_classifier.py, linear_regression.py)
+brings its model, its data and two functions, ``step_fn(step)`` (one optimizer
+step; returns this rank's metrics) and ``eval_fn()`` (returns metrics already
+averaged over ranks), and hands them to :func:`train_loop`, which times the steps,
+evaluates, checkpoints (``--save-every``, SIGUSR1/SIGTERM), shows progress on rank 0
+and writes ``metrics.jsonl``. A step's data must depend only on (seed, step, rank),
+so that a resumed run repeats an uninterrupted one exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import zerompi
+from zerompi.errors import ConfigError
+
+log = logging.getLogger("jobs")
+
+# [train] keys every job has; a job adds its own to these defaults.
+LOOP_DEFAULTS = dict(steps=100, log_every=10, eval_every=50, seed=1337,
+                     save_every=0, ckpt_dir="")  # 0: no periodic checkpoints; "": {out_dir}/checkpoints
+EVAL_STREAM = 2**31 - 1  # a "step" no training step reaches: eval draws never repeat train draws
+
+
+def parse_args(doc: str, default_config: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags every job takes."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--config", default=default_config)
+    p.add_argument("--steps", type=int, help="override train.steps")
+    p.add_argument("--out", help="override train.out_dir")
+    p.add_argument("--stage", type=int, help="override zero.stage")
+    p.add_argument("--save-every", type=int, help="override train.save_every (steps between checkpoints)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in the checkpoint directory, if there is one")
+    return p.parse_args(argv)
+
+
+def setup_logging() -> bool:
+    """Rank-prefixed logging at $ZEROMPI_LOG_LEVEL (default WARNING); True on rank 0."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    logging.basicConfig(level=os.environ.get("ZEROMPI_LOG_LEVEL", "WARNING"),
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    return rank == 0
+
+
+def load_config(path: str, train_defaults: dict) -> tuple[dict, dict, dict]:
+    """The [model], [train] and [zero] tables; unknown tables or [train] keys are errors."""
+    with open(path, "rb") as f:
+        doc = tomllib.load(f)
+    unknown = sorted(set(doc) - {"model", "train", "zero"}) + \
+        sorted(f"train.{k}" for k in set(doc.get("train", {})) - set(train_defaults))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}")
+    return doc.get("model", {}), {**train_defaults, **doc.get("train", {})}, doc.get("zero", {})
+
+
+def apply_flags(args: argparse.Namespace, train: dict, zero_doc: dict) -> zerompi.ZeroConfig:
+    """Command-line overrides of [train] (in place) and [zero]; returns the ZeroConfig."""
+    train.update({k: v for k, v in (("steps", args.steps), ("out_dir", args.out), ("save_every", args.save_every))
+                  if v is not None})
+    cfg = zerompi.ZeroConfig.from_dict(zero_doc)
+    return cfg.replace(stage=args.stage) if args.stage is not None else cfg
+
+
+def generator(*coords: int) -> torch.Generator:
+    # A fresh generator per draw, seeded from the draw's coordinates (seed, step,
+    # micro-step, rank): a batch does not depend on how many were drawn before,
+    # so runs repeat exactly and ranks never share a batch.
+    state = np.random.SeedSequence([int(c) for c in coords]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+def shard_indices(n: int, global_batch: int, step: int, seed: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's examples of global batch ``step`` (1-based) over a dataset of ``n``.
+
+    Like torch's DistributedSampler: each epoch is a permutation seeded by (seed,
+    epoch); the epoch's batches are consecutive slices of it (the last partial one
+    is dropped) and each rank takes every world-th example of a batch.
+    """
+    per_epoch = n // global_batch
+    if per_epoch == 0:
+        raise ConfigError(f"a global batch of {global_batch} is larger than the {n} training examples")
+    epoch, i = divmod(step - 1, per_epoch)
+    order = torch.randperm(n, generator=generator(seed, epoch))
+    return order[i * global_batch:(i + 1) * global_batch][rank::world]
+
+
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) to every rank, as DDP does before each forward.
+
+    Each rank normalises with its own batch's statistics, but the running statistics
+    that evaluation uses, and that a checkpoint saves (rank 0's), are the same everywhere,
+    so a resumed run repeats an uninterrupted one.
+    """
+    for buf in module.buffers():
+        MPI.COMM_WORLD.Bcast(buf.detach().numpy(), root=0)
+
+
+def test_metrics(engine, n: int, mean_loss: float, correct: int | None = None) -> dict:
+    """val_loss (and val_accuracy) over every rank's n test examples: sums over ranks (the
+    mean times world_size), since the ranks' shares of a test set may differ by one."""
+    world = engine.world_size
+    total = engine.all_reduce_mean(n) * world
+    out = {"val_loss": engine.all_reduce_mean(mean_loss * n) * world / total}
+    if correct is not None:
+        out["val_accuracy"] = engine.all_reduce_mean(correct) * world / total
+    return out
+
+
+def progress(text: str, final: bool = False) -> None:
+    # On a terminal redraw one line in place; in a log file write whole lines.
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + text.ljust(80) + ("\n" if final else ""))
+        sys.stderr.flush()
+    elif final:
+        print(text, file=sys.stderr, flush=True)
+
+
+class Preemption:
+    """SIGUSR1 (Slurm's warning before walltime) or SIGTERM: checkpoint at the next step, exit 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum, _frame) -> None:
+        self.requested = True  # acted on at a step boundary, where all ranks agree
+
+    def agreed(self, engine) -> bool:
+        # One tiny collective: a signal that reached only some ranks still stops all of them.
+        return engine.all_reduce_mean(float(self.requested)) > 0
+
+
+@dataclass
+class Run:
+    """One job's run: where it writes, where it resumes, and what a step processes."""
+    engine: zerompi.Engine
+    train: dict
+    out_dir: Path
+    ckpt_dir: Path
+    first_step: int
+    unit: str                      # "tokens" or "samples": what the throughput counts
+    per_step: int                  # units per optimizer step, over all ranks
+    preemption: Preemption
+    rank0: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rank0 = self.engine.rank == 0
+
+
+def start_run(engine, train: dict, config: dict, resume: bool, unit: str, per_step: int,
+              preemption: Preemption, first_step: int = 1) -> Run:
+    """Resume from the latest checkpoint if asked; on rank 0 write config.json.
+
+    ``first_step`` > 1 continues a run (a later phase of the same job): metrics are appended.
+    """
+    out_dir = Path(train["out_dir"])
+    ckpt_dir = Path(train["ckpt_dir"] or out_dir / "checkpoints")
+    if resume and (ckpt_dir / "latest").exists():
+        first_step = engine.load_checkpoint(ckpt_dir)["next_step"]
+        log.warning("resumed from %s at step %d", ckpt_dir, first_step)
+    run = Run(engine, train, out_dir, ckpt_dir, first_step, unit, per_step, preemption)
+    if run.rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(
+            {**config, "train": train, "zero": engine.config.to_dict(), "world_size": engine.world_size},
+            indent=2, default=str))
+    return run
+
+
+StepFn = Callable[[int], dict]      # step -> this rank's {"loss": ..., maybe "accuracy": ...}
+EvalFn = Callable[[], dict]         # -> {"val_loss": ..., maybe "val_accuracy": ...}, averaged over ranks
+ExtraFn = Callable[[int], dict]     # steps since the last record -> more fields of this record
+
+
+class LoopResult(NamedTuple):
+    metrics: dict     # the last step's metrics and the last evaluation's (empty when there was nothing to do)
+    completed: bool   # False when preempted: the job should stop without a final report
+
+
+def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn | None = None) -> LoopResult:
+    """Steps first_step..steps, evaluating, checkpointing and logging on the way."""
+    engine, train = run.engine, run.train
+    steps, rate_key = train["steps"], f"{run.unit}_per_s"
+    metrics = open(run.out_dir / "metrics.jsonl", "a" if run.first_step > 1 else "w") if run.rank0 else None
+    first = last = {}
+    val: dict = {}
+    train_time = 0.0  # excludes evaluation, so the rate measures training alone
+    mark = dict(step=run.first_step - 1, time=0.0)
+    start = time.perf_counter()
+    step, stop = run.first_step - 1, False
+    for step in range(run.first_step, steps + 1):
+        t0 = time.perf_counter()
+        # Tiny collectives every step, so every rank takes part whatever rank 0 shows.
+        last = {k: engine.all_reduce_mean(v) for k, v in step_fn(step).items()}
+        train_time += time.perf_counter() - t0
+        first = first or last
+        elapsed = time.perf_counter() - start
+        rate = (step - run.first_step + 1) * run.per_step / train_time
+
+        evaluating = eval_fn is not None and train["eval_every"] > 0 and (step % train["eval_every"] == 0
+                                                                          or step == steps)
+        logging_step = step % train["log_every"] == 0 or step in (1, steps) or evaluating
+        fields = extra(step - mark["step"]) if extra is not None and logging_step else {}  # before evaluating
+        val = eval_fn() if evaluating else val
+        stop = run.preemption.agreed(engine)
+        if stop or (train["save_every"] > 0 and (step % train["save_every"] == 0 or step == steps)):
+            engine.save_checkpoint(run.ckpt_dir, client_state={"next_step": step + 1})
+        if stop:
+            if run.rank0:
+                print(f"preempted: checkpoint at step {step} in {run.ckpt_dir}; rerun with --resume", flush=True)
+            break
+        if not run.rank0:
+            continue
+        lr = engine.get_lr()[0]  # what the next step uses
+        short = "tok" if run.unit == "tokens" else run.unit
+        line = f"step {step}/{steps} | loss {last['loss']:.3f} | lr {lr:.2e} | {rate:,.0f} {short}/s | {elapsed:.1f}s"
+        if evaluating:
+            line += "".join(f" | {'val' if k == 'val_loss' else k.removeprefix('val_')[:3]} {v:.3f}"
+                            for k, v in val.items())
+        if logging_step:
+            interval = step - mark["step"]
+            record = dict(step=step, **last, lr=lr,
+                          **{rate_key: interval * run.per_step / (train_time - mark["time"])},
+                          **fields, elapsed_s=round(elapsed, 3))
+            if evaluating:
+                record.update(val)
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            mark = dict(step=step, time=train_time)
+            progress(line, final=True)
+        else:
+            progress(line)
+
+    if run.rank0 and not first:
+        print(f"nothing to do: the checkpoint is already at step {run.first_step - 1} of {steps}", flush=True)
+    elif run.rank0:
+        metrics.close()
+        shown = f" (val {val['val_loss']:.3f})" if "val_loss" in val else ""
+        done = step - run.first_step + 1
+        print(f"done: {step} steps, world size {engine.world_size}, stage {engine.config.stage}, "
+              f"loss {first['loss']:.3f} -> {last['loss']:.3f}{shown}, "
+              f"{done * run.per_step / max(train_time, 1e-9):,.0f} {run.unit}/s, "
+              f"{time.perf_counter() - start:.1f}s; metrics in {run.out_dir / 'metrics.jsonl'}", flush=True)
+    return LoopResult({**last, **val}, not stop)
