@@ -33,14 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import safetensors, schema
 from zerompi.config import Schedule, ZeroConfig
 from zerompi.config.deepspeed import warning_text
 from zerompi.config.ds_batch import Batch, complete_batch
 from zerompi.config.files import read_document
 from zerompi.engine import Engine
 from zerompi.engine import initialize as zero_initialize
-from zerompi.errors import UsageError
+from zerompi.errors import UsageError, all_ranks_ok
 from zerompi.optim.ds_schedules import scheduler_factory
 
 __all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize"]
@@ -71,10 +71,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 class DeepSpeedEngine:
     """The DeepSpeed engine methods a training loop uses, answered by a zerompi :class:`Engine`."""
 
-    def __init__(self, engine: Engine, batch: Batch):
+    def __init__(self, engine: Engine, batch: Batch, gather_16bit_on_save: bool = False):
         self.engine = engine
         """The zerompi engine underneath."""
         self._batch = batch
+        self._gather_16bit = gather_16bit_on_save  # stage3_gather_16bit_weights_on_model_save
 
     # ---- training ---------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -187,6 +188,42 @@ class DeepSpeedEngine:
         client_state = self.engine.load_checkpoint(load_dir, tag)
         return os.path.join(os.fspath(load_dir), tag), client_state
 
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: rank 0 writes every parameter (tied ones once) and persistent buffer, whole, in
+        the compute dtype, as safetensors under ``save_dir`` (no pickle: a ``.bin`` name is refused).
+        At stage 3 only with ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed: otherwise
+        it warns and writes nothing. Returns whether it wrote."""
+        if Path(save_filename).suffix != ".safetensors":
+            raise UsageError(f"save_16bit_model(save_filename={save_filename!r}): zerompi writes safetensors, "
+                             "never pickles; use a name ending in .safetensors (transformers loads "
+                             "model.safetensors)")
+        if exclude_frozen_parameters:
+            raise UsageError("save_16bit_model(exclude_frozen_parameters=True) is not supported: every "
+                             "parameter is written")
+        if self.engine.config.stage == 3 and not self._gather_16bit:
+            warnings.warn("save_16bit_model at stage 3 writes nothing unless the config sets "
+                          "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (as in DeepSpeed)",
+                          stacklevel=2)
+            return False
+        full = self.engine.full_state_dict()  # collective: fp32, every rank
+        dtype = self.engine.config.torch_dtype
+        tensors = {n: t.to(dtype) for n, t in full.items()}
+        keep = set(self.module.state_dict(keep_vars=True))  # persistent buffers (no data is read)
+        tensors.update({n: b.detach().cpu() for n, b in self.module.named_buffers() if n in keep})
+        error = None
+        if self.global_rank == 0:
+            try:
+                Path(save_dir).mkdir(parents=True, exist_ok=True)
+                entries = [safetensors.Entry(n, tuple(t.shape), safetensors.CODES[str(t.dtype).removeprefix("torch.")])
+                           for n, t in tensors.items()]
+                safetensors.write(Path(save_dir) / save_filename, entries,
+                                  lambda n: memoryview(tensors[n].reshape(-1).contiguous().view(torch.uint8).numpy()).cast("B"))
+            except (OSError, KeyError) as e:
+                error = f"save_16bit_model: {type(e).__name__}: {e}"
+        all_ranks_ok(self.engine.group, error)
+        return True
+
     def close(self) -> None:
         self.engine.close()
 
@@ -279,4 +316,7 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
         warnings.warn(text, stacklevel=2)
     engine = zero_initialize(model, cfg, comm=comm, param_groups=_param_groups(model, model_parameters),
                              lr_scheduler=_scheduler(lr_scheduler, cfg, t.schedule))
-    return DeepSpeedEngine(engine, batch), engine.optimizer, None, engine.lr_scheduler
+    zero = doc.get("zero_optimization")
+    gather_16bit = isinstance(zero, Mapping) and zero.get("stage3_gather_16bit_weights_on_model_save") is True
+    return DeepSpeedEngine(engine, batch, gather_16bit), engine.optimizer, None, engine.lr_scheduler
+

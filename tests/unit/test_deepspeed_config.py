@@ -116,7 +116,7 @@ def test_hf_zero3_template_without_model():
     assert len(warned) == 1 and warned_keys(warned[0]) == {
         "steps_per_print", "wall_clock_breakdown", "zero_optimization.contiguous_gradients",
         "zero_optimization.sub_group_size", "zero_optimization.stage3_max_live_parameters",
-        "zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
+        "zero_optimization.stage3_max_reuse_distance"}
 
 
 def tiny_gpt(n_embd=64):

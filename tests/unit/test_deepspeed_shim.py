@@ -138,3 +138,38 @@ def test_inconsistent_batch_raises_naming_keys():
 def test_no_config():
     with pytest.raises(UsageError, match="no DeepSpeed config"):
         deepspeed.initialize(model=model(), comm=MPI.COMM_SELF)
+
+
+@pytest.mark.parametrize("stage, dtype, gather", [(1, "fp32", False), (3, "bf16", True), (3, "fp32", False)])
+def test_save_16bit_model_writes_safetensors_that_torch_loads(tmp_path, stage, dtype, gather):
+    import json
+    import struct
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    doc = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": stage, "stage3_gather_16bit_weights_on_model_save": gather} if stage == 3 else {"stage": stage},
+        "bf16": {"enabled": dtype == "bf16"}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = deepspeed.initialize(model=model, config=doc, comm=MPI.COMM_SELF)
+    with pytest.raises(UsageError, match="never pickles"):
+        engine.save_16bit_model(tmp_path, "pytorch_model.bin")
+    if stage == 3 and not gather:
+        with pytest.warns(UserWarning, match="stage3_gather_16bit_weights_on_model_save"):
+            assert engine.save_16bit_model(tmp_path) is False
+        assert not (tmp_path / "model.safetensors").exists()
+        engine.close()
+        return
+    full = engine.engine.full_state_dict()
+    assert engine.save_16bit_model(tmp_path) is True
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    data = raw[8 + size:]
+    names = set(header) - {"__metadata__"}
+    assert names == set(model.state_dict())
+    want = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for name, value in full.items():
+        start, stop = header[name]["data_offsets"]
+        got = torch.frombuffer(bytearray(data[start:stop]), dtype=want).view(header[name]["shape"])
+        assert torch.equal(got, value.to(want)), name
+    engine.close()

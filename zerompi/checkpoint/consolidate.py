@@ -8,9 +8,7 @@ tensor rather than the model.
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import numpy as np
 import torch
 
 from zerompi.errors import CheckpointError
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import safetensors, schema
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.reader import FP32, merge, open_shards, resolve
 
@@ -90,20 +88,10 @@ def _write_h5(full: FullStateDict, out: Path) -> None:
 
 
 def _write_safetensors(full: FullStateDict, out: Path) -> None:
-    """The safetensors layout (8-byte header size, JSON header, raw little-endian data), streamed."""
-    header, offset = {}, 0
-    for name in full:
-        nbytes = 4 * int(np.prod(full.shape(name), dtype=np.int64))
-        header[name] = {"dtype": "F32", "shape": list(full.shape(name)), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {"format": "pt", "steps": str(full.index.steps)}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
-    with open(out, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in full:
-            f.write(memoryview(full[name].numpy().astype("<f4", copy=False)).cast("B"))
+    """The safetensors layout, fp32, streamed one tensor at a time."""
+    safetensors.write(out, [safetensors.Entry(n, tuple(full.shape(n)), "F32") for n in full],
+                      lambda n: memoryview(full[n].numpy().astype("<f4", copy=False)).cast("B"),
+                      {"steps": str(full.index.steps)})
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, tag: str | None = None) -> Path:

@@ -66,11 +66,13 @@ NO_EFFECT: dict[str, str] = {
     "optimizer.params.torch_adam": "bool", "steps_per_print": "size", "wall_clock_breakdown": "bool",
     "prescale_gradients": "bool", "zero_allow_untested_optimizer": "bool",
     **{f"zero_optimization.{k}": "bool" for k in (
-        "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
-        "stage3_gather_16bit_weights_on_model_save")},
+        "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients")},
     **{f"zero_optimization.{k}": "size" for k in (
         "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")},
 }
+# Honoured by zerompi.deepspeed's save_16bit_model (a stage-3 engine writes the gathered weights only
+# when it is true, as DeepSpeed's does), not by the config: checked here, read there.
+SAVE_16BIT = "zero_optimization.stage3_gather_16bit_weights_on_model_save"
 # Stage-3 sizes that map onto fields at stage 3 only; at other stages they have no effect.
 _STAGE3_ONLY = ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold")
 # Switches whose only allowed value is what zerompi does: another value changes the result.
@@ -189,6 +191,9 @@ def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
             elif not is_auto(value):
                 real(dotted, value, ge=0)
             present.append(dotted)
+    found, value = _ds_get(d, SAVE_16BIT)
+    if found:
+        boolean(SAVE_16BIT, value)
     for dotted in _STAGE3_ONLY:
         found, value = _ds_get(d, dotted)
         if found and not stage3:
