@@ -116,7 +116,8 @@ class Engine:
         tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
                          cfg.offload.pin_memory)
         self.sharded = ShardedModel(module, placement, self.groups,
-                                    ShardOptions(cap, membership, overlap, param_init, cfg.param_persistence_threshold),
+                                    ShardOptions(cap, membership, overlap, param_init, cfg.param_persistence_threshold,
+                                                 cfg.max_live_params),
                                     tiers)
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
         self._phase = PhaseTracker(cfg.grad_accum_steps)

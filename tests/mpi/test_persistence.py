@@ -42,3 +42,15 @@ def test_persistent_parameters_are_gathered_once_per_step(rows, combo):
     sharded, persistent = vol(r["padded"] - r["persistent_padded"]), vol(r["persistent_padded"])
     assert collective_bytes(r) == {"all_gather": 2 * accum * sharded + persistent,
                                    "reduce_scatter": accum * (sharded + persistent)}
+
+
+def test_prefetch_under_max_live_params_keeps_parity_and_volume(tmp_path):
+    """Prefetching two units ahead under a bound that admits only some of them: the same results
+    (order-noise bounds) and the same bytes as gathering on demand."""
+    out = tmp_path / "rows.json"
+    rows = run_worker_json(2, "parity.py", out, "--stages", "3", "--quick", "--overlap", "test", "--max-live", "3000")
+    for r in rows:
+        check_parity(r)
+        n, itemsize = r["world"], 4
+        v = (n - 1) * r["padded"] // n * itemsize * r["steps"]
+        assert collective_bytes(r) == {"all_gather": 2 * v, "reduce_scatter": v}

@@ -115,7 +115,7 @@ def test_hf_zero3_template_without_model():
     assert "param_persistence_threshold" not in deepspeed_kwargs(HF_ZERO3)
     assert len(warned) == 1 and warned_keys(warned[0]) == {
         "steps_per_print", "wall_clock_breakdown", "zero_optimization.contiguous_gradients",
-        "zero_optimization.sub_group_size", "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.sub_group_size",
         "zero_optimization.stage3_max_reuse_distance"}
 
 

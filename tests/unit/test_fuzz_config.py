@@ -89,7 +89,7 @@ _KNOWN_VALID = {
     "debug_collectives": st.booleans(), "collective_timeout": st.one_of(st.none(), _POS),
     "abort_on_exception": st.booleans(), "checkpoint_layout": st.sampled_from(["auto", "per_rank"]),
     # a decaying schedule needs total_steps > warmup_steps and min_lr <= lr: test_fuzz_decaying_schedules
-    "param_persistence_threshold": st.just(0),
+    "param_persistence_threshold": st.just(0), "max_live_params": st.one_of(st.none(), st.integers(1, 10**12)),
     "lr_schedule": st.just("constant"), "warmup_steps": st.integers(0, 10**4),
     "total_steps": st.one_of(st.none(), st.integers(1, 10**6)), "min_lr": st.just(0.0),
 }
@@ -153,7 +153,7 @@ def valid_deepspeed(draw) -> dict:
                 "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save"):
         if draw(st.booleans()):
             zero[key] = draw(st.booleans())
-    for key in ("sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+    for key in ("sub_group_size", "stage3_max_reuse_distance"):
         if draw(st.booleans()):
             zero[key] = draw(_SIZES)
     if draw(st.booleans()):

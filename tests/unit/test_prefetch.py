@@ -41,3 +41,16 @@ def test_changed_order_turns_prefetch_off_once(caplog):
 def test_depth_zero_never_prefetches():
     p = Prefetcher(depth=0)
     assert _forward(p, [ROOT, A]) + _forward(p, [ROOT, A]) == [[], [], [], []]
+
+
+def test_max_live_params_bounds_what_is_gathered_ahead():
+    sizes = {"": 10, "a": 4, "b": 4, "c": 8}
+    p = Prefetcher(depth=3, budget=18, size=lambda u: sizes[u.fqn])
+    _forward(p, [ROOT, A, B, C])
+    # the unit computing counts: root (10) + a (4) + b (4) = 18 fits, c would not
+    assert _forward(p, [ROOT, A, B, C]) == [[A, B], [B, C], [C], []]
+    assert p.backward(C) == [B, A] and p.backward(B) == [A, ROOT]  # 4 + 4 + 10 = 18
+    assert Prefetcher(depth=2, budget=5, size=lambda u: sizes[u.fqn]).backward(C) == []  # never recorded
+    big = Prefetcher(depth=2, budget=3, size=lambda u: sizes[u.fqn])
+    _forward(big, [ROOT, A, B, C])
+    assert _forward(big, [ROOT, A, B, C]) == [[], [], [], []]  # every unit alone exceeds it: no prefetch

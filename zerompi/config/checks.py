@@ -205,6 +205,7 @@ CHECKS: dict[str, Check] = {
     "abort_on_exception": boolean,
     "checkpoint_layout": _of(CheckpointLayout),
     "param_persistence_threshold": lambda k, v: integer(k, v, 0),
+    "max_live_params": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "no bound"),
     "lr_schedule": _of(Schedule),
     "warmup_steps": lambda k, v: integer(k, v, 0),
     "total_steps": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "no decay"),

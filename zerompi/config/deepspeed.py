@@ -67,14 +67,14 @@ NO_EFFECT: dict[str, str] = {
     "prescale_gradients": "bool", "zero_allow_untested_optimizer": "bool",
     **{f"zero_optimization.{k}": "bool" for k in (
         "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients")},
-    **{f"zero_optimization.{k}": "size" for k in (
-        "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")},
+    **{f"zero_optimization.{k}": "size" for k in ("sub_group_size", "stage3_max_reuse_distance")},
 }
 # Honoured by zerompi.deepspeed's save_16bit_model (a stage-3 engine writes the gathered weights only
 # when it is true, as DeepSpeed's does), not by the config: checked here, read there.
 SAVE_16BIT = "zero_optimization.stage3_gather_16bit_weights_on_model_save"
 # Stage-3 sizes that map onto fields at stage 3 only; at other stages they have no effect.
-_STAGE3_ONLY = ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold")
+_STAGE3_ONLY = ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
+                "zero_optimization.stage3_max_live_parameters")
 # Switches whose only allowed value is what zerompi does: another value changes the result.
 _MUST_BE_FALSE = {"fp16.auto_cast": "", "fp16.consecutive_hysteresis": "",
                   "fp16.fp16_master_weights_and_grads": "",
@@ -217,6 +217,12 @@ def _ds_stage3(d: Mapping, kwargs: dict[str, Any], bucket_mb: float) -> None:
         if isinstance(value, float) and value.is_integer():
             value = int(value)  # 1e5 in JSON is a float
         kwargs["param_persistence_threshold"] = integer(key, value, 0)
+    found, value = _ds_get(d, "zero_optimization.stage3_max_live_parameters")
+    if found:
+        key = "zero_optimization.stage3_max_live_parameters"
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 1e9 in JSON is a float
+        kwargs["max_live_params"] = integer(key, value, 1)
 
 
 class Translation(NamedTuple):

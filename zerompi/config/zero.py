@@ -143,6 +143,12 @@ class ZeroConfig:
     between uses (their optimizer state and gradients stay sharded, as at stage 2), which saves
     their many small all-gathers in forward and backward for c bytes each of memory; 0 shards
     every parameter. DeepSpeed's stage3_param_persistence_threshold."""
+    max_live_params: int | None = None
+    """Stage 3 with prefetch: the most parameter elements gathered by prefetching at once, the
+    unit computing plus those gathered ahead (fewer units are prefetched when more would exceed
+    it; a unit larger than the bound is still gathered, alone; enclosing units gathered around
+    them are not counted). None: prefetch_units alone decides. DeepSpeed's
+    stage3_max_live_parameters."""
     lr_schedule: Schedule = Schedule.CONSTANT
     """Learning-rate schedule the engine steps after each optimizer step: 'constant' (lr
     throughout), 'warmup_cosine' or 'warmup_linear' (linear warm-up from lr/warmup_steps to lr

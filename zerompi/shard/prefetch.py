@@ -20,8 +20,10 @@ logger = get_logger(__name__)
 class Prefetcher:
     """Decides which units to gather ahead; the sharded model issues and waits on the gathers."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, budget: int | None = None, size=lambda unit: 0):
         self.depth = depth
+        self.budget = budget  # max_live_params: elements gathered at once, the unit computing included
+        self.size = size      # a unit's gathered elements
         self.enabled = depth > 0
         self.recording = True
         self.order: list = []          # units in forward order, as recorded on the first forward
@@ -46,14 +48,26 @@ class Prefetcher:
                           "on the first step")
             return []
         self._pos += 1
-        return self.order[self._pos:self._pos + self.depth]
+        return self._within(unit, self.order[self._pos:self._pos + self.depth])
 
     def backward(self, unit) -> list:
         """``unit`` starts its backward; the units before it in forward order come next."""
         if not self.enabled or self.recording or id(unit) not in self._last:
             return []
         i = self._last[id(unit)]
-        return self.order[max(0, i - self.depth):i][::-1]
+        return self._within(unit, self.order[max(0, i - self.depth):i][::-1])
+
+    def _within(self, unit, ahead: list) -> list:
+        """The first of ``ahead`` that fit in the budget beside ``unit``."""
+        if self.budget is None:
+            return ahead
+        live, out = self.size(unit), []
+        for u in ahead:
+            live += self.size(u)
+            if live > self.budget:
+                break
+            out.append(u)
+        return out
 
     def _disable(self, why: str) -> None:
         self.enabled = False

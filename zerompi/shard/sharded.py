@@ -51,6 +51,8 @@ class ShardOptions:
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
     persistence_threshold: int = 0
     """Stage 3: parameters with fewer elements stay gathered (buckets planned as at stage 2)."""
+    max_live_params: int | None = None
+    """Stage 3: prefetch no more than this many elements, the unit computing included."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ class ShardedModel:
         self.tiers = tiers
         self.materialize = Materializer(module, placement.device, options.param_init)
         self.overlap = options.overlap
-        self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0)
+        self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
+                                     options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.units: list[Unit] = []

@@ -27,6 +27,7 @@ p.add_argument("--overlap", choices=("test", "thread"),
                help="non-blocking reduce-scatter and prefetch, progressed by MPI_Test or a communication thread")
 p.add_argument("--threads", type=int, default=None, help="torch threads per rank (cpu_threads)")
 p.add_argument("--persistence", type=int, default=0, help="stage 3: param_persistence_threshold")
+p.add_argument("--max-live", type=int, default=None, help="stage 3: max_live_params")
 p.add_argument("--mutate", choices=sorted(MUTATIONS),
                help="break the gradient reduction on purpose (the parity bounds must catch it)")
 args = p.parse_args()
@@ -50,7 +51,7 @@ for stage, dtype, accum, clip, opt in itertools.product(STAGES, DTYPES, ACCUMS, 
     cfg = zerompi.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=accum, clip_grad_norm=clip,
                              bucket_mb=0.004, seed=0, hierarchy=args.hierarchy,
                              ranks_per_node=args.ranks_per_node, cpu_threads=args.threads, **OPTIMIZERS[opt],
-                             param_persistence_threshold=args.persistence,
+                             param_persistence_threshold=args.persistence, max_live_params=args.max_live,
                              **(dict(overlap_grad_reduce=True, prefetch_units=2, mpi_progress=args.overlap)
                                 if args.overlap else {}))
     model = tiny_gpt(seed=1)
