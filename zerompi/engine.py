@@ -9,7 +9,6 @@ batch, exactly as single-process training on that batch would.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,8 +222,8 @@ class Engine:
         shards = tuple(ShardSnapshot(b.layout, b.own, b.layout.shard(shard.rank)) for b in self.sharded.buckets)
         return EngineSnapshot(
             counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state(),
-                              json.loads(schedules.state_json(self.lr_scheduler) or "null")), config=self.config,
-            shard_rank=shard.rank, shard_size=shard.size,
+                              schedules.saved_state(self.lr_scheduler)),
+            config=self.config, shard_group=shard,
             writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
             hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
             between_steps=self._phase.idle)

@@ -16,25 +16,16 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-import zerompi
 from zerompi.checkpoint import load_full_state_dict, schema, shared
 from zerompi.checkpoint.cli import inspect
 from zerompi.checkpoint.consolidate import consolidate
 from zerompi.errors import CheckpointError
-
-
-def _engine():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, bucket_mb=1e-4, cpu_threads=1, device="cpu",
-                             checkpoint_layout="per_rank", abort_on_exception=False)
-    return zerompi.initialize(model, cfg)
+from tests.unit.engines import small_stage3_engine
 
 
 def _trained_save(root: Path, tag: str = "t") -> dict[str, torch.Tensor]:
-    engine = _engine()
+    engine = small_stage3_engine()
     engine.backward(engine(torch.randn(5, 4)).pow(2).mean())
     engine.step()
     engine.save_checkpoint(root, tag=tag)
@@ -77,7 +68,7 @@ def test_version_1_checkpoint_still_loads(tmp_path, monkeypatch):
     got = load_full_state_dict(tmp_path / "ckpt")
     assert all(torch.equal(got[k], full[k]) for k in full)
     got.close()
-    engine = _engine()
+    engine = small_stage3_engine()
     engine.load_checkpoint(tmp_path / "ckpt")
     assert all(torch.equal(v, full[k]) for k, v in engine.full_state_dict().items())
     engine.close()
@@ -134,7 +125,7 @@ def test_tag_directory_symlinked_outside_is_refused_everywhere(tmp_path):
     root.mkdir()
     (root / "t").symlink_to(tmp_path / "elsewhere" / "t")
     (root / schema.LATEST).write_text("t\n")
-    engine = _engine()
+    engine = small_stage3_engine()
     for load in (lambda: engine.load_checkpoint(root), lambda: load_full_state_dict(root, "t"),
                  lambda: consolidate(root, tmp_path / "out.safetensors"),
                  lambda: inspect(argparse.Namespace(path=str(root), json=True, no_verify=False, tensors=False))):

@@ -17,11 +17,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-import zerompi
 from zerompi.checkpoint import reader, schema
 from zerompi.checkpoint.schema import CUDA_DEVICES, CUDA_RNG
+from tests.unit.engines import small_stage3_engine
 
 FAKE = np.arange(16, dtype=np.uint8)
 
@@ -41,18 +40,10 @@ def test_cuda_rng_decision(saved, devices, available, count, restore, warns):
     assert (warning is None) if warns is None else (warns in warning)
 
 
-def _engine():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, bucket_mb=1e-4, cpu_threads=1, device="cpu",
-                             checkpoint_layout="per_rank", abort_on_exception=False)
-    return zerompi.initialize(model, cfg)
-
-
 @pytest.fixture
 def saved(tmp_path):
     """A checkpoint whose rank file holds a fake CUDA RNG state (written by 2 devices), and the CPU state."""
-    engine = _engine()
+    engine = small_stage3_engine()
     root = tmp_path / "ckpt"
     tag = engine.save_checkpoint(root)
     cpu = torch.get_rng_state().clone()
@@ -67,7 +58,7 @@ def saved(tmp_path):
 
 
 def _load(root, monkeypatch, caplog, available: bool, count: int = 0, reject: bool = False):
-    engine = _engine()
+    engine = small_stage3_engine()
     torch.rand(5)  # move the CPU generator: the load must put it back
     calls = []
 

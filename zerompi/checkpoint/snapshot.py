@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from zerompi.dist.group import ProcessGroup
 from zerompi.shard.layout import BucketLayout, ShardRange
 
 
@@ -64,8 +65,7 @@ class EngineSnapshot:
 
     counters: Counters
     config: Any             # the ZeroConfig
-    shard_rank: int         # this rank in the group the buckets are sharded over
-    shard_size: int
+    shard_group: ProcessGroup  # the group the buckets are sharded over (one writer per member)
     writes: bool            # this rank saves a shard (with hsdp only the first node's ranks do)
     hierarchical: bool      # hsdp/hpz groups: per-rank RNG streams are not restored
     shards: tuple[ShardSnapshot, ...]

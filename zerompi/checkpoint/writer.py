@@ -98,7 +98,7 @@ def _index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict, sav
     buckets = [{"index": s.layout.index, "group": s.layout.group, "padded_numel": s.layout.padded_numel,
                 "slots": [[slot.fqn, slot.offset, slot.numel] for slot in s.layout.slots]} for s in snap.shards]
     return CheckpointIndex(
-        tag=tag, world_size=snap.shard_size, stage=int(snap.config.stage), dtype=str(snap.config.dtype),
+        tag=tag, world_size=snap.shard_group.size, stage=int(snap.config.stage), dtype=str(snap.config.dtype),
         steps=snap.counters.steps, skipped_steps=snap.counters.skipped_steps,
         params=[{"name": n, "shape": list(p.shape), "trainable": p.requires_grad} for n, p in m.named_parameters()],
         buckets=buckets, optimizer=meta, replicated=replicated, client_state=client_state,
@@ -182,7 +182,7 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
     all_ranks_ok(group, error, CheckpointError)
     meta = optimizer_meta(snap)
     # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
-    error = _attempt(_write_shards, store, snap, engine.groups.shard, tmp, meta["state_keys"], nonce) \
+    error = _attempt(_write_shards, store, snap, snap.shard_group, tmp, meta["state_keys"], nonce) \
         if snap.writes else None
     all_ranks_ok(group, error, CheckpointError)
     error = None

@@ -211,18 +211,13 @@ def _ds_stage3(d: Mapping, kwargs: dict[str, Any], bucket_mb: float) -> None:
         size = real("zero_optimization.stage3_prefetch_bucket_size", value, ge=0)
         unit = bucket_mb * 2**20 / 4
         kwargs["prefetch_units"] = 0 if size == 0 else min(8, max(1, math.ceil(size / unit)))
-    found, value = _ds_get(d, "zero_optimization.stage3_param_persistence_threshold")
-    if found:
-        key = "zero_optimization.stage3_param_persistence_threshold"
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # 1e5 in JSON is a float
-        kwargs["param_persistence_threshold"] = integer(key, value, 0)
-    found, value = _ds_get(d, "zero_optimization.stage3_max_live_parameters")
-    if found:
-        key = "zero_optimization.stage3_max_live_parameters"
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # 1e9 in JSON is a float
-        kwargs["max_live_params"] = integer(key, value, 1)
+    for dotted, name, lo in (("zero_optimization.stage3_param_persistence_threshold", "param_persistence_threshold", 0),
+                             ("zero_optimization.stage3_max_live_parameters", "max_live_params", 1)):
+        found, value = _ds_get(d, dotted)
+        if found:
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # 1e5 in JSON is a float
+            kwargs[name] = integer(dotted, value, lo)
 
 
 class Translation(NamedTuple):

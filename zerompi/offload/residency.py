@@ -30,10 +30,6 @@ class InMemory:
     def resident(self, index: int, *, load: bool = True) -> Iterator[None]:
         yield
 
-    def stream(self) -> Iterator[int]:
-        """Each bucket index, with its state in memory while the caller holds it."""
-        yield from range(len(self.buckets))
-
     def batches(self) -> Iterator[list[int]]:
         """Bucket indices whose state is in memory together: here all of them at once."""
         yield list(range(len(self.buckets)))

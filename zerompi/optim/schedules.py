@@ -72,12 +72,15 @@ def build(factory: SchedulerFactory | None, optimizer: torch.optim.Optimizer):
     return scheduler
 
 
-def state_json(scheduler) -> str | None:
-    """A scheduler's state as JSON (numbers, lists, dicts); None without a scheduler."""
+def saved_state(scheduler) -> dict[str, Any] | None:
+    """A scheduler's state_dict, checked to be JSON (numbers, lists, dicts), as the checkpoint index
+    stores it; None without a scheduler."""
     if scheduler is None:
         return None
+    state = scheduler.state_dict()
     try:
-        return json.dumps(scheduler.state_dict(), allow_nan=False)
+        json.dumps(state, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise UsageError(f"the state of lr scheduler {type(scheduler).__name__} cannot be saved as JSON ({e}); "
                          "a checkpoint stores only numbers, strings and lists") from e
+    return state

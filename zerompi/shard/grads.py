@@ -70,13 +70,10 @@ class GradShard:
 
     def take(self, scale: float, coef: float) -> torch.Tensor:
         """The fp32 gradient for the update: unscaled, times the clip coefficient when below 1."""
-        if self.fresh:
-            g = torch.zeros(self.numel, dtype=torch.float32, device=self.master_device)
-        elif self.tier.stays_resident:
+        if self.tier.stays_resident and not self.fresh:
             g = self._resident_fp32(scale)
-        else:
-            with self.tier.loaded() as shard:
-                g = shard.to(self.master_device, torch.float32, copy=True)
+        else:  # zeros, or a copy read back from the tier
+            g = self.peek()
             if scale != 1.0:
                 g.div_(scale)
         if coef < 1.0:
