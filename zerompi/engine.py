@@ -94,7 +94,7 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
-        deferred.check(module)
+        deferred.check(module, lambda p: cfg.stage.shards_params and p.numel() >= cfg.param_persistence_threshold)
         self.module = deferred.to_device(module, self.device)
         self.groups = build_groups(group, self.info, cfg.topology, cfg.stage)
         shard, plan = self.groups.shard, plan_for(cfg.stage)
@@ -211,6 +211,10 @@ class Engine:
                 full = b.full_master().cpu()
             for slot in b.layout.slots:
                 out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        for b in self.sharded.frozen:  # stage 3's frozen shards, gathered and widened to fp32
+            full = b.full_master().cpu()
+            for slot in b.layout.slots:
+                out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         ordered = {}
         for name, p in self.module.named_parameters():
             ordered[name] = out[name] if name in out else p.detach().float().cpu().clone()
@@ -220,13 +224,16 @@ class Engine:
         """What a checkpoint reads of this engine now (a save refuses one taken inside a window)."""
         s, shard = self._stats, self.groups.shard
         shards = tuple(ShardSnapshot(b.layout, b.own, b.layout.shard(shard.rank)) for b in self.sharded.buckets)
+        frozen = tuple(ShardSnapshot(b.layout, b.own, b.own) for b in self.sharded.frozen)
         return EngineSnapshot(
             counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state(),
                               schedules.saved_state(self.lr_scheduler)),
             config=self.config, shard_group=shard,
             writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
             hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
-            between_steps=self._phase.idle)
+            between_steps=self._phase.idle, frozen=frozen, frozen_states=self.sharded,
+            frozen_dtype=self.config.torch_dtype,
+            replicated_frozen=tuple(n for n, _ in self.sharded.replicated_frozen()))
 
     def restore(self, counters: Counters) -> None:
         """After a checkpoint's shards are loaded: its counters, and a new accumulation window."""
@@ -240,14 +247,18 @@ class Engine:
             logger.warning("the checkpoint has %s lr scheduler state and this engine has %s lr scheduler: the "
                            "learning rates are the checkpoint's param-group values, not rescheduled", had, has)
 
-    def save_checkpoint(self, path, tag: str | None = None, client_state: Any = None) -> str:
+    def save_checkpoint(self, path, tag: str | None = None, client_state: Any = None, *,
+                        include_frozen: bool = True) -> str:
         """Collective: write a sharded HDF5 checkpoint under ``path``; returns its tag.
 
         ``tag`` defaults to ``step{steps:08d}``; ``client_state`` is any
         JSON-serialisable value (data-loader position, epoch), returned by load.
+        ``include_frozen=False`` leaves out the frozen parameters (a fine-tuned model's
+        pretrained base): the checkpoint holds what training changed, and loads onto an
+        engine whose model was built with the same base.
         """
         from zerompi.checkpoint import save
-        return save(self, path, tag, client_state)
+        return save(self, path, tag, client_state, include_frozen=include_frozen)
 
     def load_checkpoint(self, path, tag: str | None = None) -> Any:
         """Collective: load ``path/tag`` (``latest`` when None) at any world size; returns client_state."""

@@ -1,5 +1,10 @@
 """Offline reading of a checkpoint: full fp32 parameters, one tensor at a time.
 
+Every parameter the checkpoint holds, by its ``named_parameters()`` name:
+trainable ones from the fp32 masters, frozen ones from wherever the writer kept
+them (frozen.py); a save with ``include_frozen=False`` holds the trainable
+parameters alone (e.g. LoRA adapters), and so does its consolidated file.
+
 Needs only h5py and numpy (and torch for the tensors it returns): no MPI, no
 model code, no pickle. :class:`FullStateDict` is a lazy mapping: each
 parameter is assembled from the rank files when it is accessed, so iterating
@@ -18,6 +23,7 @@ import torch
 
 from zerompi.errors import CheckpointError
 from zerompi.checkpoint import safetensors, schema
+from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.reader import FP32, merge, open_shards, resolve
 
@@ -30,12 +36,14 @@ class FullStateDict(Mapping):
         try:
             self.index = CheckpointIndex.read(self.directory / schema.INDEX)
             self._slot_of = self.index.slot_of()
-            self._shapes = {p["name"]: tuple(p["shape"]) for p in self.index.params}
+            self._shapes = {p["name"]: tuple(p["shape"]) for p in self.index.params
+                            if p["trainable"] or self.index.frozen_saved}
         except CheckpointError:
             raise
         except schema.H5_ERRORS as e:
             raise schema.damaged(str(self.directory), e) from e
         self._files = open_shards(self.directory, self.index)
+        self._frozen = FrozenSource(self.index, self._files, self.directory)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._shapes:
@@ -55,10 +63,8 @@ class FullStateDict(Mapping):
             for s in merge(self.index.locate(self._slot_of, name, 0, numel, 0)):
                 ds = self._files.dataset(s.rank, schema.master(s.bucket), self.index.shard_length(s.bucket), FP32)
                 out[s.dest:s.dest + s.stop - s.start] = schema.read_array(ds, s.start, s.stop)
-        else:  # frozen: stored whole in the index
-            ds = schema.replicated(name)
-            with schema.open_h5(self.directory / schema.INDEX) as f:
-                out[:] = schema.read_array(schema.open_array(f, ds, self.index.binding(ds), numel)).astype(np.float32)
+        else:  # frozen: whole in the index, or in frozen shards
+            out[:] = self._frozen.read(name, 0, numel)
         return torch.from_numpy(out).view(shape)
 
     def __iter__(self) -> Iterator[str]:
@@ -71,6 +77,7 @@ class FullStateDict(Mapping):
         return self._shapes[name]
 
     def close(self) -> None:
+        self._frozen.close()
         self._files.close()
 
 

@@ -51,6 +51,9 @@ class CheckpointIndex:
     save_id: str = ""  # written into every file of the save: a file of another save is refused
     layout: str = "per_rank"  # "per_rank": rankNNNNN.h5 files; "shared": one shards.h5 (shared.py)
     scheduler: Any = None     # the lr scheduler's state_dict (JSON), when the engine had one
+    frozen_buckets: list[dict[str, Any]] = field(default_factory=list)  # stage 3's frozen shards, as buckets
+    frozen_dtype: str = ""    # their stored dtype (frozen.py): "float32", "float16" or "bfloat16"
+    frozen_saved: bool = True  # False: saved with include_frozen=False, no frozen values at all
     version: int = field(default=schema.VERSION, compare=False)  # the files' format (header, not meta)
 
     # ---- layout ----------------------------------------------------------
@@ -67,11 +70,16 @@ class CheckpointIndex:
         """fqn -> (bucket index, offset of the parameter in that bucket)."""
         return {fqn: (b["index"], offset) for b in self.buckets for fqn, offset, _ in b["slots"]}
 
+    def frozen_slot_of(self) -> dict[str, tuple[int, int]]:
+        """The same for the frozen buckets (numbered apart from the trainable ones)."""
+        return {fqn: (b["index"], offset) for b in self.frozen_buckets for fqn, offset, _ in b["slots"]}
+
     def locate(self, slot_of: dict[str, tuple[int, int]], fqn: str, start: int, numel: int,
-               dest: int) -> list[Source]:
-        """Split elements ``[start, start+numel)`` of ``fqn`` into runs of single rank files."""
+               dest: int, *, frozen: bool = False) -> list[Source]:
+        """Split elements ``[start, start+numel)`` of ``fqn`` into runs of single rank files
+        (``frozen``: of a frozen bucket, ``slot_of`` being ``frozen_slot_of()``)."""
         bucket, offset = slot_of[fqn]
-        shard = self.buckets[bucket]["padded_numel"] // self.world_size
+        shard = (self.frozen_length if frozen else self.shard_length)(bucket)
         out, pos, end = [], offset + start, offset + start + numel
         while pos < end:
             rank = pos // shard
@@ -121,20 +129,29 @@ class CheckpointIndex:
         """Elements of bucket ``bucket`` each writing rank holds (its datasets' length)."""
         return self.buckets[bucket]["padded_numel"] // self.world_size
 
+    def frozen_length(self, bucket: int) -> int:
+        """Elements of frozen bucket ``bucket`` each writing rank holds."""
+        return self.frozen_buckets[bucket]["padded_numel"] // self.world_size
+
     def describe_mismatch(self, named: list[tuple[str, tuple[int, ...], bool]]) -> str | None:
-        """Why this checkpoint cannot load into a model with these (name, shape, trainable)."""
+        """Why this checkpoint cannot load into a model with these (name, shape, trainable), in
+        the model's parameter order (the first mismatching tensor first)."""
         ours = {n: (tuple(s), t) for n, s, t in named}
         theirs = {p["name"]: (tuple(p["shape"]), bool(p["trainable"])) for p in self.params}
         problems = []
-        missing = sorted(set(ours) - set(theirs))
-        extra = sorted(set(theirs) - set(ours))
+        missing = [n for n in ours if n not in theirs]
+        extra = [n for n in theirs if n not in ours]
         if missing:
             problems.append(f"parameters missing from the checkpoint: {', '.join(missing[:5])}")
         if extra:
             problems.append(f"parameters the model does not have: {', '.join(extra[:5])}")
-        for name in sorted(set(ours) & set(theirs)):
+        for name in (n for n in ours if n in theirs):
             if ours[name][0] != theirs[name][0]:
                 problems.append(f"{name}: shape {theirs[name][0]} in the checkpoint, {ours[name][0]} in the model")
             elif ours[name][1] != theirs[name][1]:
                 problems.append(f"{name}: requires_grad differs (checkpoint {theirs[name][1]})")
+        if problems and not self.frozen_saved:
+            problems.append("the checkpoint was saved with include_frozen=False: it holds no frozen parameters "
+                            "and loads only onto the base it was trained on, built by you with the same "
+                            "frozen tensors")
         return "; ".join(problems[:8]) or None

@@ -19,6 +19,7 @@ import torch
 from zerompi.errors import CheckpointError, all_ranks_ok
 from zerompi.log import get_logger, log_rank0
 from zerompi.checkpoint import paths, schema
+from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.checkpoint.index import CheckpointIndex, Source
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
@@ -109,6 +110,7 @@ class Loaded:
     rng: np.ndarray | None
     replicated: dict[str, np.ndarray]
     cuda_rng: np.ndarray | None = None  # this rank's CUDA generator state, when it is to be restored
+    frozen: list[np.ndarray] | None = None  # our frozen buckets' shards (None: the checkpoint has no frozen values)
 
 
 def cuda_rng_decision(saved: np.ndarray | None, saved_devices: int | None, available: bool,
@@ -164,9 +166,12 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
     index = CheckpointIndex.read(directory / schema.INDEX)
     _check_compatible(engine, snap, index, directory)
     files = open_shards(directory, index)
+    source = FrozenSource(index, files, directory)
     try:
         slot_of = index.slot_of()
         buckets = [_read_bucket(shard, index, files, slot_of) for shard in snap.shards]
+        frozen = [_read_frozen(shard, source) for shard in snap.frozen] if index.frozen_saved else None
+        replicated = _read_replicated(engine, snap, index, directory, source)
         rng = cuda_rng = None  # per-rank RNG streams come back when the job has the same flat layout
         if index.world_size == engine.group.size and not snap.hierarchical:
             rng = schema.read_array(files.dataset(engine.group.rank, schema.CPU_RNG, dtype="u1"))
@@ -176,27 +181,42 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
                       "layout: %s); each rank keeps its current RNG state", directory, index.world_size,
                       snap.hierarchical)
     finally:
+        source.close()
         files.close()
-    replicated = _read_replicated(engine, index, directory)
-    return Loaded(index, buckets, rng, replicated, cuda_rng)
+    return Loaded(index, buckets, rng, replicated, cuda_rng, frozen)
 
 
-def _read_replicated(engine, index: CheckpointIndex, directory: Path) -> dict[str, np.ndarray]:
-    """Frozen parameters and buffers must match too, checked before anything is read or overwritten."""
-    m = engine.module
-    ours = {n: p.numel() for n, p in m.named_parameters() if not p.requires_grad}
-    ours.update({n: b.numel() for n, b in m.named_buffers()})
+def _read_frozen(shard: ShardSnapshot, source: FrozenSource) -> np.ndarray:
+    """This rank's shard of one of our frozen buckets, from wherever the checkpoint keeps the values."""
+    data = np.zeros(shard.own.numel, dtype=np.float32)
+    for piece in shard.layout.pieces(shard.own):
+        end = piece.param_start + piece.numel
+        data[piece.local_start:piece.local_start + piece.numel] = source.read(piece.fqn, piece.param_start, end)
+    return data
+
+
+def _read_replicated(engine, snap: EngineSnapshot, index: CheckpointIndex, directory: Path,
+                     source: FrozenSource) -> dict[str, np.ndarray]:
+    """Buffers, and the frozen parameters this engine holds whole: checked to match the model before
+    anything is read or overwritten (frozen ones only when the checkpoint holds them)."""
+    params = {p["name"] for p in index.params}
+    ours = {n: b.numel() for n, b in engine.module.named_buffers()}
+    saved = [n for n in index.replicated if n not in params]  # the checkpoint's buffers
     out = {}
     with schema.open_h5(directory / schema.INDEX) as f:
         arrays = {n: schema.open_array(f, schema.replicated(n), index.binding(schema.replicated(n)))
-                  for n in index.replicated if n in ours}
+                  for n in saved if n in ours}
         theirs = {n: a.length for n, a in arrays.items()}
-        if set(ours) != set(index.replicated) or ours != theirs:
-            diff = sorted(set(ours) ^ set(index.replicated)) or sorted(n for n in ours if ours[n] != theirs[n])
-            raise CheckpointError(f"{directory}: checkpoint of a different model: frozen parameters or buffers "
-                                  f"differ ({', '.join(diff[:5])})")
+        if set(ours) != set(saved) or ours != theirs:
+            diff = sorted(set(ours) ^ set(saved)) or sorted(n for n in ours if ours[n] != theirs[n])
+            raise CheckpointError(f"{directory}: checkpoint of a different model: buffers differ "
+                                  f"({', '.join(diff[:5])})")
         for name, arr in arrays.items():
             out[name] = schema.read_array(arr)
+    if index.frozen_saved:
+        tensors = dict(engine.module.named_parameters())
+        for name in snap.replicated_frozen:
+            out[name] = source.read(name, 0, tensors[name].numel())
     return out
 
 
@@ -212,6 +232,8 @@ def apply(engine, snap: EngineSnapshot, loaded: Loaded) -> None:
         state = {k: torch.from_numpy(v) for k, v in data.state.items()}
         state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
         snap.states.load_shard(i, torch.from_numpy(data.master), state)
+    for i, data in enumerate(loaded.frozen or []):  # the same buckets on every rank (hpZ: collective)
+        snap.frozen_states.load_frozen(i, torch.from_numpy(data))
     snap.states.load_hyperparameters(loaded.index.optimizer.get("groups", []))
     index = loaded.index
     engine.restore(Counters(index.steps, index.skipped_steps, index.scaler or None, index.scheduler))

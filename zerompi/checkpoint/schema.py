@@ -55,6 +55,11 @@ def state(bucket: int, key: str) -> str:
     return f"b{bucket}/state/{key}"
 
 
+def frozen(bucket: int) -> str:
+    """Frozen bucket ``bucket``'s parameter shard (stage 3), in the compute dtype (frozen.py)."""
+    return f"f{bucket}/param"
+
+
 def replicated(name: str) -> str:
     """A frozen parameter or buffer, whole, in index.h5."""
     return f"replicated/{name}"

@@ -59,6 +59,16 @@ class ShardStates(Protocol):
         """Restore the numeric options of each param group."""
 
 
+class FrozenShards(Protocol):
+    """Access to stage 3's frozen parameter shards (the engine's sharded model)."""
+
+    def frozen_shard(self, index: int) -> AbstractContextManager[torch.Tensor]:
+        """Frozen bucket ``index``'s parameter shard in the compute dtype, in memory for the block."""
+
+    def load_frozen(self, index: int, shard: torch.Tensor) -> None:
+        """Collective: overwrite frozen bucket ``index``'s shard (every rank, in bucket order)."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """What a save needs of an engine, taken between steps."""
@@ -71,3 +81,7 @@ class EngineSnapshot:
     shards: tuple[ShardSnapshot, ...]
     states: ShardStates
     between_steps: bool     # no accumulation window is open (a save needs this)
+    frozen: tuple[ShardSnapshot, ...] = ()  # stage 3's frozen buckets (numbered apart)
+    frozen_states: FrozenShards | None = None
+    frozen_dtype: torch.dtype = torch.float32  # the compute dtype their shards hold
+    replicated_frozen: tuple[str, ...] = ()    # frozen parameters held whole (in index.h5)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zerompi.checkpoint import frozen as frozen_values
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.checkpoint.index import CheckpointIndex
@@ -72,7 +73,7 @@ def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
     return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars}
 
 
-def _parts(snap: EngineSnapshot, keys: list[str]):
+def _parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool):
     """(dataset name, this rank's data) for everything a rank saves, one bucket in memory at a time."""
     for i, shard in enumerate(snap.shards):
         with snap.states.shard_state(i) as held:  # offloaded state: one bucket in memory at a time
@@ -80,6 +81,9 @@ def _parts(snap: EngineSnapshot, keys: list[str]):
             for k in keys:
                 if k in held.state:
                     yield schema.state(shard.layout.index, k), to_numpy(_my_part(shard, held.state[k]))
+    for i in range(len(snap.frozen) if include_frozen else 0):
+        with snap.frozen_states.frozen_shard(i) as held:
+            yield schema.frozen(i), frozen_values.encode(held)
     yield schema.CPU_RNG, torch.get_rng_state().numpy()
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device: the engine's
         yield schema.CUDA_RNG, torch.cuda.get_rng_state().numpy()
@@ -87,23 +91,28 @@ def _parts(snap: EngineSnapshot, keys: list[str]):
 
 
 def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, keys: list[str],
-                  save_id: str) -> None:
-    store.write(directory, group, _parts(snap, keys), save_id)
+                  save_id: str, include_frozen: bool) -> None:
+    store.write(directory, group, _parts(snap, keys, include_frozen), save_id)
+
+
+def _bucket_meta(shards) -> list[dict[str, Any]]:
+    return [{"index": s.layout.index, "group": s.layout.group, "padded_numel": s.layout.padded_numel,
+             "slots": [[slot.fqn, slot.offset, slot.numel] for slot in s.layout.slots]} for s in shards]
 
 
 def _index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict, save_id: str,
-           kind: str) -> CheckpointIndex:
+           kind: str, include_frozen: bool) -> CheckpointIndex:
     m = engine.module
-    replicated = [n for n, p in m.named_parameters() if not p.requires_grad] + [n for n, _ in m.named_buffers()]
-    buckets = [{"index": s.layout.index, "group": s.layout.group, "padded_numel": s.layout.padded_numel,
-                "slots": [[slot.fqn, slot.offset, slot.numel] for slot in s.layout.slots]} for s in snap.shards]
+    replicated = list(snap.replicated_frozen if include_frozen else ()) + [n for n, _ in m.named_buffers()]
+    frozen = _bucket_meta(snap.frozen) if include_frozen else []
     return CheckpointIndex(
         tag=tag, world_size=snap.shard_group.size, stage=int(snap.config.stage), dtype=str(snap.config.dtype),
         steps=snap.counters.steps, skipped_steps=snap.counters.skipped_steps,
         params=[{"name": n, "shape": list(p.shape), "trainable": p.requires_grad} for n, p in m.named_parameters()],
-        buckets=buckets, optimizer=meta, replicated=replicated, client_state=client_state,
+        buckets=_bucket_meta(snap.shards), optimizer=meta, replicated=replicated, client_state=client_state,
         scaler=snap.counters.scaler, config=snap.config.to_dict(), save_id=save_id, layout=kind,
-        scheduler=snap.counters.scheduler)
+        scheduler=snap.counters.scheduler, frozen_buckets=frozen,
+        frozen_dtype=frozen_values.dtype_name(snap.frozen_dtype) if frozen else "", frozen_saved=include_frozen)
 
 
 def _write_index(engine, path: Path, index: CheckpointIndex) -> None:
@@ -164,8 +173,10 @@ def _attempt(fn, *args) -> str | None:
     return None
 
 
-def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: Any = None) -> str:
-    """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag."""
+def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: Any = None, *,
+         include_frozen: bool = True) -> str:
+    """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag (``include_frozen``:
+    see ``Engine.save_checkpoint``)."""
     snap = engine.snapshot()
     if not snap.between_steps:
         raise UsageError("save_checkpoint() in the middle of a gradient-accumulation window: "
@@ -182,12 +193,12 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
     all_ranks_ok(group, error, CheckpointError)
     meta = optimizer_meta(snap)
     # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
-    error = _attempt(_write_shards, store, snap, snap.shard_group, tmp, meta["state_keys"], nonce) \
+    error = _attempt(_write_shards, store, snap, snap.shard_group, tmp, meta["state_keys"], nonce, include_frozen) \
         if snap.writes else None
     all_ranks_ok(group, error, CheckpointError)
     error = None
     if group.rank == 0:
-        index = _index(engine, snap, tag, client_state, meta, nonce, store.kind.value)
+        index = _index(engine, snap, tag, client_state, meta, nonce, store.kind.value, include_frozen)
         error = _attempt(lambda: (_write_index(engine, tmp / schema.INDEX, index),
                                   verify_file(tmp / schema.INDEX), _publish(root, tmp, tag)))
     all_ranks_ok(group, error, CheckpointError)

@@ -155,10 +155,10 @@ class TierPlan:
         out = t.detach().to("cpu", copy=True)
         return out.pin_memory() if self.pin_memory and torch.cuda.is_available() else out
 
-    def param_tier(self, index: int, shard: torch.Tensor) -> ShardTier:
-        """Bucket ``index``'s parameter shard (stage 3)."""
+    def param_tier(self, index: int, shard: torch.Tensor, *, frozen: bool = False) -> ShardTier:
+        """Bucket ``index``'s parameter shard (stage 3); frozen buckets are numbered apart."""
         if self.params == Offload.NVME:
-            return Swapped(self.swapper, f"b{index}.param", self.host(shard))
+            return Swapped(self.swapper, f"{'f' if frozen else 'b'}{index}.param", self.host(shard))
         return Resident(self.host(shard) if self.params == Offload.CPU else shard)
 
     def grad_tier(self, index: int, shard: torch.Tensor) -> ShardTier:

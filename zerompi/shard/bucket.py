@@ -63,7 +63,7 @@ class Bucket:
         plan, dtype, index = placement.plan, placement.dtype, layout.index
         self.plan = plan
         more = " ..." if len(layout.slots) > 1 else ""
-        self.name = f"bucket {index} [{layout.slots[0].fqn}{more}]" + \
+        self.name = f"{'' if plan.trains else 'frozen '}bucket {index} [{layout.slots[0].fqn}{more}]" + \
             (f" of module '{layout.unit or '<root>'}'" if plan.shard_params else "")
         self.nonfinite: list[str] = []  # parameters whose local gradient was NaN/Inf since the last step
         self._gather: Work | None = None   # a non-blocking all-gather in flight (GATHERING)
@@ -71,12 +71,14 @@ class Bucket:
         # Stage 0 "owns" the whole buffer: every rank updates every element.
         self.own = layout.shard(placement.rank) if plan.shard_optimizer else layout.full
         own = slice(self.own.start, self.own.stop)
-        self.separate = dtype != torch.float32 or tiers.moves_state  # a master apart from the parameters
+        # a master apart from the parameters (frozen buckets have none)
+        self.separate = plan.trains and (dtype != torch.float32 or tiers.moves_state)
 
         self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device)
         self.param_full.tensor.copy_(init)
         if plan.shard_params:
-            self.param_tier: ShardTier = tiers.param_tier(index, self.param_full.tensor[own].clone())
+            self.param_tier: ShardTier = tiers.param_tier(index, self.param_full.tensor[own].clone(),
+                                                          frozen=not plan.trains)
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
         self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
@@ -84,15 +86,10 @@ class Bucket:
             sec = layout.padded_numel // groups.gather.size
             rank = groups.gather.rank
             self.secondary = Resident(self.param_full.tensor[rank * sec:(rank + 1) * sec].clone())
-        # The master starts from the fp32 values, not from their rounded copy.
-        master = init[own].clone() if self.separate else self.param_tier.tensor
-        self.master = tiers.place_master(index, master, self.separate)
-
-        self.grad_full = FlatBuffer(layout.padded_numel, dtype, placement.device, zero=True,
-                                    allocated=not plan.shard_grads)
-        local = self.grad_full.tensor[own] if not plan.shard_grads else \
-            torch.zeros(self.own.numel, dtype=dtype, device=placement.device)
-        self.grads = GradShard(tiers.grad_tier(index, local), self.own.numel, self.master.device)
+        if plan.trains:
+            self._init_training(init, tiers)
+        else:  # frozen: the parameter shard is all there is (no gradient hook ever reaches it)
+            self.master = self.grad_full = self.grads = None
 
         for p, slot in zip(params, layout.slots):
             p.data = self.param_full.view(slot.offset, slot.shape)
@@ -106,6 +103,18 @@ class Bucket:
         self._written: set[int] = set()
         self._pending = False   # gradients added since the last reduction
         self._reduced = False   # reduced at least once in this backward
+
+    def _init_training(self, init: torch.Tensor, tiers: TierPlan) -> None:
+        """The master, the gradient buffer and the gradient shard of a trainable bucket."""
+        plan, placement, index, own = self.plan, self.placement, self.layout.index, self.own
+        # The master starts from the fp32 values, not from their rounded copy.
+        master = init[own.start:own.stop].clone() if self.separate else self.param_tier.tensor
+        self.master = tiers.place_master(index, master, self.separate)
+        self.grad_full = FlatBuffer(self.layout.padded_numel, placement.dtype, placement.device, zero=True,
+                                    allocated=not plan.shard_grads)
+        local = self.grad_full.tensor[own.start:own.stop] if not plan.shard_grads else \
+            torch.zeros(own.numel, dtype=placement.dtype, device=placement.device)
+        self.grads = GradShard(tiers.grad_tier(index, local), own.numel, self.master.device)
 
     def _illegal(self, verb: str, allowed: str) -> ZeroMPIError:
         return ZeroMPIError(f"{self.name}: {verb} in state {self.state.name} (allowed from {allowed})")
@@ -275,17 +284,41 @@ class Bucket:
         params = self.param_tier.nbytes if self.plan.shard_params else self.param_full.nbytes
         if self.secondary is not None:
             params += self.secondary.nbytes
+        if not self.plan.trains:
+            return params
         master = self.master.numel() * self.master.element_size() if self.separate else 0
         grads = self.grads.nbytes if self.plan.shard_grads else self.grad_full.nbytes
         return params + master + grads
 
     def full_master(self) -> torch.Tensor:
-        """Collective: the full padded fp32 master of this bucket, on every rank."""
+        """Collective: the full padded fp32 master of this bucket, on every rank (a frozen bucket's
+        parameters, widened to fp32)."""
+        if not self.plan.trains:
+            return self.full_params().float()
         if not self.plan.shard_optimizer:
             return self.master.detach().clone()
         out = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
         self.groups.shard.all_gather(self.master.contiguous(), out, kind="state_dict", what=self.name)
         return out
+
+    def full_params(self) -> torch.Tensor:
+        """Collective (stage 3): the full padded compute-dtype parameters, gathered from the shards
+        into a new tensor (the bucket stays SHARDED)."""
+        out = torch.empty(self.layout.padded_numel, dtype=self.placement.dtype, device=self.placement.device)
+        with self.param_tier.loaded() as shard:
+            self.groups.shard.all_gather(shard, out, kind="state_dict", what=self.name)
+        return out
+
+    def load_params(self, shard: torch.Tensor) -> None:
+        """Overwrite a frozen bucket's parameter shard (a checkpoint load); collective under hpZ,
+        whose node-local copy is rebuilt from the new shards."""
+        if self.plan.trains or self.state is not BucketState.SHARDED:
+            raise self._illegal("load_params()", "SHARDED, on a frozen bucket")
+        with self.param_tier.loaded(load=False) as mine:
+            mine.copy_(shard)
+            if self.secondary is not None:
+                self.groups.secondary.all_gather(mine, self.secondary.tensor, what=self.name)
+            self.param_tier.store()
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -9,9 +9,11 @@ memory is one bucket's worth, not the model's. As for eager models, every
 rank starts from rank 0's values (the bucket's initial values are broadcast).
 
 The values differ from an eager build with the same seed (the random numbers
-are drawn in another order), with the same distributions. Only trainable
-parameters may be on the meta device: frozen parameters and buffers are
-replicated whole anyway and must be real.
+are drawn in another order), with the same distributions. Parameters that go
+into buckets may be on the meta device: the trainable ones, and at stage 3 the
+frozen ones that are sharded too (a frozen base larger than memory); frozen
+parameters that stay replicated (stages 0-2, or below the persistence
+threshold) and buffers are held whole anyway and must be real.
 """
 from __future__ import annotations
 
@@ -34,13 +36,15 @@ def reset_parameters(module: nn.Module) -> None:
     reset()
 
 
-def check(module: nn.Module) -> None:
-    """Only trainable parameters may wait on the meta device."""
-    bad = [n for n, p in module.named_parameters() if p.is_meta and not p.requires_grad]
+def check(module: nn.Module, frozen_sharded: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
+    """Only parameters that go into buckets may wait on the meta device: trainable ones, and
+    frozen ones for which ``frozen_sharded(p)`` (stage 3 shards them)."""
+    bad = [n for n, p in module.named_parameters() if p.is_meta and not p.requires_grad and not frozen_sharded(p)]
     bad += [n for n, b in module.named_buffers() if b.is_meta]
     if bad:
-        raise UsageError(f"frozen parameters and buffers must not be on the meta device (they are "
-                         f"replicated whole): {', '.join(bad[:5])}")
+        raise UsageError(f"these frozen parameters or buffers must not be on the meta device (they are "
+                         f"replicated whole; stage 3 shards frozen parameters of at least "
+                         f"param_persistence_threshold elements): {', '.join(bad[:5])}")
 
 
 def to_device(module: nn.Module, device: torch.device) -> nn.Module:

@@ -1,22 +1,26 @@
 """ShardedModel: applies a ZeRO stage to a module.
 
-It plans buckets (and, at stage 3, gather units), moves the trainable
-parameters into flat buffers, broadcasts rank 0's initial values, installs
-the hooks and runs the per-backward bookkeeping. Frozen parameters and
-buffers stay ordinary replicated tensors (cast to the compute dtype, values
-from rank 0): they take no gradient and no optimizer state.
+It plans buckets (and, at stage 3, gather units), moves the parameters into
+flat buffers, broadcasts rank 0's initial values, installs the hooks and runs
+the per-backward bookkeeping. Frozen parameters (``requires_grad=False``) take
+no gradient and no optimizer state: at stage 3 they are sharded in frozen
+buckets of their unit and gathered with it, in the compute dtype; at stages
+0-2 (and below ``param_persistence_threshold``) they stay ordinary replicated
+tensors, as buffers always do (cast to the compute dtype, values from rank 0).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from zerompi.dist.topology import Groups
-from zerompi.errors import ZeroMPIError
+from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
@@ -24,7 +28,7 @@ from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.hooks import HookSet
 from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
 from zerompi.shard.prefetch import Prefetcher
-from zerompi.shard.stages import plan_for
+from zerompi.shard.stages import FROZEN, plan_for
 
 logger = get_logger(__name__)
 
@@ -50,7 +54,8 @@ class ShardOptions:
     param_init: ParamInit | None = None
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
     persistence_threshold: int = 0
-    """Stage 3: parameters with fewer elements stay gathered (buckets planned as at stage 2)."""
+    """Stage 3: parameters with fewer elements stay gathered (trainable ones in buckets planned as
+    at stage 2, frozen ones replicated)."""
     max_live_params: int | None = None
     """Stage 3: prefetch no more than this many elements, the unit computing included."""
 
@@ -109,11 +114,17 @@ class ShardedModel:
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # requires_grad as planned: a change after initialize would silently train the wrong set
+        self._planned = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
+        named = [(n, p) for n, p, trains in self._planned if trains]
         self.units: list[Unit] = []
         self._persistent: set[int] = set()  # stage 3: indices of buckets whose parameters stay gathered
-        layouts = self._plan(named, options.cap_numel, options.param_group, options.persistence_threshold)
-        self.buckets = [self._build(layout) for layout in layouts]
+        plans = self._plan(options.cap_numel, options.param_group, options.persistence_threshold)
+        built = [self._build(layout, frozen) for layout, frozen in plans]
+        self.buckets = [b for b in built if b.plan.trains]
+        """The trainable buckets, indexed by their layout's index (the optimizer's and the checkpoint's)."""
+        self.frozen = [b for b in built if not b.plan.trains]
+        """Stage 3: the buckets of frozen parameters, indexed by their layout's index."""
         self._slot_of: dict[nn.Parameter, tuple[Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -132,15 +143,20 @@ class ShardedModel:
         return self._backward is not None
 
     # ---- planning ---------------------------------------------------------
-    def _plan(self, named, cap: int, param_group, persistence: int) -> list[BucketLayout]:
+    def _plan(self, cap: int, param_group, persistence: int) -> list[tuple[BucketLayout, bool]]:
+        """Every bucket as (layout, frozen), in build order; trainable and frozen buckets are
+        numbered apart. Stage 3 plans unit by unit, so a model built on the meta device is
+        materialised one unit at a time."""
         world = self.placement.world_size
+        trainable = [(n, p) for n, p, trains in self._planned if trains]
         # reverse registration order ~ the order backward produces gradients
-        kept = [(n, p) for n, p in named if not self.plan.shard_params or p.numel() < persistence]
+        kept = [(n, p) for n, p in trainable if not self.plan.shard_params or p.numel() < persistence]
         layouts = plan_buckets([ParamSpec(n, tuple(p.shape), param_group[p]) for n, p in reversed(kept)], world, cap)
+        plans = [(lay, False) for lay in layouts]
         if not self.plan.shard_params:
-            return layouts
+            return plans
         self._persistent = {lay.index for lay in layouts}
-        named = [(n, p) for n, p in named if p.numel() >= persistence]
+        named = [(n, p) for n, p, _ in self._planned if p.numel() >= persistence]
         owners = _owners(self.module, [p for _, p in named])
         modules = dict(self.module.named_modules())
         own_numel: dict[str, int] = {}
@@ -148,28 +164,38 @@ class ShardedModel:
             own_numel[owner] = own_numel.get(owner, 0) + p.numel()
         runs = {n for n, m in modules.items() if type(m).forward is not nn.Module.forward}
         unit_of = choose_units(list(modules), own_numel, cap, runs)
+        counts = [len(layouts), 0]  # trainable, frozen buckets so far
         for fqn in modules:
             if unit_of[fqn] != fqn:
                 continue
-            specs = [ParamSpec(n, tuple(p.shape), param_group[p]) for n, p in named
-                     if unit_of[owners[p]] == fqn]
-            if specs:
-                layouts += plan_buckets(specs, world, 2**62, first_index=len(layouts), unit=fqn)
+            mine = [(n, p) for n, p in named if unit_of[owners[p]] == fqn]
+            for frozen in (False, True):
+                specs = [ParamSpec(n, tuple(p.shape), 0 if frozen else param_group[p]) for n, p in mine
+                         if p.requires_grad != frozen]
+                if specs:
+                    new = plan_buckets(specs, world, 2**62, first_index=counts[frozen], unit=fqn)
+                    counts[frozen] += len(new)
+                    plans += [(lay, frozen) for lay in new]
+            if mine:
                 self.units.append(Unit(fqn, modules[fqn]))
         self._unit = {u.fqn: u for u in self.units}
-        return layouts
+        return plans
 
-    def _build(self, layout: BucketLayout) -> Bucket:
+    def _build(self, layout: BucketLayout, frozen: bool) -> Bucket:
         params = [self._param(slot.fqn) for slot in layout.slots]
-        init = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.placement.device)
+        # trainable: fp32, the master's starting values; frozen: the compute dtype is all they keep
+        dtype = self.placement.dtype if frozen else torch.float32
+        init = torch.zeros(layout.padded_numel, dtype=dtype, device=self.placement.device)
         for p, slot in zip(params, layout.slots):
             if p.is_meta:  # deferred initialisation: this bucket's modules become real now
                 self.materialize(slot.fqn)
             init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         # every rank starts from rank 0's values, as DDP does
-        self.groups.world.broadcast(init, what=f"initial values of bucket {layout.index}")
+        self.groups.world.broadcast(init, what=f"initial values of {'frozen ' if frozen else ''}bucket {layout.index}")
         placement = self.placement
-        if layout.index in self._persistent:  # stage 3's small parameters: kept whole, as at stage 2
+        if frozen:
+            placement = dataclasses.replace(placement, plan=FROZEN)
+        elif layout.index in self._persistent:  # stage 3's small parameters: kept whole, as at stage 2
             placement = dataclasses.replace(placement, plan=plan_for(2))
         bucket = Bucket(layout, params, placement, init, self.groups, self.tiers)
         del init  # the next bucket's values may take its place
@@ -180,9 +206,14 @@ class ShardedModel:
     def _param(self, fqn: str) -> nn.Parameter:
         return self.module.get_parameter(fqn)
 
+    def replicated_frozen(self) -> list[tuple[str, nn.Parameter]]:
+        """The frozen parameters every rank holds whole (all of them at stages 0-2)."""
+        sharded = {slot.fqn for b in self.frozen for slot in b.layout.slots}
+        return [(n, p) for n, p, trains in self._planned if not trains and n not in sharded]
+
     def _sync_replicated(self) -> None:
-        """Frozen parameters and buffers: rank 0's values, in the compute dtype."""
-        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        """Replicated frozen parameters and buffers: rank 0's values, in the compute dtype."""
+        frozen = [p for _, p in self.replicated_frozen()]
         for t in frozen + list(self.module.buffers()):
             if t.is_floating_point():
                 t.data = t.data.to(self.placement.dtype)
@@ -193,11 +224,12 @@ class ShardedModel:
     def _log_plan(self) -> None:
         if not logger.isEnabledFor(logging.INFO):
             return
-        rows = [f"  bucket {b.layout.index:3d} unit={b.layout.unit or '-':20s} params={len(b.layout.slots):3d} "
+        rows = [f"  {'frozen' if not b.plan.trains else 'bucket'} {b.layout.index:3d} "
+                f"unit={b.layout.unit or '-':20s} params={len(b.layout.slots):3d} "
                 f"numel={b.layout.numel} padded={b.layout.padded_numel} shard={b.layout.shard_numel}"
-                for b in self.buckets]
-        log_rank0(logger, logging.INFO, "stage %d, %d buckets on %d ranks:\n%s", self.plan.stage,
-                  len(self.buckets), self.placement.world_size, "\n".join(rows))
+                for b in self.buckets + self.frozen]
+        log_rank0(logger, logging.INFO, "stage %d, %d buckets (%d frozen) on %d ranks:\n%s", self.plan.stage,
+                  len(self.buckets) + len(self.frozen), len(self.frozen), self.placement.world_size, "\n".join(rows))
 
     # ---- forward / backward events ---------------------------------------
     def _pre_forward(self, unit: Unit) -> None:
@@ -252,9 +284,20 @@ class ShardedModel:
         stages 2-3 reduce every backward)."""
         if self._backward is not None:
             raise ZeroMPIError("begin_backward() inside a backward: the previous one did not finish")
+        self.check_requires_grad()
         self._backward = _Backward(sync=sync or self.plan.shard_grads)
         for b in self.buckets:
             b.begin_backward()
+
+    def check_requires_grad(self) -> None:
+        """Raise if a parameter's requires_grad changed since initialize: the buckets were planned
+        for the old value, so the parameter would silently not train (or train as zeros)."""
+        changed = [(n, trains) for n, p, trains in self._planned if p.requires_grad != trains]
+        if changed:
+            names = ", ".join(f"{n} ({'trainable' if t else 'frozen'} at initialize)" for n, t in changed[:5])
+            raise UsageError(f"requires_grad changed after initialize for {len(changed)} parameter(s): {names}; "
+                             "set requires_grad before zerompi.initialize, and build a new engine to train "
+                             "another set of parameters")
 
     def abort_backward(self) -> None:
         """Autograd raised: leave the backward (its partial gradients are not reduced)."""
@@ -271,16 +314,27 @@ class ShardedModel:
         for b in self._inflight:  # in the order they started, as on every rank
             b.finish_reduce()
         self._inflight.clear()
-        for b in self.buckets:
+        for b in self.buckets + self.frozen:
             b.reshard()
         if self.plan.shard_params:
-            stuck = [b.layout.index for b in self.buckets if b.plan.shard_params and b.state is not BucketState.SHARDED]
+            stuck = [b.name for b in self.buckets + self.frozen
+                     if b.plan.shard_params and b.state is not BucketState.SHARDED]
             if stuck:
                 raise ZeroMPIError(f"buckets {stuck} are still gathered after backward")
+
+    # ---- frozen shards, for checkpoints (checkpoint/snapshot.py's FrozenShards) ----
+    @contextmanager
+    def frozen_shard(self, index: int) -> Iterator[torch.Tensor]:
+        with self.frozen[index].param_tier.loaded() as shard:
+            yield shard
+
+    def load_frozen(self, index: int, shard: torch.Tensor) -> None:
+        self.frozen[index].load_params(shard.to(self.placement.dtype))
 
     def remove_hooks(self) -> None:
         self.hooks.remove()
 
     def state_bytes(self) -> int:
-        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)
-        return frozen + sum(b.state_bytes() for b in self.buckets)
+        """Model state held in memory: replicated frozen parameters, and every bucket's state."""
+        frozen = sum(p.numel() * p.element_size() for _, p in self.replicated_frozen())
+        return frozen + sum(b.state_bytes() for b in self.buckets + self.frozen)
