@@ -35,3 +35,14 @@ def summary_lines() -> list[str]:
     lines = [f"{name}: {version}" for name, version in sorted(RAN.items())]
     lines += [f"{name}: NOT RUN ({why})" for name, why in sorted(MISSING.items()) if name not in RAN]
     return lines
+
+
+def require_module(*names: str) -> None:
+    """The Python packages ``names`` (the test extra's), recorded with their versions."""
+    import importlib
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            unavailable(name, f"import {name} failed ({e}): pip install -e '.[test]'")
+        ran(name, getattr(module, "__version__", "?"))

@@ -362,3 +362,10 @@ def test_choose_units_unit_iff_unclaimed_subtree_reaches_cap(seed):
         u, p = unclaimed(m), parent_fqn(m)
         by_split = bool(p) and p not in callable_ and u > 0 and container_reached_cap(p)
         assert (mapping[m] == m) == (u >= cap or by_split), (m, u, cap, p)
+
+
+def test_descent_lists_the_modules_between_a_unit_and_its_parameters():
+    from zerompi.shard.layout import descent
+    assert descent("", "base_model.model") == ["base_model", "base_model.model"]
+    assert descent("a", "a.b.c") == ["a.b", "a.b.c"]
+    assert descent("a.b", "a.b") == [] and descent("", "") == []

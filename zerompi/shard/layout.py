@@ -141,6 +141,16 @@ def parent_fqn(fqn: str) -> str | None:
     return fqn.rpartition(".")[0]
 
 
+def descent(outer: str, inner: str) -> list[str]:
+    """The modules below ``outer`` down to ``inner`` (its descendant or itself), outermost first:
+    ``descent("a", "a.b.c") == ["a.b", "a.b.c"]``, ``descent("", "x") == ["x"]``."""
+    if inner == outer:
+        return []
+    parts = inner.split(".")
+    skip = len(outer.split(".")) if outer else 0
+    return [".".join(parts[:i]) for i in range(skip + 1, len(parts) + 1)]
+
+
 def common_ancestor(fqns: Iterable[str]) -> str:
     """The deepest module whose subtree contains every module in ``fqns``."""
     paths = [f.split(".") if f else [] for f in fqns]

@@ -26,7 +26,7 @@ from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.hooks import HookSet
-from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, plan_buckets
+from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, descent, plan_buckets
 from zerompi.shard.prefetch import Prefetcher
 from zerompi.shard.stages import FROZEN, plan_for
 
@@ -69,11 +69,20 @@ class _Backward:
 
 @dataclass
 class Unit:
-    """Stage 3: a module whose forward gathers ``buckets`` and releases them after."""
+    """Stage 3: a module whose forward gathers ``buckets`` and releases them after.
+
+    ``entries`` are the modules whose forward gathers the unit: the unit's module and the
+    callable modules between it and the deepest module holding all of its parameters. So a
+    wrapper's inner model, called directly (``PeftModel.generate`` runs the base model's
+    forward, not the wrapper's), still gathers what the wrapper's unit holds. The outermost
+    entry running (``active``) gathers and releases; nested entries find it gathered.
+    """
 
     fqn: str
     module: nn.Module
+    entries: list[nn.Module] = field(default_factory=list)
     buckets: list[Bucket] = field(default_factory=list)
+    active: nn.Module | None = None
 
 
 def _owners(module: nn.Module, params: list[nn.Parameter]) -> dict[nn.Parameter, str]:
@@ -134,8 +143,9 @@ class ShardedModel:
         self.hooks = HookSet()
         self.hooks.on_grad_ready([p for _, p in named], self._on_grad_ready)
         for unit in self.units:
-            self.hooks.around_forward(unit.module, lambda u=unit: self._pre_forward(u),
-                                      lambda out, u=unit: self._post_forward(u, out))
+            for entry in unit.entries:
+                self.hooks.around_forward(entry, lambda u=unit, m=entry: self._pre_forward(u, m),
+                                          lambda out, u=unit, m=entry: self._post_forward(u, m, out))
         self._log_plan()
 
     @property
@@ -177,7 +187,9 @@ class ShardedModel:
                     counts[frozen] += len(new)
                     plans += [(lay, frozen) for lay in new]
             if mine:
-                self.units.append(Unit(fqn, modules[fqn]))
+                inner = descent(fqn, common_ancestor([owners[p] for _, p in mine]))
+                entries = [modules[fqn]] + [modules[m] for m in inner if m in runs]
+                self.units.append(Unit(fqn, modules[fqn], entries))
         self._unit = {u.fqn: u for u in self.units}
         return plans
 
@@ -232,9 +244,12 @@ class ShardedModel:
                   len(self.buckets) + len(self.frozen), len(self.frozen), self.placement.world_size, "\n".join(rows))
 
     # ---- forward / backward events ---------------------------------------
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, entry: nn.Module) -> None:
         logger.debug("pre-forward %s", unit.fqn or "<root>")
         self._gather(unit)
+        if unit.active is not None:  # an enclosing entry of the same unit gathered it
+            return
+        unit.active = entry
         if not self.in_backward:  # not during recomputation under activation checkpointing
             self._prefetch(self.prefetcher.forward(unit, root=unit.fqn == ""))
 
@@ -248,7 +263,10 @@ class ShardedModel:
             for b in u.buckets:
                 b.prefetch()
 
-    def _post_forward(self, unit: Unit, output) -> None:
+    def _post_forward(self, unit: Unit, entry: nn.Module, output) -> None:
+        if unit.active is not entry:
+            return  # a nested entry: the enclosing one releases the unit
+        unit.active = None
         if self.in_backward:
             return  # recomputation under activation checkpointing: backward needs them now
         for b in unit.buckets:
