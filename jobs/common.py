@@ -158,6 +158,7 @@ class Run:
     unit: str                      # "tokens" or "samples": what the throughput counts
     per_step: int                  # units per optimizer step, over all ranks
     preemption: Preemption
+    include_frozen: bool = True    # False: checkpoints leave the frozen base out (fine-tuning jobs)
     rank0: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -165,17 +166,18 @@ class Run:
 
 
 def start_run(engine, train: dict, config: dict, resume: bool, unit: str, per_step: int,
-              preemption: Preemption, first_step: int = 1) -> Run:
+              preemption: Preemption, first_step: int = 1, include_frozen: bool = True) -> Run:
     """Resume from the latest checkpoint if asked; on rank 0 write config.json.
 
     ``first_step`` > 1 continues a run (a later phase of the same job): metrics are appended.
+    ``include_frozen=False``: the run's checkpoints hold what training changes, not the frozen base.
     """
     out_dir = Path(train["out_dir"])
     ckpt_dir = Path(train["ckpt_dir"] or out_dir / "checkpoints")
     if resume and (ckpt_dir / "latest").exists():
         first_step = engine.load_checkpoint(ckpt_dir)["next_step"]
         log.warning("resumed from %s at step %d", ckpt_dir, first_step)
-    run = Run(engine, train, out_dir, ckpt_dir, first_step, unit, per_step, preemption)
+    run = Run(engine, train, out_dir, ckpt_dir, first_step, unit, per_step, preemption, include_frozen)
     if run.rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(
@@ -221,7 +223,8 @@ def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn
         val = eval_fn() if evaluating else val
         stop = run.preemption.agreed(engine)
         if stop or (train["save_every"] > 0 and (step % train["save_every"] == 0 or step == steps)):
-            engine.save_checkpoint(run.ckpt_dir, client_state={"next_step": step + 1})
+            engine.save_checkpoint(run.ckpt_dir, client_state={"next_step": step + 1},
+                                   include_frozen=run.include_frozen)
         if stop:
             if run.rank0:
                 print(f"preempted: checkpoint at step {step} in {run.ckpt_dir}; rerun with --resume", flush=True)

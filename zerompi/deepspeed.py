@@ -162,13 +162,14 @@ class DeepSpeedEngine:
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective: a zerompi checkpoint under ``save_dir/tag`` (default ``global_step{N}``, as
-        DeepSpeed names it); ``client_state`` must be JSON-serialisable. Returns True."""
-        if not save_latest or exclude_frozen_parameters:
-            raise UsageError("save_checkpoint(save_latest=False / exclude_frozen_parameters=True) is not "
-                             "supported: zerompi always points 'latest' at the new checkpoint and saves every "
-                             "parameter")
+        DeepSpeed names it); ``client_state`` must be JSON-serialisable; ``exclude_frozen_parameters``
+        leaves the frozen base out (``include_frozen=False``). Returns True."""
+        if not save_latest:
+            raise UsageError("save_checkpoint(save_latest=False) is not supported: zerompi always points "
+                             "'latest' at the new checkpoint")
         tag = tag if tag is not None else f"global_step{self.global_steps}"
-        self.engine.save_checkpoint(save_dir, tag, client_state if client_state is not None else {})
+        self.engine.save_checkpoint(save_dir, tag, client_state if client_state is not None else {},
+                                    include_frozen=not exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
@@ -190,17 +191,15 @@ class DeepSpeedEngine:
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: rank 0 writes every parameter (tied ones once) and persistent buffer, whole, in
-        the compute dtype, as safetensors under ``save_dir`` (no pickle: a ``.bin`` name is refused).
+        """Collective: rank 0 writes every parameter (tied ones once; the trainable ones alone with
+        ``exclude_frozen_parameters``) and persistent buffer, whole, in the compute dtype, as
+        safetensors under ``save_dir`` (no pickle: a ``.bin`` name is refused).
         At stage 3 only with ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed: otherwise
         it warns and writes nothing. Returns whether it wrote."""
         if Path(save_filename).suffix != ".safetensors":
             raise UsageError(f"save_16bit_model(save_filename={save_filename!r}): zerompi writes safetensors, "
                              "never pickles; use a name ending in .safetensors (transformers loads "
                              "model.safetensors)")
-        if exclude_frozen_parameters:
-            raise UsageError("save_16bit_model(exclude_frozen_parameters=True) is not supported: every "
-                             "parameter is written")
         if self.engine.config.stage == 3 and not self._gather_16bit:
             warnings.warn("save_16bit_model at stage 3 writes nothing unless the config sets "
                           "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (as in DeepSpeed)",
@@ -208,7 +207,8 @@ class DeepSpeedEngine:
             return False
         full = self.engine.full_state_dict()  # collective: fp32, every rank
         dtype = self.engine.config.torch_dtype
-        tensors = {n: t.to(dtype) for n, t in full.items()}
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        tensors = {n: t.to(dtype) for n, t in full.items() if not (exclude_frozen_parameters and n in frozen)}
         keep = set(self.module.state_dict(keep_vars=True))  # persistent buffers (no data is read)
         tensors.update({n: b.detach().cpu() for n, b in self.module.named_buffers() if n in keep})
         error = None

@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from .launcher import run_mpi
+from .launcher import ROOT, run_mpi
 
 
 def records(out):
@@ -52,3 +53,33 @@ def test_classifier_beats_chance_after_mlm_warmup_with_frozen_embeddings(tmp_pat
     rows = records(tmp_path)
     assert [r["phase"] for r in rows if r["step"] in (60, 70)] == ["mlm", "finetune"]
     assert rows[-1]["step"] == 300 and "val_accuracy" in rows[-1]
+
+
+def test_lora_finetune_job_saves_adapters_and_resumes_exactly(tmp_path):
+    """jobs/finetune_lora.py: a meta-device Llama base sharded at stage 3, LoRA from peft. Its
+    checkpoints leave the base out; a resumed run rebuilds it and repeats the uninterrupted one."""
+    from tests.components import require_module
+    require_module("peft", "transformers")
+    run_mpi(2, "jobs/finetune_lora.py", "--out", str(tmp_path / "a"), "--steps", "6")
+    run_mpi(2, "jobs/finetune_lora.py", "--out", str(tmp_path / "b"), "--steps", "3", "--save-every", "3")
+    proc = run_mpi(2, "jobs/finetune_lora.py", "--out", str(tmp_path / "b"), "--steps", "6", "--resume")
+    assert "resumed from" in proc.stderr and "adapters in" in proc.stdout
+    a, b = records(tmp_path / "a")[-1], records(tmp_path / "b")[-1]
+    assert a["step"] == b["step"] == 6 and (a["loss"], a["val_loss"]) == (b["loss"], b["val_loss"])
+    assert records(tmp_path / "a")[0]["loss"] > a["loss"]
+
+    import h5py
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from zerompi.checkpoint import load_full_state_dict
+    ckpt = tmp_path / "b" / "checkpoints"
+    tag = (ckpt / "latest").read_text().strip()
+    with h5py.File(ckpt / tag / "rank00000.h5") as f:  # no frozen shard was written
+        assert not any(name.startswith("f") and name[1:].isdigit() for name in f)
+    saved = load_full_state_dict(ckpt)
+    base_cfg = LlamaConfig(**__import__("tomllib").loads((ROOT / "jobs/configs/lora.toml").read_text())["model"]["base"])
+    adapted = PeftModel.from_pretrained(LlamaForCausalLM(base_cfg), tmp_path / "b" / "adapter")
+    params = dict(adapted.named_parameters())
+    assert sorted(saved) == sorted(n for n, p in params.items() if "lora_" in n)
+    for name in saved:
+        assert torch.equal(params[name], saved[name]), name

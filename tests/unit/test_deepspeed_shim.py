@@ -173,3 +173,22 @@ def test_save_16bit_model_writes_safetensors_that_torch_loads(tmp_path, stage, d
         got = torch.frombuffer(bytearray(data[start:stop]), dtype=want).view(header[name]["shape"])
         assert torch.equal(got, value.to(want)), name
     engine.close()
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_exclude_frozen_parameters(tmp_path, stage):
+    """DeepSpeed's exclude_frozen_parameters: the checkpoint and the 16-bit file leave the frozen base out."""
+    from safetensors.torch import load_file
+
+    from zerompi.checkpoint import load_full_state_dict
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    net[0].requires_grad_(False)
+    doc = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}}
+    engine, *_ = deepspeed.initialize(model=net, config=doc, comm=MPI.COMM_SELF, overrides=LOCAL)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="adapters", exclude_frozen_parameters=True)
+    assert sorted(load_full_state_dict(tmp_path / "ckpt", "adapters")) == ["2.bias", "2.weight"]
+    engine.save_16bit_model(tmp_path, "head.safetensors", exclude_frozen_parameters=True)
+    assert sorted(load_file(str(tmp_path / "head.safetensors"))) == ["2.bias", "2.weight"]
+    engine.close()
