@@ -54,12 +54,13 @@ class Slurm:
         return subprocess.run(["timeout", str(limit), *cmd], capture_output=True, text=True, cwd=ROOT,
                               env={**self.env, **(env or {})}, timeout=limit + 10)
 
-    def submit(self, name: str, *train_args: str, env: dict | None = None) -> tuple[str, Path]:
-        """sbatch train.sbatch on 2 tasks; returns the job id and its output file."""
+    def submit(self, name: str, *train_args: str, env: dict | None = None,
+               script: str = "jobs/slurm/train.sbatch") -> tuple[str, Path]:
+        """sbatch ``script`` (train.sbatch) on 2 tasks; returns the job id and its output file."""
         self.submitted += 1
         out = self.tmp / f"{name}-{self.submitted}.out"  # requeued runs append to it
         proc = self.run("sbatch", "--parsable", "--ntasks=2", "--overcommit", "--time=5",
-                        f"--output={out}", f"--job-name={name}", "jobs/slurm/train.sbatch", *train_args,
+                        f"--output={out}", f"--job-name={name}", script, *train_args,
                         env=env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip().split(";")[0], out
@@ -133,6 +134,17 @@ def test_train_sbatch_trains_on_two_ranks(slurm, tmp_path, launch):
     assert "[rank 1] INFO train_gpt" in text and "[rank 0] INFO train_gpt" in text
     assert json.loads((out_dir / "config.json").read_text())["world_size"] == 2
     assert json.loads((out_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 10
+
+
+def test_finetune_lora_sbatch(slurm, tmp_path):
+    """finetune_lora.sbatch: train.sbatch running jobs/finetune_lora.py (peft, a sharded frozen base)."""
+    out_dir = tmp_path / "out"
+    job, log = slurm.submit("lora", "--steps", "2", "--out", str(out_dir), script="jobs/slurm/finetune_lora.sbatch")
+    state = slurm.wait(job, limit=240)
+    text = _log(log)
+    assert state == "COMPLETED", text[-4000:]
+    assert "jobs/finetune_lora.py" in text.splitlines()[0] and "done: 2 steps, world size 2" in text, text[-4000:]
+    assert (out_dir / "adapter" / "adapter_config.json").is_file()
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
