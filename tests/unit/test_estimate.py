@@ -340,3 +340,29 @@ def test_meta_device_count_equals_real_count():
     with torch.device("meta"):
         meta = sum(p.numel() for p in GPT(cfg).parameters())
     assert meta == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_frozen_parameters_replicated_below_stage3_sharded_at_stage3():
+    """Ψ = 10 trainable, Ψ_f = 7 frozen, N = 4, bf16 AdamW: frozen costs c per element, sharded at stage 3."""
+    c, k = 2, 12
+    for stage, (params, grads, opt, frozen) in enumerate([(10, 10, 10, 7), (10, 10, 3, 7), (10, 3, 3, 7),
+                                                          (3, 3, 3, 2)]):
+        m = model_state_bytes(10, 4, stage, "bf16", "adamw", frozen=7)
+        assert (m.parameters, m.gradients, m.optimizer_state, m.frozen) == (c * params, c * grads, k * opt, c * frozen)
+        assert m.total == model_state_bytes(10, 4, stage, "bf16", "adamw").total + c * frozen
+    # stage 3 gathers the frozen shards in forward and backward: 2 Ψ_f (N-1)/N more, never reduced
+    assert communication_per_step(10, 4, 3, "bf16", frozen=7).elements == 3 * 3 * 3 + 2 * 3 * 2
+    assert communication_per_step(10, 4, 2, "bf16", frozen=7).elements == 2 * 3 * 3
+    with pytest.raises(ConfigError, match="frozen=-1"):
+        model_state_bytes(10, 4, 3, frozen=-1)
+
+
+def test_cli_frozen_params(capsys):
+    from zerompi.tools.cli import main
+    assert main(["estimate", "--params", "20M", "--frozen-params", "7B", "--ranks", "8", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "Ψ_f = 7,000,000,000 frozen parameters" in out and "+ 2Ψ_f(N-1)/N" in out
+    line = next(s for s in out.splitlines() if s.strip().startswith("3 P_os+g+p"))
+    assert line.split()[5] == "1.75"  # 2 bytes x 7e9 / 8 ranks, GB
+    assert main(["estimate", "--params", "20M", "--frozen-params=-5", "--ranks", "8"]) == 2
+    assert "--frozen-params '-5' is not a whole number of parameters >= 0" in capsys.readouterr().err

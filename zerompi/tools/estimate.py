@@ -10,6 +10,11 @@ the 4-byte fp32 master copy (so K = 12 for Adam, the ZeRO paper's value)::
     stage 2  c Ψ + (c + K) Ψ/N      reduce-scatter + all-gather 2Ψ(N-1)/N
     stage 3  (c + c + K) Ψ/N        all-gather x2 + reduce-scatter 3Ψ(N-1)/N
 
+Frozen parameters (``--frozen-params`` Ψ_f: a fine-tuned base) take c bytes
+each and nothing else: c Ψ_f at stages 0-2, where they are replicated and never
+communicated, c Ψ_f/N at stage 3, where they are sharded and all-gathered with
+the rest in forward and backward (2Ψ_f(N-1)/N more per step) and never reduced.
+
 (Rajbhandari et al., "ZeRO", 2019, section 5 and Table 1; communication in
 elements sent per rank per optimizer step, section 7.) A sharded term holds
 ``ceil(Ψ/N)`` elements per rank. The engine pads every bucket to a multiple of
@@ -28,10 +33,10 @@ import argparse
 import json
 import math
 import tomllib
-from decimal import Decimal, InvalidOperation
 from typing import Any, NamedTuple
 
 from zerompi.errors import ConfigError
+from zerompi.tools.counts import parse_count, parse_ranks  # noqa: F401 (part of this module's API)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # fp32 optimizer state per parameter; the fp32 master of 16-bit training comes on top.
@@ -40,8 +45,6 @@ OFFLOAD = ("none", "cpu", "nvme")
 STAGE_NAMES = ("baseline DP", "P_os", "P_os+g", "P_os+g+p")
 MASTER_BYTES = 4
 GB, GIB = 10**9, 2**30
-_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_MAX_RANK_VALUES = 1000
 
 
 class MemoryEstimate(NamedTuple):
@@ -54,11 +57,12 @@ class MemoryEstimate(NamedTuple):
     parameters: int       # compute-dtype parameters
     gradients: int        # compute-dtype gradients
     optimizer_state: int  # optimizer state + fp32 master (16-bit training): the K term
+    frozen: int = 0       # frozen parameters, compute dtype
 
     @property
     def total(self) -> int:
         """Every model-state byte of this rank, wherever it lives."""
-        return self.parameters + self.gradients + self.optimizer_state
+        return self.parameters + self.gradients + self.optimizer_state + self.frozen
 
     @property
     def device(self) -> int:
@@ -118,8 +122,9 @@ def shard_numel(params: int, ranks: int) -> int:
 
 
 def model_state_bytes(params: int, ranks: int, stage: int, dtype: str = "fp32",
-                      optimizer: str = "adamw", offload: str = "none") -> MemoryEstimate:
-    """Per-rank model-state bytes of ``params`` parameters at ``stage`` on ``ranks`` ranks."""
+                      optimizer: str = "adamw", offload: str = "none", frozen: int = 0) -> MemoryEstimate:
+    """Per-rank model-state bytes of ``params`` trainable (and ``frozen`` frozen) parameters at
+    ``stage`` on ``ranks`` ranks."""
     psi, n, stage = _positive_int("params", params), _positive_int("ranks", ranks), _stage(stage)
     c, k = compute_bytes(dtype), optimizer_bytes(optimizer, dtype)
     _choice("offload", offload, OFFLOAD)
@@ -128,68 +133,33 @@ def model_state_bytes(params: int, ranks: int, stage: int, dtype: str = "fp32",
         params=psi, ranks=n, stage=stage, offload=offload,
         parameters=c * (shard if stage >= 3 else psi),
         gradients=c * (shard if stage >= 2 else psi),
-        optimizer_state=k * (shard if stage >= 1 else psi))
+        optimizer_state=k * (shard if stage >= 1 else psi),
+        frozen=c * (_frozen_shard(frozen, n) if stage >= 3 else _frozen(frozen)))
 
 
-def communication_per_step(params: int, ranks: int, stage: int, dtype: str = "fp32") -> CommEstimate:
-    """Elements and bytes one rank sends per step: 2Ψ(N-1)/N at stages 0-2, 3Ψ(N-1)/N at stage 3."""
+def _frozen(frozen: int) -> int:
+    if isinstance(frozen, bool) or not isinstance(frozen, int) or frozen < 0:
+        raise ConfigError(f"frozen={frozen!r} is not a whole number >= 0")
+    return frozen
+
+
+def _frozen_shard(frozen: int, ranks: int) -> int:
+    return -(-_frozen(frozen) // ranks)
+
+
+def communication_per_step(params: int, ranks: int, stage: int, dtype: str = "fp32",
+                           frozen: int = 0) -> CommEstimate:
+    """Elements and bytes one rank sends per step: 2Ψ(N-1)/N at stages 0-2, 3Ψ(N-1)/N at stage 3
+    (plus 2Ψ_f(N-1)/N for the ``frozen`` parameters, gathered in forward and backward)."""
     n, stage = _positive_int("ranks", ranks), _stage(stage)
     collectives = 3 if stage == 3 else 2
     elements = collectives * (n - 1) * shard_numel(params, n)
+    if stage == 3:
+        elements += 2 * (n - 1) * _frozen_shard(frozen, n)
     return CommEstimate(collectives, elements, elements * compute_bytes(dtype))
 
 
 # ---- command line -------------------------------------------------------------------------
-
-def parse_count(text: str) -> int:
-    """A parameter count: ``7500000000``, ``7.5e9``, ``7.5B``, ``350M``, ``125k``, ``1T``."""
-    raw = text.strip().replace("_", "").replace(",", "")
-    scale = 1
-    if raw[-1:].lower() in _SUFFIXES:
-        scale, raw = _SUFFIXES[raw[-1].lower()], raw[:-1]
-    try:
-        value = Decimal(raw) * scale
-    except InvalidOperation:
-        value = None
-    if value is None or not value.is_finite() or value < 1 or value != value.to_integral_value():
-        raise ConfigError(f"--params {text!r} is not a whole number of parameters >= 1 "
-                          "(e.g. 7500000000, 7.5e9, 7.5B, 350M, 125k)")
-    return int(value)
-
-
-def _rank_range(item: str) -> list[int]:
-    """``A-B`` every integer, ``A-B:S`` in steps of S, ``A-B*F`` multiplying by F."""
-    lo_text, hi_text = item.split("-", 1)
-    step_op, step = "+", "1"
-    for op in (":", "*"):
-        if op in hi_text:
-            hi_text, step = hi_text.split(op, 1)
-            step_op = op
-    lo, hi, s = int(lo_text), int(hi_text), int(step)
-    if lo < 1 or hi < lo or s < (2 if step_op == "*" else 1):
-        raise ValueError(item)
-    out, v = [], lo
-    while v <= hi and len(out) <= _MAX_RANK_VALUES:
-        out.append(v)
-        v = v * s if step_op == "*" else v + s
-    return out
-
-
-def parse_ranks(text: str) -> list[int]:
-    """World sizes: ``64``, ``1,4,16,64``, ``1-8``, ``8-64:8``, ``1-1024*4``; in order, without repeats."""
-    values: list[int] = []
-    try:
-        for item in text.replace(" ", "").split(","):
-            values += _rank_range(item) if "-" in item else [int(item)]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ConfigError(f"--ranks {text!r} is not a list of world sizes >= 1 "
-                          "(e.g. 64, 1,4,16,64, 1-8, 8-64:8, 1-1024*4)")
-    if len(values) > _MAX_RANK_VALUES:
-        raise ConfigError(f"--ranks {text!r} gives more than {_MAX_RANK_VALUES} world sizes")
-    return list(dict.fromkeys(values))
-
 
 class JobModel(NamedTuple):
     """What ``--config`` contributes: the GPT's parameter count and the [zero] table's settings."""
@@ -254,16 +224,18 @@ def _settings(args: argparse.Namespace) -> tuple[int, str, str, str, str]:
     return params, source, dtype, optimizer, offload
 
 
-def estimate_table(params: int, ranks: list[int], dtype: str, optimizer: str, offload: str) -> list[dict]:
+def estimate_table(params: int, ranks: list[int], dtype: str, optimizer: str, offload: str,
+                   frozen: int = 0) -> list[dict]:
     """One JSON-ready row per (world size, stage): bytes per term, device GB/GiB, communication."""
     rows = []
     for n in ranks:
         for stage in range(4):
-            m = model_state_bytes(params, n, stage, dtype, optimizer, offload)
-            comm = communication_per_step(params, n, stage, dtype)
+            m = model_state_bytes(params, n, stage, dtype, optimizer, offload, frozen)
+            comm = communication_per_step(params, n, stage, dtype, frozen)
             rows.append(dict(
                 ranks=n, stage=stage, name=STAGE_NAMES[stage], parameters_bytes=m.parameters,
-                gradients_bytes=m.gradients, optimizer_bytes=m.optimizer_state, device_bytes=m.device,
+                gradients_bytes=m.gradients, optimizer_bytes=m.optimizer_state, frozen_bytes=m.frozen,
+                device_bytes=m.device,
                 host_bytes=m.host, nvme_bytes=m.nvme, device_gb=m.device / GB, device_gib=m.device / GIB,
                 comm_elements=comm.elements, comm_bytes=comm.bytes))
     return rows
@@ -300,7 +272,8 @@ def render_text(doc: dict) -> str:
     rows, offload = doc["rows"], doc["offload"]
     k, c = doc["optimizer_bytes_per_param"], doc["compute_bytes"]
     master = f" + {MASTER_BYTES} fp32 master" if c != 4 else ""
-    lines = [f"Ψ = {doc['params']:,} parameters ({doc['source']})",
+    frozen = f"; Ψ_f = {doc['frozen_params']:,} frozen parameters" if doc["frozen_params"] else ""
+    lines = [f"Ψ = {doc['params']:,} parameters ({doc['source']}){frozen}",
              f"{doc['dtype']} compute: c = {c} bytes; {doc['optimizer']}: K = {k} bytes/param "
              f"({k - (MASTER_BYTES if master else 0)} optimizer state{master}); offload: {offload}",
              "", "Model states per rank on the device, GB (10^9 bytes):"]
@@ -312,7 +285,7 @@ def render_text(doc: dict) -> str:
         lines += ["", f"Optimizer state + master per rank in {where}, GB:"]
         lines += _stage_grid(rows, lambda r: _num((r["host_bytes"] + r["nvme_bytes"]) / GB))
     lines += ["", "Sent per rank per optimizer step, GB (elements): "
-                  "stages 0-2 2Ψ(N-1)/N, stage 3 3Ψ(N-1)/N"]
+                  "stages 0-2 2Ψ(N-1)/N, stage 3 3Ψ(N-1)/N" + (" + 2Ψ_f(N-1)/N" if frozen else "")]
     comm = [[str(r["ranks"]), f"{_num(r['comm_bytes'] / GB)} ({r['comm_elements']:,})",
              f"{_num(nxt['comm_bytes'] / GB)} ({nxt['comm_elements']:,})"]
             for r, nxt in zip(rows[0::4], rows[3::4])]
@@ -320,9 +293,11 @@ def render_text(doc: dict) -> str:
     if len(rows) == 4:
         off = {"none": "off device", "cpu": "host", "nvme": "NVMe"}[offload]
         lines += ["", f"Per rank at N = {rows[0]['ranks']}, GB:"]
-        lines += _table(["stage", "parameters", "gradients", "optimizer+master", "device", off],
+        lines += _table(["stage", "parameters", "gradients", "optimizer+master"] + ["frozen"] * bool(frozen)
+                        + ["device", off],
                         [[f"{r['stage']} {r['name']}", _num(r["parameters_bytes"] / GB),
-                          _num(r["gradients_bytes"] / GB), _num(r["optimizer_bytes"] / GB),
+                          _num(r["gradients_bytes"] / GB), _num(r["optimizer_bytes"] / GB)]
+                         + [_num(r["frozen_bytes"] / GB)] * bool(frozen) + [
                           _num(r["device_bytes"] / GB), _num((r["host_bytes"] + r["nvme_bytes"]) / GB)]
                          for r in rows])
     return "\n".join(lines)
@@ -332,9 +307,10 @@ def run(args: argparse.Namespace) -> int:
     """``zerompi estimate``: print the table (or JSON) for the parsed arguments."""
     params, source, dtype, optimizer, offload = _settings(args)
     ranks = parse_ranks(args.ranks)
-    doc = dict(params=params, source=source, dtype=dtype, compute_bytes=compute_bytes(dtype),
+    frozen = parse_count(args.frozen_params, "--frozen-params", minimum=0)
+    doc = dict(params=params, source=source, frozen_params=frozen, dtype=dtype, compute_bytes=compute_bytes(dtype),
                optimizer=optimizer, optimizer_bytes_per_param=optimizer_bytes(optimizer, dtype),
-               offload=offload, ranks=ranks, rows=estimate_table(params, ranks, dtype, optimizer, offload))
+               offload=offload, ranks=ranks, rows=estimate_table(params, ranks, dtype, optimizer, offload, frozen))
     print(json.dumps(doc, indent=1) if args.json else render_text(doc))
     return 0
 
@@ -345,7 +321,8 @@ def register(subparsers) -> None:
         "estimate", help="model-state memory and communication per rank for ZeRO stages 0-3",
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  zerompi estimate --params 7.5B --ranks 1-1024*4 --dtype fp16 --optimizer adam\n"
-               "  zerompi estimate --config jobs/configs/default.toml --ranks 2 --json")
+               "  zerompi estimate --config jobs/configs/default.toml --ranks 2 --json\n"
+               "  zerompi estimate --params 20M --frozen-params 7B --ranks 8 --dtype bf16   # LoRA on a 7B base")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", metavar="PSI",
                         help="parameter count: 7500000000, 7.5e9, 7.5B, 350M, 125k")
@@ -360,5 +337,8 @@ def register(subparsers) -> None:
                    + " (sgd: with momentum; default: the config's, else adamw)")
     p.add_argument("--offload", help="where optimizer state + master live: " + ", ".join(OFFLOAD)
                    + " (default: the config's, else none)")
+    p.add_argument("--frozen-params", default="0", metavar="PSI_F",
+                   help="frozen parameters besides PSI (a fine-tuned base): c bytes each, replicated at "
+                        "stages 0-2, sharded and gathered at stage 3 (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.set_defaults(func=run)
