@@ -212,6 +212,9 @@ def dataset_names(path: Path) -> list[str]:
 def prepare_base(name: str, root: Path) -> Base:
     if name == "one":
         base = Base(name, root, lambda: zerompi.initialize(Net(), one_config()), world=1)
+    elif name == "frozen":  # stage 3 with a frozen bucket (f0/param), and an adapters-only tag
+        base = Base(name, root, lambda: zerompi.initialize(Net(freeze_bias=True), one_config(dtype="bf16")),
+                    world=1)
     else:
         base = Base(name, root, lambda: zerompi.initialize(make_gpt(), gpt_config()), world=2)
     base.files = ["latest"] + sorted(f"good/{p.name}" for p in (root / "good").iterdir())
@@ -228,15 +231,16 @@ def prepare_base(name: str, root: Path) -> Base:
     return base
 
 
-def write_one(root: Path) -> None:
-    """Single-process stage-3 engine: train 2 steps, save `prev`, train 1, save `good` (latest)."""
-    engine = zerompi.initialize(Net(), one_config())
+def write_one(root: Path, frozen: bool = False) -> None:
+    """Single-process stage-3 engine: train 2 steps, save `prev`, train 1, save `good` (latest).
+    ``frozen``: fc1's bias frozen, bf16 (its shard stored as raw bf16 bits), and `prev` without it."""
+    engine = zerompi.initialize(Net(freeze_bias=frozen), one_config(**(dict(dtype="bf16") if frozen else {})))
     g = torch.Generator().manual_seed(3)
     for step in range(3):
         engine.backward(engine(torch.randn(6, 4, generator=g)))
         engine.step()
         if step == 1:
-            engine.save_checkpoint(root, tag="prev", client_state={"next_step": 2})
+            engine.save_checkpoint(root, tag="prev", client_state={"next_step": 2}, include_frozen=not frozen)
     engine.save_checkpoint(root, tag="good", client_state={"next_step": 3, "note": "good"})
     engine.close()
 
@@ -627,7 +631,8 @@ def _write_report(section: str, summary: dict) -> None:
 def bases(tmp_path_factory):
     top = tmp_path_factory.mktemp("fuzzckpt")
     write_one(top / "one")
-    out = {"one": prepare_base("one", top / "one")}
+    write_one(top / "frozen", frozen=True)
+    out = {"one": prepare_base("one", top / "one"), "frozen": prepare_base("frozen", top / "frozen")}
     if write_two(top / "two"):
         out["two"] = prepare_base("two", top / "two")
     yield out
@@ -663,7 +668,7 @@ def test_pristine_checkpoints_load_identically(bases):
     for base in bases.values():
         for name, bits in base.ref_full.items():
             assert base.ref_engine[f"param/{name}"] == bits
-        assert base.ref_engine["counters"][0] == (3 if base.name == "one" else 2)
+        assert base.ref_engine["counters"][0] == (2 if base.name == "two" else 3)
 
 
 # ---- fuzz: bit flips, truncations -------------------------------------------------------
@@ -741,6 +746,11 @@ STRUCTURE_CASES = [  # (base, kind, path, dataset, other, what the error says)
     ("one", "symlink_out", "latest", "", "", "outside the checkpoint root"),
     ("one", "symlink_out", R0, "", "", "outside the checkpoint directory"),
     ("one", "symlink_out", IDX, "", "", "outside the checkpoint directory"),
+    ("frozen", "swap_tensors", R0, "f0/param", "b0/master", "shape"),
+    ("frozen", "hard_link", R0, "f0/param", "b0/state/exp_avg", "shape"),
+    ("frozen", "filter", R0, "f0/param", "gzip", "filter"),
+    ("frozen", "external_storage", R0, "f0/param", "", "external files"),
+    ("frozen", "swap_saves", R0, "b0/master", "prev/rank00000.h5", "checksum mismatch"),
     ("two", "swap_ranks", R0, "b0/master", R1, "checksum mismatch"),
     ("two", "swap_ranks", R0, "b1/master", R1, "checksum mismatch"),
     ("two", "soft_link", R1, "b0/master", "b0/state/exp_avg", "soft link"),
@@ -825,6 +835,10 @@ ONE_VARIANTS = [  # (model kwargs, config changes, loads?)
     ({}, dict(bucket_mb=25.0), True), ({}, dict(stage=1, bucket_mb=3e-5), True),
     ({}, dict(dtype="bf16"), True),
 ]
+FROZEN_VARIANTS = [  # the bf16 checkpoint with fc1's bias frozen (and sharded)
+    ({}, dict(dtype="bf16"), True), ({}, dict(dtype="bf16", stage=1), True), ({}, dict(stage=3), True),
+    (dict(freeze_bias=False), dict(dtype="bf16"), False), (dict(hidden=9, freeze_bias=True), dict(dtype="bf16"), False),
+]
 TWO_VARIANTS = [
     (dict(n_embd=24), {}, False), (dict(n_layer=1), {}, False), (dict(n_layer=3), {}, False),
     (dict(vocab_size=33), {}, False), (dict(bias=True), {}, False), (dict(block_size=32), {}, False),
@@ -840,10 +854,12 @@ def test_fuzz_other_model_or_layout(bases, data):
     or compute dtype loads the same fp32 values."""
     d = HypothesisDraw(data)
     base = bases[d.choice(sorted(bases))]
-    variants = ONE_VARIANTS if base.name == "one" else TWO_VARIANTS
+    variants = {"one": ONE_VARIANTS, "frozen": FROZEN_VARIANTS, "two": TWO_VARIANTS}[base.name]
     model_kw, cfg_kw, loads = d.choice(variants)
     if base.name == "one":
         engine = zerompi.initialize(Net(**model_kw), one_config(**cfg_kw))
+    elif base.name == "frozen":
+        engine = zerompi.initialize(Net(**{"freeze_bias": True, **model_kw}), one_config(**cfg_kw))
     else:
         engine = zerompi.initialize(make_gpt(**model_kw), gpt_config(**cfg_kw))
     faulthandler.dump_traceback_later(HANG_S, exit=True)
