@@ -57,6 +57,7 @@ def inspect(args) -> int:
         status = _verify(root / tag, index) if not args.no_verify else "not verified"
         report.append({"tag": tag, "latest": tag == latest, "steps": index.steps, "world_size": index.world_size,
                        "stage": index.stage, "dtype": index.dtype, "layout": index.layout, "checksums": status,
+                       "frozen_saved": index.frozen_saved,
                        "tensors": [{"name": p["name"], "shape": p["shape"], "trainable": p["trainable"],
                                     "bytes_fp32": 4 * _numel(p["shape"])} for p in index.params]})
     if args.json:
@@ -66,11 +67,11 @@ def inspect(args) -> int:
         total = sum(t["bytes_fp32"] for t in r["tensors"])
         print(f"{r['tag']}{' (latest)' if r['latest'] else ''}: step {r['steps']}, world size {r['world_size']}, "
               f"stage {r['stage']}, {r['dtype']}, {_LAYOUTS[r['layout']]}, {len(r['tensors'])} tensors, {total / 2**20:.1f} MiB fp32, "
-              f"checksums {r['checksums']}")
+              f"checksums {r['checksums']}{'' if r['frozen_saved'] else '; frozen parameters not saved'}")
         if args.tensors:
             for t in r["tensors"]:
                 print(f"  {t['name']:50s} {str(tuple(t['shape'])):20s} {t['bytes_fp32']:>12d} B"
-                      f"{'' if t['trainable'] else '  (frozen)'}")
+                      f"{'' if t['trainable'] else '  (frozen)' if r['frozen_saved'] else '  (frozen, not saved)'}")
     return 0 if all(r["checksums"].startswith(("ok", "not")) for r in report) else 1
 
 
