@@ -111,6 +111,20 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
         MPI.COMM_WORLD.Bcast(buf.detach().numpy(), root=0)
 
 
+def corpus_val_loss(engine, data, train: dict, block_size: int, loss_fn) -> dict:
+    """Mean ``loss_fn(engine, x, y)`` over ``train["eval_batches"]`` val batches of a ByteCorpus per rank,
+    averaged over ranks: the same batches at every evaluation, so the curve shows the model change."""
+    engine.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(train["eval_batches"]):
+            x, y = data.get_batch("val", train["micro_batch"], block_size,
+                                  generator(train["seed"], EVAL_STREAM, i, engine.rank))
+            total += float(loss_fn(engine, x, y))
+    engine.train()
+    return {"val_loss": engine.all_reduce_mean(total / train["eval_batches"])}
+
+
 def test_metrics(engine, n: int, mean_loss: float, correct: int | None = None) -> dict:
     """val_loss (and val_accuracy) over every rank's n test examples: sums over ranks (the
     mean times world_size), since the ranks' shares of a test set may differ by one."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import zerompi
-from common import (EVAL_STREAM, LOOP_DEFAULTS, Preemption, apply_flags, generator, load_config, parse_args,
+from common import (LOOP_DEFAULTS, Preemption, apply_flags, corpus_val_loss, generator, load_config, parse_args,
                     setup_logging, start_run, train_loop)
 from zerompi.checkpoint import load_full_state_dict
 from zerompi.models.corpus import ByteCorpus
@@ -76,18 +76,6 @@ def param_init(model, base, weights: str):
     return init
 
 
-def evaluate(engine, data: ByteCorpus, train: dict, block_size: int) -> dict:
-    engine.eval()
-    total = 0.0
-    with torch.no_grad():
-        for i in range(train["eval_batches"]):
-            x, y = data.get_batch("val", train["micro_batch"], block_size,
-                                  generator(train["seed"], EVAL_STREAM, i, engine.rank))
-            total += loss_of(engine, x, y).item()
-    engine.train()
-    return {"val_loss": engine.all_reduce_mean(total / train["eval_batches"])}
-
-
 def loss_of(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = engine(input_ids=x).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
@@ -131,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             step_loss += loss.item() / accum
         return {"loss": step_loss}
 
-    result = train_loop(run, step_fn, lambda: evaluate(engine, data, train, T))
+    result = train_loop(run, step_fn, lambda: corpus_val_loss(engine, data, train, T, loss_of))
     if result.completed and result.metrics:
         if train["save_every"] <= 0:  # else the loop saved the last step already
             engine.save_checkpoint(run.ckpt_dir, client_state={"next_step": train["steps"] + 1},

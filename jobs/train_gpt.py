@@ -18,7 +18,7 @@ import logging
 import torch
 
 import zerompi
-from common import (EVAL_STREAM, LOOP_DEFAULTS, Preemption, apply_flags, generator, load_config, parse_args,
+from common import (LOOP_DEFAULTS, Preemption, apply_flags, corpus_val_loss, generator, load_config, parse_args,
                     setup_logging, start_run, train_loop)
 from zerompi.models.corpus import ByteCorpus
 from zerompi.models.gpt import GPT, gpt_config_from_dict
@@ -27,19 +27,6 @@ log = logging.getLogger("train_gpt")
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, micro_batch=8, eval_batches=4, out_dir="out/train_gpt",
                       data_max_bytes=0)  # 0 bytes: no cap
-
-
-def evaluate(engine, data: ByteCorpus, train: dict, block_size: int) -> dict:
-    engine.eval()
-    total = 0.0
-    with torch.no_grad():
-        for i in range(train["eval_batches"]):
-            # The same val batches at every evaluation, so the curve shows the model change, not sampling noise.
-            x, y = data.get_batch("val", train["micro_batch"], block_size,
-                                  generator(train["seed"], EVAL_STREAM, i, engine.rank))
-            total += engine(x, y)[1].item()
-    engine.train()
-    return {"val_loss": engine.all_reduce_mean(total / train["eval_batches"])}
 
 
 def traffic(engine):
@@ -90,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
             log.info("step %d: optimizer step skipped (loss scale %g)", step, engine.stats.loss_scale)
         return {"loss": step_loss}
 
-    train_loop(run, step_fn, lambda: evaluate(engine, data, train, T), traffic(engine))
+    train_loop(run, step_fn, lambda: corpus_val_loss(engine, data, train, T, lambda e, x, y: e(x, y)[1]),
+               traffic(engine))
 
 
 if __name__ == "__main__":
