@@ -32,6 +32,7 @@ from zerompi.optim.optimizer import ZeroOptimizer
 from zerompi.phase import PhaseTracker
 from zerompi.shard import deferred
 from zerompi.shard.bucket import Placement
+from zerompi.shard.compression import Compression
 from zerompi.shard.sharded import Overlap, ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
 
@@ -99,7 +100,8 @@ class Engine:
         self.groups = build_groups(group, self.info, cfg.topology, cfg.stage)
         shard, plan = self.groups.shard, plan_for(cfg.stage)
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
-                              check_finite=cfg.dtype != DType.FP16)  # fp16 overflows are the loss scaler's
+                              check_finite=cfg.dtype != DType.FP16,  # fp16 overflows are the loss scaler's
+                              compression=Compression.from_policy(cfg.compression))
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.

@@ -43,7 +43,8 @@ def test_field_order_matches_spec():
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
         "nvme_verify", "overlap_grad_reduce", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
-        "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr"]
+        "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
+        "quantize_weights", "quantize_grads", "quant_block", "grad_error_feedback"]
 
 
 @pytest.mark.parametrize("key,value", [

@@ -219,14 +219,14 @@ def test_unresolvable_auto_names_the_key_and_what_to_pass():
 
 def test_unsupported_keys_still_in_one_error():
     doc = copy.deepcopy(HF_ZERO3)
-    doc["zero_optimization"]["zero_hpz_partition_size"] = 8
+    doc["zero_optimization"]["zeropp_loco_param"] = {"err_beta": 0.8}
     doc["scheduler"]["params"]["cycle_min_lr"] = 0.1
     doc["activation_checkpointing"] = {}
     doc["fp16"]["fp16_master_weights"] = True
     with pytest.raises(ConfigError) as err:
         ZeroConfig.from_deepspeed(doc)
     assert str(err.value) == ("unsupported DeepSpeed config keys: activation_checkpointing, fp16.fp16_master_weights, "
-                              "scheduler.params.cycle_min_lr, zero_optimization.zero_hpz_partition_size")
+                              "scheduler.params.cycle_min_lr, zero_optimization.zeropp_loco_param")
 
 
 @pytest.mark.parametrize("doc,match", [

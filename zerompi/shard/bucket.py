@@ -19,6 +19,7 @@ from zerompi.dist.group import Work
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.offload.tiers import Resident, ShardTier, TierPlan
 from zerompi.shard.buffer import FlatBuffer
+from zerompi.shard.compression import Compression, GradCodes, WeightCodes
 from zerompi.shard.grads import GradShard
 from zerompi.shard.layout import BucketLayout
 from zerompi.shard.stages import StagePlan
@@ -42,6 +43,7 @@ class Placement:
     dtype: torch.dtype
     device: torch.device
     check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
+    compression: Compression = Compression()  # quantized collectives (shard/compression.py)
 
 
 class Bucket:
@@ -71,7 +73,9 @@ class Bucket:
         # Stage 0 "owns" the whole buffer: every rank updates every element.
         self.own = layout.shard(placement.rank) if plan.shard_optimizer else layout.full
         own = slice(self.own.start, self.own.stop)
-        self.separate = dtype != torch.float32 or tiers.moves_state  # a master apart from the parameters
+        weights = placement.compression.weights if plan.shard_params or plan.gather_after_step else None
+        # a master apart from the parameters (stages 1-2 with quantized weights hold decoded ones)
+        self.separate = dtype != torch.float32 or tiers.moves_state or (weights is not None and not plan.shard_params)
 
         self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device)
         self.param_full.tensor.copy_(init)
@@ -79,8 +83,11 @@ class Bucket:
             self.param_tier: ShardTier = tiers.param_tier(index, self.param_full.tensor[own].clone())
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
+        hpz = groups.secondary is not None and plan.shard_params
+        self.codes = None if weights is None else \
+            WeightCodes(weights, groups, layout, placement.rank, self.param_full.tensor, hpz)
         self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
-        if groups.secondary is not None and plan.shard_params:
+        if hpz and self.codes is None:
             sec = layout.padded_numel // groups.gather.size
             rank = groups.gather.rank
             self.secondary = Resident(self.param_full.tensor[rank * sec:(rank + 1) * sec].clone())
@@ -93,6 +100,11 @@ class Bucket:
         local = self.grad_full.tensor[own] if not plan.shard_grads else \
             torch.zeros(self.own.numel, dtype=dtype, device=placement.device)
         self.grads = GradShard(tiers.grad_tier(index, local), self.own.numel, self.master.device)
+        codec = placement.compression.grads
+        self.grad_codes = None if codec is None else GradCodes(
+            codec, groups.shard, layout.padded_numel, placement.compression.error_feedback, placement.device)
+        if self.codes is not None and not plan.shard_params:
+            self.codes.decode_all(self.param_full.tensor)  # stages 1-2 compute with decoded values from the start
 
         for p, slot in zip(params, layout.slots):
             p.data = self.param_full.view(slot.offset, slot.shape)
@@ -120,11 +132,14 @@ class Bucket:
         gathered or gathering has nothing to start: its in-flight gather, if any, is returned."""
         if self.state is not BucketState.SHARDED:
             return self._gather if self._gather is not None else Work.done()
-        source = self._source()
-        async_op = async_op and source.stays_resident  # a swapped shard is gone after its block
         self.param_full.alloc()
-        with source.loaded() as shard:
-            work = self.groups.gather.all_gather(shard, self.param_full.tensor, async_op=async_op, what=self.name)
+        if self.codes is not None:  # the packed shard, encoded once per step, stays in memory
+            work = self.codes.gather(self.param_full.tensor, async_op=async_op, what=self.name)
+        else:
+            source = self._source()
+            async_op = async_op and source.stays_resident  # a swapped shard is gone after its block
+            with source.loaded() as shard:
+                work = self.groups.gather.all_gather(shard, self.param_full.tensor, async_op=async_op, what=self.name)
         if async_op:
             self._gather, self.state = work, BucketState.GATHERING
         else:
@@ -135,7 +150,7 @@ class Bucket:
         """Start what ``unshard()`` will wait on: a non-blocking all-gather, or, for a shard in the
         swap file, its read (the gather then runs when the unit needs it)."""
         source = self._source()
-        if source.stays_resident:
+        if source.stays_resident or self.codes is not None:
             self.unshard(async_op=True)
         elif self.state is BucketState.SHARDED:
             source.prefetch()
@@ -172,7 +187,9 @@ class Bucket:
         with self.param_tier.loaded(load=False) as shard:
             if self.separate:
                 shard.copy_(self.master)
-            if self.plan.gather_after_step:  # over the group the bucket is sharded over
+            if self.codes is not None:
+                self.codes.publish(shard, self.param_full.tensor if self.plan.gather_after_step else None, self.name)
+            elif self.plan.gather_after_step:  # over the group the bucket is sharded over
                 self.groups.shard.all_gather(None, self.param_full.tensor, what=self.name)
             if self.secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
                 self.groups.secondary.all_gather(shard, self.secondary.tensor, what=self.name)
@@ -231,7 +248,7 @@ class Bucket:
             shard.all_gather(None, full, kind="all_reduce", what=self.name)
             self.grads.filled_in_place()  # the shard is the whole buffer, reduced in place
             return
-        self._reduce = shard.reduce_scatter(full, what=self.name, async_op=async_op)
+        self._reduce = (self.grad_codes or shard).reduce_scatter(full, what=self.name, async_op=async_op)
         if not async_op:
             self.finish_reduce()
 
@@ -277,7 +294,8 @@ class Bucket:
             params += self.secondary.nbytes
         master = self.master.numel() * self.master.element_size() if self.separate else 0
         grads = self.grads.nbytes if self.plan.shard_grads else self.grad_full.nbytes
-        return params + master + grads
+        codes = (self.codes.nbytes if self.codes else 0) + (self.grad_codes.nbytes if self.grad_codes else 0)
+        return params + master + grads + codes
 
     def full_master(self) -> torch.Tensor:
         """Collective: the full padded fp32 master of this bucket, on every rank."""
