@@ -228,7 +228,9 @@ class Engine:
             config=self.config, shard_group=shard,
             writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
             hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
-            between_steps=self._phase.idle)
+            between_steps=self._phase.idle,
+            residuals=tuple((b.layout.index, b.grad_codes.residual) for b in self.sharded.buckets
+                            if b.grad_codes is not None and b.grad_codes.residual is not None))
 
     def restore(self, counters: Counters) -> None:
         """After a checkpoint's shards are loaded: its counters, and a new accumulation window."""

@@ -18,7 +18,7 @@ import torch
 
 from zerompi.errors import CheckpointError, all_ranks_ok
 from zerompi.log import get_logger, log_rank0
-from zerompi.checkpoint import paths, schema
+from zerompi.checkpoint import feedback, paths, schema
 from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.checkpoint.index import CheckpointIndex, Source
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
@@ -109,6 +109,7 @@ class Loaded:
     rng: np.ndarray | None
     replicated: dict[str, np.ndarray]
     cuda_rng: np.ndarray | None = None  # this rank's CUDA generator state, when it is to be restored
+    feedback: dict[int, np.ndarray] | None = None  # this rank's error-feedback residuals, when restored
 
 
 def cuda_rng_decision(saved: np.ndarray | None, saved_devices: int | None, available: bool,
@@ -175,10 +176,11 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
             log_rank0(logger, logging.INFO, "%s: RNG state not restored (written by %d ranks, hierarchical "
                       "layout: %s); each rank keeps its current RNG state", directory, index.world_size,
                       snap.hierarchical)
+        residuals = feedback.read(snap, index, files, directory)
     finally:
         files.close()
     replicated = _read_replicated(engine, index, directory)
-    return Loaded(index, buckets, rng, replicated, cuda_rng)
+    return Loaded(index, buckets, rng, replicated, cuda_rng, residuals)
 
 
 def _read_replicated(engine, index: CheckpointIndex, directory: Path) -> dict[str, np.ndarray]:
@@ -213,6 +215,7 @@ def apply(engine, snap: EngineSnapshot, loaded: Loaded) -> None:
         state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
         snap.states.load_shard(i, torch.from_numpy(data.master), state)
     snap.states.load_hyperparameters(loaded.index.optimizer.get("groups", []))
+    feedback.restore(snap, loaded.feedback)
     index = loaded.index
     engine.restore(Counters(index.steps, index.skipped_steps, index.scaler or None, index.scheduler))
     if loaded.rng is not None:

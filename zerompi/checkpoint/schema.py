@@ -55,6 +55,11 @@ def state(bucket: int, key: str) -> str:
     return f"b{bucket}/state/{key}"
 
 
+def feedback(bucket: int) -> str:
+    """This rank's error-feedback residual of bucket ``bucket`` (per-rank data, the bucket's padded size)."""
+    return f"b{bucket}/feedback"
+
+
 def replicated(name: str) -> str:
     """A frozen parameter or buffer, whole, in index.h5."""
     return f"replicated/{name}"

@@ -71,3 +71,4 @@ class EngineSnapshot:
     shards: tuple[ShardSnapshot, ...]
     states: ShardStates
     between_steps: bool     # no accumulation window is open (a save needs this)
+    residuals: tuple[tuple[int, torch.Tensor], ...] = ()  # (bucket, this rank's error-feedback residual), live

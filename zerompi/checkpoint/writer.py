@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import feedback, schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
@@ -80,6 +80,7 @@ def _parts(snap: EngineSnapshot, keys: list[str]):
             for k in keys:
                 if k in held.state:
                     yield schema.state(shard.layout.index, k), to_numpy(_my_part(shard, held.state[k]))
+    yield from feedback.parts(snap)
     yield schema.CPU_RNG, torch.get_rng_state().numpy()
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device: the engine's
         yield schema.CUDA_RNG, torch.cuda.get_rng_state().numpy()
