@@ -121,7 +121,8 @@ class BlockCodec:
         if packed.dim() != 1 or packed.numel() % width:
             raise ValueError(f"decode: {packed.numel()} bytes are not packed chunks of {width}")
         rows = packed.view(-1, width)
-        scales = rows[:, :SCALE_BYTES * nb].contiguous().view(torch.float32)  # copied: aligned for fp32
+        scales = torch.empty(rows.shape[0], nb, dtype=torch.float32, device=packed.device)
+        scales.view(torch.uint8).copy_(rows[:, :SCALE_BYTES * nb])  # copied: aligned for fp32
         body = rows[:, SCALE_BYTES * nb:]
         if self.bits == 8:
             return scales, body.view(torch.int8)

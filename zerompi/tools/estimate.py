@@ -32,6 +32,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, NamedTuple
 
 from zerompi.errors import ConfigError
+from zerompi.tools import commtime
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # fp32 optimizer state per parameter; the fp32 master of 16-bit training comes on top.
@@ -328,14 +329,28 @@ def render_text(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _link(args: argparse.Namespace) -> tuple[float, float]:
+    """(bits per second, latency seconds) of ``--link-gbps`` and ``--latency-us``."""
+    for flag, value in (("--link-gbps", args.link_gbps), ("--latency-us", args.latency_us)):
+        if not (math.isfinite(value) and value >= 0) or (flag == "--link-gbps" and value == 0):
+            raise ConfigError(f"{flag} {value!r} is not a finite number {'> 0' if flag == '--link-gbps' else '>= 0'}")
+    return args.link_gbps * 1e9, args.latency_us * 1e-6
+
+
 def run(args: argparse.Namespace) -> int:
     """``zerompi estimate``: print the table (or JSON) for the parsed arguments."""
     params, source, dtype, optimizer, offload = _settings(args)
     ranks = parse_ranks(args.ranks)
+    quant = commtime.check(args.quantize_weights, args.quantize_grads, args.quant_block)
+    link = _link(args)
     doc = dict(params=params, source=source, dtype=dtype, compute_bytes=compute_bytes(dtype),
                optimizer=optimizer, optimizer_bytes_per_param=optimizer_bytes(optimizer, dtype),
                offload=offload, ranks=ranks, rows=estimate_table(params, ranks, dtype, optimizer, offload))
-    print(json.dumps(doc, indent=1) if args.json else render_text(doc))
+    comm = commtime.comm_rows(lambda n: shard_numel(params, n), ranks, compute_bytes(dtype), quant, link)
+    doc["communication"] = dict(quantize_weights=quant.weights, quantize_grads=quant.grads, quant_block=quant.block,
+                                link_gbps=args.link_gbps, latency_us=args.latency_us, rows=comm)
+    text = render_text(doc) + "\n" + "\n".join(commtime.render(comm, quant, link, _num))
+    print(json.dumps(doc, indent=1) if args.json else text)
     return 0
 
 
@@ -345,7 +360,9 @@ def register(subparsers) -> None:
         "estimate", help="model-state memory and communication per rank for ZeRO stages 0-3",
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  zerompi estimate --params 7.5B --ranks 1-1024*4 --dtype fp16 --optimizer adam\n"
-               "  zerompi estimate --config jobs/configs/default.toml --ranks 2 --json")
+               "  zerompi estimate --config jobs/configs/default.toml --ranks 2 --json\n"
+               "  zerompi estimate --params 7.5B --ranks 16-1024*4 --dtype bf16 --quantize-weights int8 "
+               "--quantize-grads int4 --link-gbps 25")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", metavar="PSI",
                         help="parameter count: 7500000000, 7.5e9, 7.5B, 350M, 125k")
@@ -360,5 +377,11 @@ def register(subparsers) -> None:
                    + " (sgd: with momentum; default: the config's, else adamw)")
     p.add_argument("--offload", help="where optimizer state + master live: " + ", ".join(OFFLOAD)
                    + " (default: the config's, else none)")
+    p.add_argument("--quantize-weights", default="none", help="parameter all-gathers: none, int8 (qwZ)")
+    p.add_argument("--quantize-grads", default="none", help="gradient reduce-scatters: none, int8, int4 (qgZ)")
+    p.add_argument("--quant-block", type=int, default=256, help="values per fp32 scale (default 256)")
+    p.add_argument("--link-gbps", type=float, default=100.0,
+                   help="link bandwidth for the α-β time projection, Gb/s (default 100)")
+    p.add_argument("--latency-us", type=float, default=5.0, help="link latency, µs (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.set_defaults(func=run)
