@@ -45,6 +45,10 @@ VARIANTS = {
 
 
 def commit() -> str:
+    """The commit of the code the runs use: git's, or, in a tree exported with ``git archive`` (so that
+    editing the worktree cannot change runs in progress), the ``.commit`` file written beside it."""
+    if (ROOT / ".commit").exists():
+        return (ROOT / ".commit").read_text().strip()
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "zerompi", "jobs", "benchmarks/bench_quantized.py"],
                            cwd=ROOT, capture_output=True, text=True).stdout.strip()
