@@ -206,7 +206,7 @@ def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
     for dotted, kind in _ZEROPP.items():
         found, value = _ds_get(d, dotted)
         if found and not stage3:
-            boolean(dotted, value) if kind == "bool" else integer(dotted, value, 1)
+            boolean(dotted, value) if kind == "bool" else _hpz_size(d)
             present.append(dotted)
     return present
 
@@ -236,11 +236,19 @@ def _ds_zeropp(d: Mapping, kwargs: dict[str, Any]) -> None:
         kwargs["quantize_weights"] = "int8"
     if _ds_flag(d, "zero_optimization.zero_quantized_gradients"):
         kwargs["quantize_grads"] = "int4"
+    size = _hpz_size(d)
+    if size is not None and size > 1:
+        kwargs["hierarchy"], kwargs["ranks_per_node"] = "hpz", size
+
+
+def _hpz_size(d: Mapping) -> int | None:
+    """zero_hpz_partition_size as an int >= 1 (8.0 in JSON is 8), or None when absent."""
     found, value = _ds_get(d, "zero_optimization.zero_hpz_partition_size")
+    if not found:
+        return None
     if isinstance(value, float) and value.is_integer():
-        value = int(value)  # 8.0 in JSON
-    if found and integer("zero_optimization.zero_hpz_partition_size", value, 1) > 1:
-        kwargs["hierarchy"], kwargs["ranks_per_node"] = "hpz", value
+        value = int(value)
+    return integer("zero_optimization.zero_hpz_partition_size", value, 1)
 
 
 class Translation(NamedTuple):
