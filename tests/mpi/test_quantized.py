@@ -198,4 +198,5 @@ def test_nan_gradient_raises_naming_rank_and_parameter(results, world):
 def test_nan_gradient_skips_and_leaves_finite_state(results, case):
     r = results(2, *ARGS[2])[case]
     assert r["error"] is None and r["stepped"] == [True, False, True] and r["skipped"] == 1
+    assert r["residual_after_skip"] == 0.0  # the skipped step's quantisation error is dropped with it
     assert r["residuals_finite"] and r["params_finite"]

@@ -276,13 +276,15 @@ def nonfinite_row(name: str, **kw) -> dict:
     engine = zerompi.initialize(tiny_gpt(seed=1), cfg)
     weight = engine.module.transformer.h[1].mlp.c_fc.weight
     batches = token_batches(7, world, 3, 1)
-    error, stepped = None, []
+    error, stepped, after_skip = None, [], None
     for i, (batch,) in enumerate(batches):
         x, y = (t[rank * 4:(rank + 1) * 4] for t in batch)
         handle = weight.register_hook(lambda g: g * float("nan")) if (i == 1 and rank == world - 1) else None
         try:
             engine.backward(engine(x, y)[1])
             stepped.append(engine.step())
+            if not stepped[-1]:  # a skipped step leaves no residual behind
+                after_skip = max(gather(max(float(r.abs().max()) for _, r in engine.snapshot().residuals)))
         except ZeroMPIError as e:
             error = str(e)
             break
@@ -292,7 +294,7 @@ def nonfinite_row(name: str, **kw) -> dict:
     residuals_finite = all(bool(torch.isfinite(r).all()) for _, r in engine.snapshot().residuals)
     params_finite = all(bool(torch.isfinite(v).all()) for v in engine.full_state_dict().values())
     row = dict(case=f"nonfinite/{name}", world=world, error=error, stepped=stepped,
-               skipped=engine.stats.skipped_steps, loss_scale=engine.stats.loss_scale,
+               skipped=engine.stats.skipped_steps, loss_scale=engine.stats.loss_scale, residual_after_skip=after_skip,
                residuals_finite=all(gather(residuals_finite)), params_finite=params_finite)
     engine.close()
     return row
