@@ -93,16 +93,24 @@ class BlockCodec:
         k, nb = x.numel() // chunk, self.blocks(chunk)
         blocks = _padded(x.view(k, chunk).float(), nb * self.block).view(k, nb, self.block)
         scales = self._scales(blocks.abs().amax(dim=-1))
-        finite = torch.isfinite(scales).unsqueeze(-1)
-        safe = torch.where(finite & (scales.unsqueeze(-1) > 0), scales.unsqueeze(-1), 1.0)
-        q = torch.nan_to_num(blocks / safe, nan=0.0).round_().clamp_(-self.qmax, self.qmax)
+        finite = torch.isfinite(scales)
+        all_finite = bool(finite.all())
+        q = blocks / torch.where(finite & (scales > 0), scales, 1.0).unsqueeze(-1)
+        if not all_finite:  # NaN/Inf blocks: their codes are zeros (their NaN scale decodes them to NaN)
+            q.masked_fill_(~finite.unsqueeze(-1), 0.0)
+        q.round_().clamp_(-self.qmax, self.qmax)
         if residual is not None:
-            err = torch.where(finite, blocks - q * scales.unsqueeze(-1), 0.0)
+            err = (q * scales.unsqueeze(-1)).neg_().add_(blocks)  # x - q s, with q s rounded as decode rounds it
+            if not all_finite:
+                err.masked_fill_(~finite.unsqueeze(-1), 0.0)
             residual.view(k, chunk).copy_(err.view(k, -1)[:, :chunk])
-        codes = q.view(k, -1)[:, :chunk].to(torch.int8)
         out = torch.empty(k, self.nbytes(chunk), dtype=torch.uint8, device=x.device)
-        out[:, :SCALE_BYTES * nb] = scales.contiguous().view(torch.uint8)
-        out[:, SCALE_BYTES * nb:] = self._pack(codes)
+        out[:, :SCALE_BYTES * nb] = scales.view(torch.uint8)
+        codes = q.view(k, -1)[:, :chunk]
+        if self.bits == 8:
+            out[:, SCALE_BYTES * nb:].view(torch.int8).copy_(codes)
+        else:
+            out[:, SCALE_BYTES * nb:] = self._pack(codes.to(torch.int8))
         return out.view(-1)
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
