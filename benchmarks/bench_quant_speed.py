@@ -81,7 +81,8 @@ def worker(cmd: list[str], env: dict | None = None, netns: str | None = None) ->
 
 
 def cmd_kernels(args) -> int:
-    doc = worker([sys.executable, str(WORKER), "kernels", "--repeats", str(args.repeats)], env={"OMP_NUM_THREADS": "1"})
+    doc = worker([sys.executable, str(WORKER), "kernels", "--repeats", str(args.repeats)],
+                 env={"OMP_NUM_THREADS": "1"})
     record(doc)
     return 0
 
@@ -239,7 +240,8 @@ def main() -> int:
     args = p.parse_args()
     if args.mode == "link" and args.repeats == 5:
         args.repeats = 3
-    return {"kernels": cmd_kernels, "collectives": cmd_collectives, "link": cmd_link, "report": cmd_report}[args.mode](args)
+    modes = {"kernels": cmd_kernels, "collectives": cmd_collectives, "link": cmd_link, "report": cmd_report}
+    return modes[args.mode](args)
 
 
 if __name__ == "__main__":

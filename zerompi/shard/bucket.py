@@ -84,10 +84,10 @@ class Bucket:
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
         hpz = groups.secondary is not None and plan.shard_params
-        self.codes = None if weights is None else \
+        self.weight_codes = None if weights is None else \
             WeightCodes(weights, groups, layout, placement.rank, self.param_full.tensor, hpz)
         self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
-        if hpz and self.codes is None:
+        if hpz and self.weight_codes is None:
             sec = layout.padded_numel // groups.gather.size
             rank = groups.gather.rank
             self.secondary = Resident(self.param_full.tensor[rank * sec:(rank + 1) * sec].clone())
@@ -103,8 +103,8 @@ class Bucket:
         codec = placement.compression.grads
         self.grad_codes = None if codec is None else GradCodes(
             codec, groups.shard, layout.padded_numel, placement.compression.error_feedback, placement.device)
-        if self.codes is not None and not plan.shard_params:
-            self.codes.decode_all(self.param_full.tensor)  # stages 1-2 compute with decoded values from the start
+        if self.weight_codes is not None and not plan.shard_params:  # stages 1-2 compute with decoded values
+            self.weight_codes.decode_all(self.param_full.tensor)
 
         for p, slot in zip(params, layout.slots):
             p.data = self.param_full.view(slot.offset, slot.shape)
@@ -133,8 +133,8 @@ class Bucket:
         if self.state is not BucketState.SHARDED:
             return self._gather if self._gather is not None else Work.done()
         self.param_full.alloc()
-        if self.codes is not None:  # the packed shard, encoded once per step, stays in memory
-            work = self.codes.gather(self.param_full.tensor, async_op=async_op, what=self.name)
+        if self.weight_codes is not None:  # the packed shard, encoded once per step, stays in memory
+            work = self.weight_codes.gather(self.param_full.tensor, async_op=async_op, what=self.name)
         else:
             source = self._source()
             async_op = async_op and source.stays_resident  # a swapped shard is gone after its block
@@ -150,7 +150,7 @@ class Bucket:
         """Start what ``unshard()`` will wait on: a non-blocking all-gather, or, for a shard in the
         swap file, its read (the gather then runs when the unit needs it)."""
         source = self._source()
-        if source.stays_resident or self.codes is not None:
+        if source.stays_resident or self.weight_codes is not None:
             self.unshard(async_op=True)
         elif self.state is BucketState.SHARDED:
             source.prefetch()
@@ -187,8 +187,9 @@ class Bucket:
         with self.param_tier.loaded(load=False) as shard:
             if self.separate:
                 shard.copy_(self.master)
-            if self.codes is not None:
-                self.codes.publish(shard, self.param_full.tensor if self.plan.gather_after_step else None, self.name)
+            if self.weight_codes is not None:
+                full = self.param_full.tensor if self.plan.gather_after_step else None
+                self.weight_codes.publish(shard, full, self.name)
             elif self.plan.gather_after_step:  # over the group the bucket is sharded over
                 self.groups.shard.all_gather(None, self.param_full.tensor, what=self.name)
             if self.secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
@@ -294,7 +295,7 @@ class Bucket:
             params += self.secondary.nbytes
         master = self.master.numel() * self.master.element_size() if self.separate else 0
         grads = self.grads.nbytes if self.plan.shard_grads else self.grad_full.nbytes
-        codes = (self.codes.nbytes if self.codes else 0) + (self.grad_codes.nbytes if self.grad_codes else 0)
+        codes = sum(c.nbytes for c in (self.weight_codes, self.grad_codes) if c is not None)
         return params + master + grads + codes
 
     def full_master(self) -> torch.Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerompi.config.policies import CompressionPolicy
 from zerompi.dist.codec import BlockCodec
 from zerompi.dist.compressed import CompressedGroup
 from zerompi.dist.group import ProcessGroup, Work
@@ -36,8 +37,8 @@ class Compression:
     error_feedback: bool = False
 
     @staticmethod
-    def from_policy(policy) -> "Compression":
-        """From a :class:`~zerompi.config.policies.CompressionPolicy`."""
+    def from_policy(policy: CompressionPolicy) -> "Compression":
+        """The codecs of ZeroConfig's ``compression`` policy."""
         def codec(bits: int | None) -> BlockCodec | None:
             return None if bits is None else BlockCodec(bits, policy.block)
         return Compression(codec(policy.weights.bits), codec(policy.grads.bits), policy.error_feedback)

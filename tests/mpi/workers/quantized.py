@@ -151,7 +151,7 @@ def gathered_vs_exact(engine) -> tuple[float, bool]:
     by the bound of the owners' scales; and whether every rank holds the same decoded values."""
     worst, digests = 0.0, []
     for i, b in enumerate(engine.sharded.buckets):
-        codes = b.codes
+        codes = b.weight_codes
         if codes is None:
             continue
         with engine.optimizer.shard_state(i):  # an offloaded master is in memory for the block
