@@ -32,6 +32,7 @@ from zerompi.optim.optimizer import ZeroOptimizer
 from zerompi.phase import PhaseTracker
 from zerompi.shard import deferred
 from zerompi.shard.bucket import Placement
+from zerompi.shard.compression import Compression
 from zerompi.shard.sharded import Overlap, ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
 
@@ -99,7 +100,8 @@ class Engine:
         self.groups = build_groups(group, self.info, cfg.topology, cfg.stage)
         shard, plan = self.groups.shard, plan_for(cfg.stage)
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
-                              check_finite=cfg.dtype != DType.FP16)  # fp16 overflows are the loss scaler's
+                              check_finite=cfg.dtype != DType.FP16,  # fp16 overflows are the loss scaler's
+                              compression=Compression.from_policy(cfg.compression))
         membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.
@@ -233,7 +235,9 @@ class Engine:
             hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
             between_steps=self._phase.idle, frozen=frozen, frozen_states=self.sharded,
             frozen_dtype=self.config.torch_dtype,
-            replicated_frozen=tuple(n for n, _ in self.sharded.replicated_frozen()))
+            replicated_frozen=tuple(n for n, _ in self.sharded.replicated_frozen()),
+            residuals=tuple((b.layout.index, b.grad_codes.residual) for b in self.sharded.buckets
+                            if b.grad_codes is not None and b.grad_codes.residual is not None))
 
     def restore(self, counters: Counters) -> None:
         """After a checkpoint's shards are loaded: its counters, and a new accumulation window."""

@@ -43,7 +43,8 @@ def test_field_order_matches_spec():
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
         "nvme_verify", "overlap_grad_reduce", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
-        "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr"]
+        "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
+        "quantize_weights", "quantize_grads", "quant_block", "grad_error_feedback"]
 
 
 @pytest.mark.parametrize("key,value", [
@@ -170,6 +171,10 @@ BAD_VALUES = [
     ("mpi_progress", ["threads", None]),
     ("nvme_path", ["", 3]),
     ("pin_memory", [1, "true", None]),
+    ("quantize_weights", ["int4", "INT8", 8, None, True]),
+    ("quantize_grads", ["int2", "fp8", 4, None]),
+    ("quant_block", [0, 1, 3, 255, 65538, 256.0, True, "256", None]),
+    ("grad_error_feedback", [1, "true", None]),
 ]
 
 
@@ -219,6 +224,26 @@ def test_offload_cross_field_rules(kwargs, words):
     with pytest.raises(ConfigError) as err:
         ZeroConfig(**kwargs)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(stage=0, quantize_weights="int8"), ["quantize_weights='int8'", "stage=0", "allowed"]),
+    (dict(stage=0, quantize_grads="int4"), ["quantize_grads='int4'", "stage=0"]),
+    (dict(stage=3, grad_error_feedback=True), ["grad_error_feedback=True", "quantize_grads='none'"])])
+def test_quantization_cross_field_rules(kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig(**kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_quantization_accepted(stage):
+    cfg = ZeroConfig(stage=stage, quantize_weights="int8", quantize_grads="int4", quant_block=64,
+                     grad_error_feedback=True)
+    policy = cfg.compression
+    assert (policy.weights.bits, policy.grads.bits, policy.block, policy.error_feedback) == (8, 4, 64, True)
+    assert policy.active and not ZeroConfig().compression.active
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["quantize_grads"] == "int4"
 
 
 def test_offload_accepted():

@@ -189,6 +189,37 @@ def test_stage3_sizes_below_stage3_have_no_effect():
                                       "zero_optimization.stage3_param_persistence_threshold"}
 
 
+def test_zeropp_maps_onto_quantized_collectives_and_hpz():
+    """DeepSpeed's qwZ is int8 weight all-gathers, its qgZ int4 gradient reduce-scatters; hpZ's partition
+    size becomes the hpz hierarchy over groups of that many consecutive ranks."""
+    cfg, warned = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                                        "zero_quantized_gradients": True, "zero_hpz_partition_size": 8.0}})
+    assert (cfg.quantize_weights, cfg.quantize_grads, cfg.hierarchy, cfg.ranks_per_node) == ("int8", "int4", "hpz", 8)
+    assert not warned
+    cfg, _ = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": False,
+                                                   "zero_quantized_gradients": False, "zero_hpz_partition_size": 1}})
+    assert (cfg.quantize_weights, cfg.quantize_grads, cfg.hierarchy, cfg.ranks_per_node) == ("none", "none", "flat", None)
+
+
+def test_zeropp_below_stage3_has_no_effect():
+    doc = {"zero_optimization": {"stage": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                 "zero_hpz_partition_size": 4}}
+    kwargs = deepspeed_kwargs(doc)
+    assert not {"quantize_weights", "quantize_grads", "hierarchy"} & set(kwargs)
+    _, warned = from_deepspeed(doc)
+    assert warned_keys(warned[0]) == {"zero_optimization.zero_quantized_weights",
+                                      "zero_optimization.zero_quantized_gradients",
+                                      "zero_optimization.zero_hpz_partition_size"}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("key,value", [("zero_quantized_weights", 1), ("zero_quantized_gradients", "yes"),
+                                       ("zero_hpz_partition_size", 0), ("zero_hpz_partition_size", 2.5)])
+def test_zeropp_values_are_checked(stage, key, value):
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{key}="):
+        deepspeed_kwargs({"zero_optimization": {"stage": stage, key: value}})
+
+
 def test_hidden_size():
     assert hidden_size(None) is None
     assert hidden_size(tiny_gpt(32)) == 32  # GPTConfig.n_embd
@@ -219,14 +250,14 @@ def test_unresolvable_auto_names_the_key_and_what_to_pass():
 
 def test_unsupported_keys_still_in_one_error():
     doc = copy.deepcopy(HF_ZERO3)
-    doc["zero_optimization"]["zero_hpz_partition_size"] = 8
+    doc["zero_optimization"]["zeropp_loco_param"] = {"err_beta": 0.8}
     doc["scheduler"]["params"]["cycle_min_lr"] = 0.1
     doc["activation_checkpointing"] = {}
     doc["fp16"]["fp16_master_weights"] = True
     with pytest.raises(ConfigError) as err:
         ZeroConfig.from_deepspeed(doc)
     assert str(err.value) == ("unsupported DeepSpeed config keys: activation_checkpointing, fp16.fp16_master_weights, "
-                              "scheduler.params.cycle_min_lr, zero_optimization.zero_hpz_partition_size")
+                              "scheduler.params.cycle_min_lr, zero_optimization.zeropp_loco_param")
 
 
 @pytest.mark.parametrize("doc,match", [

@@ -366,3 +366,58 @@ def test_cli_frozen_params(capsys):
     assert line.split()[5] == "1.75"  # 2 bytes x 7e9 / 8 ranks, GB
     assert main(["estimate", "--params", "20M", "--frozen-params=-5", "--ranks", "8"]) == 2
     assert "--frozen-params '-5' is not a whole number of parameters >= 0" in capsys.readouterr().err
+# ---- quantized collectives: bytes per step and the α-β projection -----------------------------
+
+def _packed(numel: int, bits: int, block: int) -> int:
+    """A packed chunk by hand: one fp32 scale per block, then bits/8 bytes per code (int4 rounded up)."""
+    return 4 * -(-numel // block) + (numel if bits == 8 else -(-numel // 2))
+
+
+@pytest.mark.parametrize("params,n,block", [(10**6, 2, 256), (7_654_321, 3, 256), (123_457, 16, 64), (2**20, 1024, 256)])
+def test_quantized_bytes_per_step_are_the_packed_chunks(capsys, params, n, block):
+    code, out, _ = _run(capsys, "--params", str(params), "--ranks", str(n), "--quantize-weights", "int8",
+                        "--quantize-grads", "int4", "--quant-block", str(block), "--json")
+    assert code == 0
+    rows = {r["stage"]: r for r in json.loads(out)["communication"]["rows"]}
+    s = -(-params // n)
+    w, g = (n - 1) * _packed(s, 8, block), (n - 1) * _packed(s, 4, block)
+    assert rows[3]["bytes_by_kind"] == {"all_gather.int8": 2 * w, "reduce_scatter.int4": g}
+    assert rows[1]["bytes_by_kind"] == rows[2]["bytes_by_kind"] == {"all_gather.int8": w, "reduce_scatter.int4": g}
+    assert rows[3]["unquantized_bytes"] == 3 * (n - 1) * s * 4 == communication_per_step(params, n, 3).bytes
+
+
+def test_int8_weights_cost_one_and_four_256ths_bytes_per_element(capsys):
+    _, out, _ = _run(capsys, "--params", str(256 * 1000 * 4), "--ranks", "4", "--quantize-weights", "int8", "--json")
+    row = next(r for r in json.loads(out)["communication"]["rows"] if r["stage"] == 3)
+    s = 256 * 1000
+    assert row["bytes_by_kind"] == {"all_gather.int8": 2 * 3 * s * (1 + 4 / 256), "reduce_scatter": 3 * s * 4}
+
+
+def test_alpha_beta_time_is_the_sum_over_collectives(capsys):
+    _, out, _ = _run(capsys, "--params", "1e9", "--ranks", "64", "--dtype", "bf16", "--quantize-weights", "int8",
+                     "--quantize-grads", "int8", "--link-gbps", "25", "--latency-us", "10", "--json")
+    doc = json.loads(out)["communication"]
+    row = next(r for r in doc["rows"] if r["stage"] == 3)
+    s, alpha, beta = -(-10**9 // 64), 10e-6, 25e9 / 8  # bytes per second
+    chunk = _packed(s, 8, 256)
+    assert row["seconds"] == pytest.approx(3 * 63 * (alpha + chunk / beta), rel=1e-12)
+    assert row["unquantized_seconds"] == pytest.approx(3 * 63 * (alpha + 2 * s / beta), rel=1e-12)
+    assert (doc["link_gbps"], doc["latency_us"]) == (25.0, 10.0)
+
+
+def test_quantized_section_in_the_text(capsys):
+    code, out, _ = _run(capsys, "--params", "7.5B", "--ranks", "16,1024", "--dtype", "bf16", "--quantize-weights",
+                        "int8", "--quantize-grads", "int4")
+    assert code == 0
+    assert "weights int8, gradients int4 (block 256)" in out and "100 Gb/s, 5 µs" in out
+    stage3 = [line.split() for line in out.splitlines() if line.split()[:2] in (["16", "3"], ["1024", "3"])]
+    assert [row[-1] for row in stage3] == ["0.424", "0.424"]  # (2 (1 + 4/256) + (1/2 + 4/256)) / (3 * 2)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--quantize-weights", "int4"], "--quantize-weights 'int4'"), (["--quantize-grads", "int2"], "--quantize-grads"),
+    (["--quant-block", "255"], "--quant-block 255"), (["--link-gbps", "0"], "--link-gbps"),
+    (["--latency-us", "-1"], "--latency-us"), (["--link-gbps", "nan"], "--link-gbps")])
+def test_bad_quantization_flags_name_the_flag(capsys, argv, match):
+    code, _, err = _run(capsys, "--params", "1e6", "--ranks", "4", *argv)
+    assert code == 2 and match in err

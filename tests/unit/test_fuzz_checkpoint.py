@@ -20,8 +20,9 @@ and then loaded twice: ``load_full_state_dict(root, tag)`` reading every tensor,
 and ``engine.load_checkpoint`` into a fresh single-process engine. The
 property: a ``CheckpointError`` is raised and the engine is left exactly as it
 was, or the load succeeds and every loaded value (parameters, optimizer state,
-counters, RNG, buffers, client state) is bitwise the original's (the damage hit
-bytes HDF5 does not use). Never another exception type, never a crash or hang,
+counters, RNG, buffers, client state, and the error-feedback residuals the
+one-process checkpoints hold) is bitwise the original's (the damage hit bytes
+HDF5 does not use). Never another exception type, never a crash or hang,
 never different values without an error. Randomly damaged copies are loaded in
 a long-lived worker process with a per-load time limit, so that a segfault or an
 endless loop inside HDF5 is reported instead of taking pytest down.
@@ -105,6 +106,10 @@ class Net(nn.Module):
         return (y * self.scale if hasattr(self, "scale") else y).pow(2).mean()
 
 
+# The single-process checkpoints carry error-feedback residuals (b<i>/feedback, per rank) as well.
+FEEDBACK = dict(quantize_grads="int8", grad_error_feedback=True)
+
+
 def one_config(**changes) -> zerompi.ZeroConfig:
     base = dict(stage=3, optimizer="adamw", lr=1e-2, bucket_mb=1e-4, cpu_threads=1, abort_on_exception=False)
     return zerompi.ZeroConfig(**{**base, **changes})
@@ -144,6 +149,8 @@ def engine_state(engine, rng: bool = True) -> dict[str, Any]:
         for k, v in g.items():
             if k != "params":
                 out[f"group/{gi}/{k}"] = repr(v)
+    for i, residual in engine.snapshot().residuals:
+        out[f"feedback/{i}"] = _bits(residual)
     out["counters"] = (engine.stats.steps, engine.stats.skipped_steps)
     if rng:
         out["rng"] = _bits(torch.get_rng_state())
@@ -211,7 +218,7 @@ def dataset_names(path: Path) -> list[str]:
 
 def prepare_base(name: str, root: Path) -> Base:
     if name == "one":
-        base = Base(name, root, lambda: zerompi.initialize(Net(), one_config()), world=1)
+        base = Base(name, root, lambda: zerompi.initialize(Net(), one_config(**FEEDBACK)), world=1)
     elif name == "frozen":  # stage 3 with a frozen bucket (f0/param), and an adapters-only tag
         base = Base(name, root, lambda: zerompi.initialize(Net(freeze_bias=True), one_config(dtype="bf16")),
                     world=1)
@@ -233,8 +240,9 @@ def prepare_base(name: str, root: Path) -> Base:
 
 def write_one(root: Path, frozen: bool = False) -> None:
     """Single-process stage-3 engine: train 2 steps, save `prev`, train 1, save `good` (latest).
-    ``frozen``: fc1's bias frozen, bf16 (its shard stored as raw bf16 bits), and `prev` without it."""
-    engine = zerompi.initialize(Net(freeze_bias=frozen), one_config(**(dict(dtype="bf16") if frozen else {})))
+    ``frozen``: fc1's bias frozen, bf16 (its shard stored as raw bf16 bits), and `prev` without it;
+    else with quantized gradients and error feedback (the residuals are saved too)."""
+    engine = zerompi.initialize(Net(freeze_bias=frozen), one_config(**(dict(dtype="bf16") if frozen else FEEDBACK)))
     g = torch.Generator().manual_seed(3)
     for step in range(3):
         engine.backward(engine(torch.randn(6, 4, generator=g)))
@@ -742,6 +750,9 @@ STRUCTURE_CASES = [  # (base, kind, path, dataset, other, what the error says)
     ("one", "swap_tensors", R0, "b0/master", "b0/state/exp_avg", "checksum mismatch"),
     ("one", "swap_tensors", R0, "b0/master", "b1/master", "shape"),
     ("one", "swap_saves", R0, "b0/master", "prev/rank00000.h5", "checksum mismatch"),
+    ("one", "swap_tensors", R0, "b0/master", "b0/feedback", "checksum mismatch"),
+    ("one", "filter", R0, "b1/feedback", "gzip", "filter"),
+    ("one", "soft_link", R0, "b0/feedback", "b0/master", "soft link"),
     ("one", "symlink_out", "good", "", "", "outside the checkpoint root"),
     ("one", "symlink_out", "latest", "", "", "outside the checkpoint root"),
     ("one", "symlink_out", R0, "", "", "outside the checkpoint directory"),

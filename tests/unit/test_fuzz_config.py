@@ -92,6 +92,9 @@ _KNOWN_VALID = {
     "param_persistence_threshold": st.just(0), "max_live_params": st.one_of(st.none(), st.integers(1, 10**12)),
     "lr_schedule": st.just("constant"), "warmup_steps": st.integers(0, 10**4),
     "total_steps": st.one_of(st.none(), st.integers(1, 10**6)), "min_lr": st.just(0.0),
+    # quantization needs stage 1-3 and error feedback quantized gradients: test_fuzz_quantization
+    "quantize_weights": st.just("none"), "quantize_grads": st.just("none"),
+    "quant_block": st.integers(1, 32768).map(lambda k: 2 * k), "grad_error_feedback": st.just(False),
 }
 
 
@@ -161,6 +164,11 @@ def valid_deepspeed(draw) -> dict:
     if draw(st.booleans()):
         persistence = st.integers(0, 10**7) if HAS_PERSISTENCE else st.nothing()
         zero["stage3_param_persistence_threshold"] = _maybe_auto(draw, persistence) if HAS_PERSISTENCE else "auto"
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if draw(st.booleans()):
+            zero[key] = draw(st.booleans())
+    if draw(st.booleans()):
+        zero["zero_hpz_partition_size"] = draw(st.integers(1, 16))
     nvme, pin = draw(st.one_of(st.none(), TEXT.filter(bool))), draw(st.booleans())
     for block in ("offload_optimizer", "offload_param"):
         if draw(st.booleans()):
@@ -429,6 +437,23 @@ def test_fuzz_decaying_schedules(schedule, warmup, more, lr, fraction):
     assert cfg is not None and ZeroConfig.from_dict(cfg.to_dict()) == cfg
     for bad in (dict(total_steps=warmup), dict(min_lr=lr * 2 + 1), dict(total_steps=None)):
         with pytest.raises(ConfigError, match="total_steps|min_lr"):
+            ZeroConfig.from_dict({**doc, **bad})
+
+
+@settings(max_examples=100, **FUZZ)
+@given(st.integers(1, 3), st.sampled_from(["none", "int8"]), st.sampled_from(["none", "int8", "int4"]),
+       st.integers(1, 32768), st.booleans())
+def test_fuzz_quantization(stage, weights, grads, half_block, feedback):
+    feedback = feedback and grads != "none"
+    doc = dict(stage=stage, quantize_weights=weights, quantize_grads=grads, quant_block=2 * half_block,
+               grad_error_feedback=feedback)
+    cfg = judge("from_dict/quantization", lambda: ZeroConfig.from_dict(doc))
+    assert cfg is not None and cfg.compression.block == 2 * half_block
+    for bad, key in ((dict(stage=0, quantize_weights="int8"), "quantize_weights"),
+                     (dict(stage=0, quantize_weights="none", quantize_grads="int8"), "quantize_grads"),
+                     (dict(quantize_grads="none", grad_error_feedback=True), "grad_error_feedback"),
+                     (dict(quant_block=2 * half_block + 1), "quant_block")):
+        with pytest.raises(ConfigError, match=key):
             ZeroConfig.from_dict({**doc, **bad})
 
 

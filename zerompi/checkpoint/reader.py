@@ -18,7 +18,7 @@ import torch
 
 from zerompi.errors import CheckpointError, all_ranks_ok
 from zerompi.log import get_logger, log_rank0
-from zerompi.checkpoint import paths, schema
+from zerompi.checkpoint import feedback, paths, schema
 from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.checkpoint.index import CheckpointIndex, Source
@@ -111,6 +111,7 @@ class Loaded:
     replicated: dict[str, np.ndarray]
     cuda_rng: np.ndarray | None = None  # this rank's CUDA generator state, when it is to be restored
     frozen: list[np.ndarray] | None = None  # our frozen buckets' shards (None: the checkpoint has no frozen values)
+    feedback: dict[int, np.ndarray] | None = None  # this rank's error-feedback residuals, when restored
 
 
 def cuda_rng_decision(saved: np.ndarray | None, saved_devices: int | None, available: bool,
@@ -180,10 +181,11 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
             log_rank0(logger, logging.INFO, "%s: RNG state not restored (written by %d ranks, hierarchical "
                       "layout: %s); each rank keeps its current RNG state", directory, index.world_size,
                       snap.hierarchical)
+        residuals = feedback.read(snap, index, files, directory)
     finally:
         source.close()
         files.close()
-    return Loaded(index, buckets, rng, replicated, cuda_rng, frozen)
+    return Loaded(index, buckets, rng, replicated, cuda_rng, frozen, residuals)
 
 
 def _read_frozen(shard: ShardSnapshot, source: FrozenSource) -> np.ndarray:
@@ -235,6 +237,7 @@ def apply(engine, snap: EngineSnapshot, loaded: Loaded) -> None:
     for i, data in enumerate(loaded.frozen or []):  # the same buckets on every rank (hpZ: collective)
         snap.frozen_states.load_frozen(i, torch.from_numpy(data))
     snap.states.load_hyperparameters(loaded.index.optimizer.get("groups", []))
+    feedback.restore(snap, loaded.feedback)
     index = loaded.index
     engine.restore(Counters(index.steps, index.skipped_steps, index.scaler or None, index.scheduler))
     if loaded.rng is not None:

@@ -58,6 +58,9 @@ def state(bucket: int, key: str) -> str:
 def frozen(bucket: int) -> str:
     """Frozen bucket ``bucket``'s parameter shard (stage 3), in the compute dtype (frozen.py)."""
     return f"f{bucket}/param"
+def feedback(bucket: int) -> str:
+    """This rank's error-feedback residual of bucket ``bucket`` (per-rank data, the bucket's padded size)."""
+    return f"b{bucket}/feedback"
 
 
 def replicated(name: str) -> str:

@@ -85,3 +85,4 @@ class EngineSnapshot:
     frozen_states: FrozenShards | None = None
     frozen_dtype: torch.dtype = torch.float32  # the compute dtype their shards hold
     replicated_frozen: tuple[str, ...] = ()    # frozen parameters held whole (in index.h5)
+    residuals: tuple[tuple[int, torch.Tensor], ...] = ()  # (bucket, this rank's error-feedback residual), live

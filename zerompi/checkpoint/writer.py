@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from zerompi.checkpoint import frozen as frozen_values
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import feedback, schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
@@ -84,6 +84,7 @@ def _parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool):
     for i in range(len(snap.frozen) if include_frozen else 0):
         with snap.frozen_states.frozen_shard(i) as held:
             yield schema.frozen(i), frozen_values.encode(held)
+    yield from feedback.parts(snap)
     yield schema.CPU_RNG, torch.get_rng_state().numpy()
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device: the engine's
         yield schema.CUDA_RNG, torch.cuda.get_rng_state().numpy()

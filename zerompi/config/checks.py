@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite,
-                                    Offload, Progress, Schedule, Stage)
+from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
+                                    Offload, Progress, Schedule, Stage, WeightQuant)
 from zerompi.errors import ConfigError
 
 E = TypeVar("E", bound=Enum)
@@ -130,6 +130,14 @@ def block_kib(key: str, value: Any) -> int:
     return value
 
 
+def quant_block(key: str, value: Any) -> int:
+    """Values per quantisation scale: an even int in 2..65536 (int4 packs two codes a byte)."""
+    value = integer(key, value, 2, 65536)
+    if value % 2:
+        raise ConfigError(f"{key}={value!r} is not an even int in 2..65536")
+    return value
+
+
 def _import_dotted(key: str, dotted: str) -> Any:
     module, _, name = dotted.rpartition(".")
     try:
@@ -210,6 +218,10 @@ CHECKS: dict[str, Check] = {
     "warmup_steps": lambda k, v: integer(k, v, 0),
     "total_steps": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "no decay"),
     "min_lr": nonnegative,
+    "quantize_weights": _of(WeightQuant),
+    "quantize_grads": _of(GradQuant),
+    "quant_block": quant_block,
+    "grad_error_feedback": boolean,
 }
 """One checker per ZeroConfig field, called as ``check(key, value)`` -> normalised value."""
 
@@ -239,6 +251,17 @@ def check_schedule(cfg: Any) -> None:
                           f"> {cfg.warmup_steps}, or lr_schedule='constant'")
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"min_lr={cfg.min_lr!r} is above lr={cfg.lr!r}; allowed: 0 <= min_lr <= lr")
+
+
+def check_quantization(cfg: Any) -> None:
+    """Compressed collectives replace a stage's reduce-scatter and all-gathers, which stage 0 has not."""
+    for key in ("quantize_weights", "quantize_grads"):
+        if getattr(cfg, key).bits is not None and not cfg.stage.shards_optimizer:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} compresses a reduce-scatter or all-gather; stage=0 "
+                              "all-reduces its gradients; allowed: 'none', or stage 1, 2 or 3")
+    if cfg.grad_error_feedback and cfg.quantize_grads.bits is None:
+        raise ConfigError("grad_error_feedback=True carries the error of quantized gradients to the next step, but "
+                          "quantize_grads='none' quantizes nothing; allowed: False, or quantize_grads 'int8' or 'int4'")
 
 
 def check_optimizer_kwargs(cfg: Any) -> None:

@@ -160,3 +160,33 @@ class CheckpointLayout(Choice):
     """One HDF5 file per rank plus index.h5."""
     SHARED = "shared"
     """One shards.h5 written collectively through h5py's mpio driver."""
+
+
+class WeightQuant(Choice):
+    """How parameter all-gathers are compressed (``quantize_weights``)."""
+
+    NONE = "none"
+    """In the compute dtype, as they are."""
+    INT8 = "int8"
+    """Block-wise int8 codes with one fp32 scale per block (ZeRO++ qwZ)."""
+
+    @property
+    def bits(self) -> int | None:
+        """Bits per code, or None when nothing is quantized."""
+        return None if self is WeightQuant.NONE else 8
+
+
+class GradQuant(Choice):
+    """How gradient reduce-scatters are compressed (``quantize_grads``)."""
+
+    NONE = "none"
+    """In the compute dtype, summed by MPI (fp32) or in fp32 after an all-to-all (16-bit)."""
+    INT8 = "int8"
+    """Block-wise int8 codes and fp32 scales, all-to-all, summed in fp32 in rank order."""
+    INT4 = "int4"
+    """As int8 with 4-bit codes, two per byte (ZeRO++ qgZ)."""
+
+    @property
+    def bits(self) -> int | None:
+        """Bits per code, or None when nothing is quantized."""
+        return {GradQuant.NONE: None, GradQuant.INT8: 8, GradQuant.INT4: 4}[self]

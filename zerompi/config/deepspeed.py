@@ -35,7 +35,8 @@ _DS_SCHEMA: dict[str, Any] = {
         "allgather_partitions": None, "round_robin_gradients": None, "sub_group_size": None,
         "stage3_prefetch_bucket_size": None, "stage3_param_persistence_threshold": None,
         "stage3_max_live_parameters": None, "stage3_max_reuse_distance": None,
-        "stage3_gather_16bit_weights_on_model_save": None, "cpu_offload": None},
+        "stage3_gather_16bit_weights_on_model_save": None, "cpu_offload": None,
+        "zero_quantized_weights": None, "zero_quantized_gradients": None, "zero_hpz_partition_size": None},
     "gradient_accumulation_steps": None, "gradient_clipping": None,
     "bf16": ("enabled",),
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
@@ -75,6 +76,9 @@ SAVE_16BIT = "zero_optimization.stage3_gather_16bit_weights_on_model_save"
 # Stage-3 sizes that map onto fields at stage 3 only; at other stages they have no effect.
 _STAGE3_ONLY = ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
                 "zero_optimization.stage3_max_live_parameters")
+# ZeRO++ (stage 3 in DeepSpeed; no effect below it): qwZ's int8 weights, qgZ's int4 gradients, hpZ.
+_ZEROPP = {"zero_optimization.zero_quantized_weights": "bool", "zero_optimization.zero_quantized_gradients": "bool",
+           "zero_optimization.zero_hpz_partition_size": "size"}
 # Switches whose only allowed value is what zerompi does: another value changes the result.
 _MUST_BE_FALSE = {"fp16.auto_cast": "", "fp16.consecutive_hysteresis": "",
                   "fp16.fp16_master_weights_and_grads": "",
@@ -199,6 +203,11 @@ def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
         if found and not stage3:
             real(dotted, value, ge=0)
             present.append(dotted)
+    for dotted, kind in _ZEROPP.items():
+        found, value = _ds_get(d, dotted)
+        if found and not stage3:
+            boolean(dotted, value) if kind == "bool" else _hpz_size(d)
+            present.append(dotted)
     return present
 
 
@@ -218,6 +227,28 @@ def _ds_stage3(d: Mapping, kwargs: dict[str, Any], bucket_mb: float) -> None:
             if isinstance(value, float) and value.is_integer():
                 value = int(value)  # 1e5 in JSON is a float
             kwargs[name] = integer(dotted, value, lo)
+
+
+def _ds_zeropp(d: Mapping, kwargs: dict[str, Any]) -> None:
+    """ZeRO++ at stage 3: qwZ is int8 weight all-gathers, qgZ int4 gradient reduce-scatters (DeepSpeed's
+    widths), hpZ a secondary parameter copy in groups of zero_hpz_partition_size consecutive ranks."""
+    if _ds_flag(d, "zero_optimization.zero_quantized_weights"):
+        kwargs["quantize_weights"] = "int8"
+    if _ds_flag(d, "zero_optimization.zero_quantized_gradients"):
+        kwargs["quantize_grads"] = "int4"
+    size = _hpz_size(d)
+    if size is not None and size > 1:
+        kwargs["hierarchy"], kwargs["ranks_per_node"] = "hpz", size
+
+
+def _hpz_size(d: Mapping) -> int | None:
+    """zero_hpz_partition_size as an int >= 1 (8.0 in JSON is 8), or None when absent."""
+    found, value = _ds_get(d, "zero_optimization.zero_hpz_partition_size")
+    if not found:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return integer("zero_optimization.zero_hpz_partition_size", value, 1)
 
 
 class Translation(NamedTuple):
@@ -261,6 +292,7 @@ def translate(d: Mapping[str, Any], model: nn.Module | None = None, overrides: M
     if stage3:
         bucket_mb = overrides.get("bucket_mb", kwargs.get("bucket_mb", defaults.get("bucket_mb", 25.0)))
         _ds_stage3(d, kwargs, real("bucket_mb", bucket_mb, gt=0))
+        _ds_zeropp(d, kwargs)
     return Translation(kwargs, read_schedule(d, auto_warmup), read_batch_keys(d), tuple(_ds_no_effect(d, stage3)))
 
 

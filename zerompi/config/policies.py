@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerompi.config.choices import DType, Hierarchy, NonFinite, Offload, Progress
+from zerompi.config.choices import DType, GradQuant, Hierarchy, NonFinite, Offload, Progress, WeightQuant
 
 
 @dataclass(frozen=True)
@@ -124,3 +124,22 @@ class ReliabilityPolicy:
     """Seconds a rank may wait in one collective before the watchdog aborts; None: no watchdog."""
     abort_on_exception: bool
     """An uncaught exception on one rank calls MPI_Abort instead of hanging the others."""
+
+
+@dataclass(frozen=True)
+class CompressionPolicy:
+    """Which collectives travel as block-wise integer codes (dist/codec.py)."""
+
+    weights: WeightQuant
+    """Parameter all-gathers: none or int8."""
+    grads: GradQuant
+    """Gradient reduce-scatters: none, int8 or int4."""
+    block: int
+    """Values per fp32 scale."""
+    error_feedback: bool
+    """Carry each rank's gradient quantisation error to its next reduction."""
+
+    @property
+    def active(self) -> bool:
+        """Any collective is quantized."""
+        return self.weights.bits is not None or self.grads.bits is not None

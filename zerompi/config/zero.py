@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from zerompi.config import checks
-from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite,
-                                    Offload, Progress, Schedule, Stage)
+from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
+                                    Offload, Progress, Schedule, Stage, WeightQuant)
 from zerompi.config.deepspeed import Translation, looks_like_deepspeed, translate, warning_text
 from zerompi.config.files import read_document
-from zerompi.config.policies import (OffloadPolicy, OverlapPolicy, PrecisionPolicy, ReliabilityPolicy,
-                                     TopologyPolicy)
+from zerompi.config.policies import (CompressionPolicy, OffloadPolicy, OverlapPolicy, PrecisionPolicy,
+                                     ReliabilityPolicy, TopologyPolicy)
 from zerompi.errors import ConfigError
 
 
@@ -163,6 +163,26 @@ class ZeroConfig:
     min_lr: float = 0.0
     """The learning rate a decaying schedule ends at, 0 <= min_lr <= lr (a group with another lr
     ends at min_lr scaled by that group's lr / lr)."""
+    quantize_weights: WeightQuant = WeightQuant.NONE
+    """Stages 1-3: 'int8' sends parameter all-gathers as int8 codes with one fp32 scale per
+    quant_block values (ZeRO++ qwZ): (1 + 4/quant_block) bytes an element instead of c. Each rank
+    quantises its own shard once per step, after the update (and at initialize); stage 3's forward and
+    backward gathers and the stage 1-2 gather after the step reuse it, and every rank, the owner
+    included, computes with the decoded values. The fp32 master stays exact. 'none': as they are."""
+    quantize_grads: GradQuant = GradQuant.NONE
+    """Stages 1-3: 'int8' or 'int4' sends gradient reduce-scatters as int8 or int4 codes (two a byte)
+    with one fp32 scale per quant_block values (ZeRO++ qgZ): an all-to-all of the codes, decoded and
+    summed in fp32 in rank order, so results are reproducible. 'none': as they are."""
+    quant_block: int = 256
+    """Values per quantisation scale, an even int in 2..65536: smaller blocks follow the data more
+    closely (a value's error is at most half its block's step, max|x|/127 or /7) for 4 bytes of
+    scale each."""
+    grad_error_feedback: bool = False
+    """With quantize_grads: each rank keeps what quantisation dropped from its local gradient (an fp32
+    residual as large as the gradient buckets, 4 bytes per parameter per rank, in memory whatever is
+    offloaded) and adds it to the next reduction, so the error does not accumulate over steps. Saved
+    in checkpoints; dropped, with a logged note, when a checkpoint is loaded at another world size or
+    bucket layout."""
 
     def __post_init__(self) -> None:
         # Field order, so the first problem reported is the first field's; the
@@ -172,6 +192,7 @@ class ZeroConfig:
         checks.check_offload(self)
         checks.check_schedule(self)
         checks.check_optimizer_kwargs(self)
+        checks.check_quantization(self)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ZeroConfig):
@@ -224,6 +245,12 @@ class ZeroConfig:
         """Non-finite gradients, collective checks, watchdog and abort."""
         return ReliabilityPolicy(self.nonfinite, self.debug_collectives, self.collective_timeout,
                                  self.abort_on_exception)
+
+    @property
+    def compression(self) -> CompressionPolicy:
+        """Quantized collectives."""
+        return CompressionPolicy(self.quantize_weights, self.quantize_grads, self.quant_block,
+                                 self.grad_error_feedback)
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as a plain dict that from_dict accepts and JSON can hold."""

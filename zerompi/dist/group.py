@@ -94,6 +94,21 @@ class FutureWork(Work):
         return self._future.done()
 
 
+class ThenWork(Work):
+    """A collective followed by local work on what it received (e.g. decoding compressed chunks):
+    waiting or testing it waits on or tests the collective, then ``finish`` runs once."""
+
+    def __init__(self, first: Work, finish: Callable[[], Any]):
+        super().__init__(finish)
+        self._first = first
+
+    def _transfer(self) -> None:
+        self._first.wait()
+
+    def _transferred(self) -> bool:
+        return self._first.test()
+
+
 class ProcessGroup(Protocol):
     """The ranks one collective runs over, and the verbs zerompi uses on them.
 
@@ -118,6 +133,8 @@ class ProcessGroup(Protocol):
                        async_op: bool = False, what: str = "") -> Work: ...
     def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
                    what: str = "") -> Work: ...
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
+                   async_op: bool = False, what: str = "") -> Work: ...
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None: ...
 
     # ---- small control messages ----------------------------------------

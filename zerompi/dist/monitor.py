@@ -31,6 +31,12 @@ class Counters:
         self.bytes_sent[f"{kind}@{label}" if label else kind] += int(nbytes)
 
 
+def compressed_kind(kind: str, codec: str) -> str:
+    """The counter of a collective that carries ``codec``'s packed chunks (``all_gather.int8``): its bytes are
+    what crosses, codes and scales, kept apart from the same collective's uncompressed bytes."""
+    return f"{kind}.{codec}"
+
+
 class Agreement:
     """Numbers this process's collectives; in debug mode the ranks compare descriptions before each one.
 

@@ -317,6 +317,20 @@ class MPIGroup:
         return self._issue(desc, lambda: self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
                            lambda: self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back, async_op)
 
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
+                   async_op: bool = False, what: str = "") -> Work:
+        """``recv[r*n:(r+1)*n]`` = chunk ``rank`` of rank r's ``send`` (the bytes of any dtype, moved as they are)."""
+        _check_flat("all_to_all send", send)
+        _check_flat("all_to_all recv", recv)
+        if send.numel() != recv.numel() or send.dtype != recv.dtype or send.numel() % self.size:
+            raise ZeroMPIError(f"all_to_all: send {send.numel()} x {send.dtype} and recv {recv.numel()} x "
+                               f"{recv.dtype} must match and split over {self.size} ranks")
+        self._count(kind, (self.size - 1) * send.numel() // self.size * send.element_size())
+        desc = self._enter(kind, send, what)
+        (s, r), back = self._stage(send, recv)
+        return self._issue(desc, lambda: self.comm.Alltoall(_raw(s), _raw(r)),
+                           lambda: self.comm.Ialltoall(_raw(s), _raw(r)), back, async_op)
+
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:
         """In-place broadcast from ``root`` (used once, at initialisation)."""
         _check_flat("broadcast", t)

@@ -125,7 +125,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             overflow = not math.isfinite(norm)
             self.scaler.update(overflow)
             if overflow:
-                self.zero_grad()
+                self._discard()
             return overflow
         if not math.isfinite(norm):
             self._nonfinite()
@@ -147,10 +147,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         where = "; ".join(f"rank {r}: {', '.join(names[:5])}" for r, names in enumerate(reports) if names)
         message = ("non-finite (NaN/Inf) gradient " + (f"from {where}" if where else
                    "after reduction (no rank saw one locally: the sum overflowed)"))
-        self.zero_grad()
+        self._discard()
         if self.nonfinite == NonFinite.RAISE:
             raise ZeroMPIError(message + "; set nonfinite='skip' to skip such steps instead")
         logger.warning("skipping the optimizer step: %s", message)
+
+    def _discard(self) -> None:
+        """A skipped step: drop its gradients, and what quantising them left for the next reduction."""
+        self.zero_grad()
+        for b in self.buckets:
+            if b.grad_codes is not None:
+                b.grad_codes.forget()
 
     def zero_grad(self) -> None:
         for b in self.buckets:

@@ -19,6 +19,7 @@ from zerompi.dist.group import Work
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.offload.tiers import Resident, ShardTier, TierPlan
 from zerompi.shard.buffer import FlatBuffer
+from zerompi.shard.compression import Compression, GradCodes, WeightCodes
 from zerompi.shard.grads import GradShard
 from zerompi.shard.layout import BucketLayout
 from zerompi.shard.stages import StagePlan
@@ -42,6 +43,7 @@ class Placement:
     dtype: torch.dtype
     device: torch.device
     check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
+    compression: Compression = Compression()  # quantized collectives (shard/compression.py)
 
 
 class Bucket:
@@ -71,8 +73,11 @@ class Bucket:
         # Stage 0 "owns" the whole buffer: every rank updates every element.
         self.own = layout.shard(placement.rank) if plan.shard_optimizer else layout.full
         own = slice(self.own.start, self.own.stop)
-        # a master apart from the parameters (frozen buckets have none)
-        self.separate = plan.trains and (dtype != torch.float32 or tiers.moves_state)
+        weights = placement.compression.weights if plan.shard_params or plan.gather_after_step else None
+        # a master apart from the parameters (frozen buckets have none; stages 1-2 with quantized
+        # weights compute with decoded values, so their master is kept apart too)
+        self.separate = plan.trains and (dtype != torch.float32 or tiers.moves_state
+                                         or (weights is not None and not plan.shard_params))
 
         self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device)
         self.param_full.tensor.copy_(init)
@@ -81,15 +86,20 @@ class Bucket:
                                                           frozen=not plan.trains)
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
+        hpz = groups.secondary is not None and plan.shard_params
+        self.weight_codes = None if weights is None else \
+            WeightCodes(weights, groups, layout, placement.rank, self.param_full.tensor, hpz)
         self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
-        if groups.secondary is not None and plan.shard_params:
+        if hpz and self.weight_codes is None:
             sec = layout.padded_numel // groups.gather.size
             rank = groups.gather.rank
             self.secondary = Resident(self.param_full.tensor[rank * sec:(rank + 1) * sec].clone())
         if plan.trains:
             self._init_training(init, tiers)
         else:  # frozen: the parameter shard is all there is (no gradient hook ever reaches it)
-            self.master = self.grad_full = self.grads = None
+            self.master = self.grad_full = self.grads = self.grad_codes = None
+        if self.weight_codes is not None and not plan.shard_params:  # stages 1-2 compute with decoded values
+            self.weight_codes.decode_all(self.param_full.tensor)
 
         for p, slot in zip(params, layout.slots):
             p.data = self.param_full.view(slot.offset, slot.shape)
@@ -115,6 +125,10 @@ class Bucket:
         local = self.grad_full.tensor[own.start:own.stop] if not plan.shard_grads else \
             torch.zeros(own.numel, dtype=placement.dtype, device=placement.device)
         self.grads = GradShard(tiers.grad_tier(index, local), own.numel, self.master.device)
+        codec = placement.compression.grads
+        self.grad_codes = None if codec is None else GradCodes(
+            codec, self.groups.shard, self.layout.padded_numel, placement.compression.error_feedback,
+            placement.device)
 
     def _illegal(self, verb: str, allowed: str) -> ZeroMPIError:
         return ZeroMPIError(f"{self.name}: {verb} in state {self.state.name} (allowed from {allowed})")
@@ -129,11 +143,14 @@ class Bucket:
         gathered or gathering has nothing to start: its in-flight gather, if any, is returned."""
         if self.state is not BucketState.SHARDED:
             return self._gather if self._gather is not None else Work.done()
-        source = self._source()
-        async_op = async_op and source.stays_resident  # a swapped shard is gone after its block
         self.param_full.alloc()
-        with source.loaded() as shard:
-            work = self.groups.gather.all_gather(shard, self.param_full.tensor, async_op=async_op, what=self.name)
+        if self.weight_codes is not None:  # the packed shard, encoded once per step, stays in memory
+            work = self.weight_codes.gather(self.param_full.tensor, async_op=async_op, what=self.name)
+        else:
+            source = self._source()
+            async_op = async_op and source.stays_resident  # a swapped shard is gone after its block
+            with source.loaded() as shard:
+                work = self.groups.gather.all_gather(shard, self.param_full.tensor, async_op=async_op, what=self.name)
         if async_op:
             self._gather, self.state = work, BucketState.GATHERING
         else:
@@ -144,7 +161,7 @@ class Bucket:
         """Start what ``unshard()`` will wait on: a non-blocking all-gather, or, for a shard in the
         swap file, its read (the gather then runs when the unit needs it)."""
         source = self._source()
-        if source.stays_resident:
+        if source.stays_resident or self.weight_codes is not None:
             self.unshard(async_op=True)
         elif self.state is BucketState.SHARDED:
             source.prefetch()
@@ -181,7 +198,10 @@ class Bucket:
         with self.param_tier.loaded(load=False) as shard:
             if self.separate:
                 shard.copy_(self.master)
-            if self.plan.gather_after_step:  # over the group the bucket is sharded over
+            if self.weight_codes is not None:
+                full = self.param_full.tensor if self.plan.gather_after_step else None
+                self.weight_codes.publish(shard, full, self.name)
+            elif self.plan.gather_after_step:  # over the group the bucket is sharded over
                 self.groups.shard.all_gather(None, self.param_full.tensor, what=self.name)
             if self.secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
                 self.groups.secondary.all_gather(shard, self.secondary.tensor, what=self.name)
@@ -240,7 +260,7 @@ class Bucket:
             shard.all_gather(None, full, kind="all_reduce", what=self.name)
             self.grads.filled_in_place()  # the shard is the whole buffer, reduced in place
             return
-        self._reduce = shard.reduce_scatter(full, what=self.name, async_op=async_op)
+        self._reduce = (self.grad_codes or shard).reduce_scatter(full, what=self.name, async_op=async_op)
         if not async_op:
             self.finish_reduce()
 
@@ -288,7 +308,8 @@ class Bucket:
             return params
         master = self.master.numel() * self.master.element_size() if self.separate else 0
         grads = self.grads.nbytes if self.plan.shard_grads else self.grad_full.nbytes
-        return params + master + grads
+        codes = sum(c.nbytes for c in (self.weight_codes, self.grad_codes) if c is not None)
+        return params + master + grads + codes
 
     def full_master(self) -> torch.Tensor:
         """Collective: the full padded fp32 master of this bucket, on every rank (a frozen bucket's
@@ -316,7 +337,9 @@ class Bucket:
             raise self._illegal("load_params()", "SHARDED, on a frozen bucket")
         with self.param_tier.loaded(load=False) as mine:
             mine.copy_(shard)
-            if self.secondary is not None:
+            if self.weight_codes is not None:  # gathers read the packed shard: pack the new one
+                self.weight_codes.publish(mine, None, self.name)
+            elif self.secondary is not None:
                 self.groups.secondary.all_gather(mine, self.secondary.tensor, what=self.name)
             self.param_tier.store()
 

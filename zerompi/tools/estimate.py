@@ -36,6 +36,7 @@ import tomllib
 from typing import Any, NamedTuple
 
 from zerompi.errors import ConfigError
+from zerompi.tools import commtime
 from zerompi.tools.counts import parse_count, parse_ranks  # noqa: F401 (part of this module's API)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -303,15 +304,30 @@ def render_text(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _link(args: argparse.Namespace) -> tuple[float, float]:
+    """(bits per second, latency seconds) of ``--link-gbps`` and ``--latency-us``."""
+    for flag, value in (("--link-gbps", args.link_gbps), ("--latency-us", args.latency_us)):
+        if not (math.isfinite(value) and value >= 0) or (flag == "--link-gbps" and value == 0):
+            raise ConfigError(f"{flag} {value!r} is not a finite number {'> 0' if flag == '--link-gbps' else '>= 0'}")
+    return args.link_gbps * 1e9, args.latency_us * 1e-6
+
+
 def run(args: argparse.Namespace) -> int:
     """``zerompi estimate``: print the table (or JSON) for the parsed arguments."""
     params, source, dtype, optimizer, offload = _settings(args)
     ranks = parse_ranks(args.ranks)
     frozen = parse_count(args.frozen_params, "--frozen-params", minimum=0)
+    quant = commtime.check(args.quantize_weights, args.quantize_grads, args.quant_block)
+    link = _link(args)
     doc = dict(params=params, source=source, frozen_params=frozen, dtype=dtype, compute_bytes=compute_bytes(dtype),
                optimizer=optimizer, optimizer_bytes_per_param=optimizer_bytes(optimizer, dtype),
                offload=offload, ranks=ranks, rows=estimate_table(params, ranks, dtype, optimizer, offload, frozen))
-    print(json.dumps(doc, indent=1) if args.json else render_text(doc))
+    comm = commtime.comm_rows(lambda n: shard_numel(params, n), ranks, compute_bytes(dtype), quant, link,
+                              frozen_of=lambda n: _frozen_shard(frozen, n))
+    doc["communication"] = dict(quantize_weights=quant.weights, quantize_grads=quant.grads, quant_block=quant.block,
+                                link_gbps=args.link_gbps, latency_us=args.latency_us, rows=comm)
+    text = render_text(doc) + "\n" + "\n".join(commtime.render(comm, quant, link, _num))
+    print(json.dumps(doc, indent=1) if args.json else text)
     return 0
 
 
@@ -322,7 +338,9 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  zerompi estimate --params 7.5B --ranks 1-1024*4 --dtype fp16 --optimizer adam\n"
                "  zerompi estimate --config jobs/configs/default.toml --ranks 2 --json\n"
-               "  zerompi estimate --params 20M --frozen-params 7B --ranks 8 --dtype bf16   # LoRA on a 7B base")
+               "  zerompi estimate --params 20M --frozen-params 7B --ranks 8 --dtype bf16   # LoRA on a 7B base\n"
+               "  zerompi estimate --params 7.5B --ranks 16-1024*4 --dtype bf16 --quantize-weights int8 "
+               "--quantize-grads int4 --link-gbps 25")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", metavar="PSI",
                         help="parameter count: 7500000000, 7.5e9, 7.5B, 350M, 125k")
@@ -340,5 +358,11 @@ def register(subparsers) -> None:
     p.add_argument("--frozen-params", default="0", metavar="PSI_F",
                    help="frozen parameters besides PSI (a fine-tuned base): c bytes each, replicated at "
                         "stages 0-2, sharded and gathered at stage 3 (default 0)")
+    p.add_argument("--quantize-weights", default="none", help="parameter all-gathers: none, int8 (qwZ)")
+    p.add_argument("--quantize-grads", default="none", help="gradient reduce-scatters: none, int8, int4 (qgZ)")
+    p.add_argument("--quant-block", type=int, default=256, help="values per fp32 scale (default 256)")
+    p.add_argument("--link-gbps", type=float, default=100.0,
+                   help="link bandwidth for the α-β time projection, Gb/s (default 100)")
+    p.add_argument("--latency-us", type=float, default=5.0, help="link latency, µs (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.set_defaults(func=run)
