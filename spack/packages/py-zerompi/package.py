@@ -28,5 +28,7 @@ class PyZerompi(PythonPackage):
     depends_on("py-pytest@7:", type="test")
     depends_on("py-hypothesis@6:", type="test")
     depends_on("py-pyyaml@6:", type="test")
+    depends_on("py-transformers@4.46:", type="test")
+    depends_on("py-peft@0.13:", type="test")
 
     import_modules = ["zerompi", "zerompi.checkpoint", "zerompi.models"]
