@@ -96,6 +96,10 @@ def test_frozen_shards_reshard_across_world_sizes_and_stages(loaded, case):
     assert r["error"] == ["", ""] and r["equal"], r
 
 
+def test_loaded_frozen_shards_are_repacked_for_quantized_gathers(loaded):
+    assert loaded[1]["quantized-repacked"]
+
+
 def test_adapters_only_checkpoint(loaded):
     saved, r = loaded
     assert saved["bytes"]["adapters"] < saved["bytes"]["full"]

@@ -165,6 +165,21 @@ def load_into(root: str, tag: str, stage: int, model) -> dict:
     return dict(error=COMM.allgather(message), after=after, unchanged=same(before, after), before=before)
 
 
+def quantized_load(root: str) -> bool:
+    """Quantized weight gathers read packed codes: a load must re-pack the frozen shards it wrote. An
+    engine that had another base before loading computes what one built with the saved base does."""
+    batch = local_part(token_batches(2, world, 1, 1)[0][0], rank)
+    losses = []
+    for seed in (7, 1):
+        engine = zerompi.initialize(frozen_gpt(seed=seed), zerompi.ZeroConfig(stage=3, quantize_weights="int8",
+                                                                             **ADAMW))
+        engine.load_checkpoint(root, tag="full")
+        with torch.no_grad():
+            losses.append(float(gpt_loss(engine, batch)))
+        engine.close()
+    return all(COMM.allgather(losses[0] == losses[1]))
+
+
 def load_phase(root: str) -> dict:
     with np.load(os.path.join(root, "expected.npz"), allow_pickle=False) as f:
         expected = {n: torch.from_numpy(f[n]) for n in f.files}
@@ -182,6 +197,7 @@ def load_phase(root: str) -> dict:
         frozen_kept=all(torch.equal(r["after"][n], r["before"][n]) for n in r["after"] if n not in trainable))
     r = load_into(root, "adapters", 3, frozen_gpt(seed=1, vocab_size=40))  # another base shape
     out["adapters-other-base"] = dict(error=r["error"], unchanged=r["unchanged"])
+    out["quantized-repacked"] = quantized_load(root)
     if rank == 0:
         out["consolidated"] = {tag: sorted(load_full_state_dict(root, tag)) for tag in ("full", "adapters")}
         out["trainable"] = sorted(trainable)
