@@ -117,7 +117,7 @@ def cmd_run(args) -> int:
     ranks = [int(x) for x in args.ranks.split(",")]
     order = [(n, v) for n in ranks for v in VARIANTS]
     history = [json.loads(line) for line in LOG.read_text().splitlines()] if LOG.exists() else []
-    began = time.perf_counter()
+    began, before = time.perf_counter(), len(history)
     while True:
         pending = [(done_steps(run_dir(n, v)), i, n, v) for i, (n, v) in enumerate(order)
                    if done_steps(run_dir(n, v)) < args.steps]
@@ -128,7 +128,8 @@ def cmd_run(args) -> int:
         seg = args.segment * 2 // n  # 4 ranks take about twice as long per step on 2 cores
         past = [r["wall_s"] / (r["until"] - r["start"]) for r in history if (r["ranks"], r["variant"]) == (n, v)]
         guess = seg * (past[-1] if past else 2.0) + 20
-        if time.perf_counter() - began + guess > args.budget_s:
+        ran = len(history) > before  # at least one segment per invocation, whatever the guess
+        if ran and time.perf_counter() - began + guess > args.budget_s:
             print(f"budget spent; next: np{n} {v} from step {done} (about {guess:.0f} s)")
             return 0
         record = segment(n, v, min(args.steps, done + seg), args.steps)

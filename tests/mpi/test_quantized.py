@@ -121,7 +121,8 @@ def sent(r: dict) -> dict[str, int]:
 
 ENGINE_CASES = [(2, c) for c in ("s1-w8g8", "s1-w8g4ef", "s2-w8g8", "s2-w8g4ef", "s3-w8g8", "s3-w8g4ef", "s3-w8",
                                  "s3-g4", "s3-w8g8-bf16-accum2", "s2-w8g8-bf16-accum2", "s3-w8g4ef-persist",
-                                 "s3-w8g4ef-overlap", "s3-w8g4ef-cpu", "s3-w8g4ef-nvme", "s2-w8g4ef-nvme",
+                                 "s3-w8g4ef-overlap", "s3-w8g4ef-thread", "s3-w8g4ef-cpu", "s3-w8g4ef-nvme",
+                                 "s2-w8g4ef-nvme",
                                  "s2-w8g4ef-overlap", "s3-w8g4ef-hpz1")]
 ENGINE_CASES += [(3, c) for c in ("s1-w8g8", "s1-w8g4ef", "s2-w8g8", "s2-w8g4ef", "s3-w8g8", "s3-w8g4ef",
                                   "s3-w8g8-bf16-accum2", "s3-w8g4ef-hpz1")]
@@ -168,7 +169,8 @@ def test_state_bytes_and_distance_from_unquantized(results, world, case):
     assert r["rel_to_unquantized"] < 0.75
 
 
-@pytest.mark.parametrize("group", [("s3-w8g4ef", "s3-w8g4ef-overlap", "s3-w8g4ef-cpu", "s3-w8g4ef-nvme"),
+@pytest.mark.parametrize("group", [("s3-w8g4ef", "s3-w8g4ef-overlap", "s3-w8g4ef-thread", "s3-w8g4ef-cpu",
+                                    "s3-w8g4ef-nvme"),
                                    ("s2-w8g4ef", "s2-w8g4ef-nvme", "s2-w8g4ef-overlap")], ids=["stage3", "stage2"])
 def test_offload_and_overlap_change_nothing(results, group):
     digests = {case: results(2, *ARGS[2])[f"train/{case}"]["digest"] for case in group}

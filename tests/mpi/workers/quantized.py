@@ -218,6 +218,8 @@ if args.rows == "all":
     rows.append(train_row("s3-w8g4ef-persist", param_persistence_threshold=17, **W8G4EF))
     rows.append(train_row("s3-w8g4ef-overlap", overlap_grad_reduce=True, prefetch_units=2, mpi_progress="test",
                           **W8G4EF))
+    rows.append(train_row("s3-w8g4ef-thread", overlap_grad_reduce=True, prefetch_units=2, mpi_progress="thread",
+                          **W8G4EF))
     rows.append(train_row("s3-w8g4ef-cpu", offload_optimizer="cpu", offload_params="cpu", **W8G4EF))
     rows.append(train_row("s3-w8g4ef-nvme", offload_optimizer="nvme", offload_params="nvme", nvme_path=nvme,
                           **W8G4EF))
