@@ -167,7 +167,7 @@ def adam_table(adam: list[dict]) -> list[str]:
 def parity_table(parity: list[dict]) -> list[str]:
     body = [[r["dtype"], json.dumps(r["optimizer_kwargs"]), *(_diff(r["vs_none"][m]) for m in MODES[1:]),
              _diff(r["vs_default_kernel"])] for r in parity]
-    return _table(["dtype", "optimizer_kwargs", "cpu vs none", "nvme vs none", "none vs torch's default kernel"], body)
+    return _table(["dtype", "optimizer_kwargs", "cpu vs none", "nvme vs none", "none vs torch's for-loop kernel"], body)
 
 
 def reading(train: list[dict]) -> list[str]:
@@ -234,7 +234,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"before and after the training rows: write {_f(raw['write'])}, read {_f(raw['read'])} GiB/s.", "",
         *swap_table(train, raw),
         "## torch.optim.AdamW on flat fp32 buckets of 25 MiB (one process)", "",
-        "Default: torch's CPU default (foreach=None: a for-loop over the buckets). Each step of every kernel and "
+        "Default: torch's own CPU default (foreach=None: a for-loop over the buckets); zerompi's default for "
+        "Adam/AdamW state in host memory is the fused kernel (README, Offload). Each step of every kernel and "
         "thread count in turn, the same gradients for all; the result column compares parameters and both moments "
         "after the same steps (ulp of max: the difference in units in the last place of the tensor's largest "
         "entry). 2 threads share the 2 cores with any other job, and each parallel region waits for its "
