@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from zerompi import offload
+from zerompi.checkpoint.background import BackgroundSave
+from zerompi.checkpoint.fence import ShardFence
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 from zerompi.checkpoint.stores import store_for
 from zerompi.config import DType, Offload, Progress, ZeroConfig
@@ -118,7 +120,9 @@ class Engine:
                                     ShardOptions(cap, membership, overlap, param_init, cfg.param_persistence_threshold,
                                                  cfg.max_live_params),
                                     tiers)
-        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
+        self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
+        self._saving: BackgroundSave | None = None
+        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers, self._fence)
         self._phase = PhaseTracker(cfg.grad_accum_steps)
         self._stats = Stats()
         self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_config(cfg), self.optimizer)
@@ -226,7 +230,7 @@ class Engine:
             config=self.config, shard_group=shard,
             writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
             hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
-            between_steps=self._phase.idle)
+            between_steps=self._phase.idle, fence=self._fence)
 
     def restore(self, counters: Counters) -> None:
         """After a checkpoint's shards are loaded: its counters, and a new accumulation window."""
@@ -240,18 +244,36 @@ class Engine:
             logger.warning("the checkpoint has %s lr scheduler state and this engine has %s lr scheduler: the "
                            "learning rates are the checkpoint's param-group values, not rescheduled", had, has)
 
-    def save_checkpoint(self, path, tag: str | None = None, client_state: Any = None) -> str:
+    def save_checkpoint(self, path, tag: str | None = None, client_state: Any = None, *,
+                        async_save: bool = False) -> str:
         """Collective: write a sharded HDF5 checkpoint under ``path``; returns its tag.
 
         ``tag`` defaults to ``step{steps:08d}``; ``client_state`` is any
         JSON-serialisable value (data-loader position, epoch), returned by load.
+        With ``async_save`` it returns once the save has started: the state of this moment is
+        written, fsynced and published (``latest``) by a background thread while training goes
+        on (checkpoint/background.py); ``wait_checkpoint()`` reports its outcome. A save in
+        flight is waited for first.
         """
-        from zerompi.checkpoint import save
-        return save(self, path, tag, client_state)
+        from zerompi.checkpoint import save, save_async
+        self.wait_checkpoint()
+        if not async_save:
+            return save(self, path, tag, client_state)
+        tag, self._saving = save_async(self, path, tag, client_state)
+        return tag
+
+    def wait_checkpoint(self) -> None:
+        """Collective: wait for the asynchronous save in flight, if any, until it is published;
+        CheckpointError on every rank if it failed on any. Called by the next save or load and by
+        ``close()``; at interpreter exit the save's thread is joined (a failure is logged there)."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.wait(self.group)
 
     def load_checkpoint(self, path, tag: str | None = None) -> Any:
         """Collective: load ``path/tag`` (``latest`` when None) at any world size; returns client_state."""
         from zerompi.checkpoint import load
+        self.wait_checkpoint()
         return load(self, path, tag)
 
     def all_reduce_mean(self, value: float) -> float:
@@ -261,7 +283,8 @@ class Engine:
 
     def close(self) -> None:
         """Remove every hook, stop the watchdog and the communication thread; the parameters stay
-        bound to the engine's buffers."""
+        bound to the engine's buffers. Collective while an asynchronous save is in flight (it is waited for)."""
+        self.wait_checkpoint()
         self.sharded.remove_hooks()
         self.group.stop_watchdog()
         self.group.stop_comm_thread()

@@ -43,7 +43,8 @@ def test_field_order_matches_spec():
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
         "nvme_verify", "overlap_grad_reduce", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
-        "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr"]
+        "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
+        "checkpoint_verify", "checkpoint_align_kib", "checkpoint_async_copy"]
 
 
 @pytest.mark.parametrize("key,value", [
@@ -170,6 +171,9 @@ BAD_VALUES = [
     ("mpi_progress", ["threads", None]),
     ("nvme_path", ["", 3]),
     ("pin_memory", [1, "true", None]),
+    ("checkpoint_verify", [1, "yes", None]),
+    ("checkpoint_align_kib", [0, 2, 6, 1000, 1 << 21, 4.0, True]),
+    ("checkpoint_async_copy", [0, "no"]),
 ]
 
 

@@ -92,6 +92,8 @@ _KNOWN_VALID = {
     "param_persistence_threshold": st.just(0), "max_live_params": st.one_of(st.none(), st.integers(1, 10**12)),
     "lr_schedule": st.just("constant"), "warmup_steps": st.integers(0, 10**4),
     "total_steps": st.one_of(st.none(), st.integers(1, 10**6)), "min_lr": st.just(0.0),
+    "checkpoint_verify": st.booleans(), "checkpoint_align_kib": st.sampled_from([1 << k for k in range(2, 21)]),
+    "checkpoint_async_copy": st.booleans(),
 }
 
 

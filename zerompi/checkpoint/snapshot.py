@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from zerompi.checkpoint.fence import ShardFence
 from zerompi.dist.group import ProcessGroup
 from zerompi.shard.layout import BucketLayout, ShardRange
 
@@ -46,8 +47,19 @@ class ShardState(NamedTuple):
 class ShardStates(Protocol):
     """Access to each bucket's master and optimizer state (the engine's optimizer)."""
 
+    streams: bool
+    """The state comes from a swap file one bucket at a time (NVMe offload), not from memory."""
+
     def shard_state(self, index: int) -> AbstractContextManager[ShardState]:
         """Bucket ``index``'s state, in memory for the block."""
+
+    def peek_state(self, index: int) -> dict[str, Any]:
+        """Bucket ``index``'s optimizer state as it is between steps, for its keys and scalars (an
+        offloaded tensor may hold no data): nothing is read or written."""
+
+    def frozen_shard(self, index: int) -> AbstractContextManager[ShardState]:
+        """Bucket ``index``'s state for a reader on another thread while a fence holds the bucket: the
+        live tensors, or (``streams``) fresh copies read from the swap file; nothing is written back."""
 
     def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
         """Overwrite bucket ``index``'s master and state, and publish it to the parameters."""
@@ -71,3 +83,4 @@ class EngineSnapshot:
     shards: tuple[ShardSnapshot, ...]
     states: ShardStates
     between_steps: bool     # no accumulation window is open (a save needs this)
+    fence: ShardFence | None = None  # what a background save holds until it has each bucket

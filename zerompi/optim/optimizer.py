@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zerompi.checkpoint.fence import ShardFence
 from zerompi.checkpoint.snapshot import ShardState
 from zerompi.config.choices import DType, NonFinite
 from zerompi.dist.group import ProcessGroup
@@ -85,11 +86,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group: the group whose shards cover every element once (for the norm all-reduce).
         group_options: per optimizer param group overrides (e.g. weight_decay).
         tiers: where master and optimizer state live (their store streams them for the step).
+        fence: buckets an asynchronous save still reads: a bucket's master and state change (step,
+            load) only once the fence lets them.
     """
 
     def __init__(self, buckets: list[Bucket], cfg, group: ProcessGroup,
-                 group_options: list[dict[str, Any]], tiers: TierPlan = TierPlan()):
+                 group_options: list[dict[str, Any]], tiers: TierPlan = TierPlan(),
+                 fence: ShardFence | None = None):
         self.buckets = buckets
+        self.fence = fence or ShardFence()
         self.group = group
         self.clip = cfg.clip_grad_norm
         self.nonfinite = cfg.nonfinite
@@ -131,6 +136,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # 3. update the buckets whose state the store has brought into memory (all of them, or
         #    one at a time as it streams them), then publish them to the compute parameters
         for batch in self.store.batches():
+            for i in batch:
+                self.fence.wait(i)  # a background save may still be taking this bucket
             buckets = [self.buckets[i] for i in batch]
             self._update(buckets, [b.grads.take(scale, coef) for b in buckets])
         self.zero_grad()
@@ -189,16 +196,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     # ---- state, for checkpoints (checkpoint/snapshot.py's ShardStates) ----
+    @property
+    def streams(self) -> bool:
+        return self.store.streams
+
     @contextmanager
     def shard_state(self, index: int, *, load: bool = True) -> Iterator[ShardState]:
         """Bucket ``index``'s master and optimizer state, in memory for the block."""
+        self.fence.wait(index)  # swapping it in and out rewrites the swap file's copy
         with self.store.resident(index, load=load):
             master = self.buckets[index].master
             yield ShardState(master, self.inner.state.get(master, {}))
 
+    def peek_state(self, index: int) -> dict[str, Any]:
+        """Bucket ``index``'s optimizer state dict as it is (offloaded tensors may be empty): keys and scalars."""
+        return dict(self.inner.state.get(self.buckets[index].master, {}))
+
+    @contextmanager
+    def frozen_shard(self, index: int) -> Iterator[ShardState]:
+        """Bucket ``index``'s master and state for a reader on another thread, while a fence holds it."""
+        master = self.buckets[index].master
+        with self.store.frozen(index) as readable:
+            state = {k: readable(v) if isinstance(v, torch.Tensor) else v for k, v in self.peek_state(index).items()}
+            yield ShardState(readable(master), state)
+
     def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
         """Overwrite bucket ``index``'s master and state (tensors move to the master's device),
         publish it to the compute parameters and forget its gradient."""
+        self.fence.wait(index)
         bucket = self.buckets[index]
         with self.store.resident(index, load=False):  # offloaded: overwritten, then swapped out
             with torch.no_grad():
