@@ -47,6 +47,9 @@ class Stats:
     bytes_sent: dict[str, int] = field(default_factory=dict)  # per collective kind
     model_state_bytes: int = 0  # params, grads, master, optimizer state held in memory (device + host)
     swapped_bytes: int = 0      # model states in this rank's NVMe swap file
+    swap_read_bytes: int = 0    # bytes this rank read from its swap file (4 KiB padding included)
+    swap_write_bytes: int = 0   # bytes this rank wrote to its swap file
+    swap_io_seconds: float = 0.0  # seconds of swap reads and writes, summed over the I/O threads
     steps: int = 0              # optimizer steps taken
     skipped_steps: int = 0      # fp16 overflows
     loss_scale: float = 1.0
@@ -204,6 +207,10 @@ class Engine:
         s.bytes_sent = dict(self.group.bytes_sent)
         s.model_state_bytes = self.sharded.state_bytes() + self.optimizer.state_bytes()
         s.swapped_bytes = self.swapper.reserved_bytes if self.swapper is not None else 0
+        if self.swapper is not None:  # cumulative: a step's traffic is the difference across it
+            io = self.swapper.stats
+            s.swap_read_bytes, s.swap_write_bytes = io.bytes_read, io.bytes_written
+            s.swap_io_seconds = io.read_seconds + io.write_seconds
         s.loss_scale = self.optimizer.loss_scale
         return s
 
