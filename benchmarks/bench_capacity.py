@@ -25,6 +25,7 @@ import logging
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,8 +121,10 @@ def trial(cg: Cgroup, args, mode: str, n_layer: int, scratch: Path) -> dict:
 def _logged(row: dict) -> dict:
     if row["ok"]:
         peak = f"{row['cgroup_peak'] / GiB:.2f} GiB" if row["cgroup_peak"] else "?"
-        log.info("%s, %d layers (%.0fM params): trained, job peak %s, %.0f s", row["mode"], row["n_layer"],
-                 row["params"] / 1e6, peak, row["seconds"])
+        moved = [x.get("swap_bytes_per_step", [[0, 0]])[-1] for x in row["ranks"]]
+        log.info("%s, %d layers (%.0fM params): trained, job peak %s, %.0f s; last step %.1f s, swap %.2f GiB read, "
+                 "%.2f GiB written (sum of ranks)", row["mode"], row["n_layer"], row["params"] / 1e6, peak,
+                 row["seconds"], row["step_s"][-1], sum(m[0] for m in moved) / GiB, sum(m[1] for m in moved) / GiB)
     else:
         log.info("%s, %d layers: %s (exit %s), %.0f s", row["mode"], row["n_layer"], row["why"], row["exit"],
                  row["seconds"])
@@ -158,6 +161,10 @@ def measure(args, modes: list[str], command: str, reading: str | None) -> dict:
                  "command": command, "machine": machine(), "cores": os.cpu_count(), "nvme_dir": str(args.nvme),
                  "loadavg_before_run": before,
                  "loadavg_start": os.getloadavg(), "reading": reading, "previous": None}
+            if mode == "stage3+nvme":  # what the disk moves, for each trial's traffic limit (capacity_report)
+                from bench_offload import raw_disk
+                samples = raw_disk(scratch, 512 << 20, 2)
+                m["raw_disk"] = {k: statistics.median(x[k] for x in samples) for k in ("read", "write")}
             t0 = time.perf_counter()
             data["rows"] += climb(cg, args, mode, scratch)
             end_commit, end_dirty = git_state()

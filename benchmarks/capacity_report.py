@@ -112,6 +112,18 @@ def _commit(m: dict) -> str:
         " + uncommitted changes" if m.get("dirty") else "")
 
 
+def traffic(row: dict, m: dict) -> str:
+    """A trained NVMe trial's swap traffic in its last step (both ranks) and the time the disk needs for it
+    at the raw O_DIRECT bandwidths measured before the mode's trials (cells: traffic | limit)."""
+    steps = [x.get("swap_bytes_per_step") for x in row["ranks"]]
+    if not all(steps) or not any(sum(s[-1]) for s in steps):
+        return " | "
+    read, written = (sum(s[-1][i] for s in steps) for i in (0, 1))
+    raw = m.get("raw_disk")
+    limit = f"{read / GiB / raw['read'] + written / GiB / raw['write']:.1f}" if raw else "no raw measurement"
+    return f"{read / GiB:.2f} / {written / GiB:.2f} | {limit}"
+
+
 def markdown(data: dict) -> str:
     best, ms = data["best"], data["measurements"]
     base = best.get("stage0", {}).get("params")
@@ -159,17 +171,19 @@ def markdown(data: dict) -> str:
         lines.append(f"\nThis file was written with uncommitted changes to: {', '.join(w['dirty'])}.")
     lines += ["", "Every trial (job peak: the cgroup's max usage, all processes of the job; load: the 1-minute "
               "load average when the trial started):", "",
-              "| mode | layers | parameters | result | job peak GiB | peak RSS per rank GiB | s/step | trial s | load |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| mode | layers | parameters | result | job peak GiB | peak RSS per rank GiB | s/step | trial s | load "
+              "| swap GiB read/written per step, sum of ranks | traffic limit s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         la = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
         if r["ok"]:
             rss = "/".join(f"{x['peak_rss'] / GiB:.2f}" for x in r["ranks"])
             lines.append(f"| {r['mode']} | {r['n_layer']} | {r['params'] / 1e6:.0f}M | trained | "
-                         f"{_gib(r['cgroup_peak'])} | {rss} | {r['step_s'][-1]:.1f} | {r['seconds']:.0f} | {la} |")
+                         f"{_gib(r['cgroup_peak'])} | {rss} | {r['step_s'][-1]:.1f} | {r['seconds']:.0f} | {la} | "
+                         f"{traffic(r, ms.get(r['mode'], {}))} |")
         else:
             lines.append(f"| {r['mode']} | {r['n_layer']} |  | {r['why']} (exit {r['exit']}) | "
-                         f"{_gib(r['cgroup_peak'])} |  |  | {r['seconds']:.0f} | {la} |")
+                         f"{_gib(r['cgroup_peak'])} |  |  | {r['seconds']:.0f} | {la} |  |  |")
     lines += ["", "## Reading", "", "\n\n".join(reading(data)), ""]
     return "\n".join(lines)
 

@@ -33,7 +33,8 @@ log = logging.getLogger("jobs")
 
 # [train] keys every job has; a job adds its own to these defaults.
 LOOP_DEFAULTS = dict(steps=100, log_every=10, eval_every=50, seed=1337,
-                     save_every=0, ckpt_dir="")  # 0: no periodic checkpoints; "": {out_dir}/checkpoints
+                     save_every=0, ckpt_dir="",  # 0: no periodic checkpoints; "": {out_dir}/checkpoints
+                     async_save=True)  # periodic checkpoints written on a background thread while training goes on
 EVAL_STREAM = 2**31 - 1  # a "step" no training step reaches: eval draws never repeat train draws
 
 
@@ -237,8 +238,11 @@ def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn
         val = eval_fn() if evaluating else val
         stop = run.preemption.agreed(engine)
         if stop or (train["save_every"] > 0 and (step % train["save_every"] == 0 or step == steps)):
+            # Periodic checkpoints are written in the background; the preemption checkpoint is not (the
+            # job exits next), and any save still in flight is waited for before a new one starts.
             engine.save_checkpoint(run.ckpt_dir, client_state={"next_step": step + 1},
-                                   include_frozen=run.include_frozen)
+                                   include_frozen=run.include_frozen,
+                                   async_save=train["async_save"] and not stop)
         if stop:
             if run.rank0:
                 print(f"preempted: checkpoint at step {step} in {run.ckpt_dir}; rerun with --resume", flush=True)
@@ -265,6 +269,7 @@ def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn
         else:
             progress(line)
 
+    engine.wait_checkpoint()  # the last periodic checkpoint is published (or its failure raised) before the report
     if run.rank0 and not first:
         print(f"nothing to do: the checkpoint is already at step {run.first_step - 1} of {steps}", flush=True)
     elif run.rank0:

@@ -160,17 +160,23 @@ class DeepSpeedEngine:
 
     # ---- checkpoints ------------------------------------------------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: bool = False) -> bool:
         """Collective: a zerompi checkpoint under ``save_dir/tag`` (default ``global_step{N}``, as
         DeepSpeed names it); ``client_state`` must be JSON-serialisable; ``exclude_frozen_parameters``
-        leaves the frozen base out (``include_frozen=False``). Returns True."""
+        leaves the frozen base out (``include_frozen=False``). Returns True. ``async_save`` (zerompi's)
+        writes it on a background thread (Engine.save_checkpoint); ``wait_checkpoint()``."""
         if not save_latest:
             raise UsageError("save_checkpoint(save_latest=False) is not supported: zerompi always points "
                              "'latest' at the new checkpoint")
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         self.engine.save_checkpoint(save_dir, tag, client_state if client_state is not None else {},
-                                    include_frozen=not exclude_frozen_parameters)
+                                    include_frozen=not exclude_frozen_parameters, async_save=async_save)
         return True
+
+    def wait_checkpoint(self) -> None:
+        """Collective: wait for an asynchronous save (zerompi's Engine.wait_checkpoint)."""
+        self.engine.wait_checkpoint()
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from zerompi import offload
+from zerompi.checkpoint.background import BackgroundSave
+from zerompi.checkpoint.fence import ShardFence
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 from zerompi.checkpoint.stores import store_for
 from zerompi.config import DType, Offload, Progress, ZeroConfig
@@ -46,6 +48,9 @@ class Stats:
     bytes_sent: dict[str, int] = field(default_factory=dict)  # per collective kind
     model_state_bytes: int = 0  # params, grads, master, optimizer state held in memory (device + host)
     swapped_bytes: int = 0      # model states in this rank's NVMe swap file
+    swap_read_bytes: int = 0    # bytes this rank read from its swap file (4 KiB padding included)
+    swap_write_bytes: int = 0   # bytes this rank wrote to its swap file
+    swap_io_seconds: float = 0.0  # seconds of swap reads and writes, summed over the I/O threads
     steps: int = 0              # optimizer steps taken
     skipped_steps: int = 0      # fp16 overflows
     loss_scale: float = 1.0
@@ -120,7 +125,9 @@ class Engine:
                                     ShardOptions(cap, membership, overlap, param_init, cfg.param_persistence_threshold,
                                                  cfg.max_live_params),
                                     tiers)
-        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
+        self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
+        self._saving: BackgroundSave | None = None
+        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers, self._fence)
         self._phase = PhaseTracker(cfg.grad_accum_steps)
         self._stats = Stats()
         self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_config(cfg), self.optimizer)
@@ -202,6 +209,10 @@ class Engine:
         s.bytes_sent = dict(self.group.bytes_sent)
         s.model_state_bytes = self.sharded.state_bytes() + self.optimizer.state_bytes()
         s.swapped_bytes = self.swapper.reserved_bytes if self.swapper is not None else 0
+        if self.swapper is not None:  # cumulative: a step's traffic is the difference across it
+            io = self.swapper.stats
+            s.swap_read_bytes, s.swap_write_bytes = io.bytes_read, io.bytes_written
+            s.swap_io_seconds = io.read_seconds + io.write_seconds
         s.loss_scale = self.optimizer.loss_scale
         return s
 
@@ -237,7 +248,8 @@ class Engine:
             frozen_dtype=self.config.torch_dtype,
             replicated_frozen=tuple(n for n, _ in self.sharded.replicated_frozen()),
             residuals=tuple((b.layout.index, b.grad_codes.residual) for b in self.sharded.buckets
-                            if b.grad_codes is not None and b.grad_codes.residual is not None))
+                            if b.grad_codes is not None and b.grad_codes.residual is not None),
+            fence=self._fence)
 
     def restore(self, counters: Counters) -> None:
         """After a checkpoint's shards are loaded: its counters, and a new accumulation window."""
@@ -252,7 +264,7 @@ class Engine:
                            "learning rates are the checkpoint's param-group values, not rescheduled", had, has)
 
     def save_checkpoint(self, path, tag: str | None = None, client_state: Any = None, *,
-                        include_frozen: bool = True) -> str:
+                        include_frozen: bool = True, async_save: bool = False) -> str:
         """Collective: write a sharded HDF5 checkpoint under ``path``; returns its tag.
 
         ``tag`` defaults to ``step{steps:08d}``; ``client_state`` is any
@@ -260,13 +272,31 @@ class Engine:
         ``include_frozen=False`` leaves out the frozen parameters (a fine-tuned model's
         pretrained base): the checkpoint holds what training changed, and loads onto an
         engine whose model was built with the same base.
+
+        With ``async_save`` it returns once the save has started: the state of this moment is
+        written, fsynced and published (``latest``) by a background thread while training goes
+        on (checkpoint/background.py); ``wait_checkpoint()`` reports its outcome. A save in
+        flight is waited for first.
         """
-        from zerompi.checkpoint import save
-        return save(self, path, tag, client_state, include_frozen=include_frozen)
+        from zerompi.checkpoint import save, save_async
+        self.wait_checkpoint()
+        if not async_save:
+            return save(self, path, tag, client_state, include_frozen=include_frozen)
+        tag, self._saving = save_async(self, path, tag, client_state, include_frozen=include_frozen)
+        return tag
+
+    def wait_checkpoint(self) -> None:
+        """Collective: wait for the asynchronous save in flight, if any, until it is published;
+        CheckpointError on every rank if it failed on any. Called by the next save or load and by
+        ``close()``; at interpreter exit the save's thread is joined (a failure is logged there)."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.wait(self.group)
 
     def load_checkpoint(self, path, tag: str | None = None) -> Any:
         """Collective: load ``path/tag`` (``latest`` when None) at any world size; returns client_state."""
         from zerompi.checkpoint import load
+        self.wait_checkpoint()
         return load(self, path, tag)
 
     def all_reduce_mean(self, value: float) -> float:
@@ -276,7 +306,8 @@ class Engine:
 
     def close(self) -> None:
         """Remove every hook, stop the watchdog and the communication thread; the parameters stay
-        bound to the engine's buffers."""
+        bound to the engine's buffers. Collective while an asynchronous save is in flight (it is waited for)."""
+        self.wait_checkpoint()
         self.sharded.remove_hooks()
         self.group.stop_watchdog()
         self.group.stop_comm_thread()

@@ -58,17 +58,21 @@ def main() -> None:
     engine = zerompi.initialize(model, cfg, param_init=model.init_module)
     times = {"initialize": time.perf_counter() - t0}
     data = torch.randint(0, 256, (1, args.block + 1), generator=torch.Generator().manual_seed(comm.rank))
-    losses, steps = [], []
+    losses, steps, traffic = [], [], []
     for _ in range(args.steps):
+        before = engine.stats
+        moved = (before.swap_read_bytes, before.swap_write_bytes)
         t = time.perf_counter()
         loss = engine(data[:, :-1], data[:, 1:])[1]
         engine.backward(loss)
         engine.step()
         losses.append(engine.all_reduce_mean(float(loss.detach())))
         steps.append(time.perf_counter() - t)
+        after = engine.stats  # this rank's swap file traffic in the step (NVMe modes)
+        traffic.append([after.swap_read_bytes - moved[0], after.swap_write_bytes - moved[1]])
     stats = engine.stats
     rows = comm.gather({"peak_rss": peak_rss(), "model_state_bytes": stats.model_state_bytes,
-                        "swapped_bytes": stats.swapped_bytes}, root=0)
+                        "swapped_bytes": stats.swapped_bytes, "swap_bytes_per_step": traffic}, root=0)
     engine.close()
     if comm.rank == 0:
         Path(args.out).write_text(json.dumps({

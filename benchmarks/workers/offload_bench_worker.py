@@ -206,8 +206,8 @@ def differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 def parity(args) -> None:
     rows = []
     for dtype in ("fp32", "bf16"):
-        default = tiny_run("none", dtype, {}, args.swap, args)
-        for kwargs in ({}, {"foreach": True}, {"fused": True}):
+        default = tiny_run("none", dtype, {"foreach": False}, args.swap, args)  # torch's for-loop kernel
+        for kwargs in ({}, {"foreach": False}, {"foreach": True}, {"fused": True}):  # {}: zerompi's default (fused)
             runs = {mode: tiny_run(mode, dtype, kwargs, args.swap, args) for mode in ("none", "cpu", "nvme")}
             rows.append(dict(dtype=dtype, optimizer_kwargs=kwargs,
                              vs_none={m: differ(list(runs["none"].values()), list(r.values()))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +20,16 @@ def mpi_env() -> dict[str, str]:
     return _mpi_env(ROOT)
 
 
-def run_mpi(n: int, script: str, *args: str, timeout: float = 600,
+TIMEOUT = float(os.environ.get("ZEROMPI_TEST_TIMEOUT", 600))  # seconds per job; more on a crowded machine
+
+
+def run_mpi(n: int, script: str, *args: str, timeout: float | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``workers/SCRIPT`` (or a repository path like ``jobs/x.py``) on ``n`` ranks, with ``env``
-    added to the environment. Raises with the job's output if it fails.
+    added to the environment. Raises with the job's output if it fails or runs past ``timeout`` seconds
+    (default ``$ZEROMPI_TEST_TIMEOUT``, else 600).
     """
+    timeout = TIMEOUT if timeout is None else timeout
     path = ROOT / script if "/" in script else WORKERS / script
     cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**mpi_env(), **(env or {})},
@@ -53,7 +59,7 @@ class WorkerResults:
         return self._rows[(world, *args)]
 
 
-def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float = 600,
+def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float | None = None,
                     env: dict[str, str] | None = None) -> dict:
     """Run a worker that writes its results as JSON to ``out`` (rank 0) and load them."""
     run_mpi(n, script, "--out", str(out), *args, timeout=timeout, env=env)

@@ -21,7 +21,7 @@ import pytest
 
 from zerompi.checkpoint import consolidate, load_full_state_dict
 
-from .launcher import ROOT, mpi_env, run_mpi
+from .launcher import ROOT, TIMEOUT, mpi_env, run_mpi
 from .tolerance import check_resume
 
 RESUMES = [  # (np save, stage save) -> (np load, stage load), dtype, optimizer
@@ -131,6 +131,38 @@ def test_different_model_is_refused(tmp_path, saved):
         assert m.startswith("CheckpointError") and "different model" in m and "shape" in m, m
 
 
+ASYNC = [(3, "fp32", "none", ()), (1, "bf16", "none", ("--async-copy",)), (2, "fp32", "nvme", ("--verify",))]
+
+
+@pytest.mark.parametrize("stage,dtype,offload,flags", ASYNC, ids=[f"s{s}-{d}-{o}{''.join(f)}" for s, d, o, f in ASYNC])
+def test_async_save_writes_the_state_of_the_call(tmp_path, stage, dtype, offload, flags):
+    """save_checkpoint(async_save=True) returns at once and the next steps run while the save takes each
+    bucket (slowed down: they reach buckets it has not taken yet); the checkpoint still holds the state
+    of the call, bitwise, and a job resumed from it continues exactly as the saving job did."""
+    root, extra = tmp_path / "ckpt", ("--offload", offload, "--dtype", dtype)
+    run_mpi(2, "ckpt.py", "--mode", "save", "--root", str(root), "--out", str(tmp_path / "a.npz"),
+            "--stage", str(stage), "--async-save", "--slow-capture", "0.3", *extra, *flags)
+    run_mpi(2, "ckpt.py", "--mode", "resume", "--root", str(root), "--out", str(tmp_path / "b.npz"),
+            "--stage", str(stage), "--model-seed", "9", *extra)
+    a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
+    assert (root / "latest").read_text().strip() == "step00000003" and not list(root.glob(".tmp-*"))
+    for key in a.files:
+        assert np.array_equal(a[key], b[key]), f"{key} differs"
+    assert any(not np.array_equal(a[k], a[k.replace("final/", "saved/")]) for k in a.files if k.startswith("final/"))
+
+
+def test_failed_async_save_is_reported_on_every_rank_and_latest_stays(tmp_path, saved):
+    root = _copy(saved, tmp_path / "root")
+    run_mpi(3, "ckpt.py", "--mode", "save", "--root", str(root), "--out", str(tmp_path / "err.json"),
+            "--fail-write-rank", "1", "--tag", "third")
+    messages = json.loads((tmp_path / "err.json").read_text())
+    assert len(messages) == 3
+    for m in messages:
+        assert m.startswith("CheckpointError: asynchronous save of 'third' failed: rank 1: OSError"), m
+        assert "No space left on device (test)" in m, m
+    assert (root / "latest").read_text().strip() == "second" and not (root / "third").exists()
+
+
 KILL = """
 import os, signal, sys
 sys.path.insert(0, {workers!r})
@@ -143,24 +175,31 @@ def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 setattr(w, {point!r}, die)
 sys.argv = ["ckpt.py", "--mode", "save", "--root", {root!r}, "--out", {out!r}, "--before", "4",
-            "--after", "0", "--tag", "third"]
+            "--after", {steps!r}, "--tag", "third", *{extra!r}]
 import runpy
 runpy.run_path({script!r}, run_name="__main__")
 """
+KILLS = [  # (module, function, die after it ran, asynchronous save)
+    ("writer", "_write_shards", False, False),   # before the rank file exists
+    ("rawio", "fsync_path", False, False),       # rank file written, not yet fsynced
+    ("writer", "_write_index", False, False), ("writer", "_publish", False, False), ("writer", "_publish", True, False),
+    # asynchronous: killed on the save's thread while the job trains on
+    ("stores", "write_rank_file", False, True),  # before the rank file exists
+    ("background", "_put_marker", False, True),  # rank file written and fsynced, its marker not yet
+    ("writer", "_write_index", False, True), ("writer", "_publish", False, True), ("writer", "_publish", True, True)]
 
 
-@pytest.mark.parametrize("module,point,after", [
-    ("writer", "_write_shards", False),   # before the rank file exists
-    ("per_rank", "verify_file", False),   # rank file written, not yet verified
-    ("writer", "_write_index", False), ("writer", "_publish", False), ("writer", "_publish", True)])
-def test_kill_during_save_keeps_latest_loadable(tmp_path, saved, module, point, after):
+@pytest.mark.parametrize("module,point,after,asynchronous", KILLS,
+                         ids=[f"{m}.{p}{'-after' * a}{'-async' * s}" for m, p, a, s in KILLS])
+def test_kill_during_save_keeps_latest_loadable(tmp_path, saved, module, point, after, asynchronous):
     """SIGKILL at each stage of a save: `latest` always names a complete, verified checkpoint."""
     root = _copy(saved, tmp_path / "root")
     workers = ROOT / "tests" / "mpi" / "workers"
     code = KILL.format(workers=str(workers), module=module, point=point, after=after, root=str(root),
-                       out=str(tmp_path / "x.npz"), script=str(workers / "ckpt.py"))
+                       out=str(tmp_path / "x.npz"), script=str(workers / "ckpt.py"),
+                       steps="3" if asynchronous else "0", extra=["--async-save"] if asynchronous else [])
     proc = subprocess.run([sys.executable, "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
-                          timeout=120)
+                          timeout=TIMEOUT)
     assert proc.returncode == -9, proc.stderr[-2000:]
     latest = (root / "latest").read_text().strip()
     assert latest == ("third" if after else "second")
@@ -222,7 +261,7 @@ def test_kill_while_replacing_a_tag_keeps_it_loadable(tmp_path, saved):
     code = REPLACE_KILL.format(workers=str(workers), root=str(root), out=str(tmp_path / "x.npz"),
                                script=str(workers / "ckpt.py"))
     proc = subprocess.run([sys.executable, "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
-                          timeout=120)
+                          timeout=TIMEOUT)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not (root / "second").exists() and list(root.glob(".old-second-*"))
     ref = np.load(saved.parent / "second.npz")

@@ -40,21 +40,22 @@ def test_train_gpt_resumes_exactly(tmp_path):
 
 def test_train_gpt_checkpoints_on_sigusr1_and_the_loss_curve_continues(tmp_path):
     """Slurm's warning signal: checkpoint at the next step boundary, exit 0; the resumed job's
-    losses are exactly those of a job that was never interrupted."""
+    losses are exactly those of a job that was never interrupted. Every step also starts an
+    asynchronous periodic checkpoint, so the signal finds one in flight: it is waited for first."""
     import signal
     import subprocess
     import time
 
-    from .launcher import ROOT, mpi_env, mpiexec
+    from .launcher import ROOT, TIMEOUT, mpi_env, mpiexec
     cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "jobs/train_gpt.py", "--config",
-           "jobs/configs/tiny.toml", "--out", str(tmp_path), "--steps", "150"]
+           "jobs/configs/tiny.toml", "--out", str(tmp_path), "--steps", "150", "--save-every", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 60
+    deadline = time.time() + TIMEOUT
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it to every rank
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, err[-3000:]
     assert "preempted: checkpoint at step" in out
     assert (tmp_path / "checkpoints" / "latest").exists()

@@ -155,3 +155,16 @@ def test_shared_without_parallel_h5py_is_refused_up_front():
     with pytest.raises(UsageError, match="checkpoint_layout='shared' needs h5py built with MPI"):
         store_for(ZeroConfig(checkpoint_layout="shared").checkpoint_layout)
     assert store_for(ZeroConfig().checkpoint_layout).kind == "per_rank"
+
+
+def test_async_save_writes_per_rank_files_with_auto(mpio, tmp_path):
+    """An asynchronous save makes no MPI call on its thread: with 'auto' it writes per-rank files even
+    where h5py could write the shared one, and the main venv resumes them."""
+    root = tmp_path / "root"
+    _openmpi_job(mpio, 2, "--mode", "save", "--root", str(root), "--out", str(tmp_path / "a.npz"), "--async-save")
+    tag = (root / "latest").read_text().strip()
+    assert sorted(p.name for p in (root / tag).iterdir()) == ["index.h5", "rank00000.h5", "rank00001.h5"]
+    run_mpi(2, "ckpt.py", "--mode", "resume", "--root", str(root), "--out", str(tmp_path / "b.npz"), "--model-seed", "9")
+    a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
+    for key in a.files:
+        assert np.array_equal(a[key], b[key]), key

@@ -20,6 +20,17 @@ def test_first_forward_records_then_prefetches_ahead_and_behind():
     assert p.backward(C) == [B] and p.backward(B) == [A] and p.backward(A) == [ROOT] and p.backward(ROOT) == []
 
 
+def test_backward_skips_units_whose_backward_began():
+    """The root encloses the other units: its backward starts first, so the last unit's backward must not
+    gather it again (with NVMe offload that read was thrown away by the step's publish)."""
+    p = Prefetcher(depth=1)
+    _forward(p, [ROOT, A, B, C])
+    _forward(p, [ROOT, A, B, C])
+    assert p.backward(ROOT) == [] and p.backward(C) == [B] and p.backward(B) == [A] and p.backward(A) == []
+    _forward(p, [ROOT, A, B, C])  # a new pass forgets the last one's backward
+    assert p.backward(A) == [ROOT]
+
+
 def test_depth_two():
     p = Prefetcher(depth=2)
     _forward(p, [ROOT, A, B, C])

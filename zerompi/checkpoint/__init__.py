@@ -9,6 +9,7 @@ from zerompi.checkpoint.consolidate import FullStateDict, consolidate, load_full
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.reader import load
 from zerompi.checkpoint.writer import save
+from zerompi.checkpoint.asynchronous import save_async
 
 __all__ = ["CheckpointError", "CheckpointIndex", "FullStateDict", "consolidate", "load",
-           "load_full_state_dict", "save"]
+           "load_full_state_dict", "save", "save_async"]

@@ -8,11 +8,14 @@ from zerompi.checkpoint import objects, schema
 from zerompi.errors import CheckpointError
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path (h5py does not expose its descriptor)."""
+def fsync_path(path: Path, evict: bool = False) -> None:
+    """fsync a file or directory by path; with ``evict``, then drop the file's (now clean) pages from
+    the page cache, so that a verifying re-read comes from the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+        if evict:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 

@@ -8,24 +8,28 @@ from typing import Any
 import numpy as np
 
 from zerompi.checkpoint import objects, paths, schema
-from zerompi.checkpoint.durable import fsync_path, verify_file
+from zerompi.checkpoint.rawio import DataFile, WriteOptions
 from zerompi.errors import CheckpointError
 
 KIND = "shard"  # the header kind of a rank file
 
 
 def write_rank_file(path: Path, rank: int, world_size: int, parts: Iterable[tuple[str, np.ndarray]],
-                    save_id: str) -> None:
-    """Write one rank's datasets with their checksums, fsync, and re-read every checksum."""
-    with schema.open_h5(path, "w") as f:
-        schema.write_header(f, KIND)
-        f.attrs["save_id"] = schema.text_attr(save_id)
-        f.attrs["rank"] = rank
-        f.attrs["world_size"] = world_size
+                    save_id: str, options: WriteOptions = WriteOptions()) -> None:
+    """Write one rank's datasets with their checksums (computed once, from memory, as they are
+    written: rawio.py) and fsync; with ``options.verify``, read every checksum back from the disk."""
+    out = DataFile(path, options)
+    try:
+        schema.write_header(out.h5, KIND)
+        out.h5.attrs["save_id"] = schema.text_attr(save_id)
+        out.h5.attrs["rank"] = rank
+        out.h5.attrs["world_size"] = world_size
         for name, data in parts:
-            schema.write_array(f, name, data)
-    fsync_path(path)
-    verify_file(path)
+            out.put(name, data)
+    except BaseException:
+        out.abandon()
+        raise
+    out.close()
 
 
 class RankFiles:

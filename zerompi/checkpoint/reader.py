@@ -22,6 +22,7 @@ from zerompi.checkpoint import feedback, paths, schema
 from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.checkpoint.index import CheckpointIndex, Source
+from zerompi.checkpoint.rawio import read_into
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 
 logger = get_logger(__name__)
@@ -91,13 +92,13 @@ def _read_bucket(shard: ShardSnapshot, index: CheckpointIndex, files, slot_of) -
     keys = index.optimizer.get("state_keys", [])
     for k in keys:
         data.state[k] = np.zeros(own.numel, dtype=np.float32)
-    for s in sources:
+    for s in sources:  # straight into the arrays that become the engine's state (rawio.read_into)
         n, length = s.stop - s.start, index.shard_length(s.bucket)
         master = files.dataset(s.rank, schema.master(s.bucket), length, FP32)
-        data.master[s.dest:s.dest + n] = schema.read_array(master, s.start, s.stop)
+        read_into(master, s.start, s.stop, data.master[s.dest:s.dest + n])
         for k in keys:
             ds = files.dataset(s.rank, schema.state(s.bucket, k), length, FP32)
-            data.state[k][s.dest:s.dest + n] = schema.read_array(ds, s.start, s.stop)
+            read_into(ds, s.start, s.stop, data.state[k][s.dest:s.dest + n])
     if sources:
         data.scalars = index.optimizer["scalars"][sources[0].bucket]
     return data

@@ -26,6 +26,7 @@ import h5py
 import numpy as np
 
 from zerompi.checkpoint import objects, paths
+from zerompi.checksum import crc32
 from zerompi.errors import CheckpointError
 
 FORMAT = "zerompi-checkpoint"
@@ -119,7 +120,12 @@ def bound_to(f: h5py.File, name: str) -> Binding:
 def _crc(chunk: np.ndarray, dtype: np.dtype, binding: Binding, block: int) -> int:
     # Seeded with the datatype too, so a damaged datatype (byte order, signedness) fails the check
     # even though the bytes are intact: the same bytes would be read as other numbers.
-    return zlib.crc32(np.ascontiguousarray(chunk).view(np.uint8), binding.seed(dtype, block))
+    return crc32(np.ascontiguousarray(chunk).view(np.uint8), binding.seed(dtype, block))
+
+
+def block_crc(chunk: np.ndarray, binding: Binding, block: int) -> int:
+    """The checksum of block ``block`` of a dataset, from its elements ``chunk`` in memory."""
+    return _crc(chunk, chunk.dtype, binding, block)
 
 
 def blocks(n: int) -> int:
@@ -180,11 +186,16 @@ def read_array(arr: Array, start: int = 0, stop: int | None = None) -> np.ndarra
         raise CheckpointError(f"{arr.where}: unreadable ({e})") from e
     for b in range(first, last + 1 if hi > lo else first):
         chunk = data[(b - first) * CRC_BLOCK:(b - first + 1) * CRC_BLOCK]
-        if b >= len(arr.crcs) or _crc(chunk, arr.dtype, arr.binding, b) != int(arr.crcs[b]):
-            raise CheckpointError(f"{arr.where}: checksum mismatch in elements [{b * CRC_BLOCK}, "
-                                  f"{min(n, (b + 1) * CRC_BLOCK)}): the file is corrupt, or this data belongs "
-                                  "to another tensor, rank or save")
+        check_block(arr, chunk, b)
     return data[start - lo:stop - lo]
+
+
+def check_block(arr: Array, chunk: np.ndarray, b: int) -> None:
+    """Raise unless ``chunk`` (block ``b`` of ``arr``, read as the dataset's type) matches its checksum."""
+    if b >= len(arr.crcs) or _crc(chunk, arr.dtype, arr.binding, b) != int(arr.crcs[b]):
+        raise CheckpointError(f"{arr.where}: checksum mismatch in elements [{b * CRC_BLOCK}, "
+                              f"{min(arr.length, (b + 1) * CRC_BLOCK)}): the file is corrupt, or this data belongs "
+                              "to another tensor, rank or save")
 
 
 def write_json(group: h5py.Group, name: str, obj) -> None:

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from zerompi.checkpoint.fence import ShardFence
 from zerompi.dist.group import ProcessGroup
 from zerompi.shard.layout import BucketLayout, ShardRange
 
@@ -46,8 +47,19 @@ class ShardState(NamedTuple):
 class ShardStates(Protocol):
     """Access to each bucket's master and optimizer state (the engine's optimizer)."""
 
+    streams: bool
+    """The state comes from a swap file one bucket at a time (NVMe offload), not from memory."""
+
     def shard_state(self, index: int) -> AbstractContextManager[ShardState]:
         """Bucket ``index``'s state, in memory for the block."""
+
+    def peek_state(self, index: int) -> dict[str, Any]:
+        """Bucket ``index``'s optimizer state as it is between steps, for its keys and scalars (an
+        offloaded tensor may hold no data): nothing is read or written."""
+
+    def fenced_state(self, index: int) -> AbstractContextManager[ShardState]:
+        """Bucket ``index``'s state for a reader on another thread while a fence holds the bucket: the
+        live tensors, or (``streams``) fresh copies read from the swap file; nothing is written back."""
 
     def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
         """Overwrite bucket ``index``'s master and state, and publish it to the parameters."""
@@ -63,7 +75,8 @@ class FrozenShards(Protocol):
     """Access to stage 3's frozen parameter shards (the engine's sharded model)."""
 
     def frozen_shard(self, index: int) -> AbstractContextManager[torch.Tensor]:
-        """Frozen bucket ``index``'s parameter shard in the compute dtype, in memory for the block."""
+        """Frozen bucket ``index``'s parameter shard in the compute dtype, in memory for the block; safe
+        on another thread while training runs (a background save): nothing shared is changed."""
 
     def load_frozen(self, index: int, shard: torch.Tensor) -> None:
         """Collective: overwrite frozen bucket ``index``'s shard (every rank, in bucket order)."""
@@ -86,3 +99,4 @@ class EngineSnapshot:
     frozen_dtype: torch.dtype = torch.float32  # the compute dtype their shards hold
     replicated_frozen: tuple[str, ...] = ()    # frozen parameters held whole (in index.h5)
     residuals: tuple[tuple[int, torch.Tensor], ...] = ()  # (bucket, this rank's error-feedback residual), live
+    fence: ShardFence | None = None  # what a background save holds until it has each bucket

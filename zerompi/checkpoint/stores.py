@@ -21,6 +21,7 @@ import numpy as np
 from zerompi.checkpoint import schema, shared
 from zerompi.checkpoint.durable import fsync_path
 from zerompi.checkpoint.per_rank import RankFiles, write_rank_file
+from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.config.choices import CheckpointLayout
 from zerompi.dist.group import ProcessGroup
 from zerompi.errors import CheckpointError, UsageError
@@ -43,8 +44,9 @@ class ShardFiles(Protocol):
 class ShardStore(Protocol):
     kind: CheckpointLayout
 
-    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str) -> None:
-        """This rank's datasets, durable and verified (collective over ``group`` where the layout is)."""
+    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str, options: WriteOptions) -> None:
+        """This rank's datasets, durable, checksummed as written, read back from the disk with
+        ``options.verify`` (collective over ``group`` where the layout is)."""
 
     def open(self, directory: Path, world_size: int, save_id: str, version: int) -> ShardFiles: ...
 
@@ -55,8 +57,8 @@ class ShardStore(Protocol):
 class PerRankStore:
     kind = CheckpointLayout.PER_RANK
 
-    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str) -> None:
-        write_rank_file(directory / schema.rank_file(group.rank), group.rank, group.size, parts, save_id)
+    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str, options: WriteOptions) -> None:
+        write_rank_file(directory / schema.rank_file(group.rank), group.rank, group.size, parts, save_id, options)
 
     def open(self, directory: Path, world_size: int, save_id: str, version: int) -> ShardFiles:
         return RankFiles(directory, world_size, save_id, version)
@@ -72,7 +74,7 @@ class PerRankStore:
 class SharedStore:
     kind = CheckpointLayout.SHARED
 
-    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str) -> None:
+    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str, options: WriteOptions) -> None:
         path = directory / shared.SHARED
         writer = shared.SharedWriter(path, group, save_id)
         try:
@@ -80,7 +82,9 @@ class SharedStore:
                 writer.put(name, data)
         finally:
             writer.close()
-        fsync_path(path)
+        fsync_path(path, evict=options.verify)
+        if not options.verify:  # the checksums were computed from memory as the data was written
+            return
         files = shared.SharedFile(directory, group.size, save_id, schema.VERSION)
         try:
             files.verify([group.rank])  # each rank re-reads its own part

@@ -2,12 +2,15 @@
 
 Protocol (a job killed at any moment leaves the previous checkpoint loadable):
 1. every rank writes ``ROOT/.tmp-TAG-NONCE/rankNNNNN.h5`` (or its part of the
-   shared ``shards.h5``, see shared.py), flushes, fsyncs, re-reads it and
-   checks every checksum;
+   shared ``shards.h5``, see shared.py) with each block's checksum computed from
+   memory as it is written (rawio.py), flushes and fsyncs it (and, with
+   ``checkpoint_verify``, drops it from the page cache and checks every checksum
+   read back from the disk);
 2. rank 0 writes ``index.h5`` the same way, then renames the directory to
    ``ROOT/TAG`` (one ``rename``) and fsyncs the root;
 3. last, ``ROOT/latest`` is replaced through a temporary file and ``rename``.
 Failures on any rank are agreed on before the next step, so every rank raises.
+An asynchronous save (asynchronous.py) runs steps 1-3 on a thread, after :func:`begin`.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +28,7 @@ from zerompi.checkpoint import frozen as frozen_values
 from zerompi.checkpoint import feedback, schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.checkpoint.index import CheckpointIndex
+from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
 from zerompi.checkpoint.stores import ShardStore, store_for
 from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
@@ -58,42 +62,89 @@ def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
     scalars = []
     for i in range(len(snap.shards)):
         per_bucket = {}
-        with snap.states.shard_state(i) as shard:
-            for k, v in shard.state.items():
-                s = _scalar(v)
-                if s is not None:
-                    per_bucket[k] = s
-                elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
-                    if k not in keys:
-                        keys.append(k)
-                else:
-                    raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
-                                          "only per-element tensors and scalars are supported")
+        for k, v in snap.states.peek_state(i).items():  # names and scalars: nothing swapped in
+            s = _scalar(v)
+            if s is not None:
+                per_bucket[k] = s
+            elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
+                if k not in keys:
+                    keys.append(k)
+            else:
+                raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
+                                      "only per-element tensors and scalars are supported")
         scalars.append(per_bucket)
     return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars}
+
+
+def _bucket_parts(shard: ShardSnapshot, held, keys: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """(dataset name, tensor) of the part of one bucket's master and state this rank saves."""
+    index = shard.layout.index
+    return [(schema.master(index), _my_part(shard, held.master))] + \
+        [(schema.state(index, k), _my_part(shard, held.state[k])) for k in keys if k in held.state]
+
+
+def _frozen_parts(snap: EngineSnapshot, include_frozen: bool):
+    """(dataset name, data) of this rank's frozen shards, one in memory at a time. They do not change
+    while training runs (a load waits for a save in flight first), and ``frozen_shard`` may be read
+    from another thread, so a background save takes them as they are written."""
+    for i in range(len(snap.frozen) if include_frozen else 0):
+        with snap.frozen_states.frozen_shard(i) as held:
+            yield schema.frozen(i), frozen_values.encode(held)
 
 
 def _parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool):
     """(dataset name, this rank's data) for everything a rank saves, one bucket in memory at a time."""
     for i, shard in enumerate(snap.shards):
         with snap.states.shard_state(i) as held:  # offloaded state: one bucket in memory at a time
-            yield schema.master(shard.layout.index), to_numpy(_my_part(shard, held.master))
-            for k in keys:
-                if k in held.state:
-                    yield schema.state(shard.layout.index, k), to_numpy(_my_part(shard, held.state[k]))
-    for i in range(len(snap.frozen) if include_frozen else 0):
-        with snap.frozen_states.frozen_shard(i) as held:
-            yield schema.frozen(i), frozen_values.encode(held)
+            yield from ((name, to_numpy(t)) for name, t in _bucket_parts(shard, held, keys))
+    yield from _frozen_parts(snap, include_frozen)
     yield from feedback.parts(snap)
-    yield schema.CPU_RNG, torch.get_rng_state().numpy()
+    yield from rng_parts()
+
+
+def rng_parts() -> list[tuple[str, np.ndarray]]:
+    """This process's RNG state datasets, read now (copies)."""
+    out = [(schema.CPU_RNG, torch.get_rng_state().numpy())]
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device: the engine's
-        yield schema.CUDA_RNG, torch.cuda.get_rng_state().numpy()
-        yield schema.CUDA_DEVICES, np.array([torch.cuda.device_count()], dtype=np.int64)
+        out += [(schema.CUDA_RNG, torch.cuda.get_rng_state().numpy()),
+                (schema.CUDA_DEVICES, np.array([torch.cuda.device_count()], dtype=np.int64))]
+    return out
+
+
+def captured(snap: EngineSnapshot) -> list[tuple[str, np.ndarray]]:
+    """What a background save must read on the caller's thread, before the next step changes it:
+    the error-feedback residuals (copies) and the RNG state."""
+    return [(name, data.copy()) for name, data in feedback.parts(snap)] + rng_parts()
+
+
+def captured_parts(snap: EngineSnapshot, keys: list[str], rng: list[tuple[str, np.ndarray]], copy: bool,
+                   include_frozen: bool = True):
+    """What ``_parts`` yields, for a background save while ``snap.fence`` holds every bucket; each
+    bucket is released as soon as the save no longer needs it: written from the live tensors
+    (the default: no memory; a step waits only for buckets not yet written), copied into host
+    memory first (``copy``: all buckets before the first is written, so that steps wait only for
+    the copies), or, when the state streams from the swap file, read from it (a private copy) and
+    written before the next is read (one bucket in memory)."""
+    streams, taken, last = snap.states.streams, [], len(snap.shards) - 1
+    private = streams or copy
+    for i, shard in enumerate(snap.shards):
+        with snap.states.fenced_state(i) as held:
+            parts = _bucket_parts(shard, held, keys)
+            if not private:  # written before the bucket is released
+                yield from ((name, to_numpy(t)) for name, t in parts)
+            elif copy and not streams:
+                parts = [(name, t.detach().to("cpu", copy=True)) for name, t in parts]
+        snap.fence.release(i)
+        taken += [parts] if private else []
+        while taken and (streams or i == last):
+            yield from ((name, to_numpy(t)) for name, t in taken.pop(0))
+    yield from _frozen_parts(snap, include_frozen)
+    yield from rng
 
 
 def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, keys: list[str],
                   save_id: str, include_frozen: bool) -> None:
-    store.write(directory, group, _parts(snap, keys, include_frozen), save_id)
+    store.write(directory, group, _parts(snap, keys, include_frozen), save_id, WriteOptions.from_config(snap.config))
 
 
 def _bucket_meta(shards) -> list[dict[str, Any]]:
@@ -116,9 +167,14 @@ def _index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict, sav
         frozen_dtype=frozen_values.dtype_name(snap.frozen_dtype) if frozen else "", frozen_saved=include_frozen)
 
 
-def _write_index(engine, path: Path, index: CheckpointIndex) -> None:
+def replicated_tensors(engine, index: CheckpointIndex, copy: bool) -> dict[str, torch.Tensor]:
+    """The frozen parameters and buffers the index lists (copies, for a save that writes them later)."""
     tensors = dict(engine.module.named_parameters())
     tensors.update(engine.module.named_buffers())
+    return {n: tensors[n].detach().clone() if copy else tensors[n] for n in index.replicated}
+
+
+def _write_index(tensors: dict[str, torch.Tensor], path: Path, index: CheckpointIndex) -> None:
     with schema.open_h5(path, "w") as f:
         index.write(f)
         for name in index.replicated:
@@ -174,10 +230,25 @@ def _attempt(fn, *args) -> str | None:
     return None
 
 
-def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: Any = None, *,
-         include_frozen: bool = True) -> str:
-    """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag (``include_frozen``:
-    see ``Engine.save_checkpoint``)."""
+class Job(NamedTuple):
+    """A save after its collective start: where it writes, and what rank 0 indexes and publishes."""
+
+    snap: EngineSnapshot
+    root: Path
+    tag: str
+    tmp: Path                   # ROOT/.tmp-TAG-ID, made by rank 0
+    save_id: str
+    store: ShardStore
+    meta: dict[str, Any]        # optimizer_meta
+    index: CheckpointIndex | None           # rank 0
+    replicated: dict[str, torch.Tensor]     # rank 0: what the index holds besides the shards
+    include_frozen: bool
+
+
+def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, store: ShardStore,
+          copy: bool = False, include_frozen: bool = True) -> Job:
+    """Collective: check the arguments, agree on the save's id, clean the root and make the temporary
+    directory; read the metadata (rank 0: the index, with the replicated tensors, copied if ``copy``)."""
     snap = engine.snapshot()
     if not snap.between_steps:
         raise UsageError("save_checkpoint() in the middle of a gradient-accumulation window: "
@@ -187,20 +258,38 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
         json.dumps(client_state)
     except (TypeError, ValueError) as e:
         raise UsageError(f"client_state must be JSON-serialisable ({e})") from e
-    group, root, store = engine.group, Path(root), store_for(snap.config.checkpoint_layout)
+    group, root = engine.group, Path(root)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None
     all_ranks_ok(group, error, CheckpointError)
     meta = optimizer_meta(snap)
-    # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
-    error = _attempt(_write_shards, store, snap, snap.shard_group, tmp, meta["state_keys"], nonce, include_frozen) \
-        if snap.writes else None
-    all_ranks_ok(group, error, CheckpointError)
-    error = None
+    index, replicated = None, {}
     if group.rank == 0:
         index = _index(engine, snap, tag, client_state, meta, nonce, store.kind.value, include_frozen)
-        error = _attempt(lambda: (_write_index(engine, tmp / schema.INDEX, index),
-                                  verify_file(tmp / schema.INDEX), _publish(root, tmp, tag)))
-    all_ranks_ok(group, error, CheckpointError)
-    return tag
+        replicated = replicated_tensors(engine, index, copy)
+    return Job(snap, root, tag, tmp, nonce, store, meta, index, replicated, include_frozen)
+
+
+def publish(job: Job) -> None:
+    """Rank 0, once every shard is written: index.h5 (written, read back), then the directory and
+    ``latest`` into place."""
+    _write_index(job.replicated, job.tmp / schema.INDEX, job.index)
+    verify_file(job.tmp / schema.INDEX)
+    _publish(job.root, job.tmp, job.tag)
+
+
+def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: Any = None, *,
+         include_frozen: bool = True) -> str:
+    """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag (``include_frozen``:
+    see ``Engine.save_checkpoint``)."""
+    job = begin(engine, root, tag, client_state, store_for(engine.config.checkpoint_layout),
+                include_frozen=include_frozen)
+    snap = job.snap
+    # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
+    error = _attempt(_write_shards, job.store, snap, snap.shard_group, job.tmp, job.meta["state_keys"],
+                     job.save_id, include_frozen) if snap.writes else None
+    all_ranks_ok(engine.group, error, CheckpointError)
+    error = _attempt(publish, job) if engine.group.rank == 0 else None
+    all_ranks_ok(engine.group, error, CheckpointError)
+    return job.tag

@@ -138,6 +138,14 @@ def quant_block(key: str, value: Any) -> int:
     return value
 
 
+def align_kib(key: str, value: Any) -> int:
+    """A file alignment in KiB: a power of two in 4..1048576 (4 KiB to 1 GiB)."""
+    value = integer(key, value, 4, 1 << 20)
+    if value & (value - 1):
+        raise ConfigError(f"{key}={value!r} is not a power of two; allowed: 4, 8, ..., 1024 (1 MiB), ..., 1048576")
+    return value
+
+
 def _import_dotted(key: str, dotted: str) -> Any:
     module, _, name = dotted.rpartition(".")
     try:
@@ -222,6 +230,9 @@ CHECKS: dict[str, Check] = {
     "quantize_grads": _of(GradQuant),
     "quant_block": quant_block,
     "grad_error_feedback": boolean,
+    "checkpoint_verify": boolean,
+    "checkpoint_align_kib": align_kib,
+    "checkpoint_async_copy": boolean,
 }
 """One checker per ZeroConfig field, called as ``check(key, value)`` -> normalised value."""
 

@@ -183,6 +183,19 @@ class ZeroConfig:
     offloaded) and adds it to the next reduction, so the error does not accumulate over steps. Saved
     in checkpoints; dropped, with a logged note, when a checkpoint is loaded at another world size or
     bucket layout."""
+    checkpoint_verify: bool = False
+    """After each rank file of a checkpoint is written and fsynced, drop it from the page cache and
+    read every checksum back from the disk (doubles the save's I/O). Off: the checksums are computed
+    from memory as the data is written, and every load checks them."""
+    checkpoint_align_kib: int = 1024
+    """Checkpoint datasets of this many KiB or more start on a multiple of it in their file: set it to
+    the stripe size on Lustre (1 MiB by default) or the block size on GPFS. A power of two, 4..1048576."""
+    checkpoint_async_copy: bool = False
+    """What ``save_checkpoint(async_save=True)`` writes from: False, the live shards, each held
+    unchanged until written (no extra memory; an optimizer step that reaches a bucket not yet written
+    waits for it); True, a copy in host memory taken first (one more copy of this rank's master and
+    optimizer state until the save ends; steps wait only for the copy). Under NVMe offload the save
+    reads the swap file instead, one bucket at a time, either way."""
 
     def __post_init__(self) -> None:
         # Field order, so the first problem reported is the first field's; the

@@ -44,10 +44,7 @@ from zerompi.offload.swapfile import (Region, SwapConfig, SwapError, SwapStats, 
 
 __all__ = ["NVMeSwapper", "Region", "SwapConfig", "SwapError", "SwapStats"]
 
-try:  # the same crc32 as zlib's, with carry-less multiply: ~10x faster, and frees the GIL too
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:
-    from zlib import crc32 as _crc32
+from zerompi.checksum import crc32 as _crc32  # zlib-ng's when installed
 
 logger = get_logger(__name__)
 

@@ -10,18 +10,20 @@ time, whatever the model's size.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 
 import torch
 
-from zerompi.offload.aligned import allocate, release
+from zerompi.offload.aligned import aligned_empty, allocate, release
 from zerompi.offload.nvme import NVMeSwapper
 
 
 class InMemory:
     """Master and optimizer state stay in memory; nothing moves."""
+
+    streams = False  # the state is in memory, not streamed from a file
 
     def __init__(self, buckets, inner: torch.optim.Optimizer):
         self.buckets, self.inner = buckets, inner
@@ -29,6 +31,12 @@ class InMemory:
     @contextmanager
     def resident(self, index: int, *, load: bool = True) -> Iterator[None]:
         yield
+
+    @contextmanager
+    def frozen(self, index: int) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """For a reader on another thread: maps each of bucket ``index``'s tensors to a readable one
+        (here the tensor itself, in memory)."""
+        yield lambda t: t
 
     def batches(self) -> Iterator[list[int]]:
         """Bucket indices whose state is in memory together: here all of them at once."""
@@ -40,6 +48,8 @@ class InMemory:
 
 class NVMeResidency(InMemory):
     """Master and optimizer state in the swap file, streamed through memory bucket by bucket."""
+
+    streams = True
 
     def __init__(self, buckets, inner: torch.optim.Optimizer, swapper: NVMeSwapper):
         super().__init__(buckets, inner)
@@ -67,6 +77,20 @@ class NVMeResidency(InMemory):
             if isinstance(v, torch.Tensor) and v.dim() > 0:  # per-element state (not the step count)
                 out[f"b{index}.state.{k}"] = v
         return out
+
+    @contextmanager
+    def frozen(self, index: int) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """Fresh copies of bucket ``index``'s tensors read from the swap file, whatever the step is
+        doing with them meanwhile (the caller's fence keeps the file's copy unchanged); nothing is
+        written back. Maps each tensor to its copy."""
+        copies, reads = {}, []
+        for key, t in self._tensors(index).items():
+            if key in self._numel:  # swapped out at least once: the file has its latest values
+                copies[id(t)] = aligned_empty(self._numel[key], t.dtype)
+                reads.append(self.swapper.read(key, copies[id(t)]))
+        for read in reads:
+            read.result()
+        yield lambda t: copies.get(id(t), t)
 
     def _fetch(self, index: int, load: bool = True) -> None:
         futures = []

@@ -9,7 +9,9 @@ beyond what :class:`ShardTier` says:
 * :class:`Resident` keeps the tensor in device or host memory;
 * :class:`Swapped` keeps it in the rank's swap file and reads it back for the
   duration of a ``loaded()`` block (``stays_resident`` is False, so a bucket
-  must finish any collective on it inside the block).
+  must finish any collective on it inside the block);
+* :class:`MasterAlias`, an fp32 parameter shard whose master is swapped too,
+  reads the master's region instead of keeping a copy.
 
 The master and the optimizer state stream through memory during the step
 (``residency.py``); :meth:`TierPlan.optimizer_store` chooses how.
@@ -26,7 +28,7 @@ from typing import Protocol
 import torch
 
 from zerompi.config.choices import Offload
-from zerompi.offload.aligned import allocate, release
+from zerompi.offload.aligned import aligned_empty, allocate, release
 from zerompi.offload.nvme import NVMeSwapper
 from zerompi.offload.residency import InMemory, NVMeResidency
 
@@ -43,6 +45,10 @@ class ShardTier(Protocol):
 
     def store(self) -> None:
         """Inside ``loaded()``: persist what the block changed."""
+
+    def snapshot(self) -> AbstractContextManager[torch.Tensor]:
+        """The shard's values for a reader that may run on another thread (a background save):
+        nothing the training thread uses is touched (a swapped shard is read into a private buffer)."""
 
     def prefetch(self) -> None:
         """Start bringing the shard into memory, so that the next ``loaded()`` waits less."""
@@ -62,6 +68,10 @@ class Resident:
 
     @contextmanager
     def loaded(self, *, load: bool = True) -> Iterator[torch.Tensor]:
+        yield self.tensor
+
+    @contextmanager
+    def snapshot(self) -> Iterator[torch.Tensor]:
         yield self.tensor
 
     def store(self) -> None:
@@ -115,9 +125,31 @@ class Swapped:
             if self.shard.numel():
                 release(self.shard)
 
+    @contextmanager
+    def snapshot(self) -> Iterator[torch.Tensor]:
+        copy = aligned_empty(self.numel, self.shard.dtype)
+        self.swapper.read(self.key, copy).result()
+        yield copy
+
     @property
     def nbytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
+
+
+class MasterAlias(Swapped):
+    """An fp32 parameter shard whose fp32 master is in the swap file too: after every step both hold
+    the same values, so the shard is read from the master's region and never written (the step writes
+    the master): 4 bytes per element per step less traffic, and no region of its own. The master is
+    written to the swap file as the bucket is built (TierPlan.place_master), from the same values."""
+
+    def __init__(self, swapper: NVMeSwapper, index: int, shard: torch.Tensor):  # noqa: D107 - no write here
+        self.swapper, self.key, self.shard, self.numel = swapper, f"b{index}.master", shard, shard.numel()
+        self._read: Future | None = None
+        self.read_ahead = 0
+        release(self.shard)
+
+    def store(self) -> None:
+        """Nothing to write: the master's region, which the step writes, holds these values."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +188,11 @@ class TierPlan:
         return out.pin_memory() if self.pin_memory and torch.cuda.is_available() else out
 
     def param_tier(self, index: int, shard: torch.Tensor, *, frozen: bool = False) -> ShardTier:
-        """Bucket ``index``'s parameter shard (stage 3); frozen buckets are numbered apart."""
+        """Bucket ``index``'s parameter shard (stage 3); frozen buckets are numbered apart (and have no
+        master to share a region with)."""
+        if not frozen and self.params == Offload.NVME and self.optimizer == Offload.NVME \
+                and shard.dtype == torch.float32:
+            return MasterAlias(self.swapper, index, shard)  # fp32: the master's values, in its region
         if self.params == Offload.NVME:
             return Swapped(self.swapper, f"{'f' if frozen else 'b'}{index}.param", self.host(shard))
         return Resident(self.host(shard) if self.params == Offload.CPU else shard)

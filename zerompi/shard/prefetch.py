@@ -29,6 +29,7 @@ class Prefetcher:
         self.order: list = []          # units in forward order, as recorded on the first forward
         self._last: dict[int, int] = {}  # id(unit) -> its last position in ``order``
         self._pos = 0
+        self._backward: set[int] = set()  # id() of the units whose backward began since the last forward
 
     def forward(self, unit, root: bool) -> list:
         """``unit`` starts its forward (``root``: a new forward pass begins); units to gather ahead."""
@@ -38,7 +39,7 @@ class Prefetcher:
             self.recording = False
             self._last = {id(u): i for i, u in enumerate(self.order)}
         if root:
-            self._pos = 0
+            self._pos, self._backward = 0, set()
         if self.recording:
             self.order.append(unit)
             return []
@@ -51,11 +52,15 @@ class Prefetcher:
         return self._within(unit, self.order[self._pos:self._pos + self.depth])
 
     def backward(self, unit) -> list:
-        """``unit`` starts its backward; the units before it in forward order come next."""
+        """``unit`` starts its backward; the units before it in forward order come next, except those
+        whose backward already began (a unit enclosing others, the root first of all, starts its
+        backward before theirs: gathering it again would read or send it for nothing)."""
+        self._backward.add(id(unit))
         if not self.enabled or self.recording or id(unit) not in self._last:
             return []
         i = self._last[id(unit)]
-        return self._within(unit, self.order[max(0, i - self.depth):i][::-1])
+        ahead = [u for u in self.order[:i][::-1] if id(u) not in self._backward][:self.depth]
+        return self._within(unit, ahead)
 
     def _within(self, unit, ahead: list) -> list:
         """The first of ``ahead`` that fit in the budget beside ``unit``."""

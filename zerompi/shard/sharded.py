@@ -343,7 +343,7 @@ class ShardedModel:
     # ---- frozen shards, for checkpoints (checkpoint/snapshot.py's FrozenShards) ----
     @contextmanager
     def frozen_shard(self, index: int) -> Iterator[torch.Tensor]:
-        with self.frozen[index].param_tier.loaded() as shard:
+        with self.frozen[index].param_tier.snapshot() as shard:  # a background save reads it too
             yield shard
 
     def load_frozen(self, index: int, shard: torch.Tensor) -> None:

@@ -10,6 +10,10 @@
                global batch in other row orders (reversed; rotated by half a
                rank's rows), for the order noise of the parity bound.
 --mode fail:   load must raise CheckpointError; every rank's message goes to OUT (JSON).
+--async-save:  save with async_save=True and train the --after steps while it writes (the
+               parameters at the save point are read before the call); --slow-capture S
+               delays the save's taking of each bucket by S seconds, so that the steps reach
+               buckets it has not taken yet; --offload nvme puts the state in a swap file.
 The global batch (GLOBAL sequences) is the same at every world size, split evenly.
 """
 import argparse
@@ -48,13 +52,49 @@ def train(engine, first: int, count: int, order: str | None = None) -> None:
 def config(args) -> zerompi.ZeroConfig:
     opt = (dict(optimizer="adamw", lr=1e-2, weight_decay=0.1) if args.optimizer == "adamw"
            else dict(optimizer="sgd", lr=0.2, momentum=0.9))
+    offload = dict(offload_optimizer=args.offload, nvme_path=args.root + "-swap") if args.offload != "none" else {}
     return zerompi.ZeroConfig(stage=args.stage, dtype=args.dtype, bucket_mb=args.bucket_mb, **opt,
                               hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node,
-                              checkpoint_layout=args.layout)
+                              checkpoint_layout=args.layout, checkpoint_verify=args.verify,
+                              checkpoint_async_copy=args.async_copy, **offload)
+
+
+def slow_capture(engine, seconds: float) -> None:
+    """Delay each bucket a background save takes (the test's clock, not the engine's)."""
+    import time
+    from contextlib import contextmanager
+    frozen = engine.optimizer.fenced_state
+
+    @contextmanager
+    def slow(index):
+        time.sleep(seconds)
+        with frozen(index) as held:
+            yield held
+    engine.optimizer.fenced_state = slow
 
 
 def snapshot(engine) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in engine.full_state_dict().items()}
+
+
+def failing_async_save(engine, args) -> None:
+    """An asynchronous save whose rank file fails on one rank: what wait_checkpoint raises, per rank."""
+    from zerompi.checkpoint import stores
+    if COMM.Get_rank() == args.fail_write_rank:
+        def broken(*a, **k):
+            raise OSError(28, "No space left on device (test)")
+        stores.write_rank_file = broken
+    train(engine, 0, args.before)
+    engine.save_checkpoint(args.root, tag=args.tag, async_save=True)
+    try:
+        engine.wait_checkpoint()
+        message = "no error"
+    except zerompi.CheckpointError as e:
+        message = f"CheckpointError: {e}"
+    engine.close()  # nothing left in flight: no second report
+    messages = COMM.allgather(message)
+    if COMM.Get_rank() == 0:
+        write_json(args.out, messages)
 
 
 def main():
@@ -75,14 +115,35 @@ def main():
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--layout", default="auto")
     p.add_argument("--orders", action="store_true", help="resume: also train in the other orders of ORDERS")
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--slow-capture", type=float, default=0.0)
+    p.add_argument("--async-copy", action="store_true", help="checkpoint_async_copy=True")
+    p.add_argument("--offload", default="none")
+    p.add_argument("--verify", action="store_true", help="checkpoint_verify=True")
+    p.add_argument("--fail-write-rank", type=int, default=None,
+                   help="async save: this rank's file write raises OSError; every rank's error goes to OUT (JSON)")
     args = p.parse_args()
+    if args.offload != "none" and COMM.Get_rank() == 0:
+        import os
+        os.makedirs(args.root + "-swap", exist_ok=True)
+    COMM.Barrier()
     engine = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
     out: dict[str, np.ndarray] = {}
+    if args.mode == "save" and args.fail_write_rank is not None:
+        failing_async_save(engine, args)
+        return
     if args.mode == "save":
         train(engine, 0, args.before)
-        engine.save_checkpoint(args.root, tag=args.tag, client_state={"next_step": args.before})
-        out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
-        train(engine, args.before, args.after)
+        if args.async_save:
+            out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
+            slow_capture(engine, args.slow_capture)
+            engine.save_checkpoint(args.root, tag=args.tag, client_state={"next_step": args.before}, async_save=True)
+            train(engine, args.before, args.after)  # while the save writes
+            engine.wait_checkpoint()
+        else:
+            engine.save_checkpoint(args.root, tag=args.tag, client_state={"next_step": args.before})
+            out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
+            train(engine, args.before, args.after)
     elif args.mode == "resume":
         state = engine.load_checkpoint(args.root, tag=args.tag)
         out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})

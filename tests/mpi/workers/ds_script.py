@@ -127,12 +127,13 @@ def reference() -> dict:
     """Plain torch on one process: the global batch whole, and in the ranks' micro-batches."""
     from zerompi.config.ds_schedule import read_schedule
     from zerompi.optim.ds_schedules import scheduler_factory
+    from zerompi.optim.optimizer import default_kernel  # the engine's kernel
     out = {}
     for name, chunked in (("loss_ref", False), ("loss_alt", True)):
         model = make_model()
         params = CONFIG["optimizer"]["params"]
         opt = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"], eps=params["eps"],
-                                weight_decay=params["weight_decay"])
+                                weight_decay=params["weight_decay"], **default_kernel(torch.optim.AdamW, "cpu"))
         sched = scheduler_factory(read_schedule(CONFIG, False))(opt)
         losses = []
         for step in range(STEPS):

@@ -1,0 +1,43 @@
+"""Start an asynchronous save: the collective part here, the writing on a thread (background.py)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from zerompi.checkpoint.background import BackgroundSave
+from zerompi.checkpoint.rawio import WriteOptions
+from zerompi.checkpoint.stores import store_for
+from zerompi.checkpoint.writer import begin, captured, captured_parts, publish
+from zerompi.config.choices import CheckpointLayout
+from zerompi.errors import UsageError
+
+
+def save_async(engine, root: str | os.PathLike, tag: str | None = None,
+               client_state: Any = None, *, include_frozen: bool = True) -> tuple[str, BackgroundSave]:
+    """Collective: start writing a checkpoint of ``engine`` now; returns its tag and the save in flight.
+
+    Only per-rank files can be written without MPI: with checkpoint_layout='auto' an asynchronous
+    save writes them even where h5py could write the shared file (both load alike); 'shared' is refused.
+    """
+    if engine.config.checkpoint_layout == CheckpointLayout.SHARED:
+        raise UsageError("save_checkpoint(async_save=True) writes one file per rank without MPI, and "
+                         "checkpoint_layout='shared' writes collectively through MPI-IO; allowed with "
+                         "async_save: checkpoint_layout='per_rank' or 'auto'")
+    store = store_for(CheckpointLayout.PER_RANK)
+    job = begin(engine, root, tag, client_state, store, copy=True, include_frozen=include_frozen)
+    snap, rng, write = job.snap, captured(job.snap), None
+    if snap.writes:
+        snap.fence.hold(range(len(snap.shards)))
+        parts = captured_parts(snap, job.meta["state_keys"], rng, snap.config.checkpoint_async_copy,
+                               include_frozen)
+        options = WriteOptions.from_config(snap.config)
+        def write():  # noqa: E306 - on the save's thread
+            store.write(job.tmp, snap.shard_group, parts, job.save_id, options)
+    publisher = (lambda: publish(job)) if engine.group.rank == 0 else None
+    save = BackgroundSave(job.tag, job.tmp, write, snap.shard_group.rank, snap.shard_group.size, publisher,
+                          snap.fence)
+    try:
+        return job.tag, save.start()
+    except BaseException:  # no thread: nothing will release the buckets
+        snap.fence.release_all()
+        raise

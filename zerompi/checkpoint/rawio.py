@@ -1,0 +1,157 @@
+"""Checkpoint data at the speed of the disk: HDF5 for the structure, pwrite/preadv for the bytes.
+
+Writing (:class:`DataFile`): h5py creates the file, its groups and each dataset, and keeps its
+attributes; a dataset of ``SMALL`` bytes or more is created contiguous with its storage allocated
+at once and no fill value written, and its bytes go to ``ds.id.get_offset()`` through h5py's own
+file descriptor with ``os.pwrite``, one checksum block per request (``schema.CRC_BLOCK`` elements:
+4 MiB of fp32), on ``threads`` threads. Each block's CRC-32 is computed from memory just before it
+is written: one pass over the data, and no re-read (a re-read right after writing is served by the
+page cache and proves only what the cache holds). The file is plain HDF5: every reader sees the
+same datasets, checksums and attributes as before.
+
+Alignment (``checkpoint_align_kib``, default 1 MiB): every object of that many bytes or more
+starts on a multiple of it in the file (HDF5's H5Pset_alignment), so the large datasets begin on
+stripe boundaries. On Lustre set it to the stripe size (``lfs getstripe``: 1 MiB by default), on
+GPFS to the file system's block size; the requests (4 MiB of fp32) are whole multiples of any
+power-of-two stripe up to 4 MiB. A local disk needs nothing above 4 KiB, and the gaps alignment
+leaves are holes that take no space.
+
+Reading (:func:`read_into`): a contiguous dataset's blocks are read with ``os.preadv`` straight
+into the caller's array and each block is checked from that memory; a block only partly wanted
+(resharding at another world size) is read whole into a scratch block to check it. Other storage
+goes through h5py (schema.read_array).
+
+Verification on demand (``checkpoint_verify=True``): after the fsync the file's pages are dropped
+from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``; clean pages only, hence after fsync)
+and every dataset is read back and checked, so the check reads what reached the disk.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import h5py
+import numpy as np
+
+from zerompi.checkpoint import schema
+from zerompi.checkpoint.durable import fsync_path, verify_file
+from zerompi.errors import CheckpointError
+
+SMALL = 64 << 10  # bytes: smaller datasets are written through h5py
+
+
+class WriteOptions(NamedTuple):
+    """How a checkpoint's files are written (from the config: checkpoint_align_kib, checkpoint_verify)."""
+
+    align: int = 1 << 20   # bytes: objects at least this large start on a multiple of it
+    verify: bool = False   # drop the written file from the page cache and read every checksum back
+    threads: int = 2       # blocks in flight per file
+
+    @classmethod
+    def from_config(cls, cfg) -> "WriteOptions":
+        return cls(align=cfg.checkpoint_align_kib * 1024, verify=cfg.checkpoint_verify)
+
+
+def _blocks(start: int, stop: int) -> range:
+    """The checksum blocks that elements ``[start, stop)`` touch (``stop > start``)."""
+    return range(start // schema.CRC_BLOCK, (stop - 1) // schema.CRC_BLOCK + 1)
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _run(threads: int, tasks: list) -> list:
+    """Call every task (a zero-argument function) on up to ``threads`` threads; results in order.
+    The threads are made once per process and shared (a save's thread and the caller's never nest)."""
+    if threads <= 1 or len(tasks) <= 1:
+        return [t() for t in tasks]
+    with _pools_lock:
+        pool = _pools.get(threads) or _pools.setdefault(threads, ThreadPoolExecutor(threads, "zerompi-ckpt-io"))
+    return [f.result() for f in [pool.submit(t) for t in tasks]]
+
+
+class DataFile:
+    """An HDF5 file being written: h5py for its structure, ``os.pwrite`` for its large datasets."""
+
+    def __init__(self, path: Path, options: WriteOptions = WriteOptions()):
+        self.path, self.options = Path(path), options
+        try:
+            self.h5 = h5py.File(self.path, "w", alignment_threshold=options.align, alignment_interval=options.align)
+        except TypeError:  # an h5py without the alignment keywords (before 3.7): unaligned, still correct
+            self.h5 = h5py.File(self.path, "w")
+        self.fd = self.h5.id.get_vfd_handle() if self.h5.driver == "sec2" else None
+
+    def put(self, name: str, data: np.ndarray) -> None:
+        """Dataset ``name`` (1-D) with its checksums (bound to the file's header, written first)."""
+        flat = np.ascontiguousarray(data).reshape(-1)
+        if flat.nbytes < SMALL or self.fd is None:
+            schema.write_array(self.h5, name, flat)
+            return
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # the offset exists now; HDF5 writes no data there
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        ds = self.h5.create_dataset(name, shape=flat.shape, dtype=flat.dtype, dcpl=dcpl)
+        binding, offset = schema.bound_to(self.h5, ds.name), ds.id.get_offset()
+        raw = flat.view(np.uint8)
+        step = schema.CRC_BLOCK * flat.itemsize
+
+        def block(b: int) -> int:
+            crc = schema.block_crc(flat[b * schema.CRC_BLOCK:(b + 1) * schema.CRC_BLOCK], binding, b)
+            view = memoryview(raw[b * step:(b + 1) * step])
+            done = 0
+            while done < len(view):  # pwrite may write less than asked
+                done += os.pwrite(self.fd, view[done:], offset + b * step + done)
+            return crc
+        crcs = _run(self.options.threads, [lambda b=b: block(b) for b in _blocks(0, flat.shape[0])])
+        ds.attrs["crc32"] = np.asarray(crcs, dtype=np.uint32)
+
+    def close(self) -> None:
+        """Close the file (HDF5 writes its metadata), fsync it, and verify it when asked."""
+        self.h5.close()
+        fsync_path(self.path, evict=self.options.verify)  # evicted: the re-read comes from the disk
+        if self.options.verify:
+            verify_file(self.path)
+
+    def abandon(self) -> None:
+        """Close without the fsync, after a failure (the file is in a save's temporary directory)."""
+        try:
+            self.h5.close()
+        except Exception:  # noqa: BLE001 - the original failure is what the caller reports
+            pass
+
+
+def read_into(arr: schema.Array, start: int, stop: int, out: np.ndarray, threads: int = 2) -> None:
+    """Elements ``[start, stop)`` of ``arr`` into ``out`` (as many elements, of the dataset's own
+    type), every block they touch checked against its checksum."""
+    ds, n = arr.ds, arr.length
+    if not 0 <= start <= stop <= n:
+        raise CheckpointError(f"{arr.where}: range [{start}, {stop}) outside [0, {n})")
+    offset = ds.id.get_offset() if ds.file.driver == "sec2" else None
+    if offset is None or out.dtype != arr.dtype or not out.flags.c_contiguous or stop == start:
+        out[...] = schema.read_array(arr, start, stop)
+        return
+    fd, item = ds.file.id.get_vfd_handle(), arr.dtype.itemsize
+    size = os.fstat(fd).st_size
+    base = offset + arr.offset * item
+
+    def block(b: int) -> None:
+        lo, hi = b * schema.CRC_BLOCK, min(n, (b + 1) * schema.CRC_BLOCK)
+        whole = start <= lo and hi <= stop
+        dest = out[lo - start:hi - start] if whole else np.empty(hi - lo, dtype=arr.dtype)
+        view, at = memoryview(dest.view(np.uint8)), base + lo * item
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], at + done) if at + done < size else 0
+            if got == 0:
+                raise CheckpointError(f"{arr.where}: unreadable (the file ends at byte {size}, inside elements "
+                                      f"[{lo}, {hi})): truncated")
+            done += got
+        schema.check_block(arr, dest, b)
+        if not whole:
+            a, z = max(lo, start), min(hi, stop)
+            out[a - start:z - start] = dest[a - lo:z - lo]
+    _run(threads, [lambda b=b: block(b) for b in _blocks(start, stop)])
