@@ -90,7 +90,7 @@ def loaded(tmp_path_factory):
     return saved, run_worker_json(2, "frozen.py", root / "load.json", "--phase", "load", "--dir", str(root))
 
 
-@pytest.mark.parametrize("case", ("full->stage3", "full->stage1", "stage1->stage3", "adapters"))
+@pytest.mark.parametrize("case", ("full->stage3", "full->stage1", "stage1->stage3", "async-nvme->stage3", "adapters"))
 def test_frozen_shards_reshard_across_world_sizes_and_stages(loaded, case):
     r = loaded[1][case]
     assert r["error"] == ["", ""] and r["equal"], r
