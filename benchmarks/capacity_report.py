@@ -1,9 +1,11 @@
 """benchmarks/results/capacity.{json,md,png}: the file layout, merging and the report of bench_capacity.py.
 
-Everything in capacity.md is generated here from capacity.json; nothing is added by hand. A results
-file holds one measurement per mode (``measurements[mode]``: the commit and date it was taken at,
-the command, the load average at its start and end) and the trials of all modes (``rows``), so a
-mode can be re-measured and merged without re-running the others (``--modes M --merge``).
+Everything in the md is generated here from the json; nothing is added by hand. A results file holds
+one measurement per mode (``measurements[mode]``: the commit and date it was taken at, the command,
+the load average at its start and end) and the trials of all modes (``rows``), so a mode can be
+re-measured and merged without re-running the others (``--modes M --merge``). A :class:`Study` says
+what one ladder measures: full training of a GPT here (``GPT``: capacity.*), LoRA on a frozen
+Llama-style base in lora_report.py (``LORA``: lora_capacity.*).
 """
 from __future__ import annotations
 
@@ -11,23 +13,49 @@ import json
 import logging
 import os
 import subprocess
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("bench_capacity")
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
-LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160)
-MODES = ("stage0", "stage3", "stage3+cpu", "stage3+nvme")
-CONFIG = ("cap_gib", "ranks", "n_embd", "n_head", "max_rungs")  # what merged measurements must share
-# The files a measurement depends on: uncommitted changes to them are recorded beside the commit.
-SOURCES = ("zerompi", "benchmarks/bench_capacity.py", "benchmarks/capacity_report.py",
-           "benchmarks/workers/capacity_worker.py", "tests/mpi/launcher.py")
 SCHEMA = 2
 SHARED_LOAD = 0.5  # a 1-minute load average at least this high before the first trial: other work ran
 
 
-def git_state(paths: tuple[str, ...] = SOURCES) -> tuple[str, list[str]]:
+@dataclass(frozen=True)
+class Study:
+    """One capacity ladder: its worker and modes, its model's settings, how its report reads."""
+
+    key: str                                 # the results file's "study"
+    stem: str                                # results/{stem}.json, .md, .png
+    worker: str                              # the trial, under benchmarks/workers/
+    modes: tuple[str, ...]
+    ladder: tuple[int, ...]
+    model: dict                              # the model's settings: kept in the results, --key value to the worker
+    quick: dict                              # the same for --quick (a check of the harness)
+    title: str
+    describe: Callable[[dict], str]          # the md's paragraph on the model and settings
+    readings: Callable[[dict], list[str]]    # the study's own computed paragraphs of the md
+    x_label: str
+    extra_sources: tuple[str, ...] = ()      # more files its trials run
+    warm_up: tuple[str, ...] = ()            # modes started once outside the cap before their ladder
+
+    @property
+    def config(self) -> tuple[str, ...]:
+        """What merged measurements must share."""
+        return ("cap_gib", "ranks", *self.model, "max_rungs")
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The files a measurement depends on: uncommitted changes to them are recorded beside the commit."""
+        return ("zerompi", "benchmarks/bench_capacity.py", "benchmarks/capacity_report.py",
+                f"benchmarks/workers/{self.worker}", "tests/mpi/launcher.py", *self.extra_sources)
+
+
+def git_state(paths: tuple[str, ...]) -> tuple[str, list[str]]:
     """HEAD's short hash and the files among ``paths`` with uncommitted changes."""
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
@@ -47,7 +75,7 @@ def load(path: Path) -> dict:
     if data.get("schema", 1) >= SCHEMA:
         return data
     measurements = {}
-    for mode in MODES:
+    for mode in GPT.modes:  # only the GPT ladder was ever written in that layout
         rows = [r for r in data["rows"] if r["mode"] == mode]
         if rows:  # that layout kept one commit and date (when written) for the run of all modes
             measurements[mode] = {
@@ -55,22 +83,22 @@ def load(path: Path) -> dict:
                 "machine": data["machine"], "cores": None, "nvme_dir": data["nvme_dir"],
                 "commit_end": None, "seconds": sum(r["seconds"] for r in rows), "loadavg_before_run": None,
                 "loadavg_start": None, "loadavg_end": None, "reading": None, "previous": None}
-    return {"schema": SCHEMA, "written_by": None, **{k: data[k] for k in CONFIG},
+    return {"schema": SCHEMA, "written_by": None, **{k: data[k] for k in GPT.config},
             "measurements": measurements, "rows": data["rows"]}
 
 
-def check_merge(old: dict, new: dict) -> None:
-    """Exits unless ``new`` (a results dict, or just its CONFIG) was measured the way ``old`` was."""
-    differ = [k for k in CONFIG if old[k] != new[k]]
+def check_merge(study: Study, old: dict, new: dict) -> None:
+    """Exits unless ``new`` (a results dict, or just its config) was measured the way ``old`` was."""
+    differ = [k for k in study.config if old[k] != new[k]]
     if differ:
         raise SystemExit(f"cannot merge: {', '.join(f'{k} {new[k]} here, {old[k]} in the file' for k in differ)}")
 
 
-def merge(old: dict, new: dict) -> dict:
+def merge(study: Study, old: dict, new: dict) -> dict:
     """``old`` with the modes measured in ``new`` replaced by ``new``'s trials and measurements."""
-    check_merge(old, new)
+    check_merge(study, old, new)
     modes = set(new["measurements"])
-    before = summary(old["rows"])
+    before = summary(study, old["rows"])
     merged = {**old, "measurements": dict(old["measurements"])}
     for mode in modes:
         m, prev, best = dict(new["measurements"][mode]), old["measurements"].get(mode), before.get(mode)
@@ -79,13 +107,14 @@ def merge(old: dict, new: dict) -> dict:
                              "params": best["params"], "cgroup_peak": best["cgroup_peak"]}
         merged["measurements"][mode] = m
     rows = [r for r in old["rows"] if r["mode"] not in modes] + new["rows"]
-    merged["rows"] = sorted(rows, key=lambda r: MODES.index(r["mode"]))  # stable: trial order kept per mode
+    merged["rows"] = sorted(rows, key=lambda r: study.modes.index(r["mode"]))  # stable: trial order kept per mode
     return merged
 
 
-def summary(rows: list[dict]) -> dict[str, dict]:
+def summary(study: Study, rows: list[dict]) -> dict[str, dict]:
+    """Per mode: its largest trial that trained, and what stopped the ladder above it."""
     best = {}
-    for mode in MODES:
+    for mode in study.modes:
         ok = [r for r in rows if r["mode"] == mode and r["ok"]]
         failed = sorted((r for r in rows if r["mode"] == mode and not r["ok"]), key=lambda r: r["n_layer"])
         if ok:
@@ -112,6 +141,56 @@ def _commit(m: dict) -> str:
         " + uncommitted changes" if m.get("dirty") else "")
 
 
+def markdown(study: Study, data: dict) -> str:
+    best, ms = data["best"], data["measurements"]
+    base = best.get("stage0", {}).get("params")
+    w = data["written_by"]
+    machines = sorted({m["machine"] for m in ms.values()})
+    lines = [f"# {study.title}", "",
+             f"Generated from `{study.stem}.json` by `benchmarks/bench_capacity.py` at commit {_commit(w)}, "
+             f"{w['date']} (`{w['command']}`). Each mode's numbers come from the measurement listed for it "
+             "below, at the commit named there.", "",
+             f"Machine: {'; '.join(machines)}. Cap: {data['cap_gib']:g} GiB for the whole job ({data['ranks']} "
+             f"ranks and mpiexec), a cgroup memory limit; no swap. {study.describe(data)}", "",
+             "| mode | largest that trained | parameters | × stage 0 | job peak memory | s/step | next rung "
+             "| measured at |", "|---|---|---|---|---|---|---|---|"]
+    for mode in study.modes:
+        b, m = best.get(mode), ms.get(mode)
+        if m is None:
+            continue
+        if b is None:
+            lines.append(f"| {mode} | none |  |  |  |  |  | {_commit(m)}, {m['date'][:10]} |")
+            continue
+        ratio = f"{b['params'] / base:.1f}×" if base else ""
+        nxt = f"{b['first_failure']} layers: {b['why']}" if b["first_failure"] else b["why"]
+        lines.append(f"| {mode} | {b['n_layer']} layers | {b['params'] / 1e6:.0f}M | {ratio} | "
+                     f"{_gib(b['cgroup_peak'])} GiB | {b['step_s']:.1f} | {nxt} | {_commit(m)}, {m['date'][:10]} |")
+    lines += _measurements(study, data)
+    lines += _trials(data)
+    lines += ["", "## Reading", "", "\n\n".join(study.readings(data) + common_readings(study, data)), ""]
+    return "\n".join(lines)
+
+
+def _measurements(study: Study, data: dict) -> list[str]:
+    ms, w = data["measurements"], data["written_by"]
+    lines = ["", "Measurements (load: the 1-minute load average when the mode's first trial started → after "
+             "its last):", "", "| mode | commit | date | command | minutes | load |", "|---|---|---|---|---|---|"]
+    for mode in study.modes:
+        if (m := ms.get(mode)) is not None:
+            lines.append(f"| {mode} | {_commit(m)} | {m['date']} | `{m['command']}` | {m['seconds'] / 60:.0f} | "
+                         f"{_load(m)} |")
+    for mode in study.modes:
+        if (m := ms.get(mode)) and m.get("commit_end") not in (None, m["commit"]):
+            lines.append(f"\n{mode}: HEAD moved during its measurement; `git diff --stat {m['commit']} "
+                         f"{m['commit_end']} -- zerompi/` shows whether its later trials ran other library code.")
+    for mode in study.modes:
+        if ms.get(mode, {}).get("dirty"):
+            lines.append(f"\n{mode} ran with uncommitted changes to: {', '.join(ms[mode]['dirty'])}.")
+    if w.get("dirty"):
+        lines.append(f"\nThis file was written with uncommitted changes to: {', '.join(w['dirty'])}.")
+    return lines
+
+
 def traffic(row: dict, m: dict) -> str:
     """A trained NVMe trial's swap traffic in its last step (both ranks) and the time the disk needs for it
     at the raw O_DIRECT bandwidths measured before the mode's trials (cells: traffic | limit)."""
@@ -124,56 +203,13 @@ def traffic(row: dict, m: dict) -> str:
     return f"{read / GiB:.2f} / {written / GiB:.2f} | {limit}"
 
 
-def markdown(data: dict) -> str:
-    best, ms = data["best"], data["measurements"]
-    base = best.get("stage0", {}).get("params")
-    w = data["written_by"]
-    machines = sorted({m["machine"] for m in ms.values()})
-    nvme = ms.get("stage3+nvme", {}).get("nvme_dir")
-    lines = ["# Capacity: the largest GPT that trains under one memory cap", "",
-             f"Generated from `capacity.json` by `benchmarks/bench_capacity.py` at commit {_commit(w)}, "
-             f"{w['date']} (`{w['command']}`). Each mode's numbers come from the measurement listed for it "
-             "below, at the commit named there.", "",
-             f"Machine: {'; '.join(machines)}. Cap: {data['cap_gib']:g} GiB for the whole job ({data['ranks']} "
-             "ranks and mpiexec), a cgroup memory limit; no swap. Model: GPT, vocab 256, block 64, "
-             f"n_embd {data['n_embd']}, {data['n_head']} heads, no biases, depth along the ladder "
-             f"{', '.join(map(str, LADDER[:data['max_rungs']]))}, then bisected to about 10%; fp32, AdamW, "
-             "bucket_mb 25, built on the meta device and initialised bucket by bucket "
-             "(`param_init=model.init_module`); micro-batch 1 × 64 tokens per rank, 2 steps."
-             + (f" NVMe: zerompi's default swap settings on the machine's disk (`{nvme}`)." if nvme else ""), "",
-             "| mode | largest that trained | parameters | × stage 0 | job peak memory | s/step | next rung "
-             "| measured at |", "|---|---|---|---|---|---|---|---|"]
-    for mode in MODES:
-        b, m = best.get(mode), ms.get(mode)
-        if m is None:
-            continue
-        if b is None:
-            lines.append(f"| {mode} | none |  |  |  |  |  | {_commit(m)}, {m['date'][:10]} |")
-            continue
-        ratio = f"{b['params'] / base:.1f}×" if base else ""
-        nxt = f"{b['first_failure']} layers: {b['why']}" if b["first_failure"] else b["why"]
-        lines.append(f"| {mode} | {b['n_layer']} layers | {b['params'] / 1e6:.0f}M | {ratio} | "
-                     f"{_gib(b['cgroup_peak'])} GiB | {b['step_s']:.1f} | {nxt} | {_commit(m)}, {m['date'][:10]} |")
-    lines += ["", "Measurements (load: the 1-minute load average when the mode's first trial started → after "
-              "its last):", "", "| mode | commit | date | command | minutes | load |", "|---|---|---|---|---|---|"]
-    for mode in MODES:
-        if (m := ms.get(mode)) is not None:
-            lines.append(f"| {mode} | {_commit(m)} | {m['date']} | `{m['command']}` | {m['seconds'] / 60:.0f} | "
-                         f"{_load(m)} |")
-    for mode in MODES:
-        if (m := ms.get(mode)) and m.get("commit_end") not in (None, m["commit"]):
-            lines.append(f"\n{mode}: HEAD moved during its measurement; `git diff --stat {m['commit']} "
-                         f"{m['commit_end']} -- zerompi/` shows whether its later trials ran other library code.")
-    for mode in MODES:
-        if ms.get(mode, {}).get("dirty"):
-            lines.append(f"\n{mode} ran with uncommitted changes to: {', '.join(ms[mode]['dirty'])}.")
-    if w.get("dirty"):
-        lines.append(f"\nThis file was written with uncommitted changes to: {', '.join(w['dirty'])}.")
-    lines += ["", "Every trial (job peak: the cgroup's max usage, all processes of the job; load: the 1-minute "
-              "load average when the trial started):", "",
-              "| mode | layers | parameters | result | job peak GiB | peak RSS per rank GiB | s/step | trial s | load "
-              "| swap GiB read/written per step, sum of ranks | traffic limit s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+def _trials(data: dict) -> list[str]:
+    ms = data["measurements"]
+    lines = ["", "Every trial (job peak: the cgroup's max usage, all processes of the job; load: the 1-minute "
+             "load average when the trial started):", "",
+             "| mode | layers | parameters | result | job peak GiB | peak RSS per rank GiB | s/step | trial s | load "
+             "| swap GiB read/written per step, sum of ranks | traffic limit s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         la = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
         if r["ok"]:
@@ -182,15 +218,19 @@ def markdown(data: dict) -> str:
                          f"{_gib(r['cgroup_peak'])} | {rss} | {r['step_s'][-1]:.1f} | {r['seconds']:.0f} | {la} | "
                          f"{traffic(r, ms.get(r['mode'], {}))} |")
         else:
-            lines.append(f"| {r['mode']} | {r['n_layer']} |  | {r['why']} (exit {r['exit']}) | "
+            code = "" if r.get("exit") is None else f" (exit {r['exit']})"  # none: timed out or not run
+            lines.append(f"| {r['mode']} | {r['n_layer']} |  | {r['why']}{code} | "
                          f"{_gib(r['cgroup_peak'])} |  |  | {r['seconds']:.0f} | {la} |  |  |")
-    lines += ["", "## Reading", "", "\n\n".join(reading(data)), ""]
-    return "\n".join(lines)
+    errors = [r for r in data["rows"] if not r["ok"] and r["why"] == "failed"]
+    for r in errors:  # not the OOM killer: the job's own last words say why
+        lines += ["", f"{r['mode']}, {r['n_layer']} layers, failed (exit {r['exit']}); the end of its output:", "",
+                  "```", r["tail"].strip(), "```"]
+    return lines
 
 
-def reading(data: dict) -> list[str]:
-    """Paragraphs: computed from the data, then each measurement's ``--reading`` text."""
-    best, ms, out = data["best"], data["measurements"], []
+def gpt_readings(data: dict) -> list[str]:
+    """The GPT ladder's own paragraphs, computed from its data."""
+    best, out = data["best"], []
     s0, nv = best.get("stage0", {}).get("params"), best.get("stage3+nvme", {}).get("params")
     if s0 and nv:
         out.append(f"NVMe offload trains {nv / s0:.1f}× the parameters of stage 0 under the same cap (target ≥ 8×)"
@@ -206,17 +246,31 @@ def reading(data: dict) -> list[str]:
             "optimizer's three streaming buckets and the swap buffers, whatever the depth; what grows with the "
             "model is the time per step (disk traffic) and the swap files (20 bytes per parameter in fp32: "
             "parameter, master, gradient, two moments).")
-    nvme = sorted((r for r in data["rows"] if r["mode"] == "stage3+nvme" and r["ok"] and r["cgroup_peak"]),
-                  key=lambda r: r["params"])
-    if len(nvme) >= 2:
-        a, b = nvme[0], nvme[-1]
-        slope = (b["cgroup_peak"] - a["cgroup_peak"]) / (b["params"] - a["params"])
-        reach = (data["cap_gib"] * GiB - a["cgroup_peak"]) / slope + a["params"]
-        text += (f" The job's peak still rises {slope:.2f} bytes per parameter across the NVMe rows (host-side "
-                 f"bookkeeping, not model state); at that rate the cap would be reached near {reach / 1e9:.0f}B "
+    slope = nvme_slope(data)
+    if slope:
+        text += (f" The job's peak still rises {slope[0]:.2f} bytes per parameter across the NVMe rows (host-side "
+                 f"bookkeeping, not model state); at that rate the cap would be reached near {slope[1] / 1e9:.0f}B "
                  "parameters, well past what this disk holds or this CPU trains in reasonable time.")
     if "stage3+nvme" in best:
         out.append(text)
+    return out
+
+
+def nvme_slope(data: dict) -> tuple[float, float] | None:
+    """How the job's peak grows across the stage3+nvme trials that trained: bytes per parameter, and
+    the parameters at which that line reaches the cap; None with fewer than two such trials."""
+    nvme = sorted((r for r in data["rows"] if r["mode"] == "stage3+nvme" and r["ok"] and r["cgroup_peak"]),
+                  key=lambda r: r["params"])
+    if len(nvme) < 2:
+        return None
+    a, b = nvme[0], nvme[-1]
+    slope = (b["cgroup_peak"] - a["cgroup_peak"]) / (b["params"] - a["params"])
+    return slope, (data["cap_gib"] * GiB - a["cgroup_peak"]) / slope + a["params"]
+
+
+def common_readings(study: Study, data: dict) -> list[str]:
+    """Paragraphs every ladder gets: commits, load, replaced measurements, then each ``--reading`` text."""
+    best, ms, out = data["best"], data["measurements"], []
     commits = {m["commit"] for m in ms.values()}
     if len(commits) > 1:
         out.append(f"The modes were measured at {len(commits)} commits ({', '.join(sorted(commits))}): a ratio "
@@ -234,7 +288,7 @@ def reading(data: dict) -> list[str]:
     if unknown:
         out.append(f"The load was not recorded for {', '.join(unknown)}: whether other work shared the CPU, "
                    "and so slowed s/step, is unknown there.")
-    for mode in MODES:
+    for mode in study.modes:
         m, b = ms.get(mode), best.get(mode)
         if m and b and (p := m.get("previous")) and p["commit"] != m["commit"]:
             out.append(f"{mode} at {m['commit']}: {b['n_layer']} layers, {b['params'] / 1e6:.0f}M parameters "
@@ -243,14 +297,31 @@ def reading(data: dict) -> list[str]:
                        f"(peak {_gib(p['cgroup_peak'])} GiB). `git log --oneline {p['commit']}..{m['commit']} -- "
                        "zerompi/` lists the library's changes in between.")
     notes: dict[str, list[str]] = {}
-    for mode in MODES:
+    for mode in study.modes:
         if ms.get(mode, {}).get("reading"):
             notes.setdefault(ms[mode]["reading"].strip(), []).append(f"{mode} at {ms[mode]['commit']}")
     out += [f"On {', '.join(where)}:\n\n{text}" for text, where in notes.items()]
     return out
 
 
-def plot(data: dict, path: Path) -> bool:
+def gpt_describe(data: dict) -> str:
+    nvme = data["measurements"].get("stage3+nvme", {}).get("nvme_dir")
+    return (f"Model: GPT, vocab 256, block 64, n_embd {data['n_embd']}, {data['n_head']} heads, no biases, depth "
+            f"along the ladder {', '.join(map(str, GPT.ladder[:data['max_rungs']]))}, then bisected to about 10%; "
+            "fp32, AdamW, bucket_mb 25, built on the meta device and initialised bucket by bucket "
+            "(`param_init=model.init_module`); micro-batch 1 × 64 tokens per rank, 2 steps."
+            + (f" NVMe: zerompi's default swap settings on the machine's disk (`{nvme}`)." if nvme else ""))
+
+
+GPT = Study(key="gpt", stem="capacity", worker="capacity_worker.py",
+            modes=("stage0", "stage3", "stage3+cpu", "stage3+nvme"),
+            ladder=(2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160),
+            model={"n_embd": 1024, "n_head": 16}, quick={"n_embd": 256, "n_head": 8},
+            title="Capacity: the largest GPT that trains under one memory cap", describe=gpt_describe,
+            readings=gpt_readings, x_label="GPT parameters (millions), each point a run that trained")
+
+
+def plot(study: Study, data: dict, path: Path) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -258,7 +329,7 @@ def plot(data: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in MODES:
+    for mode in study.modes:
         ok = [r for r in data["rows"] if r["mode"] == mode and r["ok"]]
         if ok:
             m = data["measurements"][mode]
@@ -266,7 +337,7 @@ def plot(data: dict, path: Path) -> bool:
                     label=f"{mode} ({m['commit']})")
     ax.axhline(data["cap_gib"], color="k", ls="--", lw=1, label=f"cap {data['cap_gib']:g} GiB")
     ax.set_xscale("log")
-    ax.set_xlabel("GPT parameters (millions), each point a run that trained")
+    ax.set_xlabel(study.x_label)
     ax.set_ylabel("job peak memory, GiB")
     ax.set_title(f"Capacity under a {data['cap_gib']:g} GiB cap, {data['ranks']} ranks")
     ax.legend()
@@ -276,19 +347,20 @@ def plot(data: dict, path: Path) -> bool:
     return True
 
 
-def write(data: dict, out: Path, command: str) -> str:
-    """capacity.json, .md and .png under ``out``; the md's text. A png that cannot be redrawn is removed,
+def write(study: Study, data: dict, out: Path, command: str) -> str:
+    """{stem}.json, .md and .png under ``out``; the md's text. A png that cannot be redrawn is removed,
     not left showing older data."""
-    commit, dirty = git_state(SOURCES[1:3])  # the script's own files
+    commit, dirty = git_state(study.sources[1:3])  # the script's own files
     data = {**data, "written_by": {"commit": commit, "dirty": dirty, "command": command,
                                    "date": datetime.now().isoformat(timespec="seconds")}}
-    data["best"] = summary(data["rows"])
+    data["best"] = summary(study, data["rows"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "capacity.json").write_text(json.dumps(data, indent=1) + "\n")
-    md = markdown(data)
-    (out / "capacity.md").write_text(md)
-    if not plot(data, out / "capacity.png") and (out / "capacity.png").exists():
-        (out / "capacity.png").unlink()
+    (out / f"{study.stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    md = markdown(study, data)
+    (out / f"{study.stem}.md").write_text(md)
+    png = out / f"{study.stem}.png"
+    if not plot(study, data, png) and png.exists():
+        png.unlink()
         log.warning("matplotlib is not installed: removed %s rather than leave it showing older data; "
-                    "`--report-only` with matplotlib draws it from capacity.json", out / "capacity.png")
+                    "`--report-only` with matplotlib draws it from %s.json", png, study.stem)
     return md

@@ -23,11 +23,15 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # DeepSpeed compiles a small CPU op (cpu_adam / shared-memory comm) at start: g++ and ninja.
 "${PIP[@]}" "${PEERS_DEEPSPEED:-deepspeed==0.19.8}" ninja
 "${PIP[@]}" mpi4py mpich matplotlib
+# The LoRA rows (bench_capacity.py --lora, bench_lora_steps.py): Hugging Face Llama + PEFT, as
+# zerompi's test extra pins them; torch is already there, so they add no other torch.
+"${PIP[@]}" "transformers>=4.46" "peft>=0.13"
 "${PIP[@]}" -e .
 command -v g++ >/dev/null || echo "warning: g++ not found; DeepSpeed rows need it (apt-get install g++)" >&2
 DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'EOF'
-import torch, mpi4py.MPI as M, deepspeed, matplotlib, zerompi
+import torch, mpi4py.MPI as M, deepspeed, matplotlib, transformers, peft, zerompi
 print("peers venv: torch", torch.__version__, "| deepspeed", deepspeed.__version__,
+      "| transformers", transformers.__version__, "| peft", peft.__version__,
       "| matplotlib", matplotlib.__version__, "| zerompi", zerompi.__version__, "|",
       M.Get_library_version().splitlines()[0].strip())
 EOF
