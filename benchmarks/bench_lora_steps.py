@@ -171,7 +171,7 @@ def main(argv=None) -> None:
         return
     mpiexec = find_mpiexec(None)
     command = " ".join(["python benchmarks/bench_lora_steps.py", *(argv if argv is not None else sys.argv[1:])])
-    meta = dict(meta_of(args, mpiexec, command), out=str(args.out.relative_to(HERE.parent)))
+    meta = dict(meta_of(args, mpiexec, command), out=str(args.out.resolve().relative_to(HERE.parent) if args.out.resolve().is_relative_to(HERE.parent) else args.out))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     with open(jsonl, "w") as f:
