@@ -115,7 +115,7 @@ def segment(ranks: int, variant: str, until: int, steps: int) -> dict:
 
 def cmd_run(args) -> int:
     ranks = [int(x) for x in args.ranks.split(",")]
-    order = [(n, v) for n in ranks for v in VARIANTS]
+    order = [(n, v) for n in ranks for v in args.variants]
     history = [json.loads(line) for line in LOG.read_text().splitlines()] if LOG.exists() else []
     began, before = time.perf_counter(), len(history)
     while True:
@@ -169,6 +169,9 @@ def cmd_report(args) -> int:
         base_bytes = sum(last_traffic(run_dir(n, "none")).values())
         for v, (fields, allowed) in VARIANTS.items():
             d = run_dir(n, v)
+            if v not in args.variants or not (d / "metrics.jsonl").exists():
+                lines.append(f"| {v} | not run |  |  |  |  |  |")
+                continue
             step, val = final_val(d)
             gap = (val - base[1]) / base[1]
             traffic = last_traffic(d)
@@ -179,7 +182,8 @@ def cmd_report(args) -> int:
             summary[f"np{n}-{v}"] = dict(final_val_loss=val, step=step, rel_gap=gap, allowed=allowed,
                                          bytes_per_step=traffic)
         png = RESULTS / f"quantized-np{n}.png"
-        plot.draw([plot.read_metrics(str(run_dir(n, v))) for v in VARIANTS], png)
+        plot.draw([plot.read_metrics(str(run_dir(n, v))) for v in VARIANTS
+                   if v in args.variants and (run_dir(n, v) / "metrics.jsonl").exists()], png)
         lines += ["", f"![curves at {n} ranks]({png.name})", ""]
     commits = sorted({r["commit"] for r in history})
     loads = [r["load_before"][0] for r in history] + [r["load_after"][0] for r in history]
@@ -206,7 +210,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--segment", type=int, default=100, help="steps per segment at 2 ranks (half that at 4)")
     p.add_argument("--budget-s", type=float, default=540, help="seconds one 'run' invocation may take")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma list of " + ", ".join(VARIANTS) + " (error feedback only where int4 needs it)")
     args = p.parse_args()
+    args.variants = args.variants.split(",")
+    if unknown := [v for v in args.variants if v not in VARIANTS]:
+        p.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     return cmd_run(args) if args.mode == "run" else cmd_report(args)
 
 
