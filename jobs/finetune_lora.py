@@ -51,10 +51,29 @@ def build(model_doc: dict):
     return get_peft_model(base, lora), base
 
 
+def base_name(module_name: str, param: str) -> str:
+    """The base model's name of a PEFT model's parameter, as the base's own file names it
+    (base_model.model.X.base_layer.weight -> X.weight)."""
+    prefix = module_name.removeprefix("base_model.model.").replace(".base_layer", "")
+    return f"{prefix}.{param}" if prefix else param
+
+
+def init_adapter(name: str, module: torch.nn.Module) -> bool:
+    """LoRA's A as peft does (Kaiming-uniform) and B as zeros, so training starts from the base
+    itself; False (nothing done) for any other module."""
+    if ".lora_A." in name:
+        torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+    elif ".lora_B." in name:
+        torch.nn.init.zeros_(module.weight)
+    else:
+        return False
+    return True
+
+
 def param_init(model, base, weights: str):
     """Initialise one module's own parameters (what ``initialize`` asks, one module at a time):
-    LoRA's A as peft does (Kaiming-uniform) and B as zeros, so training starts from the base
-    itself; base modules from ``weights`` (Hugging Face names) or the model's own initialisation."""
+    the adapters (init_adapter); base modules from ``weights`` (Hugging Face names) or the model's
+    own initialisation."""
     names = {id(m): n for n, m in model.named_modules()}
     reader = None
     if weights:
@@ -63,16 +82,13 @@ def param_init(model, base, weights: str):
 
     def init(module: torch.nn.Module) -> None:
         name = names[id(module)]
-        if ".lora_A." in name:
-            torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
-        elif ".lora_B." in name:
-            torch.nn.init.zeros_(module.weight)
-        elif reader is None:
+        if init_adapter(name, module):
+            return
+        if reader is None:
             base._init_weights(module)
-        else:  # base_model.model.X.base_layer.weight -> X.weight, as the base's own file names it
-            prefix = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            for pname, p in module.named_parameters(recurse=False):
-                p.copy_(reader.get_tensor(f"{prefix}.{pname}" if prefix else pname))
+            return
+        for pname, p in module.named_parameters(recurse=False):
+            p.copy_(reader.get_tensor(base_name(name, pname)))
     return init
 
 

@@ -143,24 +143,15 @@ class Pool:
             flat[i:i + n].copy_(self.twice[o:o + n])
 
 
-def base_name(module_name: str, param: str) -> str:
-    """The base model's name of a parameter of the PEFT model (as the base's own checkpoint names it)."""
-    prefix = module_name.removeprefix("base_model.model.").replace(".base_layer", "")
-    return f"{prefix}.{param}" if prefix else param
-
-
 def param_init(model: torch.nn.Module, pool: Pool) -> Callable[[torch.nn.Module], None]:
     """``initialize``'s ``param_init``: LoRA A Kaiming-uniform and B zeros, as peft does (training starts from
     the base itself); base modules from ``pool``."""
+    from finetune_lora import base_name, init_adapter
     names = {id(m): n for n, m in model.named_modules()}
 
     def init(module: torch.nn.Module) -> None:
         name = names[id(module)]
-        if ".lora_A." in name:
-            torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
-        elif ".lora_B." in name:
-            torch.nn.init.zeros_(module.weight)
-        else:
+        if not init_adapter(name, module):
             for pname, p in module.named_parameters(recurse=False):
                 pool.fill(base_name(name, pname), p.data.view(-1))
     return init
