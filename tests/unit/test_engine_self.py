@@ -131,21 +131,10 @@ def test_fp32_training_matches_torch(stage, optimizer, accum, clip):
     torch_ref, _, torch_norms = train_reference(cfg, fqns, clip_like="torch")
     if clip is None:
         assert_bitwise(state, torch_ref)
-    else:
+    else:  # the norm is summed per bucket, not per tensor as torch sums it: equal or a rounding apart
         assert norms == pytest.approx(torch_norms, rel=1e-6)
         for name, p in torch_ref.named_parameters():
             torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-6)
-
-
-def test_clipping_differs_from_torch_in_the_last_bits_today():
-    # today: with clipping that applies, at least one of these runs is not bitwise torch's
-    # (adamw at any stage here); a norm computed the torch way would make it bitwise
-    cfg = config(1, "adamw", 1, 0.5)
-    engine, _ = train_engine(cfg)
-    state = engine.full_state_dict()
-    engine.close()
-    ref, _, _ = train_reference(cfg, [], clip_like="torch")
-    assert not all(torch.equal(state[n], p.detach()) for n, p in ref.named_parameters())
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -88,13 +88,15 @@ def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=
         for batch in micro_batches:
             for part in order.parts(batch):
                 loss = loss_fn(work, part)
-                (loss * (scale / parts)).backward()
+                (loss * (scale if order.mean_last else scale / parts)).backward()
                 total += float(loss.detach()) / parts
         losses.append(total)
         for m, w in pairs:
             # Unused parameters count as zero gradients, as in DDP and ZeRO.
             g = w.grad if w.grad is not None else (torch.zeros_like(w) if zero_missing_grads else None)
             m.grad = None if g is None else g.float() / scale
+            if order.mean_last and m.grad is not None:
+                m.grad.div_(parts)
         if cfg.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], cfg.clip_grad_norm)
         if lrs is not None:
@@ -124,10 +126,13 @@ def split_batch(batch, chunks: int) -> list[tuple]:
 @dataclass(frozen=True)
 class Order:
     """A summation order of the global batch: ``chunks`` equal parts whose gradients autograd
-    sums last part first (1: the whole batch at once), with the rows reversed if ``flip``."""
+    sums last part first (1: the whole batch at once), with the rows reversed if ``flip``;
+    each part's loss is scaled by 1/parts before its backward, or with ``mean_last`` the parts'
+    gradients are summed as they are and the sum divided by the part count."""
 
     chunks: int = 1
     flip: bool = False
+    mean_last: bool = False
 
     def parts(self, batch) -> list[tuple]:
         if self.flip:
@@ -137,9 +142,15 @@ class Order:
 
 def orders(world: int) -> list[Order]:
     """The reorderings whose spread is the order noise: one chunk per rank (as the engine splits
-    the batch; two on one rank), twice as many chunks, and the rows reversed."""
+    the batch; two on one rank), twice as many chunks, and the rows reversed. Where the chunk
+    count is not a power of two, also one chunk per rank with the mean taken last, as the
+    engine takes it (sum the ranks' gradients, then divide): a division by a power of two is
+    exact, so there that order would repeat the first bit for bit."""
     k = max(world, 2)
-    return [Order(k), Order(2 * k), Order(1, flip=True)]
+    out = [Order(k), Order(2 * k), Order(1, flip=True)]
+    if k & (k - 1):
+        out.append(Order(k, mean_last=True))
+    return out
 
 
 def reference_orders(make, cfg, batches, world: int, **kwargs) -> list[Run]:
