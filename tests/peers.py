@@ -1,36 +1,40 @@
-"""Real DeepSpeed for the tests that compare against it: the peers venv, benchmarks/.venv-peers.
+"""Real DeepSpeed for the tests that compare against it.
 
-DeepSpeed is never a zerompi dependency; benchmarks/setup_peers.sh installs it (0.19.8, CPU)
-into that venv. Outside CI a missing venv skips the test; under CI the fixture runs the setup
-script once and fails the test when that does not work (tests/components.py).
+DeepSpeed is never a zerompi dependency: the test extra installs it into the test venv
+(``pip install -e '.[test]'``, as jobs/setup.sh does), and the tests run it on the CPU
+(``DS_ACCELERATOR=cpu``) in their own processes. Where the test venv lacks it, the peers venv of
+the benchmarks (benchmarks/.venv-peers, benchmarks/setup_peers.sh) is used when it exists. Outside
+CI neither skips the test; under CI it fails (tests/components.py).
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
+import sys
 from pathlib import Path
 
-from .components import in_ci, ran, unavailable
+from .components import ran, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / "benchmarks" / ".venv-peers"
-PYTHON = VENV / "bin" / "python"
-COMPONENT = "DeepSpeed (benchmarks/.venv-peers)"
+PEERS = ROOT / "benchmarks" / ".venv-peers" / "bin" / "python"
+COMPONENT = "DeepSpeed"
 _CHECK = "import deepspeed, torch; print('deepspeed', deepspeed.__version__, '| torch', torch.__version__)"
 
 
+@functools.lru_cache(maxsize=None)  # a failure raises, so only a python that works is kept
 def deepspeed_python() -> Path:
-    """The peers venv's python, with DeepSpeed importable on CPU (set up under CI when missing)."""
-    if not PYTHON.exists():
-        if not in_ci():
-            unavailable(COMPONENT, f"{VENV.relative_to(ROOT)} is missing: run bash benchmarks/setup_peers.sh")
-        proc = subprocess.run(["bash", "benchmarks/setup_peers.sh"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=1800)
-        if proc.returncode != 0:
-            unavailable(COMPONENT, f"benchmarks/setup_peers.sh exited {proc.returncode}: {proc.stderr[-2000:]}")
+    """A python with DeepSpeed importable on the CPU: this venv's, else the peers venv's."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([str(PYTHON), "-c", _CHECK], capture_output=True, text=True, env=env, timeout=300)
-    if proc.returncode != 0:
-        unavailable(COMPONENT, f"import deepspeed failed: {proc.stderr[-2000:]}")
-    ran("DeepSpeed", proc.stdout.strip().splitlines()[-1])
-    return PYTHON
+    errors = []
+    for python in (Path(sys.executable), PEERS):
+        if not python.exists():
+            errors.append(f"{python}: missing")
+            continue
+        proc = subprocess.run([str(python), "-c", _CHECK], capture_output=True, text=True, env=env, timeout=300)
+        if proc.returncode == 0:
+            where = "test venv" if python == Path(sys.executable) else "benchmarks/.venv-peers"
+            ran(COMPONENT, f"{proc.stdout.strip().splitlines()[-1]} ({where})")
+            return python
+        errors.append(f"{python}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+    unavailable(COMPONENT, "import deepspeed failed (pip install -e '.[test]'): " + "; ".join(errors))

@@ -2,7 +2,7 @@
 
 zerompi must train it (the loss falls), follow the config's WarmupDecayLR step for step, and
 write a checkpoint a fresh engine loads. Its per-step losses, and those of real DeepSpeed
-running the same script (peers venv, gloo on CPU; skipped outside CI without that venv), are
+running the same script (the test extra's DeepSpeed, gloo on CPU; skipped outside CI without it), are
 each judged against a single-process run on the global batch by the parity bound of
 tests/mpi/tolerance.py: within ORDER_K times the distance between two summation orders of
 that run (whole batch, and the ranks' micro-batches summed), or 16 fp32 ulps of the loss.

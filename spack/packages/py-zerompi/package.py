@@ -30,5 +30,6 @@ class PyZerompi(PythonPackage):
     depends_on("py-pyyaml@6:", type="test")
     depends_on("py-transformers@4.46:", type="test")
     depends_on("py-peft@0.13:", type="test")
+    depends_on("py-deepspeed@0.16:", type="test")
 
     import_modules = ["zerompi", "zerompi.checkpoint", "zerompi.models"]
