@@ -10,6 +10,19 @@ from .launcher import WorkerResults
 COMBOS = list(itertools.product(range(4), ("fp32", "bf16"), (1, 2), (None, 0.05), ("adamw", "sgd")))
 
 
+# Every pair of values of two of (dtype, accumulation, clipping, optimizer) in some row, the four rows
+# the byte counts are judged on (fp32/bf16 x accumulation 1/2, no clipping, AdamW) among them: for
+# matrices whose subject is the communication pattern, not its interplay with every option.
+PAIRWISE = [("fp32", 1, None, "adamw"), ("fp32", 2, None, "adamw"), ("bf16", 1, None, "adamw"),
+            ("bf16", 2, None, "adamw"), ("fp32", 2, 0.05, "sgd"), ("bf16", 1, 0.05, "sgd"),
+            ("fp32", 1, 0.05, "adamw"), ("bf16", 2, None, "sgd")]
+
+
+def combos_arg(combos) -> str:
+    """``combos`` as workers/parity.py's --combos argument."""
+    return ",".join(f"{d}/{a}/{'-' if c is None else c}/{o}" for d, a, c, o in combos)
+
+
 def combo_id(combo) -> str:
     stage, dtype, accum, clip, opt = combo
     return f"stage{stage}-{dtype}-accum{accum}-{'clip' if clip else 'noclip'}-{opt}"

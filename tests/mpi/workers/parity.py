@@ -23,6 +23,8 @@ p.add_argument("--ranks-per-node", type=int, default=None)
 p.add_argument("--quick", action="store_true", help="fp32, no accumulation, no clipping only")
 p.add_argument("--fp32", action="store_true", help="fp32 only, with accumulation and clipping")
 p.add_argument("--stages", help="comma list of stages (default: all the hierarchy allows)")
+p.add_argument("--combos", help="comma list of dtype/accum/clip/optimizer (clip '-' for none), e.g. fp32/2/0.05/sgd: "
+                                "these per stage instead of the whole product")
 p.add_argument("--overlap", choices=("test", "thread"),
                help="non-blocking reduce-scatter and prefetch, progressed by MPI_Test or a communication thread")
 p.add_argument("--threads", type=int, default=None, help="torch threads per rank (cpu_threads)")
@@ -47,7 +49,10 @@ OPTIMIZERS = {"adamw": dict(optimizer="adamw", lr=1e-3, betas=(0.9, 0.999), eps=
 DTYPES, ACCUMS, CLIPS = (("fp32",), (1,), (None,)) if args.quick else (("fp32", "bf16"), (1, 2), (None, 0.05))
 if args.fp32:
     DTYPES = ("fp32",)
-for stage, dtype, accum, clip, opt in itertools.product(STAGES, DTYPES, ACCUMS, CLIPS, OPTIMIZERS):
+COMBOS = list(itertools.product(DTYPES, ACCUMS, CLIPS, OPTIMIZERS))
+if args.combos:
+    COMBOS = [(d, int(a), None if c == "-" else float(c), o) for d, a, c, o in (x.split("/") for x in args.combos.split(","))]
+for stage, (dtype, accum, clip, opt) in itertools.product(STAGES, COMBOS):
     cfg = zerompi.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=accum, clip_grad_norm=clip,
                              bucket_mb=0.004, seed=0, hierarchy=args.hierarchy,
                              ranks_per_node=args.ranks_per_node, cpu_threads=args.threads, **OPTIMIZERS[opt],
