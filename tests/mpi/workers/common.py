@@ -158,6 +158,29 @@ def reference_orders(make, cfg, batches, world: int, **kwargs) -> list[Run]:
     return [reference_train(make(), cfg, batches, order=o, **kwargs) for o in orders(world)]
 
 
+def references(comm, make, cfg, batches, lrs: list | None = None, **kwargs) -> tuple[Run | None, list[Run]]:
+    """Collective over ``comm``: the reference (``reference_train`` of a fresh ``make()``) and its
+    reorderings (``orders`` of the communicator's size), run i trained by rank i mod size, all
+    gathered on rank 0: (reference, reorderings) there, (None, []) elsewhere. The same runs as
+    rank 0 training all of them, in a fraction of the time: the other ranks would only wait.
+    ``lrs`` collects the reference's learning rates; every rank's torch RNG state is kept."""
+    tasks = [None, *orders(comm.Get_size())]
+    mine = {}
+    with torch.random.fork_rng(devices=[]):
+        for i, order in enumerate(tasks):
+            if i % comm.Get_size() == comm.Get_rank():
+                got: list = []
+                run = reference_train(make(), cfg, batches, order=order, lrs=got if i == 0 else None, **kwargs)
+                mine[i] = (run, got)
+    parts = comm.gather(mine, root=0)
+    if comm.Get_rank() != 0:
+        return None, []
+    runs = {i: r for part in parts for i, r in part.items()}
+    if lrs is not None:
+        lrs.extend(runs[0][1])
+    return runs[0][0], [runs[i][0] for i in range(1, len(tasks))]
+
+
 def compare(ours: Run, ref: Run, alts: list[Run], init: dict | None = None) -> dict:
     """What the parity tests judge: per-tensor error of ``ours`` against ``ref``, and the
     order noise: the largest distance of a reordered reference (``alts``) from ``ref``."""

@@ -14,8 +14,8 @@ from mpi4py import MPI
 from torch import nn
 
 import zerompi
-from common import (MICRO, compare, gpt_loss, initial_params, reference_orders, reference_train, rel_to_update,
-                    tiny_gpt, token_batches, write_json, zero_train)
+from common import (MICRO, compare, gpt_loss, initial_params, references, rel_to_update, tiny_gpt, token_batches,
+                    write_json, zero_train)
 
 COMM = MPI.COMM_WORLD
 WORLD, RANK = COMM.Get_size(), COMM.Get_rank()
@@ -62,10 +62,9 @@ def parity_case(stage, make, loss_fn, batches, cfg_kw, ref_make=None, param_grou
     init = initial_params(model)
     ours, engine = zero_train(model, cfg, batches, loss_fn, param_groups=param_groups)
     engine.close()
+    ref, alts = references(COMM, ref_make or make, cfg, batches, loss_fn=loss_fn, param_groups=param_groups)
     if RANK != 0:
         return {}
-    ref = reference_train((ref_make or make)(), cfg, batches, loss_fn, param_groups=param_groups)
-    alts = reference_orders(ref_make or make, cfg, batches, WORLD, loss_fn=loss_fn, param_groups=param_groups)
     return dict(dtype=cfg.dtype, **compare(ours, ref, alts, init),
                 moved=rel_to_update(ref.params, init, {n: 0 * t for n, t in init.items()}))
 

@@ -19,8 +19,8 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from common import (compare, engine_train, gpt_loss, initial_params, local_part, reference_orders, reference_train,
-                    tiny_gpt, token_batches, write_json, zero_train)
+from common import (compare, engine_train, gpt_loss, initial_params, local_part, references, tiny_gpt,
+                    token_batches, write_json, zero_train)
 from zerompi.checkpoint import load_full_state_dict
 from zerompi.errors import CheckpointError, ModelMismatchError, UsageError
 
@@ -63,9 +63,9 @@ def parity(**extra) -> dict:
     ours, engine = zero_train(model, cfg, batches)
     row = dict(sizes(engine), steps=2, accum=2, units=len(engine.sharded.units))
     engine.close()
+    ref, alts = references(MPI.COMM_WORLD, frozen_gpt, cfg, batches)
     if rank == 0:
-        row.update(compare(ours, reference_train(frozen_gpt(), cfg, batches),
-                           reference_orders(frozen_gpt, cfg, batches, world), init))
+        row.update(compare(ours, ref, alts, init))
     return row
 
 

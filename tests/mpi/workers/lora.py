@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import zerompi  # noqa: E402
-from common import MICRO, Run, compare, initial_params, reference_orders, reference_train, write_json, zero_train  # noqa: E402
+from common import MICRO, Run, compare, initial_params, references, write_json, zero_train  # noqa: E402
 from hf_models import lora_model  # noqa: E402
 from zerompi.checkpoint import consolidate  # noqa: E402
 
@@ -112,9 +112,8 @@ for kind in args.models.split(","):
                    trainable_padded=sum(b.layout.padded_numel for b in engine.sharded.buckets),
                    frozen_buckets=len(engine.sharded.frozen))
         engine.close()
+        ref, alts = references(COMM, make, cfg, data, loss_fn=hf_loss)
         if rank == 0:
-            ref = reference_train(make(), cfg, data, hf_loss)
-            alts = reference_orders(make, cfg, data, world, loss_fn=hf_loss)
             # The frozen base: exactly its initial values in the compute dtype. The reference's fp32
             # masters keep the unrounded base, so 16-bit runs are judged on the trained adapters.
             frozen = [n for n, p in model.named_parameters() if not p.requires_grad]

@@ -11,8 +11,7 @@ import itertools
 from mpi4py import MPI
 
 import zerompi
-from common import (compare, digest, initial_params, reference_orders, reference_train, tiny_gpt, token_batches,
-                    write_json, zero_train)
+from common import compare, digest, initial_params, references, tiny_gpt, token_batches, write_json, zero_train
 from mutation import MUTATIONS, mutate
 
 p = argparse.ArgumentParser()
@@ -51,7 +50,8 @@ if args.fp32:
     DTYPES = ("fp32",)
 COMBOS = list(itertools.product(DTYPES, ACCUMS, CLIPS, OPTIMIZERS))
 if args.combos:
-    COMBOS = [(d, int(a), None if c == "-" else float(c), o) for d, a, c, o in (x.split("/") for x in args.combos.split(","))]
+    COMBOS = [(d, int(a), None if c == "-" else float(c), o)
+              for d, a, c, o in (x.split("/") for x in args.combos.split(","))]
 for stage, (dtype, accum, clip, opt) in itertools.product(STAGES, COMBOS):
     cfg = zerompi.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=accum, clip_grad_norm=clip,
                              bucket_mb=0.004, seed=0, hierarchy=args.hierarchy,
@@ -63,9 +63,8 @@ for stage, (dtype, accum, clip, opt) in itertools.product(STAGES, COMBOS):
     init = initial_params(model)
     batches = token_batches(7, world, args.steps, accum)
     ours, engine = zero_train(model, cfg, batches)
+    ref, alts = references(MPI.COMM_WORLD, lambda: tiny_gpt(seed=1), cfg, batches)
     if rank == 0:
-        ref = reference_train(tiny_gpt(seed=1), cfg, batches)
-        alts = reference_orders(lambda: tiny_gpt(seed=1), cfg, batches, world)
         layouts = [b.layout for b in engine.sharded.buckets]
         stats = engine.stats
         results.append(dict(

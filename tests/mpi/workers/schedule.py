@@ -15,8 +15,7 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from common import (compare, engine_train, initial_params, reference_orders, reference_train, tiny_gpt,
-                    token_batches, write_json, zero_train)
+from common import compare, engine_train, initial_params, references, tiny_gpt, token_batches, write_json, zero_train
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -67,12 +66,10 @@ for stage in STAGES:
             lrs = []
             ours, engine = zero_train(model, cfg, batches, param_groups=groups, lr_scheduler=sched, lrs=lrs)
             engine.close()
+            ref_lrs = []
+            ref, alts = references(MPI.COMM_WORLD, lambda: tiny_gpt(seed=1), cfg, batches, lrs=ref_lrs,
+                                   param_groups=groups, lr_scheduler=factory(cfg, schedule))
             if rank == 0:
-                ref_lrs = []
-                ref = reference_train(tiny_gpt(seed=1), cfg, batches, param_groups=groups,
-                                      lr_scheduler=factory(cfg, schedule), lrs=ref_lrs)
-                alts = reference_orders(lambda: tiny_gpt(seed=1), cfg, batches, world, param_groups=groups,
-                                        lr_scheduler=factory(cfg, schedule))
                 row.update(lrs=lrs, ref_lrs=ref_lrs, dtype="fp32", **compare(ours, ref, alts, init))
         else:
             model = tiny_gpt(seed=1 if args.mode == "save" else 5)
