@@ -9,7 +9,9 @@
                with --orders, loads again and trains the same steps on the
                global batch in other row orders (reversed; rotated by half a
                rank's rows), for the order noise of the parity bound.
---mode fail:   load must raise CheckpointError; every rank's message goes to OUT (JSON).
+--mode fail:   load must raise CheckpointError; every rank's message goes to OUT (JSON); with
+               --then-load TAG the same engine then loads TAG and rank 0 writes its parameters
+               to --then-out (.npz, as saved/ of a resume).
 --async-save:  save with async_save=True and train the --after steps while it writes (the
                parameters at the save point are read before the call); --slow-capture S
                delays the save's taking of each bucket by S seconds, so that the steps reach
@@ -120,6 +122,8 @@ def main():
     p.add_argument("--async-copy", action="store_true", help="checkpoint_async_copy=True")
     p.add_argument("--offload", default="none")
     p.add_argument("--verify", action="store_true", help="checkpoint_verify=True")
+    p.add_argument("--then-load", default=None, help="fail: then load this tag (it must load)")
+    p.add_argument("--then-out", default=None, help="fail: where --then-load's parameters go (.npz)")
     p.add_argument("--fail-write-rank", type=int, default=None,
                    help="async save: this rank's file write raises OSError; every rank's error goes to OUT (JSON)")
     args = p.parse_args()
@@ -165,6 +169,11 @@ def main():
         messages = COMM.allgather(message)
         if COMM.Get_rank() == 0:
             write_json(args.out, messages)
+        if args.then_load:  # the failed load changed nothing: the previous checkpoint still loads here
+            engine.load_checkpoint(args.root, tag=args.then_load)
+            loaded = {f"saved/{k}": v for k, v in snapshot(engine).items()}
+            if COMM.Get_rank() == 0:
+                np.savez(args.then_out, **loaded)
         return
     out.update({f"final/{k}": v for k, v in snapshot(engine).items()})
     if COMM.Get_rank() == 0:
