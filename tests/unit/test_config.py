@@ -45,7 +45,7 @@ def test_field_order_matches_spec():
         "nvme_verify", "overlap_grad_reduce", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
         "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
         "quantize_weights", "quantize_grads", "quant_block", "grad_error_feedback",
-        "checkpoint_verify", "checkpoint_align_kib", "checkpoint_async_copy"]
+        "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy"]
 
 
 @pytest.mark.parametrize("key,value", [
@@ -177,6 +177,7 @@ BAD_VALUES = [
     ("quant_block", [0, 1, 3, 255, 65538, 256.0, True, "256", None]),
     ("grad_error_feedback", [1, "true", None]),
     ("checkpoint_verify", [1, "yes", None]),
+    ("checkpoint_direct_io", [0, "no", None]),
     ("checkpoint_align_kib", [0, 2, 6, 1000, 1 << 21, 4.0, True]),
     ("checkpoint_async_copy", [0, "no"]),
 ]

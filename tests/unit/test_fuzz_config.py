@@ -95,7 +95,7 @@ _KNOWN_VALID = {
     # quantization needs stage 1-3 and error feedback quantized gradients: test_fuzz_quantization
     "quantize_weights": st.just("none"), "quantize_grads": st.just("none"),
     "quant_block": st.integers(1, 32768).map(lambda k: 2 * k), "grad_error_feedback": st.just(False),
-    "checkpoint_verify": st.booleans(), "checkpoint_align_kib": st.sampled_from([1 << k for k in range(2, 21)]),
+    "checkpoint_verify": st.booleans(), "checkpoint_direct_io": st.booleans(), "checkpoint_align_kib": st.sampled_from([1 << k for k in range(2, 21)]),
     "checkpoint_async_copy": st.booleans(),
 }
 

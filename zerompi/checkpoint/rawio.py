@@ -9,6 +9,15 @@ is written: one pass over the data, and no re-read (a re-read right after writin
 page cache and proves only what the cache holds). The file is plain HDF5: every reader sees the
 same datasets, checksums and attributes as before.
 
+Direct I/O (``checkpoint_direct_io``, default on): the whole 4 KiB pages of each block go through
+a second descriptor opened with ``O_DIRECT``, from page-aligned memory (the data itself when it
+is aligned, else a bounded pool of staging buffers), and only a block's ragged tail through the
+page cache. A buffered write costs a copy into the page cache, the kernel's page bookkeeping and
+the flusher's writeback, about 1.4 s of CPU per GB here against 0.25 s for a staged direct
+write: on a machine whose cores train, that CPU is what an asynchronous save takes from the
+steps. A filesystem that refuses ``O_DIRECT`` (ramfs; at open or at the first write) gets
+buffered writes, the same bytes. The fsync at close still makes everything durable.
+
 Alignment (``checkpoint_align_kib``, default 1 MiB): every object of that many bytes or more
 starts on a multiple of it in the file (HDF5's H5Pset_alignment), so the large datasets begin on
 stripe boundaries. On Lustre set it to the stripe size (``lfs getstripe``: 1 MiB by default), on
@@ -27,6 +36,7 @@ and every dataset is read back and checked, so the check reads what reached the 
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -39,8 +49,10 @@ import numpy as np
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.errors import CheckpointError
+from zerompi.offload.aligned import ALIGN, BufferPool
 
 SMALL = 64 << 10  # bytes: smaller datasets are written through h5py
+STAGE = schema.CRC_BLOCK * 8  # bytes: a staging buffer holds one checksum block of any element size
 
 
 class WriteOptions(NamedTuple):
@@ -48,11 +60,13 @@ class WriteOptions(NamedTuple):
 
     align: int = 1 << 20   # bytes: objects at least this large start on a multiple of it
     verify: bool = False   # drop the written file from the page cache and read every checksum back
-    threads: int = 2       # blocks in flight per file
+    threads: int = 2       # blocks in flight per file (1: all on the caller's thread)
+    direct: bool = True    # whole pages through O_DIRECT where the filesystem allows it
 
     @classmethod
     def from_config(cls, cfg) -> "WriteOptions":
-        return cls(align=cfg.checkpoint_align_kib * 1024, verify=cfg.checkpoint_verify)
+        return cls(align=cfg.checkpoint_align_kib * 1024, verify=cfg.checkpoint_verify,
+                   direct=cfg.checkpoint_direct_io)
 
 
 def _blocks(start: int, stop: int) -> range:
@@ -84,6 +98,32 @@ class DataFile:
         except TypeError:  # an h5py without the alignment keywords (before 3.7): unaligned, still correct
             self.h5 = h5py.File(self.path, "w")
         self.fd = self.h5.id.get_vfd_handle() if self.h5.driver == "sec2" else None
+        self._direct = _open_direct(self.path) if options.direct and self.fd is not None else None
+        self._direct_ok = self._direct is not None  # False once a write refused O_DIRECT
+        self._staging = BufferPool(max(options.threads, 1), STAGE) if self._direct is not None else None
+        self._lock = threading.Lock()
+        self.direct_bytes = 0  # bytes that went through O_DIRECT (tests, benchmarks)
+
+    def _write(self, data: np.ndarray, at: int) -> None:
+        """``data`` (uint8) to file offset ``at``: its whole pages direct when ``at`` is page aligned,
+        the rest (and everything, without O_DIRECT) through the page cache."""
+        whole = len(data) // ALIGN * ALIGN if self._direct_ok and at % ALIGN == 0 else 0
+        if whole:
+            try:
+                if data.ctypes.data % ALIGN == 0:  # aligned memory (NVMe-offload shards): no staging copy
+                    _pwrite_all(self._direct, memoryview(data[:whole]), at)
+                else:
+                    with self._staging.lease() as buf:
+                        np.copyto(np.frombuffer(buf.view, np.uint8, whole), data[:whole])
+                        _pwrite_all(self._direct, buf.view[:whole], at)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_ok, whole = False, 0  # accepted at open, refused at the write: buffered from here
+            with self._lock:
+                self.direct_bytes += whole
+        if whole < len(data):
+            _pwrite_all(self.fd, memoryview(data[whole:]), at + whole)
 
     def put(self, name: str, data: np.ndarray) -> None:
         """Dataset ``name`` (1-D) with its checksums (bound to the file's header, written first)."""
@@ -101,27 +141,53 @@ class DataFile:
 
         def block(b: int) -> int:
             crc = schema.block_crc(flat[b * schema.CRC_BLOCK:(b + 1) * schema.CRC_BLOCK], binding, b)
-            view = memoryview(raw[b * step:(b + 1) * step])
-            done = 0
-            while done < len(view):  # pwrite may write less than asked
-                done += os.pwrite(self.fd, view[done:], offset + b * step + done)
+            self._write(raw[b * step:(b + 1) * step], offset + b * step)
             return crc
         crcs = _run(self.options.threads, [lambda b=b: block(b) for b in _blocks(0, flat.shape[0])])
         ds.attrs["crc32"] = np.asarray(crcs, dtype=np.uint32)
 
     def close(self) -> None:
         """Close the file (HDF5 writes its metadata), fsync it, and verify it when asked."""
+        self._close_direct()
         self.h5.close()
         fsync_path(self.path, evict=self.options.verify)  # evicted: the re-read comes from the disk
         if self.options.verify:
             verify_file(self.path)
 
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
     def abandon(self) -> None:
         """Close without the fsync, after a failure (the file is in a save's temporary directory)."""
+        self._close_direct()
         try:
             self.h5.close()
         except Exception:  # noqa: BLE001 - the original failure is what the caller reports
             pass
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second, O_DIRECT descriptor on ``path`` for whole pages; None where the filesystem refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None
+
+
+def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
+    done = 0
+    while done < len(view):  # pwrite may write less than asked
+        done += os.pwrite(fd, view[done:], at + done)
 
 
 def read_into(arr: schema.Array, start: int, stop: int, out: np.ndarray, threads: int = 2) -> None:

@@ -231,6 +231,7 @@ CHECKS: dict[str, Check] = {
     "quant_block": quant_block,
     "grad_error_feedback": boolean,
     "checkpoint_verify": boolean,
+    "checkpoint_direct_io": boolean,
     "checkpoint_align_kib": align_kib,
     "checkpoint_async_copy": boolean,
 }

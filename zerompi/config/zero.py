@@ -187,6 +187,11 @@ class ZeroConfig:
     """After each rank file of a checkpoint is written and fsynced, drop it from the page cache and
     read every checksum back from the disk (doubles the save's I/O). Off: the checksums are computed
     from memory as the data is written, and every load checks them."""
+    checkpoint_direct_io: bool = True
+    """Write checkpoint data with O_DIRECT (whole pages; a block's ragged tail and HDF5's metadata
+    through the page cache), which spends a fifth of the CPU of buffered writes and leaves the page
+    cache to training: what lets an asynchronous save run beside the steps. Filesystems that refuse
+    O_DIRECT get buffered writes anyway; False: buffered writes everywhere (the same bytes)."""
     checkpoint_align_kib: int = 1024
     """Checkpoint datasets of this many KiB or more start on a multiple of it in their file: set it to
     the stripe size on Lustre (1 MiB by default) or the block size on GPFS. A power of two, 4..1048576."""
