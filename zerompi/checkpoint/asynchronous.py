@@ -30,7 +30,8 @@ def save_async(engine, root: str | os.PathLike, tag: str | None = None,
         snap.fence.hold(range(len(snap.shards)))
         parts = captured_parts(snap, job.meta["state_keys"], rng, snap.config.checkpoint_async_copy,
                                include_frozen)
-        options = WriteOptions.from_config(snap.config)
+        # one thread, the save's own, whose priority is lowered (background.py): no I/O pool beside it
+        options = WriteOptions.from_config(snap.config)._replace(threads=1)
         def write():  # noqa: E306 - on the save's thread
             store.write(job.tmp, snap.shard_group, parts, job.save_id, options)
     publisher = (lambda: publish(job)) if engine.group.rank == 0 else None
