@@ -30,7 +30,9 @@ def save_async(engine, root: str | os.PathLike, tag: str | None = None,
         snap.fence.hold(range(len(snap.shards)))
         parts = captured_parts(snap, job.meta["state_keys"], rng, snap.config.checkpoint_async_copy,
                                include_frozen)
-        # one thread, the save's own, whose priority is lowered (background.py): no I/O pool beside it
+        # on the save's own thread alone, no I/O pool beside it: with O_DIRECT from page-aligned shards
+        # a write costs little CPU, and the steps keep the cores. (A lowered priority was tried: the
+        # save then lags, and a step that reaches a bucket it has not written waits at the fence.)
         options = WriteOptions.from_config(snap.config)._replace(threads=1)
         def write():  # noqa: E306 - on the save's thread
             store.write(job.tmp, snap.shard_group, parts, job.save_id, options)

@@ -56,19 +56,6 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def lower_priority(niceness: int = 19) -> bool:
-    """Make the calling thread yield the CPU to every other thread of the job (Linux keeps a nice
-    value per thread, so the training thread keeps its own): a save's CPU (checksums, copies,
-    system calls) then comes out of time the steps leave idle instead of out of the steps. The
-    write still goes on when training waits, and the fence makes a step that needs a bucket wait
-    for it. False where the system has no per-thread priority."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-        return True
-    except (AttributeError, OSError):
-        return False
-
-
 class BackgroundSave:
     """One asynchronous save in flight on this rank.
 
@@ -100,7 +87,6 @@ class BackgroundSave:
     # ---- the thread --------------------------------------------------------
     def _run(self) -> None:
         t0 = time.perf_counter()
-        lower_priority()
         try:
             if self._write is not None:
                 self._write()

@@ -143,6 +143,24 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[skip:skip + nbytes].view(dtype)
 
 
+def aligned_clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (flat) whose host memory starts on a 4 KiB boundary, so that checkpoints and
+    swap files move it with O_DIRECT and no staging copy; a plain clone elsewhere (pinned memory
+    and device tensors)."""
+    if t.device.type != "cpu" or t.is_pinned():
+        return t.clone()
+    out = aligned_empty(t.numel(), t.dtype)
+    out.copy_(t.reshape(-1))
+    return out.view(t.shape)
+
+
+def align_storage(t: torch.Tensor) -> None:
+    """Move a host tensor that does not start on a 4 KiB boundary (optimizer state torch allocated)
+    to memory that does, keeping the tensor object (optimizers key their state by it)."""
+    if t.device.type == "cpu" and t.numel() and t.data_ptr() % ALIGN and not t.is_pinned():
+        t.data = aligned_clone(t.detach())
+
+
 def create_file(path: str, direct: bool) -> tuple[int, bool]:
     """Create ``path`` exclusively; returns (fd, whether O_DIRECT is on)."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)

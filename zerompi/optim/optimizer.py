@@ -27,6 +27,7 @@ from zerompi.config.choices import DType, NonFinite
 from zerompi.dist.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
+from zerompi.offload.aligned import align_storage
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
@@ -167,6 +168,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.step()  # parameters without .grad are skipped by every torch optimizer
         for b in buckets:
             b.master.grad = None
+            for v in self.inner.state.get(b.master, {}).values():
+                if isinstance(v, torch.Tensor) and v.dim():
+                    align_storage(v)  # once, after torch allocated it: saves write it with O_DIRECT, uncopied
             b.publish()
 
     def _nonfinite(self) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from zerompi.dist.group import Work
 from zerompi.errors import UsageError, ZeroMPIError
+from zerompi.offload.aligned import aligned_clone
 from zerompi.offload.tiers import Resident, ShardTier, TierPlan
 from zerompi.shard.buffer import FlatBuffer
 from zerompi.shard.compression import Compression, GradCodes, WeightCodes
@@ -82,7 +83,7 @@ class Bucket:
         self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device)
         self.param_full.tensor.copy_(init)
         if plan.shard_params:
-            self.param_tier: ShardTier = tiers.param_tier(index, self.param_full.tensor[own].clone(),
+            self.param_tier: ShardTier = tiers.param_tier(index, aligned_clone(self.param_full.tensor[own]),
                                                           frozen=not plan.trains)
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
@@ -118,7 +119,7 @@ class Bucket:
         """The master, the gradient buffer and the gradient shard of a trainable bucket."""
         plan, placement, index, own = self.plan, self.placement, self.layout.index, self.own
         # The master starts from the fp32 values, not from their rounded copy.
-        master = init[own.start:own.stop].clone() if self.separate else self.param_tier.tensor
+        master = aligned_clone(init[own.start:own.stop]) if self.separate else self.param_tier.tensor
         self.master = tiers.place_master(index, master, self.separate)
         self.grad_full = FlatBuffer(self.layout.padded_numel, placement.dtype, placement.device, zero=True,
                                     allocated=not plan.shard_grads)
