@@ -168,3 +168,27 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes(tmp_path):
     if "mount" in proc.stderr and proc.returncode != 0:
         pytest.skip(f"cannot mount a ramfs here: {proc.stderr.strip()}")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_failed_reads_have_all_ended_when_the_error_is_raised():
+    """A load closes its files once the reads fail: no read may still be running then."""
+    import threading
+    import time
+
+    from zerompi.checkpoint.rawio import Reads
+    ended, lock = [], threading.Lock()
+
+    def task(i):
+        def run():
+            time.sleep(0.05 * (i % 3))
+            with lock:
+                ended.append(i)
+            if i == 1:
+                raise CheckpointError("block 1: checksum mismatch (test)")
+        return run
+    reads = Reads(threads=4)
+    reads.add([task(i) for i in range(6)])
+    reads.add([task(i) for i in range(6, 12)])
+    with pytest.raises(CheckpointError, match="block 1"):
+        reads.wait()
+    assert sorted(ended) == list(range(12))

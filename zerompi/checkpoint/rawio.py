@@ -39,7 +39,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import NamedTuple
 
@@ -78,14 +78,21 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
+def _pool(threads: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        return _pools.get(threads) or _pools.setdefault(threads, ThreadPoolExecutor(threads, "zerompi-ckpt-io"))
+
+
 def _run(threads: int, tasks: list) -> list:
     """Call every task (a zero-argument function) on up to ``threads`` threads; results in order.
-    The threads are made once per process and shared (a save's thread and the caller's never nest)."""
+    Every task has ended when this returns or raises (the first failure, in task order): the
+    caller may close the files they use. The threads are made once per process and shared (a
+    save's thread and the caller's never nest)."""
     if threads <= 1 or len(tasks) <= 1:
         return [t() for t in tasks]
-    with _pools_lock:
-        pool = _pools.get(threads) or _pools.setdefault(threads, ThreadPoolExecutor(threads, "zerompi-ckpt-io"))
-    return [f.result() for f in [pool.submit(t) for t in tasks]]
+    futures = [_pool(threads).submit(t) for t in tasks]
+    wait(futures)
+    return [f.result() for f in futures]
 
 
 class DataFile:
@@ -190,16 +197,43 @@ def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
         done += os.pwrite(fd, view[done:], at + done)
 
 
+READ_THREADS = 4  # blocks in flight while a load reads: enough to keep a disk's queue full
+
+
 def read_into(arr: schema.Array, start: int, stop: int, out: np.ndarray, threads: int = 2) -> None:
     """Elements ``[start, stop)`` of ``arr`` into ``out`` (as many elements, of the dataset's own
     type), every block they touch checked against its checksum."""
+    _run(threads, read_tasks(arr, start, stop, out))
+
+
+class Reads:
+    """Reads started as they are planned, on ``threads`` shared threads, so that opening and checking
+    the next datasets overlaps the reading of the previous ones. ``wait()`` returns once every read
+    has ended, raising the first failure: only then may the files be closed."""
+
+    def __init__(self, threads: int = READ_THREADS):
+        self._pool, self._futures = _pool(threads), []
+
+    def add(self, tasks: list) -> None:
+        self._futures += [self._pool.submit(t) for t in tasks]
+
+    def wait(self) -> None:
+        wait(self._futures)
+        for f in self._futures:
+            f.result()
+
+
+def read_tasks(arr: schema.Array, start: int, stop: int, out: np.ndarray) -> list:
+    """``read_into``'s reads as tasks to run later (:class:`Reads`), so that a load keeps the blocks of
+    every dataset in flight at once: ``arr``'s file must stay open until they have run. Storage that
+    is not one contiguous run of the file is read (through h5py) now, and gives no task."""
     ds, n = arr.ds, arr.length
     if not 0 <= start <= stop <= n:
         raise CheckpointError(f"{arr.where}: range [{start}, {stop}) outside [0, {n})")
     offset = ds.id.get_offset() if ds.file.driver == "sec2" else None
     if offset is None or out.dtype != arr.dtype or not out.flags.c_contiguous or stop == start:
         out[...] = schema.read_array(arr, start, stop)
-        return
+        return []
     fd, item = ds.file.id.get_vfd_handle(), arr.dtype.itemsize
     size = os.fstat(fd).st_size
     base = offset + arr.offset * item
@@ -220,4 +254,4 @@ def read_into(arr: schema.Array, start: int, stop: int, out: np.ndarray, threads
         if not whole:
             a, z = max(lo, start), min(hi, stop)
             out[a - start:z - start] = dest[a - lo:z - lo]
-    _run(threads, [lambda b=b: block(b) for b in _blocks(start, stop)])
+    return [lambda b=b: block(b) for b in _blocks(start, stop)]

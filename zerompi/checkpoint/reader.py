@@ -22,7 +22,7 @@ from zerompi.checkpoint import feedback, paths, schema
 from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.checkpoint.index import CheckpointIndex, Source
-from zerompi.checkpoint.rawio import read_into
+from zerompi.checkpoint.rawio import Reads, read_tasks
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 
 logger = get_logger(__name__)
@@ -82,23 +82,35 @@ class BucketData:
     scalars: dict[str, list] = field(default_factory=dict)
 
 
-def _read_bucket(shard: ShardSnapshot, index: CheckpointIndex, files, slot_of) -> BucketData:
+def _uncovered(numel: int, sources: list[Source]) -> list[tuple[int, int]]:
+    """The ranges of a shard of ``numel`` elements that no source fills (its padding)."""
+    gaps, at = [], 0
+    for s in sorted(sources, key=lambda s: s.dest):
+        if s.dest > at:
+            gaps.append((at, s.dest))
+        at = max(at, s.dest + s.stop - s.start)
+    return gaps + ([(at, numel)] if at < numel else [])
+
+
+def _read_bucket(shard: ShardSnapshot, index: CheckpointIndex, files, slot_of, reads: Reads) -> BucketData:
+    """Bucket ``shard``'s arrays, the reads that fill them started in ``reads`` (the caller waits)."""
     own = shard.own
     sources = []
     for piece in shard.layout.pieces(own):
         sources += index.locate(slot_of, piece.fqn, piece.param_start, piece.numel, piece.local_start)
     sources = merge(sources)
-    data = BucketData(np.zeros(own.numel, dtype=np.float32))
     keys = index.optimizer.get("state_keys", [])
-    for k in keys:
-        data.state[k] = np.zeros(own.numel, dtype=np.float32)
-    for s in sources:  # straight into the arrays that become the engine's state (rawio.read_into)
+    data = BucketData(np.empty(own.numel, dtype=np.float32), {k: np.empty(own.numel, dtype=np.float32) for k in keys})
+    for a, z in _uncovered(own.numel, sources):  # the reads fill the rest
+        for arr in (data.master, *data.state.values()):
+            arr[a:z] = 0
+    for s in sources:  # straight into the arrays that become the engine's state (rawio.read_tasks)
         n, length = s.stop - s.start, index.shard_length(s.bucket)
         master = files.dataset(s.rank, schema.master(s.bucket), length, FP32)
-        read_into(master, s.start, s.stop, data.master[s.dest:s.dest + n])
+        reads.add(read_tasks(master, s.start, s.stop, data.master[s.dest:s.dest + n]))
         for k in keys:
             ds = files.dataset(s.rank, schema.state(s.bucket, k), length, FP32)
-            read_into(ds, s.start, s.stop, data.state[k][s.dest:s.dest + n])
+            reads.add(read_tasks(ds, s.start, s.stop, data.state[k][s.dest:s.dest + n]))
     if sources:
         data.scalars = index.optimizer["scalars"][sources[0].bucket]
     return data
@@ -169,9 +181,11 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
     _check_compatible(engine, snap, index, directory)
     files = open_shards(directory, index)
     source = FrozenSource(index, files, directory)
+    reads = Reads()  # every bucket's reads in flight while the next datasets are opened and checked
     try:
         slot_of = index.slot_of()
-        buckets = [_read_bucket(shard, index, files, slot_of) for shard in snap.shards]
+        buckets = [_read_bucket(shard, index, files, slot_of, reads) for shard in snap.shards]
+        reads.wait()
         frozen = [_read_frozen(shard, source) for shard in snap.frozen] if index.frozen_saved else None
         replicated = _read_replicated(engine, snap, index, directory, source)
         rng = cuda_rng = None  # per-rank RNG streams come back when the job has the same flat layout
@@ -184,9 +198,17 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
                       snap.hierarchical)
         residuals = feedback.read(snap, index, files, directory)
     finally:
+        _quietly(reads.wait)  # no read may still use a file (a failure above is the one reported)
         source.close()
         files.close()
     return Loaded(index, buckets, rng, replicated, cuda_rng, frozen, residuals)
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - raised again by the caller's own wait, or superseded
+        pass
 
 
 def _read_frozen(shard: ShardSnapshot, source: FrozenSource) -> np.ndarray:
