@@ -45,8 +45,8 @@ SAVE_PARTS = {  # label -> seconds, from one rank's timers (see the worker's ins
     "HDF5 metadata, close": lambda p: p.get("close", 0) - p.get("fsync@close", 0),
     "fsync of the rank file": lambda p: p.get("fsync@close", 0),
     "index.h5, renames, latest (rank 0)": lambda p: p.get("publish", 0)}
-LOAD_PARTS = {"pread + checksums into the load's arrays": lambda p: p.get("read@prepare", 0),
-              "index, checks, allocation": lambda p: p.get("prepare", 0) - p.get("read@prepare", 0),
+LOAD_PARTS = {"waiting for the reads (pread + checksums into the load's arrays)": lambda p: p.get("read@prepare", 0),
+              "index, checks, allocation (the reads run meanwhile)": lambda p: p.get("prepare", 0) - p.get("read@prepare", 0),
               "apply to the engine": lambda p: p.get("apply", 0)}
 ASYNC = {"zerompi async (live shards)": ("zerompi", "async_False", "step_False"),
          "zerompi async (checkpoint_async_copy)": ("zerompi", "async_True", "step_True"),

@@ -201,7 +201,7 @@ def instrument(timers: Timers) -> None:
     timers.wrap(writer, "publish", "publish", phase=True)      # rank 0: index.h5, renames, latest
     timers.wrap(reader, "prepare", "prepare", phase=True)
     timers.wrap(reader, "apply", "apply", phase=True)
-    timers.wrap(reader, "read_into", "read")                   # pread + checksums into the load's arrays
+    timers.wrap(rawio.Reads, "wait", "read")  # waiting for the reads (pread + checksums), started as planned
 
 
 def proc_status_bytes(key: str) -> int:
