@@ -26,7 +26,8 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # The LoRA rows (bench_capacity.py --lora, bench_lora_steps.py): Hugging Face Llama + PEFT, as
 # zerompi's test extra pins them; torch is already there, so they add no other torch.
 "${PIP[@]}" "transformers>=4.46" "peft>=0.13"
-"${PIP[@]}" -e .
+# the nvme extra: zlib-ng's CRC-32, as the test venv has it (jobs/setup.sh), so checkpoint rows match
+"${PIP[@]}" -e ".[nvme]"
 command -v g++ >/dev/null || echo "warning: g++ not found; DeepSpeed rows need it (apt-get install g++)" >&2
 DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'EOF'
 import torch, mpi4py.MPI as M, deepspeed, matplotlib, transformers, peft, zerompi
