@@ -424,3 +424,14 @@ def test_streamed_optimizer_state_moves_without_staging(tmp_path):
             with res.resident(i):
                 assert torch.equal(m, reference[i])
                 assert torch.equal(inner.state[m]["exp_avg"], ref_opt.state[reference[i]]["exp_avg"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=lambda d: str(d).removeprefix("torch."))
+def test_aligned_tensors_are_no_views_so_release_frees_them(dtype):
+    """A view keeps its base alive through ``_base``: a released shard would keep its whole storage."""
+    from zerompi.offload.aligned import aligned_clone
+    flat, square = _tensor(4900, dtype), _tensor(4900, dtype).view(70, 70)
+    for t, like in ((aligned_empty(4900, dtype), None), (aligned_clone(flat), flat), (aligned_clone(square), square)):
+        assert t.data_ptr() % 4096 == 0 and t._base is None
+        if like is not None:
+            assert t.shape == like.shape and torch.equal(t, like)

@@ -137,10 +137,10 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
     The swapper moves such tensors' whole blocks without a staging copy.
     """
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip:skip + nbytes].view(dtype)
+    item = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(numel * item + ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN  # a multiple of the allocator's 64-byte alignment: whole elements
+    return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), skip // item, (numel,))  # not a view
 
 
 def aligned_clone(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,11 @@ def aligned_clone(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
     out = aligned_empty(t.numel(), t.dtype)
     out.copy_(t.reshape(-1))
-    return out.view(t.shape)
+    # set_, not view(): a view keeps its base, and the whole storage, alive through ``_base`` after
+    # ``release`` has swapped its data for an empty tensor (a released swap-file shard would stay)
+    if t.dim() == 1:
+        return out
+    return torch.empty(0, dtype=t.dtype).set_(out.untyped_storage(), out.storage_offset(), t.shape)
 
 
 def align_storage(t: torch.Tensor) -> None:
