@@ -36,8 +36,12 @@ def test_step_traffic_matches_the_model(tmp_path, dtype):
     step()  # its backward reads the first unit ahead for the next forward: from here on every step alike
     before = engine.stats
     read0, written0 = before.swap_read_bytes, before.swap_write_bytes
+    ahead = [b.grads.tier.read_ahead for b in engine.sharded.buckets]
     step()
     after = engine.stats
+    # the step reads each gradient but the first while it updates the bucket before: bytes unchanged
+    assert [b.grads.tier.read_ahead - a for b, a in zip(engine.sharded.buckets, ahead)] == \
+        [0] + [1] * (len(ahead) - 1)
     fp32 = sum(round_up(b.own.numel * 4) for b in engine.sharded.buckets)  # one fp32 tensor per bucket
     compute = fp32 if dtype == "fp32" else sum(round_up(b.own.numel * 2) for b in engine.sharded.buckets)
     assert after.swap_read_bytes - read0 == (2 + 1) * compute + 3 * fp32

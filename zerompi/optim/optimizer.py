@@ -139,6 +139,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for batch in self.store.batches():
             for i in batch:
                 self.fence.wait(i)  # a background save may still be taking this bucket
+            if batch[-1] + 1 < len(self.buckets):  # streamed (NVMe): the next gradient is read meanwhile
+                self.buckets[batch[-1] + 1].grads.prefetch()
             buckets = [self.buckets[i] for i in batch]
             self._update(buckets, [b.grads.take(scale, coef) for b in buckets])
         self.zero_grad()

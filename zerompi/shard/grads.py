@@ -80,6 +80,11 @@ class GradShard:
             g.mul_(coef)
         return g
 
+    def prefetch(self) -> None:
+        """Start reading a swapped-out gradient, so that ``take`` finds it in memory."""
+        if not self.fresh and not self.tier.stays_resident:
+            self.tier.prefetch()
+
     def peek(self) -> torch.Tensor:
         """The current gradient in fp32 (zeros when fresh), without the step's caching."""
         if self.fresh:
