@@ -284,3 +284,38 @@ def test_shards_and_optimizer_state_start_on_page_boundaries(stage, dtype):
                 assert not (isinstance(v, torch.Tensor) and v.dim()) or v.data_ptr() % 4096 == 0, k
     finally:
         engine.close()
+
+
+def test_frozen_units_are_released_as_backward_leaves_them():
+    """Stage 3 LoRA-style: a deep frozen stack with small trainable heads in every layer. Frozen
+    buckets have no gradient hook; each is released once the gradients of its unit's inputs exist,
+    so backward holds a couple of units gathered, not the whole frozen base."""
+    from zerompi.shard.bucket import BucketState
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = nn.Linear(32, 32).requires_grad_(False)
+            self.adapter = nn.Linear(32, 32, bias=False)
+
+        def forward(self, x):
+            return torch.tanh(self.base(x) + self.adapter(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Layer() for _ in range(8)])
+    cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=0.05, bucket_mb=32 * 33 * 4 / 2**20, cpu_threads=1,
+                             device="cpu", abort_on_exception=False)  # one layer a gather unit
+    engine = zerompi.initialize(model, cfg, comm=MPI.COMM_SELF)
+    seen = []
+    for layer in model:
+        layer.register_full_backward_pre_hook(
+            lambda *_: seen.append(sum(b.state is not BucketState.SHARDED for b in engine.sharded.frozen)))
+    try:
+        x = torch.randn(4, 32, requires_grad=True)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        assert len(engine.sharded.frozen) >= 8 and len(seen) == 8
+        assert max(seen) <= 2, seen  # the unit in backward and the one before it (read ahead)
+        assert all(b.state is BucketState.SHARDED for b in engine.sharded.frozen)
+    finally:
+        engine.close()

@@ -80,8 +80,11 @@ class Bucket:
         self.separate = plan.trains and (dtype != torch.float32 or tiers.moves_state
                                          or (weights is not None and not plan.shard_params))
 
-        self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device)
-        self.param_full.tensor.copy_(init)
+        if init.dtype == dtype and not plan.trains:  # frozen: the values are all it keeps, in place
+            self.param_full = FlatBuffer.holding(init)
+        else:
+            self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device)
+            self.param_full.tensor.copy_(init)
         if plan.shard_params:
             self.param_tier: ShardTier = tiers.param_tier(index, aligned_clone(self.param_full.tensor[own]),
                                                           frozen=not plan.trains)

@@ -25,6 +25,17 @@ class FlatBuffer:
         if not allocated:
             self.free()
 
+    @classmethod
+    def holding(cls, tensor: torch.Tensor) -> "FlatBuffer":
+        """A buffer over ``tensor``'s own storage (1-D, the whole of it), which it takes over: no copy."""
+        if tensor.dim() != 1 or tensor.storage_offset() or \
+                tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            raise ZeroMPIError("FlatBuffer.holding: the tensor must be 1-D and the whole of its storage")
+        buf = cls.__new__(cls)
+        buf.numel, buf.dtype, buf.tensor = tensor.numel(), tensor.dtype, tensor
+        buf._nbytes = tensor.untyped_storage().nbytes()
+        return buf
+
     @property
     def is_allocated(self) -> bool:
         return self.tensor.untyped_storage().nbytes() > 0

@@ -8,14 +8,18 @@ Three kinds of hooks, each a one-liner into the owner:
 * stage 3, per gather unit, forward pre-hook and forward hook: gather the
   unit's parameters before its forward and release them after;
 * stage 3, on the unit's forward outputs, tensor hooks: the gradient of the
-  output exists, so the unit's backward is next and needs its parameters.
+  output exists, so the unit's backward is next and needs its parameters;
+* stage 3, on the unit's forward inputs, an identity autograd function whose
+  backward runs once the gradients of its inputs exist: the unit's backward
+  has run (FSDP2's post-backward), which frozen parameters, having no
+  gradient hook, need to be released before the end of the whole backward.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 
@@ -30,12 +34,26 @@ class HookSet:
         for p in params:
             self._handles.append(p.register_post_accumulate_grad_hook(fn))
 
-    def around_forward(self, module: torch.nn.Module, before: Callable[[], None],
+    def around_forward(self, module: torch.nn.Module, before: Callable[[tuple, dict], Any],
                        after: Callable[[Any], None]) -> None:
+        """``before(args, kwargs)`` may return replacement ``(args, kwargs)`` (or None)."""
         # prepend: our gather must run before any user pre-hook reads the weights
         self._handles.append(module.register_forward_pre_hook(
-            lambda _m, _args, _kwargs: before(), prepend=True, with_kwargs=True))
+            lambda _m, args, kwargs: before(args, kwargs), prepend=True, with_kwargs=True))
         self._handles.append(module.register_forward_hook(lambda _m, _args, out: after(out)))
+
+    @staticmethod
+    def after_backward_of(args: tuple, kwargs: dict, fn: Callable[[], None]) -> tuple[tuple, dict] | None:
+        """``(args, kwargs)`` whose tensors that require grad pass through an identity function calling
+        ``fn`` in backward, once the gradients of all of them exist; None when none requires grad
+        (then nothing tells when the module's backward is done)."""
+        leaves, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            return None
+        for i, t in zip(at, _AfterBackward.apply(fn, *(leaves[i] for i in at))):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
 
     @staticmethod
     def before_backward_of(output: Any, fn: Callable[[], None]) -> int:
@@ -49,3 +67,17 @@ class HookSet:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on tensors; its backward calls ``fn`` before passing the gradients on."""
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
+        return tensors  # as they are (no copy), as FSDP2's post-backward function returns its inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fn()
+        return (None, *grads)

@@ -126,6 +126,10 @@ class ShardedModel:
         # requires_grad as planned: a change after initialize would silently train the wrong set
         self._planned = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         named = [(n, p) for n, p, trains in self._planned if trains]
+        uses: dict[int, int] = {}
+        for _, p in module.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        self._tied = {i for i, n in uses.items() if n > 1}  # ids of parameters of several modules
         self.units: list[Unit] = []
         self._persistent: set[int] = set()  # stage 3: indices of buckets whose parameters stay gathered
         plans = self._plan(options.cap_numel, options.param_group, options.persistence_threshold)
@@ -144,7 +148,7 @@ class ShardedModel:
         self.hooks.on_grad_ready([p for _, p in named], self._on_grad_ready)
         for unit in self.units:
             for entry in unit.entries:
-                self.hooks.around_forward(entry, lambda u=unit, m=entry: self._pre_forward(u, m),
+                self.hooks.around_forward(entry, lambda a, k, u=unit, m=entry: self._pre_forward(u, m, a, k),
                                           lambda out, u=unit, m=entry: self._post_forward(u, m, out))
         self._log_plan()
 
@@ -199,9 +203,12 @@ class ShardedModel:
         dtype = self.placement.dtype if frozen else torch.float32
         init = torch.zeros(layout.padded_numel, dtype=dtype, device=self.placement.device)
         for p, slot in zip(params, layout.slots):
-            if p.is_meta:  # deferred initialisation: this bucket's modules become real now
+            deferred = p.is_meta
+            if deferred:  # deferred initialisation: this bucket's modules become real now
                 self.materialize(slot.fqn)
             init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            if deferred and id(p) not in self._tied:  # in the bucket now: the full tensor may go before
+                p.data = p.data.new_empty(0)            # the next one (a tied one is another module's too)
         # every rank starts from rank 0's values, as DDP does
         self.groups.world.broadcast(init, what=f"initial values of {'frozen ' if frozen else ''}bucket {layout.index}")
         placement = self.placement
@@ -244,14 +251,28 @@ class ShardedModel:
                   len(self.buckets) + len(self.frozen), len(self.frozen), self.placement.world_size, "\n".join(rows))
 
     # ---- forward / backward events ---------------------------------------
-    def _pre_forward(self, unit: Unit, entry: nn.Module) -> None:
+    def _pre_forward(self, unit: Unit, entry: nn.Module, args: tuple, kwargs: dict):
         logger.debug("pre-forward %s", unit.fqn or "<root>")
         self._gather(unit)
         if unit.active is not None:  # an enclosing entry of the same unit gathered it
-            return
+            return None
         unit.active = entry
-        if not self.in_backward:  # not during recomputation under activation checkpointing
-            self._prefetch(self.prefetcher.forward(unit, root=unit.fqn == ""))
+        if self.in_backward:  # recomputation under activation checkpointing
+            return None
+        self._prefetch(self.prefetcher.forward(unit, root=unit.fqn == ""))
+        if torch.is_grad_enabled() and any(b.plan.shard_params and not b.plan.trains for b in unit.buckets):
+            # frozen buckets have no gradient to tell when their unit's backward is over: the
+            # gradients of its inputs do (else they wait for the end of the backward)
+            return self.hooks.after_backward_of(args, kwargs, lambda: self._post_backward(unit))
+        return None
+
+    def _post_backward(self, unit: Unit) -> None:
+        """The unit's backward has run: its frozen buckets are released (trainable ones are, once
+        their gradients are reduced)."""
+        logger.debug("post-backward %s", unit.fqn or "<root>")
+        for b in unit.buckets:
+            if not b.plan.trains:
+                b.reshard()
 
     def _gather(self, unit: Unit) -> None:
         for b in unit.buckets:
