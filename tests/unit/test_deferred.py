@@ -57,3 +57,16 @@ def test_modules_without_reset_parameters_need_param_init():
     with pytest.raises(UsageError, match="left w of module '0' on the meta device"):
         Materializer(fresh, torch.device("cpu"), lambda mod: torch.utils.swap_tensors(
             mod.w, nn.Parameter(torch.empty(2, device="meta"))))("0.w")
+
+
+def test_frozen_parameters_are_made_in_the_dtype_their_bucket_keeps():
+    """Stage 3 keeps frozen parameters in the compute dtype only: param_init writes them there, and
+    the trainable ones of the same module stay fp32 (their master's values)."""
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(3, 4))
+    m[0].weight.requires_grad_(False)
+    seen = {}
+    Materializer(m, torch.device("cpu"), lambda mod: seen.update(w=mod.weight.dtype, b=mod.bias.dtype),
+                 frozen_dtype=torch.bfloat16)("0.weight")
+    assert seen == {"w": torch.bfloat16, "b": torch.float32}
+    assert m[0].weight.dtype == torch.bfloat16 and not m[0].weight.requires_grad

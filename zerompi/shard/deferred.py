@@ -53,10 +53,15 @@ def to_device(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 class Materializer:
-    """Makes a parameter real: materialises and initialises the module that owns it, once."""
+    """Makes a parameter real: materialises and initialises the module that owns it, once.
 
-    def __init__(self, module: nn.Module, device: torch.device, param_init: ParamInit | None):
-        self.module, self.device = module, device
+    ``frozen_dtype``: frozen parameters are made in it (stage 3's compute dtype, all their bucket
+    keeps), so that ``param_init`` writes them there directly: a bf16 base never exists in fp32,
+    not even one module at a time (for a 32000 x 2048 embedding that is 262 MB against 131)."""
+
+    def __init__(self, module: nn.Module, device: torch.device, param_init: ParamInit | None,
+                 frozen_dtype: torch.dtype | None = None):
+        self.module, self.device, self.frozen_dtype = module, device, frozen_dtype
         self.param_init = param_init or reset_parameters
         self._done: set[int] = set()
 
@@ -68,7 +73,8 @@ class Materializer:
         own = dict(owner.named_parameters(recurse=False))
         kept = {}  # parameters already real (tied to a module materialised before): untouched
         for n, p in own.items():
-            scratch = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+            dtype = self.frozen_dtype if self.frozen_dtype is not None and not p.requires_grad else p.dtype
+            scratch = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=self.device),
                                    requires_grad=p.requires_grad)
             # Swap in place: the Parameter object (its param group, hooks) stays the same.
             torch.utils.swap_tensors(p, scratch)

@@ -118,7 +118,8 @@ class ShardedModel:
         self.plan = placement.plan
         self.groups = groups
         self.tiers = tiers
-        self.materialize = Materializer(module, placement.device, options.param_init)
+        self.materialize = Materializer(module, placement.device, options.param_init,
+                                        placement.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
