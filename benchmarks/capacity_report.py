@@ -191,16 +191,23 @@ def _measurements(study: Study, data: dict) -> list[str]:
     return lines
 
 
-def traffic(row: dict, m: dict) -> str:
-    """A trained NVMe trial's swap traffic in its last step (both ranks) and the time the disk needs for it
-    at the raw O_DIRECT bandwidths measured before the mode's trials (cells: traffic | limit)."""
+def swap_traffic(row: dict, m: dict) -> tuple[float, float, float | None] | None:
+    """A trained NVMe trial's swap bytes in its last step (read, written; both ranks) and the seconds the
+    disk needs for them at the raw O_DIRECT bandwidths measured before the mode's trials (None unmeasured)."""
     steps = [x.get("swap_bytes_per_step") for x in row["ranks"]]
     if not all(steps) or not any(sum(s[-1]) for s in steps):
-        return " | "
+        return None
     read, written = (sum(s[-1][i] for s in steps) for i in (0, 1))
     raw = m.get("raw_disk")
-    limit = f"{read / GiB / raw['read'] + written / GiB / raw['write']:.1f}" if raw else "no raw measurement"
-    return f"{read / GiB:.2f} / {written / GiB:.2f} | {limit}"
+    return read, written, (read / GiB / raw["read"] + written / GiB / raw["write"] if raw else None)
+
+
+def traffic(row: dict, m: dict) -> str:
+    """The trial table's cells: traffic | limit."""
+    t = swap_traffic(row, m)
+    if t is None:
+        return " | "
+    return f"{t[0] / GiB:.2f} / {t[1] / GiB:.2f} | " + (f"{t[2]:.1f}" if t[2] is not None else "no raw measurement")
 
 
 def _trials(data: dict) -> list[str]:
@@ -253,7 +260,29 @@ def gpt_readings(data: dict) -> list[str]:
                  "parameters, well past what this disk holds or this CPU trains in reasonable time.")
     if "stage3+nvme" in best:
         out.append(text)
-    return out
+    return out + nvme_step(data)
+
+
+def nvme_step(data: dict) -> list[str]:
+    """The largest NVMe trial's step against max(its traffic limit, its compute); compute is the line
+    through the in-memory stage-3 trials' s/step against parameters (least squares), extrapolated."""
+    ok = {mode: [r for r in data["rows"] if r["mode"] == mode and r["ok"]] for mode in ("stage3", "stage3+nvme")}
+    if not ok["stage3+nvme"] or len(ok["stage3"]) < 2:
+        return []
+    big = max(ok["stage3+nvme"], key=lambda r: r["params"])
+    t = swap_traffic(big, data["measurements"]["stage3+nvme"])
+    if t is None or t[2] is None:
+        return []
+    xs, ys = [r["params"] for r in ok["stage3"]], [r["step_s"][-1] for r in ok["stage3"]]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    compute, step = my + slope * (big["params"] - mx), big["step_s"][-1]
+    ratio = step / max(t[2], compute)
+    return [f"At the largest NVMe model ({big['params'] / 1e6:.0f}M parameters) the last step took {step:.1f} s. "
+            f"Its swap traffic, {t[0] / GiB:.1f} GiB read and {t[1] / GiB:.1f} GiB written (both ranks, one disk), "
+            f"needs {t[2]:.1f} s at the raw O_DIRECT bandwidth; the compute, extrapolated from the stage3 trials "
+            f"(in memory, {slope * 1e9:.1f} s per billion parameters), about {compute:.1f} s. The step is "
+            f"{ratio:.2f}× the larger of the two (target ≤ 1.3×: {'met' if ratio <= 1.3 else 'not met'})."]
 
 
 def nvme_slope(data: dict) -> tuple[float, float] | None:
