@@ -112,6 +112,8 @@ class Engine:
         # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.
         ahead = cfg.prefetch_units or (1 if cfg.offload.params == Offload.NVME else 0)
         overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.overlap.progress == Progress.TEST)
+        if cfg.return_freed_memory:
+            offload.return_freed_memory()
         swapper, error = None, None
         try:
             swapper = offload.open_swapper(cfg.offload, self.rank)

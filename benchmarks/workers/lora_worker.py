@@ -46,6 +46,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "jobs"), str(ROOT / "benchmarks" / "peers"
 ZEROMPI_MODES = {
     "stage0": dict(stage=0),
     "stage3": dict(stage=3),
+    "stage3-lean": dict(stage=3, return_freed_memory=True),  # freed blocks go back to the OS: slower, leaner
     "stage3+cpu": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
     "stage3+nvme": dict(stage=3, offload_optimizer="nvme", offload_params="nvme"),
 }

@@ -42,7 +42,7 @@ def test_field_order_matches_spec():
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
-        "nvme_verify", "overlap_grad_reduce", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
+        "nvme_verify", "return_freed_memory", "overlap_grad_reduce", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
         "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
         "quantize_weights", "quantize_grads", "quant_block", "grad_error_feedback",
         "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy"]
@@ -178,6 +178,7 @@ BAD_VALUES = [
     ("grad_error_feedback", [1, "true", None]),
     ("checkpoint_verify", [1, "yes", None]),
     ("checkpoint_direct_io", [0, "no", None]),
+    ("return_freed_memory", [1, "yes", None]),
     ("checkpoint_align_kib", [0, 2, 6, 1000, 1 << 21, 4.0, True]),
     ("checkpoint_async_copy", [0, "no"]),
 ]

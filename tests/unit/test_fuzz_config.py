@@ -85,7 +85,7 @@ _KNOWN_VALID = {
     "cpu_threads": st.one_of(st.none(), st.integers(1, 64)), "device": st.sampled_from(["auto", "cpu", "cuda"]),
     "cuda_aware_mpi": st.sampled_from(["auto", "on", "off"]), "offload_optimizer": st.just("none"),
     "offload_params": st.just("none"), "nvme_path": st.one_of(st.none(), TEXT.filter(bool)),
-    "pin_memory": st.booleans(), "nonfinite": st.sampled_from(["raise", "skip"]),
+    "pin_memory": st.booleans(), "return_freed_memory": st.booleans(), "nonfinite": st.sampled_from(["raise", "skip"]),
     "debug_collectives": st.booleans(), "collective_timeout": st.one_of(st.none(), _POS),
     "abort_on_exception": st.booleans(), "checkpoint_layout": st.sampled_from(["auto", "per_rank"]),
     # a decaying schedule needs total_steps > warmup_steps and min_lr <= lr: test_fuzz_decaying_schedules

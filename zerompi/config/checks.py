@@ -210,6 +210,7 @@ CHECKS: dict[str, Check] = {
     "nvme_threads": lambda k, v: integer(k, v, 1, 64),
     "nvme_buffers": lambda k, v: integer(k, v, 1, 1024),
     "nvme_verify": boolean,
+    "return_freed_memory": boolean,
     "overlap_grad_reduce": boolean,
     "prefetch_units": lambda k, v: integer(k, v, 0, 8),
     "mpi_progress": _of(Progress),

@@ -13,7 +13,7 @@ from zerompi.offload.residency import InMemory, NVMeResidency
 from zerompi.offload.tiers import Resident, ShardTier, Swapped, TierPlan
 
 __all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "Resident", "ShardTier", "SwapConfig", "Swapped",
-           "TierPlan", "aligned_empty", "open_swapper"]
+           "TierPlan", "aligned_empty", "open_swapper", "return_freed_memory"]
 
 
 def open_swapper(policy, rank: int) -> NVMeSwapper | None:

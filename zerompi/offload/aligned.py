@@ -123,8 +123,11 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
     streaming shard after shard through memory then grows the resident set with the
     model (measured: ~1 GiB per rank at 100M parameters, 0.4 GiB with this). A fixed
     threshold maps every large block and unmaps it on free. Costs a page fault per page
-    of each new large block; returns False where the C library has no ``mallopt``.
+    of each new large block; returns False where the C library has no ``mallopt``, or
+    where ``MALLOC_MMAP_THRESHOLD_`` in the environment already chose the threshold.
     """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
