@@ -34,6 +34,7 @@ from peers import repeats as rp  # noqa: E402
 
 ROWS = {  # row key: what the report calls it, and what its collectives go through
     "stage3": ("zerompi stage 3", "MPI (MPICH shared memory)"),
+    "stage3-lean": ("zerompi stage 3, return_freed_memory", "MPI (MPICH shared memory)"),
     "stage0": ("zerompi stage 0", "MPI (MPICH shared memory)"),
     "deepspeed-zero3": ("DeepSpeed ZeRO-3 (defaults)", "torch.distributed gloo over TCP loopback"),
     "deepspeed-zero3-lean": ("DeepSpeed ZeRO-3 (lean)", "torch.distributed gloo over TCP loopback"),
