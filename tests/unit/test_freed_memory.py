@@ -62,3 +62,32 @@ def test_freed_blocks_leave_the_process_only_when_asked(stage):
 
 def test_an_environment_threshold_wins():
     assert _mapped(3, True, {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}) == 0
+
+
+TRIM = """
+import json, torch
+from zerompi.offload.aligned import trim_heap
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+big = torch.empty(16 << 18)  # freeing a 16 MiB block raises glibc's threshold: 4 MiB blocks then come from the heap
+del big
+blocks, pins = [], []
+for _ in range(32):
+    blocks.append(torch.ones(1 << 20))  # 4 MiB, touched
+    pins.append(torch.ones(1 << 16))    # 256 KiB: keeps each hole inside the heap, where only a trim reaches
+del blocks
+before = rss()
+ok = trim_heap()
+print(json.dumps({"ok": ok, "freed": before - rss()}))
+"""
+
+
+def test_trim_heap_returns_the_holes_freed_tensors_leave():
+    """What the optimizer calls after moving its state to aligned copies, and the build after its shards."""
+    proc = subprocess.run([sys.executable, "-c", TRIM], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["ok"] and res["freed"] > 64 << 20, res  # of the 128 MiB freed

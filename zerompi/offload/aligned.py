@@ -161,11 +161,26 @@ def aligned_clone(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype).set_(out.untyped_storage(), out.storage_offset(), t.shape)
 
 
-def align_storage(t: torch.Tensor) -> None:
+def align_storage(t: torch.Tensor) -> bool:
     """Move a host tensor that does not start on a 4 KiB boundary (optimizer state torch allocated)
-    to memory that does, keeping the tensor object (optimizers key their state by it)."""
+    to memory that does, keeping the tensor object (optimizers key their state by it); whether it moved."""
     if t.device.type == "cpu" and t.numel() and t.data_ptr() % ALIGN and not t.is_pinned():
         t.data = aligned_clone(t.detach())
+        return True
+    return False
+
+
+def trim_heap() -> bool:
+    """Give the free pages inside glibc's heap back to the OS (``malloc_trim``). After tensors were
+    moved to aligned copies, the holes they left are a page too small for the next copy, so glibc
+    would keep them unused (a stage-3 GPT's optimizer state: +300 MB per rank at its peak). False
+    where the C library has no ``malloc_trim``."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)  # returns whether any memory went back, which may rightly be none
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def create_file(path: str, direct: bool) -> tuple[int, bool]:

@@ -27,7 +27,7 @@ from zerompi.config.choices import DType, NonFinite
 from zerompi.dist.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
-from zerompi.offload.aligned import align_storage
+from zerompi.offload.aligned import align_storage, trim_heap
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
@@ -168,12 +168,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b, g in zip(buckets, grads):
             b.master.grad = g
         self.inner.step()  # parameters without .grad are skipped by every torch optimizer
+        moved = False
         for b in buckets:
             b.master.grad = None
             for v in self.inner.state.get(b.master, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim():
-                    align_storage(v)  # once, after torch allocated it: saves write it with O_DIRECT, uncopied
+                    moved |= align_storage(v)  # once, after torch allocated it: saves write it with O_DIRECT, uncopied
             b.publish()
+        if moved:
+            trim_heap()  # what the moved state left behind
 
     def _nonfinite(self) -> None:
         """Name where NaN/Inf gradients came from, then raise everywhere or skip everywhere."""

@@ -22,6 +22,7 @@ from torch import nn
 from zerompi.dist.topology import Groups
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
+from zerompi.offload.aligned import trim_heap
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.deferred import Materializer, ParamInit
@@ -135,6 +136,7 @@ class ShardedModel:
         self._persistent: set[int] = set()  # stage 3: indices of buckets whose parameters stay gathered
         plans = self._plan(options.cap_numel, options.param_group, options.persistence_threshold)
         built = [self._build(layout, frozen) for layout, frozen in plans]
+        trim_heap()  # the full tensors each build copied out of, and the shards' unaligned first copies
         self.buckets = [b for b in built if b.plan.trains]
         """The trainable buckets, indexed by their layout's index (the optimizer's and the checkpoint's)."""
         self.frozen = [b for b in built if not b.plan.trains]
