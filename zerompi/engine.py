@@ -112,8 +112,8 @@ class Engine:
         # Swapped parameter shards are read one unit ahead even when gathers are not prefetched.
         ahead = cfg.prefetch_units or (1 if cfg.offload.params == Offload.NVME else 0)
         overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.overlap.progress == Progress.TEST)
-        if cfg.return_freed_memory:
-            offload.return_freed_memory()
+        if cfg.return_freed_memory or cfg.offload.uses_nvme:  # NVMe: shards stream through memory, what
+            offload.return_freed_memory()                        # is freed must leave the process
         swapper, error = None, None
         try:
             swapper = offload.open_swapper(cfg.offload, self.rank)

@@ -106,7 +106,8 @@ class ZeroConfig:
     freed. glibc's default raises the threshold as large blocks are freed and keeps later ones on its
     heap for reuse: faster (no page faults), but stage 3's gathered units then leave the resident set
     higher than what is live. True trades time for peak host memory (LoRA at stage 3: 24% less peak
-    per rank, steps 1.27x slower, benchmarks/results/lora_steps.md); NVMe offload always does it. Process-wide; a ``MALLOC_MMAP_THRESHOLD_`` in the environment wins."""
+    per rank, steps 1.27x slower, benchmarks/results/lora_steps.md); NVMe offload always does it.
+    Process-wide; a ``MALLOC_MMAP_THRESHOLD_`` in the environment wins."""
     overlap_grad_reduce: bool = False
     """Start each bucket's gradient reduce-scatter non-blocking as soon as backward has filled it,
     and wait for all of them when backward ends (stages 1-3), instead of reducing in place."""

@@ -22,7 +22,6 @@ def open_swapper(policy, rank: int) -> NVMeSwapper | None:
     ``policy`` is the config's :class:`~zerompi.config.policies.OffloadPolicy`."""
     if not policy.uses_nvme:
         return None
-    return_freed_memory()  # shards stream through memory: what is freed must leave the process
     return NVMeSwapper(policy.nvme_path, rank, SwapConfig(
         block_bytes=policy.block_kib * 1024, threads=policy.threads, buffers=policy.buffers,
         verify=policy.verify))
