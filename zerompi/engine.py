@@ -130,6 +130,8 @@ class Engine:
         self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
         self._saving: BackgroundSave | None = None
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers, self._fence)
+        if cfg.optimizer_in_backward:
+            self.sharded.register_backward_steps(self.optimizer)
         self._phase = PhaseTracker(cfg.grad_accum_steps)
         self._stats = Stats()
         self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_config(cfg), self.optimizer)
@@ -172,6 +174,7 @@ class Engine:
         except BaseException:
             if self.sharded.in_backward:
                 self.sharded.abort_backward()
+            self.optimizer.abandon_backward()
             self._phase.end_backward(ok=False)
             raise
         self._phase.end_backward(ok=True)
@@ -281,6 +284,9 @@ class Engine:
         flight is waited for first.
         """
         from zerompi.checkpoint import save, save_async
+        if self.optimizer.updated_in_backward:
+            raise UsageError("save_checkpoint() between backward() and step() with optimizer_in_backward: the "
+                             "buckets are updated but the step is not counted yet; call step() first")
         self.wait_checkpoint()
         if not async_save:
             return save(self, path, tag, client_state, include_frozen=include_frozen)

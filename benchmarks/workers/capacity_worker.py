@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--nvme", default=None)
+    p.add_argument("--prefetch-units", type=int, default=None, help="ZeroConfig.prefetch_units (default: the config's)")
+    p.add_argument("--in-backward", action="store_true", help="ZeroConfig.optimizer_in_backward=True")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     comm = MPI.COMM_WORLD
@@ -53,21 +55,28 @@ def main() -> None:
         model = GPT(GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
                               n_embd=args.n_embd, bias=False))
     params = sum(p.numel() for p in model.parameters())
+    extra = {} if args.prefetch_units is None else {"prefetch_units": args.prefetch_units}
+    if args.in_backward:
+        extra["optimizer_in_backward"] = True
     cfg = zerompi.ZeroConfig(optimizer="adamw", lr=1e-4, dtype=args.dtype, cpu_threads=1, nvme_path=args.nvme,
-                             **MODES[args.mode])
+                             **MODES[args.mode], **extra)
     engine = zerompi.initialize(model, cfg, param_init=model.init_module)
     times = {"initialize": time.perf_counter() - t0}
     data = torch.randint(0, 256, (1, args.block + 1), generator=torch.Generator().manual_seed(comm.rank))
-    losses, steps, traffic = [], [], []
+    losses, steps, traffic, phases = [], [], [], []
     for _ in range(args.steps):
         before = engine.stats
         moved = (before.swap_read_bytes, before.swap_write_bytes)
         t = time.perf_counter()
         loss = engine(data[:, :-1], data[:, 1:])[1]
+        t_fwd = time.perf_counter()
         engine.backward(loss)
+        t_bwd = time.perf_counter()
         engine.step()
+        t_step = time.perf_counter()
         losses.append(engine.all_reduce_mean(float(loss.detach())))
         steps.append(time.perf_counter() - t)
+        phases.append({"forward": t_fwd - t, "backward": t_bwd - t_fwd, "step": t_step - t_bwd})
         after = engine.stats  # this rank's swap file traffic in the step (NVMe modes)
         traffic.append([after.swap_read_bytes - moved[0], after.swap_write_bytes - moved[1]])
     stats = engine.stats
@@ -78,7 +87,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "mode": args.mode, "n_layer": args.n_layer, "n_embd": args.n_embd, "params": params,
             "dtype": args.dtype, "world_size": comm.size, "units": len(engine.sharded.units),
-            "initialize_s": times["initialize"], "step_s": steps, "losses": losses,
+            "initialize_s": times["initialize"], "step_s": steps, "phase_s": phases, "losses": losses,
+            "prefetch_units": cfg.prefetch_units, "optimizer_in_backward": cfg.optimizer_in_backward,
             "finite": all(math.isfinite(x) for x in losses), "ranks": rows}))
 
 

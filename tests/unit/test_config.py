@@ -42,7 +42,7 @@ def test_field_order_matches_spec():
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
-        "nvme_verify", "return_freed_memory", "overlap_grad_reduce", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
+        "nvme_verify", "return_freed_memory", "overlap_grad_reduce", "optimizer_in_backward", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
         "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
         "quantize_weights", "quantize_grads", "quant_block", "grad_error_feedback",
         "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy"]
@@ -168,6 +168,7 @@ BAD_VALUES = [
     ("nvme_buffers", [0, 2000]),
     ("nvme_verify", ["yes"]),
     ("overlap_grad_reduce", [1, "true"]),
+    ("optimizer_in_backward", [1, "true", None]),
     ("prefetch_units", [-1, 9, 1.0]),
     ("mpi_progress", ["threads", None]),
     ("nvme_path", ["", 3]),
@@ -240,6 +241,24 @@ def test_quantization_cross_field_rules(kwargs, words):
     with pytest.raises(ConfigError) as err:
         ZeroConfig(**kwargs)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(stage=1), ["optimizer_in_backward=True", "stage=1", "allowed: stage 2 or 3"]),
+    (dict(stage=0), ["optimizer_in_backward=True", "stage=0", "allowed"]),
+    (dict(stage=3, clip_grad_norm=1.0), ["optimizer_in_backward=True", "clip_grad_norm=1.0", "allowed: None"]),
+    (dict(stage=2, dtype="fp16"), ["optimizer_in_backward=True", "dtype='fp16'", "allowed: 'fp32' or 'bf16'"]),
+    (dict(stage=3, nonfinite="skip"), ["optimizer_in_backward=True", "nonfinite='skip'", "allowed: 'raise'"])])
+def test_in_backward_cross_field_rules(kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        ZeroConfig(optimizer_in_backward=True, **kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(stage=2), dict(stage=3, dtype="bf16", clip_grad_norm=0),
+                                    dict(stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path="/tmp")])
+def test_in_backward_accepted(kwargs):
+    assert ZeroConfig(optimizer_in_backward=True, **kwargs).optimizer_in_backward is True
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

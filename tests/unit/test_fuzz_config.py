@@ -85,7 +85,9 @@ _KNOWN_VALID = {
     "cpu_threads": st.one_of(st.none(), st.integers(1, 64)), "device": st.sampled_from(["auto", "cpu", "cuda"]),
     "cuda_aware_mpi": st.sampled_from(["auto", "on", "off"]), "offload_optimizer": st.just("none"),
     "offload_params": st.just("none"), "nvme_path": st.one_of(st.none(), TEXT.filter(bool)),
-    "pin_memory": st.booleans(), "return_freed_memory": st.booleans(), "nonfinite": st.sampled_from(["raise", "skip"]),
+    "pin_memory": st.booleans(), "return_freed_memory": st.booleans(),
+    # needs stage 2-3, no clipping, no fp16, nonfinite='raise': test_fuzz_in_backward
+    "optimizer_in_backward": st.just(False), "nonfinite": st.sampled_from(["raise", "skip"]),
     "debug_collectives": st.booleans(), "collective_timeout": st.one_of(st.none(), _POS),
     "abort_on_exception": st.booleans(), "checkpoint_layout": st.sampled_from(["auto", "per_rank"]),
     # a decaying schedule needs total_steps > warmup_steps and min_lr <= lr: test_fuzz_decaying_schedules
@@ -457,6 +459,20 @@ def test_fuzz_quantization(stage, weights, grads, half_block, feedback):
                      (dict(quant_block=2 * half_block + 1), "quant_block")):
         with pytest.raises(ConfigError, match=key):
             ZeroConfig.from_dict({**doc, **bad})
+
+
+@settings(max_examples=100, **FUZZ)
+@given(st.integers(0, 3), st.one_of(st.none(), st.floats(0, 10)), st.sampled_from(["fp32", "bf16", "fp16"]),
+       st.sampled_from(["raise", "skip"]), st.integers(1, 8))
+def test_fuzz_in_backward(stage, clip, dtype, nonfinite, accum):
+    doc = dict(stage=stage, clip_grad_norm=clip, dtype=dtype, nonfinite=nonfinite, grad_accum_steps=accum,
+               optimizer_in_backward=True)
+    allowed = stage >= 2 and not clip and dtype != "fp16" and nonfinite == "raise"
+    if allowed:
+        assert judge("from_dict/in_backward", lambda: ZeroConfig.from_dict(doc)).optimizer_in_backward
+    else:
+        with pytest.raises(ConfigError, match="optimizer_in_backward=True"):
+            ZeroConfig.from_dict(doc)
 
 
 # ---- from_deepspeed ----------------------------------------------------------------------------------

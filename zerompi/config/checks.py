@@ -212,6 +212,7 @@ CHECKS: dict[str, Check] = {
     "nvme_verify": boolean,
     "return_freed_memory": boolean,
     "overlap_grad_reduce": boolean,
+    "optimizer_in_backward": boolean,
     "prefetch_units": lambda k, v: integer(k, v, 0, 8),
     "mpi_progress": _of(Progress),
     "hierarchy": _of(Hierarchy),
@@ -275,6 +276,25 @@ def check_quantization(cfg: Any) -> None:
     if cfg.grad_error_feedback and cfg.quantize_grads.bits is None:
         raise ConfigError("grad_error_feedback=True carries the error of quantized gradients to the next step, but "
                           "quantize_grads='none' quantizes nothing; allowed: False, or quantize_grads 'int8' or 'int4'")
+
+
+def check_in_backward(cfg: Any) -> None:
+    """A bucket updated during backward cannot wait for what only the whole gradient tells."""
+    if not cfg.optimizer_in_backward:
+        return
+    key = "optimizer_in_backward=True"
+    if not cfg.stage.shards_grads:
+        raise ConfigError(f"{key} updates each bucket as its reduce-scatter lands, which stages 2 and 3 do "
+                          f"during backward; stage={cfg.stage}; allowed: stage 2 or 3, or optimizer_in_backward=False")
+    if cfg.clip_grad_norm is not None:
+        raise ConfigError(f"{key} updates a bucket before the global gradient norm is known, so it cannot clip; "
+                          f"clip_grad_norm={cfg.clip_grad_norm!r}; allowed: None (or 0), or optimizer_in_backward=False")
+    if cfg.dtype == DType.FP16:
+        raise ConfigError(f"{key} updates a bucket before an fp16 overflow anywhere else could skip the step; "
+                          "dtype='fp16'; allowed: 'fp32' or 'bf16', or optimizer_in_backward=False")
+    if cfg.nonfinite != NonFinite.RAISE:
+        raise ConfigError(f"{key} cannot skip a step whose buckets are already updated; nonfinite="
+                          f"{cfg.nonfinite.value!r}; allowed: 'raise', or optimizer_in_backward=False")
 
 
 def check_optimizer_kwargs(cfg: Any) -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
@@ -39,10 +39,10 @@ import torch
 from zerompi.errors import ConfigError, UsageError
 from zerompi.log import get_logger
 from zerompi.offload.aligned import ALIGN, BufferPool, create_file, direct_io_works
-from zerompi.offload.swapfile import (Region, SwapConfig, SwapError, SwapStats, check_tensor, claim_space,
-                                      remove_file, round_up)
+from zerompi.offload.swapfile import (Priority, PriorityPool, Region, SwapConfig, SwapError, SwapStats,
+                                      check_tensor, claim_space, remove_file, round_up)
 
-__all__ = ["NVMeSwapper", "Region", "SwapConfig", "SwapError", "SwapStats"]
+__all__ = ["NVMeSwapper", "Priority", "Region", "SwapConfig", "SwapError", "SwapStats"]
 
 from zerompi.checksum import crc32 as _crc32  # zlib-ng's when installed
 
@@ -114,7 +114,8 @@ class NVMeSwapper:
         self._pool = BufferPool(config.buffers, config.block_bytes)
         self._fd, self.direct = self._open()
         self._finalizer = weakref.finalize(self, remove_file, self._fd, self.path)
-        self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix=f"zerompi-swap{rank}")
+        self._executor = PriorityPool(config.threads, f"zerompi-swap{rank}")
+        weakref.finalize(self, self._executor.shutdown)  # idle threads of a swapper never closed
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._busy: dict[str, list[_Op]] = {}
@@ -190,19 +191,20 @@ class NVMeSwapper:
             self._entries[key] = _Entry(region)
         return region
 
-    def write(self, key: str, tensor: torch.Tensor) -> Future:
+    def write(self, key: str, tensor: torch.Tensor, priority: int = Priority.URGENT) -> Future:
         """Start copying a contiguous CPU tensor into ``key``'s region.
 
-        The Future's result is None. Keep ``tensor`` unchanged until it is done.
+        The Future's result is None. Keep ``tensor`` unchanged until it is done. Blocks of
+        transfers with a lower ``priority`` (:class:`Priority`) start first.
         """
-        return self._submit(_WRITE, key, tensor)
+        return self._submit(_WRITE, key, tensor, priority)
 
-    def read(self, key: str, out: torch.Tensor) -> Future:
+    def read(self, key: str, out: torch.Tensor, priority: int = Priority.URGENT) -> Future:
         """Start filling ``out`` (same dtype and size as written) from ``key``.
 
         The Future's result is ``out``. Do not use ``out`` until it is done.
         """
-        return self._submit(_READ, key, out)
+        return self._submit(_READ, key, out, priority)
 
     def wait_all(self) -> None:
         """Wait for every outstanding write and read.
@@ -230,7 +232,7 @@ class NVMeSwapper:
             self._closed = True
             ops = [op for ops in self._busy.values() for op in ops]
         wait_futures([op.future for op in ops])
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown()
         self._pool.close()
         self._finalizer()
         logger.debug("closed and removed swap file %s (%s)", self.path, self.stats)
@@ -254,7 +256,7 @@ class NVMeSwapper:
                             "hint: call reserve(key, nbytes) first")
         return entry
 
-    def _submit(self, kind: str, key: str, tensor: torch.Tensor) -> Future:
+    def _submit(self, kind: str, key: str, tensor: torch.Tensor, priority: int) -> Future:
         with self._lock:
             self._check_open(kind)
             entry = self._entry(key, kind)
@@ -270,7 +272,7 @@ class NVMeSwapper:
                 return op.future
             self._busy.setdefault(key, []).append(op)
             for index in range(op.nblocks):
-                self._executor.submit(self._run_block, op, index)
+                self._executor.submit(priority, lambda op=op, index=index: self._run_block(op, index))
         return op.future
 
     def _check_conflicts(self, kind: str, key: str, entry: _Entry, tensor: torch.Tensor) -> None:

@@ -6,7 +6,10 @@ the rank's swap file: between steps their tensors exist as objects with
 released storage (so the inner optimizer's state keys stay valid), and the
 step streams buckets through memory, reading bucket i+1 and writing bucket
 i-1 while bucket i is updated. At most three buckets' state is resident at a
-time, whatever the model's size.
+time, whatever the model's size. With ``optimizer_in_backward`` the buckets come
+in backward's order instead: ``ahead`` starts a bucket's reads when its unit's
+backward begins, ``behind`` updates it once its gradient is reduced and leaves
+its writes in flight (``BEHIND`` buckets at most), ``drain`` ends the step.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from zerompi.offload.aligned import aligned_empty, allocate, release
-from zerompi.offload.nvme import NVMeSwapper
+from zerompi.offload.nvme import NVMeSwapper, Priority
 
 
 class InMemory:
@@ -38,9 +41,23 @@ class InMemory:
         (here the tensor itself, in memory)."""
         yield lambda t: t
 
-    def batches(self) -> Iterator[list[int]]:
-        """Bucket indices whose state is in memory together: here all of them at once."""
-        yield list(range(len(self.buckets)))
+    def batches(self, indices: list[int] | None = None) -> Iterator[list[int]]:
+        """Bucket indices (``indices``, default all) whose state is in memory together: here all
+        of them at once."""
+        yield list(range(len(self.buckets))) if indices is None else list(indices)
+
+    # -- one bucket at a time, while backward computes (optimizer_in_backward) --
+    def ahead(self, index: int) -> None:
+        """Start bringing bucket ``index``'s state into memory for a coming ``behind()``."""
+
+    @contextmanager
+    def behind(self, index: int) -> Iterator[None]:
+        """Bucket ``index``'s state in memory for the block; what the block changed is written
+        back behind it, while the caller goes on (``drain()`` waits for it)."""
+        yield
+
+    def drain(self) -> None:
+        """Wait for every write ``behind()`` left in flight."""
 
     def close(self) -> None:
         pass
@@ -57,6 +74,7 @@ class NVMeResidency(InMemory):
         self._numel: dict[str, int] = {}  # elements of each swapped tensor, while it is empty
         self._reads: dict[int, list[Future]] = {}
         self._writes: dict[int, list[Future]] = {}
+        self._behind: list[int] = []  # buckets behind() left writing, oldest first
         for i, b in enumerate(buckets):  # swap_out_master wrote each master as its bucket was built
             assert b.layout.index == i and not b.master.numel(), "masters are swapped out as buckets are built"
             self._numel[f"b{i}.master"] = swapper.region(f"b{i}.master").nbytes // b.master.element_size()
@@ -97,8 +115,8 @@ class NVMeResidency(InMemory):
         for key, t in self._tensors(index).items():
             if key in self._numel:
                 allocate(t, self._numel[key])
-                if load:
-                    futures.append(self.swapper.read(key, t))
+                if load:  # after the parameter reads the compute thread is about to wait on
+                    futures.append(self.swapper.read(key, t, Priority.SOON))
         self._reads[index] = futures
 
     def _ready(self, index: int) -> None:
@@ -109,7 +127,7 @@ class NVMeResidency(InMemory):
         futures = []
         for key, t in self._tensors(index).items():
             self.swapper.reserve(key, t.numel() * t.element_size())
-            futures.append(self.swapper.write(key, t))
+            futures.append(self.swapper.write(key, t, Priority.BEHIND))
             self._numel[key] = t.numel()
         self._writes[index] = futures
 
@@ -132,26 +150,52 @@ class NVMeResidency(InMemory):
             self._evict(index)
             self._settle(index)
 
-    def stream(self) -> Iterator[int]:
-        """Yield each bucket index with its state resident; reads ahead one, writes behind one."""
-        n = len(self.buckets)
-        if n:
-            self._fetch(0)
-        for i in range(n):
+    def stream(self, indices: list[int] | None = None) -> Iterator[int]:
+        """Yield each bucket index (``indices``, default all) with its state resident; reads ahead
+        one, writes behind one."""
+        order = list(range(len(self.buckets))) if indices is None else list(indices)
+        if order:
+            self._fetch(order[0])
+        for k, i in enumerate(order):
             self._ready(i)
-            if i + 1 < n:
-                self._fetch(i + 1)
+            if k + 1 < len(order):
+                self._fetch(order[k + 1])
             yield i
             self._evict(i)
-            if i > 0:
-                self._settle(i - 1)
-        if n:
-            self._settle(n - 1)
+            if k > 0:
+                self._settle(order[k - 1])
+        if order:
+            self._settle(order[-1])
 
-    def batches(self) -> Iterator[list[int]]:
+    def batches(self, indices: list[int] | None = None) -> Iterator[list[int]]:
         """One bucket at a time, as it streams through memory."""
-        for i in self.stream():
+        for i in self.stream(indices):
             yield [i]
+
+    BEHIND = 2
+    """Buckets whose writes ``behind()`` leaves in flight before it waits for the oldest."""
+
+    def ahead(self, index: int) -> None:
+        if index not in self._reads and index not in self._behind:
+            self._fetch(index)
+
+    @contextmanager
+    def behind(self, index: int) -> Iterator[None]:
+        if index in self._behind:  # still being written: the file is current once that lands
+            self._behind.remove(index)
+            self._settle(index)
+        if index not in self._reads:
+            self._fetch(index)
+        self._ready(index)
+        yield
+        self._evict(index)
+        self._behind.append(index)
+        while len(self._behind) > self.BEHIND:
+            self._settle(self._behind.pop(0))
+
+    def drain(self) -> None:
+        while self._behind:
+            self._settle(self._behind.pop(0))
 
     def close(self) -> None:
         self.swapper.close()

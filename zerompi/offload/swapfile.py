@@ -3,7 +3,11 @@ claiming disk space up front, removing the file, and the checks on a tensor hand
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -126,3 +130,47 @@ def check_tensor(tensor: object, what: str, key: str, nbytes: int) -> None:
                    "hint: reserve a separate key for a tensor of another size")
     if problem:
         raise SwapError(f"{what} of key {key!r}: tensor {tuple(tensor.shape)} {tensor.dtype} {problem}")
+
+
+class Priority:
+    """Which swap transfers go first when several wait: what the compute thread is about to block
+    on (a parameter shard read ahead), then what it needs a little later (optimizer state read
+    ahead), then writes, which nothing waits for until the step ends."""
+
+    URGENT, SOON, BEHIND = 0, 1, 2
+
+
+class PriorityPool:
+    """``threads`` worker threads running submitted calls, lowest ``priority`` first, then in
+    submission order (a ThreadPoolExecutor is first-in first-out only)."""
+
+    def __init__(self, threads: int, name: str):
+        self._heap: list[tuple[int, int, Callable[[], None] | None]] = []
+        self._seq = itertools.count()
+        self._ready = threading.Condition()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn: Callable[[], None]) -> None:
+        with self._ready:
+            heapq.heappush(self._heap, (priority, next(self._seq), fn))
+            self._ready.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._ready:
+                while not self._heap:
+                    self._ready.wait()
+                fn = heapq.heappop(self._heap)[2]
+            if fn is None:  # shutdown: queued after everything else
+                return
+            fn()  # its errors are delivered through its own Future
+
+    def shutdown(self) -> None:
+        """Run what is queued, then stop the threads. Idempotent."""
+        threads, self._threads = self._threads, []
+        for _ in threads:
+            self.submit(1 << 30, None)
+        for t in threads:
+            t.join()

@@ -10,6 +10,10 @@ trust ratio, Shampoo) would not, and are not supported.
 gradient norms (which also detects fp16 overflow), clip, update and publish.
 The gradients come from each bucket's :class:`GradShard` and the state from
 the store the offload tiers chose, so there is one step whatever is offloaded.
+With ``optimizer_in_backward`` the update and publish of each bucket run
+earlier, when the sharded model hands it over during backward (``coming`` and
+``reduced``, shard/steps.py); ``step()`` then all-reduces the norms recorded
+there and updates only what backward did not reach.
 """
 from __future__ import annotations
 
@@ -113,6 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # not copied) and state, so that schedulers and hooks see and change the real thing
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.state = self.inner.state
+        self._early: dict[int, float] = {}  # buckets updated in this window's backward -> their squared norm
 
     @property
     def loss_scale(self) -> float:
@@ -127,30 +132,65 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def step(self) -> StepResult:
         scale = self.loss_scale
+        early, self._early = self._early, {}
+        self.store.drain()  # updated during backward: on disk before the next forward reads them
         # 1. one all-reduce of the squared norms gives the global norm of the unscaled gradients;
         #    inf/nan there means a bad gradient on some rank
-        norm = self._norm_from(sum(b.grads.norm_sq(scale) for b in self.buckets))
-        if self._skips(norm):
+        norm = self._norm_from(sum(early[i] if i in early else b.grads.norm_sq(scale)
+                                   for i, b in enumerate(self.buckets)))
+        if self._skips(norm, len(early)):
             return StepResult(False, norm)
         # 2. clip, as torch.nn.utils.clip_grad_norm_ does
         coef = self._clip_coef(norm)
         # 3. update the buckets whose state the store has brought into memory (all of them, or
         #    one at a time as it streams them), then publish them to the compute parameters
-        for batch in self.store.batches():
+        todo = [i for i in range(len(self.buckets)) if i not in early]
+        after = dict(zip(todo, todo[1:]))
+        for batch in self.store.batches(todo) if todo else ():
             for i in batch:
                 self.fence.wait(i)  # a background save may still be taking this bucket
-            if batch[-1] + 1 < len(self.buckets):  # streamed (NVMe): the next gradient is read meanwhile
-                self.buckets[batch[-1] + 1].grads.prefetch()
+            if batch[-1] in after:  # streamed (NVMe): the next gradient is read meanwhile
+                self.buckets[after[batch[-1]]].grads.prefetch()
             buckets = [self.buckets[i] for i in batch]
             self._update(buckets, [b.grads.take(scale, coef) for b in buckets])
         self.zero_grad()
         return StepResult(True, norm)
 
+    # ---- optimizer_in_backward (shard/steps.py's BackwardSteps) ----
+    def coming(self, buckets: list[Bucket]) -> None:
+        """Their unit's backward begins: read their state meanwhile (NVMe)."""
+        for b in buckets:
+            self.store.ahead(b.layout.index)
+
+    def reduced(self, bucket: Bucket) -> None:
+        """The bucket's gradient is final: update and publish it now, as ``step()`` would (no
+        clipping, no loss scale: the config allows neither), and free the gradient."""
+        i = bucket.layout.index
+        self._early[i] = bucket.grads.norm_sq(1.0)
+        self.fence.wait(i)
+        with self.store.behind(i):
+            self._update([bucket], [bucket.grads.take(1.0, 1.0)])
+        bucket.zero_grad()
+
+    @property
+    def updated_in_backward(self) -> int:
+        """Buckets updated during backward whose step has not run yet."""
+        return len(self._early)
+
+    def abandon_backward(self) -> None:
+        """A backward raised after updating some buckets: they keep their update (it cannot be
+        undone); their writes land, and the next window starts afresh."""
+        if self._early:
+            logger.warning("backward failed after updating %d of %d buckets (optimizer_in_backward): "
+                           "those keep this update; load a checkpoint to go back", len(self._early), len(self.buckets))
+        self._early.clear()
+        self.store.drain()
+
     def _clip_coef(self, norm: float) -> float:
         """What clip_grad_norm_ scales the gradients by (below 1.0 only when clipping applies)."""
         return self.clip / (norm + 1e-6) if self.clip is not None else 1.0
 
-    def _skips(self, norm: float) -> bool:
+    def _skips(self, norm: float, updated: int = 0) -> bool:
         """Whether a non-finite norm skips this step: fp16 lowers the loss scale (and raises it
         after a clean window); otherwise nonfinite='raise' raises and 'skip' skips."""
         if self.scaler is not None:
@@ -160,7 +200,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._discard()
             return overflow
         if not math.isfinite(norm):
-            self._nonfinite()
+            self._nonfinite(updated)
             return True
         return False
 
@@ -178,14 +218,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if moved:
             trim_heap()  # what the moved state left behind
 
-    def _nonfinite(self) -> None:
-        """Name where NaN/Inf gradients came from, then raise everywhere or skip everywhere."""
+    def _nonfinite(self, updated: int = 0) -> None:
+        """Name where NaN/Inf gradients came from, then raise everywhere or skip everywhere
+        (``updated``: buckets that optimizer_in_backward updated before the norm was known)."""
         local = sorted({name for b in self.buckets for name in b.nonfinite})
         reports = self.group.allgather_object(local)
         where = "; ".join(f"rank {r}: {', '.join(names[:5])}" for r, names in enumerate(reports) if names)
         message = ("non-finite (NaN/Inf) gradient " + (f"from {where}" if where else
                    "after reduction (no rank saw one locally: the sum overflowed)"))
         self._discard()
+        if updated:
+            raise ZeroMPIError(message + f"; optimizer_in_backward had updated {updated} of {len(self.buckets)} "
+                               "buckets already: load a checkpoint to go on")
         if self.nonfinite == NonFinite.RAISE:
             raise ZeroMPIError(message + "; set nonfinite='skip' to skip such steps instead")
         logger.warning("skipping the optimizer step: %s", message)

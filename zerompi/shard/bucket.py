@@ -244,10 +244,11 @@ class Bucket:
         """Every bucket is reduced once per synchronising backward, and again for late gradients."""
         return self._pending or not self._reduced
 
-    def reduce_grads(self, *, async_op: bool = False) -> None:
+    def reduce_grads(self, *, async_op: bool = False, taken_next: bool = False) -> None:
         """Average this bucket's gradients over all ranks into the shard this rank owns.
 
         ``async_op`` (stages 1-3) only starts the reduce-scatter; ``finish_reduce`` applies it.
+        ``taken_next``: the optimizer updates this bucket right after (GradShard.write).
         """
         if not self.grad_full.is_allocated:  # no gradient reached this bucket: it reduces zeros
             self.grad_full.alloc()
@@ -266,7 +267,7 @@ class Bucket:
             return
         self._reduce = (self.grad_codes or shard).reduce_scatter(full, what=self.name, async_op=async_op)
         if not async_op:
-            self.finish_reduce()
+            self.finish_reduce(taken_next=taken_next)
 
     def _zero_unwritten(self) -> torch.Tensor:
         """Zero what no gradient wrote (padding, parameters without a gradient); the full buffer."""
@@ -279,8 +280,9 @@ class Bucket:
         self._written = set(range(len(self.layout.slots)))
         return full
 
-    def finish_reduce(self) -> None:
-        """Apply a started reduce-scatter: into the gradient shard, divided by the world size."""
+    def finish_reduce(self, *, taken_next: bool = False) -> None:
+        """Apply a started reduce-scatter: into the gradient shard, divided by the world size
+        (``taken_next``: see reduce_grads)."""
         if self._reduce is None:
             return
         work, self._reduce = self._reduce, None
@@ -288,7 +290,7 @@ class Bucket:
         if self.groups.replicate is not None:  # hsdp: sum the node's shard across nodes, in fp32
             self.groups.replicate.all_reduce(reduced, what=self.name)
         # stage 1 reduced the window's local sum once; stages 2-3 add each micro-batch
-        self.grads.write(reduced.div_(n), accumulate=self.plan.shard_grads)
+        self.grads.write(reduced.div_(n), accumulate=self.plan.shard_grads, taken_next=taken_next)
         if self.plan.shard_grads:
             self.grad_full.free()
 

@@ -31,10 +31,12 @@ class GradShard:
         self._fp32: torch.Tensor | None = None  # this step's unscaled fp32 gradient (resident)
         self._scale = 1.0
 
-    def write(self, reduced: torch.Tensor, *, accumulate: bool) -> None:
+    def write(self, reduced: torch.Tensor, *, accumulate: bool, taken_next: bool = False) -> None:
         """Store a reduction: added to what earlier micro-batches left (``accumulate``), or in
         place of it. Zeros, then add, is the arithmetic of a freshly zeroed shard, so results do
-        not depend on the tier."""
+        not depend on the tier. ``taken_next``: the update takes this gradient before anything
+        else touches it (optimizer_in_backward), so a swapped shard keeps its fp32 copy in memory
+        for ``take`` instead of a round trip through the swap file."""
         with self.tier.loaded(load=accumulate and not self.fresh) as shard:
             if not accumulate:
                 shard.copy_(reduced)
@@ -43,8 +45,15 @@ class GradShard:
                     shard.zero_()
                 shard.add_(reduced)
             if not self.tier.stays_resident:  # the step will not see this gradient before its turn
-                self._sq = float(torch.linalg.vector_norm(shard.to(torch.float32), dtype=torch.float32)) ** 2
-            self.tier.store()
+                # taken next: the shard's own memory when it is fp32 already (released from the
+                # tier below, it lives on in ``g``), else an fp32 copy
+                g = shard.detach() if taken_next and shard.dtype == torch.float32 and \
+                    shard.device == self.master_device else shard.to(self.master_device, torch.float32)
+                self._sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+                if taken_next:
+                    self._fp32, self._scale = g, 1.0
+            if not (taken_next and not self.tier.stays_resident):
+                self.tier.store()
         self.fresh = False
 
     def filled_in_place(self) -> None:
@@ -70,7 +79,9 @@ class GradShard:
 
     def take(self, scale: float, coef: float) -> torch.Tensor:
         """The fp32 gradient for the update: unscaled, times the clip coefficient when below 1."""
-        if self.tier.stays_resident and not self.fresh:
+        if self._fp32 is not None and not self.tier.stays_resident:  # kept by write(taken_next=True)
+            g = self._fp32 if scale == 1.0 else self._fp32.div_(scale)
+        elif self.tier.stays_resident and not self.fresh:
             g = self._resident_fp32(scale)
         else:  # zeros, or a copy read back from the tier
             g = self.peek()

@@ -29,6 +29,8 @@ from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.hooks import HookSet
 from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, descent, plan_buckets
 from zerompi.shard.prefetch import Prefetcher
+from zerompi.shard.steps import BackwardSteps
+from zerompi.shard.units import Unit, owners_of
 from zerompi.shard.stages import FROZEN, plan_for
 
 logger = get_logger(__name__)
@@ -66,39 +68,8 @@ class _Backward:
     """The backward in progress."""
 
     sync: bool  # its gradients are reduced (the window ends, or stages 2-3)
-
-
-@dataclass
-class Unit:
-    """Stage 3: a module whose forward gathers ``buckets`` and releases them after.
-
-    ``entries`` are the modules whose forward gathers the unit: the unit's module and the
-    callable modules between it and the deepest module holding all of its parameters. So a
-    wrapper's inner model, called directly (``PeftModel.generate`` runs the base model's
-    forward, not the wrapper's), still gathers what the wrapper's unit holds. The outermost
-    entry running (``active``) gathers and releases; nested entries find it gathered.
-    """
-
-    fqn: str
-    module: nn.Module
-    entries: list[nn.Module] = field(default_factory=list)
-    buckets: list[Bucket] = field(default_factory=list)
-    active: nn.Module | None = None
-
-
-def _owners(module: nn.Module, params: list[nn.Parameter]) -> dict[nn.Parameter, str]:
-    """The deepest module containing every module that holds each parameter.
-
-    A tied parameter (embedding = LM head) is held by two modules; gathering it
-    with their common ancestor keeps it available to both.
-    """
-    wanted = {id(p) for p in params}
-    holders: dict[int, list[str]] = {}
-    for fqn, m in module.named_modules():
-        for p in m.parameters(recurse=False):
-            if id(p) in wanted:
-                holders.setdefault(id(p), []).append(fqn)
-    return {p: common_ancestor(holders[id(p)]) for p in params}
+    steps: BackwardSteps | None = None  # updates the buckets as their gradients land (the window ends)
+    stepped: set[int] = field(default_factory=set)  # id() of the buckets it updated
 
 
 class ShardedModel:
@@ -147,6 +118,7 @@ class ShardedModel:
                 self._slot_of[p] = (b, i)
         self._sync_replicated()
         self._backward: _Backward | None = None  # set between begin_backward and finish_backward
+        self._steps: BackwardSteps | None = None  # optimizer_in_backward (register_backward_steps)
         self.hooks = HookSet()
         self.hooks.on_grad_ready([p for _, p in named], self._on_grad_ready)
         for unit in self.units:
@@ -174,7 +146,7 @@ class ShardedModel:
             return plans
         self._persistent = {lay.index for lay in layouts}
         named = [(n, p) for n, p, _ in self._planned if p.numel() >= persistence]
-        owners = _owners(self.module, [p for _, p in named])
+        owners = owners_of(self.module, [p for _, p in named])
         modules = dict(self.module.named_modules())
         own_numel: dict[str, int] = {}
         for p, owner in owners.items():
@@ -302,12 +274,19 @@ class ShardedModel:
         logger.debug("pre-backward %s", unit.fqn or "<root>")
         self._gather(unit)
         self._prefetch(self.prefetcher.backward(unit))
+        if self._backward is not None and self._backward.steps is not None:
+            self._backward.steps.coming([b for b in unit.buckets if b.plan.trains])
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot_of[p]
         grad, p.grad = p.grad, None
         if grad is None:
             return
+        if self._backward is not None and id(bucket) in self._backward.stepped:
+            raise UsageError(f"parameter {bucket.layout.slots[slot].fqn!r} received a gradient after its bucket "
+                             "was updated in this backward (optimizer_in_backward): reentrant checkpointing of a "
+                             "shared parameter? use torch.utils.checkpoint(..., use_reentrant=False), or "
+                             "optimizer_in_backward=False")
         if bucket.add_grad(slot, grad) and self._backward is not None and self._backward.sync:
             self._reduce(bucket)
         if self.overlap.test_progress:
@@ -316,10 +295,23 @@ class ShardedModel:
 
     def _reduce(self, bucket: Bucket) -> None:
         overlapped = self.overlap.grad_reduce and not self.plan.all_reduce_grads
-        bucket.reduce_grads(async_op=overlapped)
+        steps = self._backward is not None and self._backward.steps is not None
+        bucket.reduce_grads(async_op=overlapped, taken_next=steps)
         if overlapped:
             self._inflight.append(bucket)
         bucket.reshard()
+        if steps and not overlapped:
+            self._step(bucket)
+
+    def _step(self, bucket: Bucket) -> None:
+        """optimizer_in_backward: ``bucket``'s gradient is final for this window; update it."""
+        self._backward.stepped.add(id(bucket))
+        self._backward.steps.reduced(bucket)
+
+    def register_backward_steps(self, steps: BackwardSteps) -> None:
+        """optimizer_in_backward: from now on, every backward that ends an accumulation window
+        hands ``steps`` each bucket whose gradient is final, in the same order on every rank."""
+        self._steps = steps
 
     def begin_backward(self, sync: bool) -> None:
         """``sync``: this backward ends a gradient-accumulation window (stages 0-1 reduce then;
@@ -327,7 +319,7 @@ class ShardedModel:
         if self._backward is not None:
             raise ZeroMPIError("begin_backward() inside a backward: the previous one did not finish")
         self.check_requires_grad()
-        self._backward = _Backward(sync=sync or self.plan.shard_grads)
+        self._backward = _Backward(sync=sync or self.plan.shard_grads, steps=self._steps if sync else None)
         for b in self.buckets:
             b.begin_backward()
 
@@ -349,13 +341,16 @@ class ShardedModel:
         """Reduce what backward left unreduced (unused parameters, late gradients); release all."""
         if self._backward is None:
             raise ZeroMPIError("finish_backward() outside a backward")
-        sync, self._backward = self._backward.sync, None
+        sync, steps = self._backward.sync, self._backward.steps is not None
         for b in self.buckets:
             if sync and b.needs_reduce():
                 self._reduce(b)
         for b in self._inflight:  # in the order they started, as on every rank
-            b.finish_reduce()
+            b.finish_reduce(taken_next=steps)
+            if steps:
+                self._step(b)
         self._inflight.clear()
+        self._backward = None
         for b in self.buckets + self.frozen:
             b.reshard()
         if self.plan.shard_params:
