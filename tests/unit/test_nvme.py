@@ -435,3 +435,74 @@ def test_aligned_tensors_are_no_views_so_release_frees_them(dtype):
         assert t.data_ptr() % 4096 == 0 and t._base is None
         if like is not None:
             assert t.shape == like.shape and torch.equal(t, like)
+
+
+def test_priority_pool_runs_the_lowest_priority_first_then_in_submission_order():
+    import threading
+
+    from zerompi.offload.swapfile import Priority, PriorityPool
+    pool, gate, order = PriorityPool(1, "test"), threading.Event(), []
+    pool.submit(Priority.URGENT, gate.wait)  # holds the only thread while the others queue
+    for name, priority in (("w1", Priority.BEHIND), ("s1", Priority.SOON), ("u1", Priority.URGENT),
+                           ("w2", Priority.BEHIND), ("u2", Priority.URGENT)):
+        pool.submit(priority, lambda name=name: order.append(name))
+    gate.set()
+    pool.shutdown()
+    pool.shutdown()  # idempotent
+    assert order == ["u1", "u2", "s1", "w1", "w2"]
+
+
+def test_state_streamed_behind_backward_matches_the_step(tmp_path):
+    """NVMeResidency.ahead/behind/drain (optimizer_in_backward's order) leave the same state as
+    ``resident`` (the step's), and at most BEHIND buckets' writes in flight."""
+    from zerompi.offload.residency import NVMeResidency
+    masters = [_tensor(3000 + i, torch.float32, seed=i) for i in range(4)]
+    copies = [m.clone() for m in masters]
+    with NVMeSwapper(tmp_path, 0) as sw:
+        for i, m in enumerate(masters):
+            NVMeResidency.swap_out_master(sw, i, m)
+
+        class B:
+            def __init__(self, i, m):
+                self.master, self.layout = m, type("L", (), {"index": i})()
+        res = NVMeResidency([B(i, m) for i, m in enumerate(masters)], torch.optim.SGD(masters, lr=0.1), sw)
+        for i in (3, 2, 1, 0):
+            res.ahead(i)
+            with res.behind(i):
+                masters[i].mul_(2).add_(i)
+            assert len(res._behind) <= res.BEHIND
+        res.drain()
+        assert res._behind == [] and all(not m.numel() for m in masters)
+        for i, m in enumerate(masters):
+            with res.resident(i):
+                assert torch.equal(m, copies[i] * 2 + i)
+
+
+def test_released_memory_is_reused_only_when_nothing_else_holds_it():
+    from zerompi.offload.aligned import Reuse, allocate, release
+    import zerompi.offload.aligned as aligned
+    pool = Reuse(limit=3 * (40000 + 4096))
+    old, aligned.REUSE = aligned.REUSE, pool
+    try:
+        if pool._use_count is None:
+            pytest.skip("this torch exposes no storage use count: released memory is never reused")
+        t = aligned_empty(10000, torch.float32)
+        ptr = t.data_ptr()
+        release(t)
+        assert pool.nbytes == 40000 + 4096 and t.numel() == 0
+        u = aligned_empty(10000, torch.float32)  # the same block again, still 4 KiB aligned
+        assert u.data_ptr() == ptr and ptr % 4096 == 0 and pool.nbytes == 0
+        held = u[:10]  # a view keeps the memory in use: not reused
+        release(u)
+        assert pool.nbytes == 0 and held.data_ptr() == ptr
+        other = aligned_empty(2500, torch.bfloat16)
+        assert other.data_ptr() != ptr
+        many = [torch.empty(0) for _ in range(5)]
+        for v in many:
+            allocate(v, 10000)
+        newest = many[-1].data_ptr()
+        for v in many:  # the pool keeps at most its limit (three blocks), the oldest going first
+            release(v)
+        assert pool.nbytes == pool.limit and aligned_empty(10000, torch.float32).data_ptr() == newest
+    finally:
+        aligned.REUSE = old

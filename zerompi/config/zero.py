@@ -123,7 +123,8 @@ class ZeroConfig:
     prefetch_units: int = 0
     """Stage 3: gather this many gather units ahead, non-blocking (0 = gather on demand, up to 8);
     the order is recorded on the first step. With offload_params='nvme' the units' shards are
-    read from the swap file this many units ahead (0 there means 1)."""
+    read from the swap file this many units ahead (0 there means 3), and with
+    optimizer_in_backward so is their optimizer state in backward."""
     mpi_progress: Progress = Progress.NONE
     """How non-blocking collectives progress while Python computes: 'none' (by the MPI library
     alone; with MPICH, MPIR_CVAR_ASYNC_PROGRESS=1 adds a progress thread), 'test' (MPI_Test

@@ -7,13 +7,13 @@ and the optimizer its store (residency.py: :class:`InMemory` or
 file per rank and moves them with asynchronous, page-aligned block I/O;
 tensors from :func:`aligned_empty` skip the staging copy.
 """
-from zerompi.offload.aligned import aligned_empty, return_freed_memory
+from zerompi.offload.aligned import aligned_empty, keep_released, return_freed_memory
 from zerompi.offload.nvme import NVMeSwapper, SwapConfig
 from zerompi.offload.residency import InMemory, NVMeResidency
 from zerompi.offload.tiers import Resident, ShardTier, Swapped, TierPlan
 
 __all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "Resident", "ShardTier", "SwapConfig", "Swapped",
-           "TierPlan", "aligned_empty", "open_swapper", "return_freed_memory"]
+           "TierPlan", "aligned_empty", "keep_released", "open_swapper", "return_freed_memory"]
 
 
 def open_swapper(policy, rank: int) -> NVMeSwapper | None:

@@ -40,6 +40,9 @@ class ShardTier(Protocol):
     stays_resident: bool
     """The tensor ``loaded()`` yields stays valid after the block (a collective may outlive it)."""
 
+    reads_master: bool
+    """The shard is read from the master's swap region, so publishing the master into it moves nothing."""
+
     def loaded(self, *, load: bool = True) -> AbstractContextManager[torch.Tensor]:
         """The shard in memory for the block (``load=False``: it is about to be overwritten)."""
 
@@ -62,6 +65,7 @@ class Resident:
     """A shard kept in memory (the device's, or the host's for 'cpu' offload)."""
 
     stays_resident = True
+    reads_master = False
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -91,6 +95,7 @@ class Swapped:
     Built from the resident shard, which it writes out and releases at once."""
 
     stays_resident = False
+    reads_master = False
 
     def __init__(self, swapper: NVMeSwapper, key: str, shard: torch.Tensor):
         self.swapper, self.key, self.shard, self.numel = swapper, key, shard, shard.numel()
@@ -141,6 +146,8 @@ class MasterAlias(Swapped):
     the same values, so the shard is read from the master's region and never written (the step writes
     the master): 4 bytes per element per step less traffic, and no region of its own. The master is
     written to the swap file as the bucket is built (TierPlan.place_master), from the same values."""
+
+    reads_master = True
 
     def __init__(self, swapper: NVMeSwapper, index: int, shard: torch.Tensor):  # noqa: D107 - no write here
         self.swapper, self.key, self.shard, self.numel = swapper, f"b{index}.master", shard, shard.numel()

@@ -199,6 +199,9 @@ class Bucket:
         """After an optimizer step: bring the updated master into the compute parameters."""
         if self.plan.shard_params and self.state is not BucketState.SHARDED:
             raise self._illegal("publish()", "SHARDED: the step runs between backward and forward")
+        if self.param_tier.reads_master and self.weight_codes is None and not self.plan.gather_after_step \
+                and self.secondary is None:
+            return  # the next gather reads the master's region, which the step writes
         with self.param_tier.loaded(load=False) as shard:
             if self.separate:
                 shard.copy_(self.master)

@@ -273,9 +273,10 @@ class ShardedModel:
     def _pre_backward(self, unit: Unit) -> None:
         logger.debug("pre-backward %s", unit.fqn or "<root>")
         self._gather(unit)
-        self._prefetch(self.prefetcher.backward(unit))
-        if self._backward is not None and self._backward.steps is not None:
-            self._backward.steps.coming([b for b in unit.buckets if b.plan.trains])
+        ahead = self.prefetcher.backward(unit)
+        self._prefetch(ahead)
+        if self._backward is not None and self._backward.steps is not None:  # this unit's, then the prefetched
+            self._backward.steps.coming([b for u in [unit, *ahead] for b in u.buckets if b.plan.trains])
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot_of[p]
