@@ -114,8 +114,9 @@ class ZeroConfig:
     optimizer_in_backward: bool = False
     """Stages 2-3: update each bucket during the backward that ends an accumulation window, as soon
     as its gradient is reduced, instead of all buckets in ``step()``. Same arithmetic, bit for bit;
-    under NVMe offload the gradient shard never goes to the swap file (8 bytes less traffic per
-    element and step) and the master and optimizer state stream in and out while backward computes.
+    under NVMe offload the gradient shard never goes to the swap file (its write and read-back: 8
+    bytes per element and step at fp32) and the master and optimizer state stream in and out while
+    backward computes.
     Needs what a per-bucket update cannot know in advance to be absent: no gradient clipping (the
     global norm), no fp16 (its overflow skips the step) and nonfinite='raise' (a NaN/Inf gradient
     still raises, from ``step()``, but the buckets before it are updated by then). ``step()``
