@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--nvme", default=None)
     p.add_argument("--prefetch-units", type=int, default=None, help="ZeroConfig.prefetch_units (default: the config's)")
     p.add_argument("--in-backward", action="store_true", help="ZeroConfig.optimizer_in_backward=True")
+    p.add_argument("--nvme-threads", type=int, default=None, help="ZeroConfig.nvme_threads (default: the config's)")
+    p.add_argument("--nvme-block-kib", type=int, default=None, help="ZeroConfig.nvme_block_kib (default: the config's)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     comm = MPI.COMM_WORLD
@@ -59,6 +61,9 @@ def main() -> None:
     extra = {} if args.prefetch_units is None else {"prefetch_units": args.prefetch_units}
     if args.in_backward:
         extra["optimizer_in_backward"] = True
+    for key in ("nvme_threads", "nvme_block_kib"):
+        if getattr(args, key) is not None:
+            extra[key] = getattr(args, key)
     cfg = zerompi.ZeroConfig(optimizer="adamw", lr=1e-4, dtype=args.dtype, cpu_threads=1, nvme_path=args.nvme,
                              **MODES[args.mode], **extra)
     engine = zerompi.initialize(model, cfg, param_init=model.init_module)
