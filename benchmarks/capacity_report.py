@@ -249,10 +249,11 @@ def gpt_readings(data: dict) -> list[str]:
                    "device, so 'cpu' offload has nothing to move out of the memory the cap counts; on a GPU node "
                    "the same setting moves the optimizer state and parameter shards off the GPU.")
     text = ("With NVMe offload the model states resident between uses are none: parameter, gradient and optimizer "
-            "shards live in the swap files, and memory holds one gathered unit (plus one read ahead), the "
-            "optimizer's three streaming buckets and the swap buffers, whatever the depth; what grows with the "
-            "model is the time per step (disk traffic) and the swap files (20 bytes per parameter in fp32: "
-            "parameter, master, gradient, two moments).")
+            "shards live in the swap files, and memory holds one gathered unit (plus three read ahead, with "
+            "their optimizer state under optimizer_in_backward), two buckets being written behind, a pool of "
+            "released blocks (a dozen of the largest shard) and the swap buffers, whatever the depth; what grows "
+            "with the model is the time per step (disk traffic) and the swap files (16 bytes per parameter in "
+            "fp32: master, which the fp32 parameter shard is read from, gradient, two moments).")
     slope = nvme_slope(data)
     if slope:
         text += (f" The job's peak still rises {slope[0]:.2f} bytes per parameter across the NVMe rows (host-side "
@@ -339,7 +340,8 @@ def gpt_describe(data: dict) -> str:
             f"along the ladder {', '.join(map(str, GPT.ladder[:data['max_rungs']]))}, then bisected to about 10%; "
             "fp32, AdamW, bucket_mb 25, built on the meta device and initialised bucket by bucket "
             "(`param_init=model.init_module`); micro-batch 1 × 64 tokens per rank, 2 steps."
-            + (f" NVMe: zerompi's default swap settings on the machine's disk (`{nvme}`)." if nvme else ""))
+            + (f" NVMe: zerompi's default swap settings on the machine's disk (`{nvme}`), with "
+               "optimizer_in_backward=True since 529e1da." if nvme else ""))
 
 
 GPT = Study(key="gpt", stem="capacity", worker="capacity_worker.py",
