@@ -56,5 +56,13 @@ def test_a_nan_gradient_still_raises_and_says_what_was_updated(result):
     assert message.startswith("non-finite") and "optimizer_in_backward had updated" in message, message
 
 
+def test_a_failed_backward_keeps_its_updates_and_training_goes_on(result):
+    a = result["abandoned"]
+    assert a["buckets"] >= 2 and "failed on purpose" in a["error"], a
+    assert a["pending_after"] == 0 and a["stepped"] is True, a
+    # backward reached the last layer's bucket before the first layer's raised: only it was updated
+    assert a["changed"] == ["b.bias", "b.weight"], a
+
+
 def test_swap_files_are_removed(result):
     assert result["left_behind"] == []

@@ -20,8 +20,9 @@ COMM = MPI.COMM_WORLD
 
 def config(stage, dtype, mode, swap, in_backward, **extra):
     return zerompi.ZeroConfig(stage=stage, dtype=dtype, optimizer="adamw", lr=1e-2, weight_decay=0.1,
-                              bucket_mb=0.004, offload_optimizer=mode, offload_params=mode if stage == 3 else "none",
-                              nvme_path=swap, optimizer_in_backward=in_backward, abort_on_exception=False, **extra)
+                              offload_optimizer=mode, offload_params=mode if stage == 3 else "none", nvme_path=swap,
+                              optimizer_in_backward=in_backward, abort_on_exception=False,
+                              **{"bucket_mb": 0.004, **extra})
 
 
 def model(frozen: bool):
@@ -51,6 +52,54 @@ def compare(stage, dtype, mode, swap, batches, frozen=False, **extra):
                 trained=a["losses"][0] != a["losses"][-1],
                 losses=[a["losses"], b["losses"]], norms=[a["norm"], b["norm"]],
                 traffic=[[a["read"], a["written"]], [b["read"], b["written"]]])
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises once armed (after the layers above it were updated)."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if FailingBackward.armed:
+            raise RuntimeError("backward failed on purpose")
+        return g
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(FailingBackward.apply(self.a(x))).pow(2).mean()
+
+
+def abandoned(swap):
+    """A backward that raises after some buckets were updated: they keep it, the writes land, and the
+    engine trains on."""
+    engine = zerompi.initialize(Stack(), config(2, "fp32", "nvme", swap, True, bucket_mb=4e-5)  # b, then a apart)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(engine.rank))
+    out = {"buckets": len(engine.sharded.buckets)}
+    before = engine.full_state_dict()
+    FailingBackward.armed = True
+    try:
+        engine.backward(engine(x))
+        out["error"] = "no error"
+    except RuntimeError as e:
+        out["error"] = str(e)
+    FailingBackward.armed = False
+    out["pending_after"] = engine.optimizer.updated_in_backward
+    after = engine.full_state_dict()
+    out["changed"] = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    engine.backward(engine(x))
+    out["stepped"] = engine.step()
+    engine.close()
+    return out
 
 
 def refusals(swap, batches):
@@ -90,7 +139,8 @@ def main():
         rows.append(compare(stage, "fp32", "nvme", args.swap, two, overlap_grad_reduce=True))
         rows.append(compare(stage, "bf16", "none", args.swap, one, frozen=True, overlap_grad_reduce=True))
     rows.append(compare(3, "fp32", "nvme", args.swap, one, frozen=True, prefetch_units=2))
-    result = dict(rows=rows, refusals=refusals(args.swap, one), left_behind=sorted(os.listdir(args.swap)))
+    result = dict(rows=rows, refusals=refusals(args.swap, one), abandoned=abandoned(args.swap),
+                  left_behind=sorted(os.listdir(args.swap)))
     if COMM.Get_rank() == 0:
         write_json(args.out, result)
 
