@@ -82,7 +82,7 @@ class Stack(torch.nn.Module):
 def abandoned(swap):
     """A backward that raises after some buckets were updated: they keep it, the writes land, and the
     engine trains on."""
-    engine = zerompi.initialize(Stack(), config(2, "fp32", "nvme", swap, True, bucket_mb=4e-5)  # b, then a apart)
+    engine = zerompi.initialize(Stack(), config(2, "fp32", "nvme", swap, True, bucket_mb=4e-5))  # b, then a apart
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(engine.rank))
     out = {"buckets": len(engine.sharded.buckets)}
     before = engine.full_state_dict()
