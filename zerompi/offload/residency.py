@@ -44,7 +44,9 @@ class InMemory:
     def batches(self, indices: list[int] | None = None) -> Iterator[list[int]]:
         """Bucket indices (``indices``, default all) whose state is in memory together: here all
         of them at once."""
-        yield list(range(len(self.buckets))) if indices is None else list(indices)
+        order = list(range(len(self.buckets))) if indices is None else list(indices)
+        if order:
+            yield order
 
     # -- one bucket at a time, while backward computes (optimizer_in_backward) --
     def ahead(self, index: int) -> None:
@@ -190,11 +192,14 @@ class NVMeResidency(InMemory):
         yield
         self._evict(index)
         self._behind.append(index)
-        while len(self._behind) > self.BEHIND:
-            self._settle(self._behind.pop(0))
+        self._settle_behind(self.BEHIND)
 
     def drain(self) -> None:
-        while self._behind:
+        self._settle_behind(0)
+
+    def _settle_behind(self, keep: int) -> None:
+        """Wait for the oldest writes ``behind()`` left until at most ``keep`` buckets' remain."""
+        while len(self._behind) > keep:
             self._settle(self._behind.pop(0))
 
     def close(self) -> None:

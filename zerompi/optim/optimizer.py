@@ -146,7 +146,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #    one at a time as it streams them), then publish them to the compute parameters
         todo = [i for i in range(len(self.buckets)) if i not in early]
         after = dict(zip(todo, todo[1:]))
-        for batch in self.store.batches(todo) if todo else ():
+        for batch in self.store.batches(todo):
             for i in batch:
                 self.fence.wait(i)  # a background save may still be taking this bucket
             if batch[-1] in after:  # streamed (NVMe): the next gradient is read meanwhile

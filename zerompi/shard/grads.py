@@ -29,8 +29,7 @@ class GradShard:
         self.master_device = master_device
         self.fresh = True     # no reduction since the last step: the shard holds nothing of use
         self._sq = 0.0        # squared norm after the last reduction (swapped tiers only)
-        self._fp32: torch.Tensor | None = None  # this step's unscaled fp32 gradient (resident)
-        self._scale = 1.0
+        self._fp32: torch.Tensor | None = None  # this step's unscaled fp32 gradient (resident, or kept by write)
 
     def write(self, reduced: torch.Tensor, *, accumulate: bool, taken_next: bool = False) -> None:
         """Store a reduction: added to what earlier micro-batches left (``accumulate``), or in
@@ -45,15 +44,16 @@ class GradShard:
                 if self.fresh:
                     shard.zero_()
                 shard.add_(reduced)
+            keep = taken_next and not self.tier.stays_resident
             if not self.tier.stays_resident:  # the step will not see this gradient before its turn
-                # taken next: the shard's own memory when it is fp32 already (released from the
-                # tier below, it lives on in ``g``), else an fp32 copy
-                g = shard.detach() if taken_next and shard.dtype == torch.float32 and \
+                # kept: the shard's own memory when it is fp32 already (released from the tier
+                # below, it lives on in ``g``), else an fp32 copy
+                g = shard.detach() if keep and shard.dtype == torch.float32 and \
                     shard.device == self.master_device else shard.to(self.master_device, torch.float32)
                 self._sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
-                if taken_next:
-                    self._fp32, self._scale = g, 1.0
-            if not (taken_next and not self.tier.stays_resident):
+            if keep:
+                self._fp32 = g
+            else:
                 self.tier.store()
         self.fresh = False
 
@@ -67,7 +67,7 @@ class GradShard:
                 g = shard.to(self.master_device, torch.float32)
             if scale != 1.0:
                 g.div_(scale)
-            self._fp32, self._scale = g, scale
+            self._fp32 = g
         return self._fp32
 
     def norm_sq(self, scale: float) -> float:
@@ -80,12 +80,10 @@ class GradShard:
 
     def take(self, scale: float, coef: float) -> torch.Tensor:
         """The fp32 gradient for the update: unscaled, times the clip coefficient when below 1."""
-        if self._fp32 is not None and not self.tier.stays_resident:  # kept by write(taken_next=True)
-            g = self._fp32 if scale == 1.0 else self._fp32.div_(scale)
-        elif self.tier.stays_resident and not self.fresh:
+        if self.tier.stays_resident and not self.fresh:
             g = self._resident_fp32(scale)
-        else:  # zeros, or a copy read back from the tier
-            g = self.peek()
+        else:  # kept by write(taken_next=True), else zeros or a copy read back from the tier
+            g = self._fp32 if self._fp32 is not None else self.peek()
             if scale != 1.0:
                 g.div_(scale)
         if coef < 1.0:
