@@ -151,3 +151,43 @@ def test_parameter_freed_between_forward_and_backward():
     out.square().sum().backward()
     for got, want in zip((out.detach(), lin.weight.grad, lin.bias.grad, xg.grad), expected):
         torch.testing.assert_close(got, want)
+
+
+def test_reuse_pool_moves_memory_and_keeps_the_storage():
+    """With a pool, free() hands the bytes over and alloc() takes bytes of the same size back into
+    the same storage object: views (and a parameter freed between forward and backward) see them."""
+    from zerompi.offload.aligned import Reuse
+    pool = Reuse(limit=1 << 20)
+    torch.manual_seed(1)
+    lin = nn.Linear(6, 4)
+    x = torch.randn(3, 6)
+    expected = reference(lin, x)
+    buf = FlatBuffer(6 * 4 + 4, torch.float32, reuse=pool)
+    buf.tensor[:24].copy_(lin.weight.detach().reshape(-1))
+    buf.tensor[24:].copy_(lin.bias.detach())
+    lin.weight.data, lin.bias.data = buf.view(0, (4, 6)), buf.view(24, (4,))
+    storage, address = buf.tensor.untyped_storage(), buf.tensor.data_ptr()
+    saved = buf.tensor.clone()
+    xg = x.clone().requires_grad_()
+    out = lin(xg)
+    buf.free()
+    assert not buf.is_allocated and pool.nbytes == buf.nbytes  # the memory waits in the pool
+    other = FlatBuffer(28, torch.float32, allocated=False, reuse=pool)  # its first bytes go to the pool
+    other.alloc()  # and come back (the newest of the size first)
+    assert pool.nbytes == buf.nbytes and other.tensor.data_ptr() != address
+    refill(buf, saved)  # the first buffer's memory comes back into the same storage object
+    assert pool.nbytes == 0
+    assert buf.tensor.untyped_storage()._cdata == storage._cdata and buf.tensor.data_ptr() == address
+    out.square().sum().backward()
+    for got, want in zip((out.detach(), lin.weight.grad, lin.bias.grad, xg.grad), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_reuse_pool_over_its_limit_frees():
+    from zerompi.offload.aligned import Reuse
+    pool = Reuse(limit=16)
+    buf = FlatBuffer(28, torch.float32, reuse=pool)
+    buf.free()
+    assert not buf.is_allocated and pool.nbytes == 0
+    buf.alloc(zero=True)
+    assert buf.is_allocated and not buf.tensor.any()

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from zerompi.config.choices import Offload
-from zerompi.offload.aligned import aligned_empty, allocate, release
+from zerompi.offload.aligned import REUSE, Reuse, aligned_empty, allocate, release
 from zerompi.offload.nvme import NVMeSwapper
 from zerompi.offload.residency import InMemory, NVMeResidency
 
@@ -188,6 +188,13 @@ class TierPlan:
         if self.device.type == "cpu":
             moved.discard(Offload.CPU)
         return bool(moved)
+
+    @property
+    def reuse(self) -> Reuse | None:
+        """Where stage 3's released gather and gradient buffers wait for the next of their size:
+        the pool of released host memory (aligned.py's Reuse) when shards stream through a swap
+        file, which is where fresh memory's page faults cost the step most."""
+        return REUSE if self.swapper is not None else None
 
     def host(self, t: torch.Tensor) -> torch.Tensor:
         """A host-memory copy of ``t`` (pinned when there is a GPU to copy to)."""

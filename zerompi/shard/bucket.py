@@ -81,9 +81,9 @@ class Bucket:
                                          or (weights is not None and not plan.shard_params))
 
         if init.dtype == dtype and not plan.trains:  # frozen: the values are all it keeps, in place
-            self.param_full = FlatBuffer.holding(init)
+            self.param_full = FlatBuffer.holding(init, reuse=tiers.reuse)
         else:
-            self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device)
+            self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device, reuse=tiers.reuse)
             self.param_full.tensor.copy_(init)
         if plan.shard_params:
             self.param_tier: ShardTier = tiers.param_tier(index, aligned_clone(self.param_full.tensor[own]),
@@ -125,7 +125,7 @@ class Bucket:
         master = aligned_clone(init[own.start:own.stop]) if self.separate else self.param_tier.tensor
         self.master = tiers.place_master(index, master, self.separate)
         self.grad_full = FlatBuffer(self.layout.padded_numel, placement.dtype, placement.device, zero=True,
-                                    allocated=not plan.shard_grads)
+                                    allocated=not plan.shard_grads, reuse=tiers.reuse)
         local = self.grad_full.tensor[own.start:own.stop] if not plan.shard_grads else \
             torch.zeros(own.numel, dtype=placement.dtype, device=placement.device)
         self.grads = GradShard(tiers.grad_tier(index, local), own.numel, self.master.device)
