@@ -16,7 +16,8 @@ job (mpiexec and all ranks; swap is off here). Two ladders (capacity_report.Stud
   settings (run it with the peers venv's Python, benchmarks/setup_peers.sh, for those).
   Results: benchmarks/results/lora_capacity.{json,md,png}.
 
-For each mode the depth grows along the ladder until a trial fails. A trial killed by the OOM
+For each mode the depth grows along the ladder, and on past its end by its last step, until a
+trial fails. A trial killed by the OOM
 killer is bisected against the last rung that trained, to about 10%; any other end (an error, a
 trial past ``--trial-timeout``, a rung whose swap files would not fit on the disk, or one predicted
 to overrun ``--mode-budget-min``) stops the mode there, with the reason recorded. The largest depth
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -42,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -208,11 +211,20 @@ def _attempt(cg: Cgroup, args, mode: str, n_layer: int, scratch: Path, rows: lis
                     "cgroup_peak": None, "oom_kills": 0, "loadavg": os.getloadavg()[0]})
 
 
+def depths(ladder: tuple[int, ...], max_rungs: int, beyond: bool = True) -> Iterator[int]:
+    """The ladder's first ``max_rungs`` rungs; when that is all of them (and ``beyond``), on past its
+    end by its last step until the climb stops it (a failure, or a rung not run for disk or time): a
+    mode that outgrows the ladder is measured at its real limit, not at the ladder's end."""
+    yield from ladder[:max_rungs]
+    if beyond and max_rungs >= len(ladder) >= 2:
+        yield from itertools.count(2 * ladder[-1] - ladder[-2], ladder[-1] - ladder[-2])
+
+
 def climb(cg: Cgroup, args, mode: str, scratch: Path) -> list[dict]:
     """Up the ladder to the first failure; after an OOM kill, bisect the depth to about 10% (any other
     end says nothing about memory, so the mode stops there)."""
     rows, ok, bad, t0 = [], 0, None, time.perf_counter()
-    for n_layer in args.study.ladder[:args.max_rungs]:
+    for n_layer in depths(args.study.ladder, args.max_rungs, beyond=not args.quick):  # --quick: the harness only
         rows.append(_attempt(cg, args, mode, n_layer, scratch, rows, t0))
         if not rows[-1]["ok"]:
             bad = n_layer if rows[-1]["why"] == "OOM killed" else None
