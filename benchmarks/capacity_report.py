@@ -251,7 +251,7 @@ def gpt_readings(data: dict) -> list[str]:
     text = ("With NVMe offload the model states resident between uses are none: parameter, gradient and optimizer "
             "shards live in the swap files, and memory holds one gathered unit (plus three read ahead, with "
             "their optimizer state under optimizer_in_backward), two buckets being written behind, a pool of "
-            "released blocks (a dozen of the largest shard) and the swap buffers, whatever the depth; what grows "
+            "released blocks (a dozen of the largest shard, four of the largest gathered bucket) and the swap buffers, whatever the depth; what grows "
             "with the model is the time per step (disk traffic) and the swap files (16 bytes per parameter in "
             "fp32: master, which the fp32 parameter shard is read from, gradient, two moments).")
     slope = nvme_slope(data)
@@ -334,10 +334,14 @@ def common_readings(study: Study, data: dict) -> list[str]:
     return out
 
 
+BEYOND = " and on past its end by its last step while a mode trains (since 22513c3: until the disk or the time stops it)"
+
+
 def gpt_describe(data: dict) -> str:
     nvme = data["measurements"].get("stage3+nvme", {}).get("nvme_dir")
     return (f"Model: GPT, vocab 256, block 64, n_embd {data['n_embd']}, {data['n_head']} heads, no biases, depth "
-            f"along the ladder {', '.join(map(str, GPT.ladder[:data['max_rungs']]))}, then bisected to about 10%; "
+            f"along the ladder {', '.join(map(str, GPT.ladder[:data['max_rungs']]))}{BEYOND if data['max_rungs'] >= len(GPT.ladder) else ''}, "
+            "bisected to about 10% after an OOM kill; "
             "fp32, AdamW, bucket_mb 25, built on the meta device and initialised bucket by bucket "
             "(`param_init=model.init_module`); micro-batch 1 × 64 tokens per rank, 2 steps."
             + (f" NVMe: zerompi's default swap settings on the machine's disk (`{nvme}`), with "
