@@ -21,6 +21,12 @@ import torch
 from zerompi.errors import ZeroMPIError
 
 
+def _host_pool(reuse, device: torch.device):
+    """``reuse`` (a pool with take(nbytes) -> storage | None and give(storage)) for host memory
+    on a torch that can move bytes between storages; None elsewhere (a device allocator caches)."""
+    return reuse if device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_") else None
+
+
 class FlatBuffer:
     """A flat tensor of ``numel`` elements of ``dtype`` that can be freed and re-allocated."""
 
@@ -28,9 +34,7 @@ class FlatBuffer:
                  *, allocated: bool = True, zero: bool = False, reuse=None):
         self.numel = numel
         self.dtype = dtype
-        # a pool with take(nbytes) -> storage | None and give(storage): host memory only
-        self._reuse = reuse if torch.device(device).type == "cpu" and \
-            hasattr(torch.UntypedStorage, "_swap_data_ptr_") else None
+        self._reuse = _host_pool(reuse, torch.device(device))
         self.tensor = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
         self._nbytes = self.tensor.untyped_storage().nbytes()
         if not allocated:
@@ -44,8 +48,7 @@ class FlatBuffer:
             raise ZeroMPIError("FlatBuffer.holding: the tensor must be 1-D and the whole of its storage")
         buf = cls.__new__(cls)
         buf.numel, buf.dtype, buf.tensor = tensor.numel(), tensor.dtype, tensor
-        buf._reuse = reuse if tensor.device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_") \
-            else None
+        buf._reuse = _host_pool(reuse, tensor.device)
         buf._nbytes = tensor.untyped_storage().nbytes()
         return buf
 
