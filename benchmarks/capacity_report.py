@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 SCHEMA = 2
 SHARED_LOAD = 0.5  # a 1-minute load average at least this high before the first trial: other work ran
+BEYOND = " and on past its end by its last step while a mode trains (since 22513c3: until the disk or the time stops it)"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class Study:
     def config(self) -> tuple[str, ...]:
         """What merged measurements must share."""
         return ("cap_gib", "ranks", *self.model, "max_rungs")
+
+    def rungs(self, max_rungs: int) -> str:
+        """The depths as a report names them (a whole ladder is climbed on past its end: bench_capacity.depths)."""
+        return ", ".join(map(str, self.ladder[:max_rungs])) + (BEYOND if max_rungs >= len(self.ladder) else "")
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -97,8 +102,7 @@ def check_merge(study: Study, old: dict, new: dict) -> None:
 def merge(study: Study, old: dict, new: dict) -> dict:
     """``old`` with the modes measured in ``new`` replaced by ``new``'s trials and measurements."""
     check_merge(study, old, new)
-    modes = set(new["measurements"])
-    before = summary(study, old["rows"])
+    modes, before = set(new["measurements"]), summary(study, old["rows"])
     merged = {**old, "measurements": dict(old["measurements"])}
     for mode in modes:
         m, prev, best = dict(new["measurements"][mode]), old["measurements"].get(mode), before.get(mode)
@@ -130,9 +134,8 @@ def _gib(x: int | None) -> str:
 
 
 def _load(m: dict) -> str:
-    if m.get("loadavg_start") is None:
-        return "not recorded"
-    return f"{m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f} on {m['cores']} cores"
+    return "not recorded" if m.get("loadavg_start") is None else \
+        f"{m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f} on {m['cores']} cores"
 
 
 def _commit(m: dict) -> str:
@@ -143,8 +146,7 @@ def _commit(m: dict) -> str:
 
 def markdown(study: Study, data: dict) -> str:
     best, ms = data["best"], data["measurements"]
-    base = best.get("stage0", {}).get("params")
-    w = data["written_by"]
+    base, w = best.get("stage0", {}).get("params"), data["written_by"]
     machines = sorted({m["machine"] for m in ms.values()})
     lines = [f"# {study.title}", "",
              f"Generated from `{study.stem}.json` by `benchmarks/bench_capacity.py` at commit {_commit(w)}, "
@@ -334,15 +336,11 @@ def common_readings(study: Study, data: dict) -> list[str]:
     return out
 
 
-BEYOND = " and on past its end by its last step while a mode trains (since 22513c3: until the disk or the time stops it)"
-
-
 def gpt_describe(data: dict) -> str:
     nvme = data["measurements"].get("stage3+nvme", {}).get("nvme_dir")
     return (f"Model: GPT, vocab 256, block 64, n_embd {data['n_embd']}, {data['n_head']} heads, no biases, depth "
-            f"along the ladder {', '.join(map(str, GPT.ladder[:data['max_rungs']]))}{BEYOND if data['max_rungs'] >= len(GPT.ladder) else ''}, "
-            "bisected to about 10% after an OOM kill; "
-            "fp32, AdamW, bucket_mb 25, built on the meta device and initialised bucket by bucket "
+            f"along the ladder {GPT.rungs(data['max_rungs'])}, bisected to about 10% after an OOM kill; fp32, AdamW, "
+            "bucket_mb 25, built on the meta device and initialised bucket by bucket "
             "(`param_init=model.init_module`); micro-batch 1 × 64 tokens per rank, 2 steps."
             + (f" NVMe: zerompi's default swap settings on the machine's disk (`{nvme}`), with "
                "optimizer_in_backward=True since 529e1da." if nvme else ""))

@@ -7,7 +7,7 @@ paragraphs the report computes (the targets of issue 13 among them).
 """
 from __future__ import annotations
 
-from capacity_report import BEYOND, GiB, Study, nvme_slope
+from capacity_report import GiB, Study, nvme_slope
 
 DS_MODES = ("deepspeed-zero3", "deepspeed-zero3-lean")
 # Issue 13's targets: stage 3 fits >= 1.8x the base stage 0 fits; stage 3 + NVMe >= 4x DeepSpeed ZeRO-3.
@@ -30,10 +30,9 @@ def _framework(data: dict, name: str) -> str:
 def describe(data: dict) -> str:
     lora = next((r["lora_params"] for r in data["rows"] if r["ok"]), None)
     nvme = data["measurements"].get("stage3+nvme", {}).get("nvme_dir")
-    ladder = ", ".join(map(str, LORA.ladder[:data["max_rungs"]]))
     return (f"Model: `transformers.LlamaForCausalLM`, hidden {data['hidden']}, intermediate {data['intermediate']}, "
             f"{data['heads']} heads ({data['kv_heads']} key/value heads), vocabulary {data['vocab']}, untied "
-            f"embeddings; depth along the ladder {ladder}{BEYOND if data['max_rungs'] >= len(LORA.ladder) else ''}, bisected to about 10% after an OOM kill. The base is "
+            f"embeddings; depth along the ladder {LORA.rungs(data['max_rungs'])}, bisected to about 10% after an OOM kill. The base is "
             f"frozen and held in bf16; `peft` LoRA r={data['lora_r']} (alpha {2 * data['lora_r']}) on the q, k, v, o, "
             "gate, up and down projections is all that trains"
             + (f" ({lora / 1e6:.1f}M parameters at the largest depth that trained first)" if lora else "")
