@@ -17,10 +17,10 @@ job (mpiexec and all ranks; swap is off here). Two ladders (capacity_report.Stud
   Results: benchmarks/results/lora_capacity.{json,md,png}.
 
 For each mode the depth grows along the ladder, and on past its end by its last step, until a
-trial fails. A trial killed by the OOM
-killer is bisected against the last rung that trained, to about 10%; any other end (an error, a
-trial past ``--trial-timeout``, a rung whose swap files would not fit on the disk, or one predicted
-to overrun ``--mode-budget-min``) stops the mode there, with the reason recorded. The largest depth
+trial fails. A trial killed by the OOM killer is bisected against the last rung that trained, to
+about 10%; any other end (an error, a trial past ``--trial-timeout``, a rung whose swap files would
+not fit on the disk, or one predicted to overrun ``--mode-budget-min``) stops the mode there, with
+the reason recorded. The largest depth
 that trained is the mode's capacity. Needs root and a writable cgroup memory controller (v1 or v2).
 All results files are generated (capacity_report.py): each mode records the commit, date and load
 average of its measurement; ``--merge`` re-measures the modes given and keeps the file's others;

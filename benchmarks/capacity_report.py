@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 SCHEMA = 2
 SHARED_LOAD = 0.5  # a 1-minute load average at least this high before the first trial: other work ran
-BEYOND = " and on past its end by its last step while a mode trains (since 22513c3: until the disk or the time stops it)"
+BEYOND = " and on past its end by its last step while a mode trains (since 22513c3: until disk or time stops it)"
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Study:
         return ("cap_gib", "ranks", *self.model, "max_rungs")
 
     def rungs(self, max_rungs: int) -> str:
-        """The depths as a report names them (a whole ladder is climbed on past its end: bench_capacity.depths)."""
+        """The depths as a report names them (a whole ladder is climbed on past its end)."""
         return ", ".join(map(str, self.ladder[:max_rungs])) + (BEYOND if max_rungs >= len(self.ladder) else "")
 
     @property
@@ -253,9 +253,10 @@ def gpt_readings(data: dict) -> list[str]:
     text = ("With NVMe offload the model states resident between uses are none: parameter, gradient and optimizer "
             "shards live in the swap files, and memory holds one gathered unit (plus three read ahead, with "
             "their optimizer state under optimizer_in_backward), two buckets being written behind, a pool of "
-            "released blocks (a dozen of the largest shard, four of the largest gathered bucket) and the swap buffers, whatever the depth; what grows "
-            "with the model is the time per step (disk traffic) and the swap files (16 bytes per parameter in "
-            "fp32: master, which the fp32 parameter shard is read from, gradient, two moments).")
+            "released blocks (a dozen of the largest shard, four of the largest gathered bucket) and the swap "
+            "buffers, whatever the depth; what grows with the model is the time per step (disk traffic) and the "
+            "swap files (16 bytes per parameter in fp32: master, which the fp32 parameter shard is read from, "
+            "gradient, two moments).")
     slope = nvme_slope(data)
     if slope:
         text += (f" The job's peak still rises {slope[0]:.2f} bytes per parameter across the NVMe rows (host-side "
@@ -369,9 +370,7 @@ def plot(study: Study, data: dict, path: Path) -> bool:
             ax.plot([r["params"] / 1e6 for r in ok], [r["cgroup_peak"] / GiB for r in ok], "o-",
                     label=f"{mode} ({m['commit']})")
     ax.axhline(data["cap_gib"], color="k", ls="--", lw=1, label=f"cap {data['cap_gib']:g} GiB")
-    ax.set_xscale("log")
-    ax.set_xlabel(study.x_label)
-    ax.set_ylabel("job peak memory, GiB")
+    ax.set(xscale="log", xlabel=study.x_label, ylabel="job peak memory, GiB")
     ax.set_title(f"Capacity under a {data['cap_gib']:g} GiB cap, {data['ranks']} ranks")
     ax.legend()
     fig.tight_layout()

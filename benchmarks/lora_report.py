@@ -32,7 +32,8 @@ def describe(data: dict) -> str:
     nvme = data["measurements"].get("stage3+nvme", {}).get("nvme_dir")
     return (f"Model: `transformers.LlamaForCausalLM`, hidden {data['hidden']}, intermediate {data['intermediate']}, "
             f"{data['heads']} heads ({data['kv_heads']} key/value heads), vocabulary {data['vocab']}, untied "
-            f"embeddings; depth along the ladder {LORA.rungs(data['max_rungs'])}, bisected to about 10% after an OOM kill. The base is "
+            f"embeddings; depth along the ladder {LORA.rungs(data['max_rungs'])}, bisected to about 10% after an "
+            "OOM kill. The base is "
             f"frozen and held in bf16; `peft` LoRA r={data['lora_r']} (alpha {2 * data['lora_r']}) on the q, k, v, o, "
             "gate, up and down projections is all that trains"
             + (f" ({lora / 1e6:.1f}M parameters at the largest depth that trained first)" if lora else "")

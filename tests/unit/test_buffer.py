@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from zerompi.offload.aligned import Reuse
 from zerompi.shard.buffer import FlatBuffer
 from zerompi.errors import ZeroMPIError
 
@@ -156,7 +157,6 @@ def test_parameter_freed_between_forward_and_backward():
 def test_reuse_pool_moves_memory_and_keeps_the_storage():
     """With a pool, free() hands the bytes over and alloc() takes bytes of the same size back into
     the same storage object: views (and a parameter freed between forward and backward) see them."""
-    from zerompi.offload.aligned import Reuse
     pool = Reuse(limit=1 << 20)
     torch.manual_seed(1)
     lin = nn.Linear(6, 4)
@@ -184,7 +184,6 @@ def test_reuse_pool_moves_memory_and_keeps_the_storage():
 
 
 def test_reuse_pool_over_its_limit_frees():
-    from zerompi.offload.aligned import Reuse
     pool = Reuse(limit=16)
     buf = FlatBuffer(28, torch.float32, reuse=pool)
     buf.free()
