@@ -50,7 +50,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
-from capacity_report import GPT, Study, check_merge, git_state, load, machine, merge, write  # noqa: E402
+from capacity_report import Study, check_merge, git_state, load, machine, merge, write  # noqa: E402
+from gpt_report import GPT  # noqa: E402
 from lora_report import LORA  # noqa: E402
 from zerompi.tools.mpirun import mpiexec  # noqa: E402
 from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     if (args.report_only or args.merge) and not existing.exists():
         p.error(f"no {existing} to {'report' if args.report_only else 'merge into'}")
     if args.report_only:
-        data = load(existing)
+        data = load(existing, study)
         if data.get("study", "gpt") != study.key:
             p.error(f"{existing} holds the {data.get('study', 'gpt')} ladder, not the {study.key} one")
         if missing := [m for m in modes if reading is not None and m not in data["measurements"]]:
@@ -356,10 +357,10 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{existing} exists and --modes leaves some out: --merge keeps its other modes, "
                     "--out writes elsewhere")
         if args.merge:  # before measuring: the file's cap, model and ladder must be this run's
-            check_merge(study, load(existing), config_of(args))
+            check_merge(study, load(existing, study), config_of(args))
         data = measure(args, modes, command, reading)
         if args.merge:
-            data = merge(study, load(existing), data)
+            data = merge(study, load(existing, study), data)
     print(write(study, data, out, command))
     print(f"written to {out}")
 

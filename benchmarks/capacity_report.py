@@ -4,8 +4,8 @@ Everything in the md is generated here from the json; nothing is added by hand. 
 one measurement per mode (``measurements[mode]``: the commit and date it was taken at, the command,
 the load average at its start and end) and the trials of all modes (``rows``), so a mode can be
 re-measured and merged without re-running the others (``--modes M --merge``). A :class:`Study` says
-what one ladder measures: full training of a GPT here (``GPT``: capacity.*), LoRA on a frozen
-Llama-style base in lora_report.py (``LORA``: lora_capacity.*).
+what one ladder measures: full training of a GPT in gpt_report.py (``GPT``: capacity.*), LoRA on a
+frozen Llama-style base in lora_report.py (``LORA``: lora_capacity.*).
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
+
+from bench_offload import traffic_limit_s
 
 log = logging.getLogger("bench_capacity")
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,13 +76,14 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {mem:.1f} GiB"
 
 
-def load(path: Path) -> dict:
-    """A results file, converted to the current layout if it is the first one (one run for all modes)."""
+def load(path: Path, study: Study) -> dict:
+    """``study``'s results file, converted to the current layout if it is the first one (one run for all
+    modes; only the GPT ladder was ever written in that layout)."""
     data = json.loads(path.read_text())
     if data.get("schema", 1) >= SCHEMA:
         return data
     measurements = {}
-    for mode in GPT.modes:  # only the GPT ladder was ever written in that layout
+    for mode in study.modes:
         rows = [r for r in data["rows"] if r["mode"] == mode]
         if rows:  # that layout kept one commit and date (when written) for the run of all modes
             measurements[mode] = {
@@ -88,7 +91,7 @@ def load(path: Path) -> dict:
                 "machine": data["machine"], "cores": None, "nvme_dir": data["nvme_dir"],
                 "commit_end": None, "seconds": sum(r["seconds"] for r in rows), "loadavg_before_run": None,
                 "loadavg_start": None, "loadavg_end": None, "reading": None, "previous": None}
-    return {"schema": SCHEMA, "written_by": None, **{k: data[k] for k in GPT.config},
+    return {"schema": SCHEMA, "written_by": None, **{k: data[k] for k in study.config},
             "measurements": measurements, "rows": data["rows"]}
 
 
@@ -194,14 +197,15 @@ def _measurements(study: Study, data: dict) -> list[str]:
 
 
 def swap_traffic(row: dict, m: dict) -> tuple[float, float, float | None] | None:
-    """A trained NVMe trial's swap bytes in its last step (read, written; both ranks) and the seconds the
-    disk needs for them at the raw O_DIRECT bandwidths measured before the mode's trials (None unmeasured)."""
+    """A trained NVMe trial's swap bytes in its last step (read, written; both ranks) and the least seconds
+    the disk needs for them at the raw O_DIRECT bandwidths this run probed before the mode's trials
+    (bench_offload.traffic_limit_s: the larger of read and write time; None unmeasured)."""
     steps = [x.get("swap_bytes_per_step") for x in row["ranks"]]
     if not all(steps) or not any(sum(s[-1]) for s in steps):
         return None
     read, written = (sum(s[-1][i] for s in steps) for i in (0, 1))
     raw = m.get("raw_disk")
-    return read, written, (read / GiB / raw["read"] + written / GiB / raw["write"] if raw else None)
+    return read, written, (traffic_limit_s(read, written, raw["read"], raw["write"]) if raw else None)
 
 
 def traffic(row: dict, m: dict) -> str:
@@ -217,7 +221,7 @@ def _trials(data: dict) -> list[str]:
     lines = ["", "Every trial (job peak: the cgroup's max usage, all processes of the job; load: the 1-minute "
              "load average when the trial started):", "",
              "| mode | layers | parameters | result | job peak GiB | peak RSS per rank GiB | s/step | trial s | load "
-             "| swap GiB read/written per step, sum of ranks | traffic limit s |",
+             "| swap GiB read/written per step, sum of ranks | traffic limit s (max of read, write time) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         la = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
@@ -235,58 +239,6 @@ def _trials(data: dict) -> list[str]:
         lines += ["", f"{r['mode']}, {r['n_layer']} layers, failed (exit {r['exit']}); the end of its output:", "",
                   "```", r["tail"].strip(), "```"]
     return lines
-
-
-def gpt_readings(data: dict) -> list[str]:
-    """The GPT ladder's own paragraphs, computed from its data."""
-    best, out = data["best"], []
-    s0, nv = best.get("stage0", {}).get("params"), best.get("stage3+nvme", {}).get("params")
-    if s0 and nv:
-        out.append(f"NVMe offload trains {nv / s0:.1f}× the parameters of stage 0 under the same cap (target ≥ 8×)"
-                   + (", and it was not stopped by memory: the ladder ended, or the next rung ran out of time "
-                      "or disk." if best["stage3+nvme"]["why"] != "OOM killed" else "."))
-    s3, cpu = best.get("stage3", {}).get("params"), best.get("stage3+cpu", {}).get("params")
-    if s3 and cpu:
-        out.append(f"'cpu' offload trains {cpu / s3:.2f}× what stage 3 trains. On this machine the CPU is the "
-                   "device, so 'cpu' offload has nothing to move out of the memory the cap counts; on a GPU node "
-                   "the same setting moves the optimizer state and parameter shards off the GPU.")
-    text = ("With NVMe offload the model states resident between uses are none: parameter, gradient and optimizer "
-            "shards live in the swap files, and memory holds one gathered unit (plus three read ahead, with "
-            "their optimizer state under optimizer_in_backward), two buckets being written behind, a pool of "
-            "released blocks (a dozen of the largest shard, four of the largest gathered bucket) and the swap "
-            "buffers, whatever the depth; what grows with the model is the time per step (disk traffic) and the "
-            "swap files (16 bytes per parameter in fp32: master, which the fp32 parameter shard is read from, "
-            "gradient, two moments).")
-    slope = nvme_slope(data)
-    if slope:
-        text += (f" The job's peak still rises {slope[0]:.2f} bytes per parameter across the NVMe rows (host-side "
-                 f"bookkeeping, not model state); at that rate the cap would be reached near {slope[1] / 1e9:.0f}B "
-                 "parameters, well past what this disk holds or this CPU trains in reasonable time.")
-    if "stage3+nvme" in best:
-        out.append(text)
-    return out + nvme_step(data)
-
-
-def nvme_step(data: dict) -> list[str]:
-    """The largest NVMe trial's step against max(its traffic limit, its compute); compute is the line
-    through the in-memory stage-3 trials' s/step against parameters (least squares), extrapolated."""
-    ok = {mode: [r for r in data["rows"] if r["mode"] == mode and r["ok"]] for mode in ("stage3", "stage3+nvme")}
-    if not ok["stage3+nvme"] or len(ok["stage3"]) < 2:
-        return []
-    big = max(ok["stage3+nvme"], key=lambda r: r["params"])
-    t = swap_traffic(big, data["measurements"]["stage3+nvme"])
-    if t is None or t[2] is None:
-        return []
-    xs, ys = [r["params"] for r in ok["stage3"]], [r["step_s"][-1] for r in ok["stage3"]]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    compute, step = my + slope * (big["params"] - mx), big["step_s"][-1]
-    ratio = step / max(t[2], compute)
-    return [f"At the largest NVMe model ({big['params'] / 1e6:.0f}M parameters) the last step took {step:.1f} s. "
-            f"Its swap traffic, {t[0] / GiB:.1f} GiB read and {t[1] / GiB:.1f} GiB written (both ranks, one disk), "
-            f"needs {t[2]:.1f} s at the raw O_DIRECT bandwidth; the compute, extrapolated from the stage3 trials "
-            f"(in memory, {slope * 1e9:.1f} s per billion parameters), about {compute:.1f} s. The step is "
-            f"{ratio:.2f}× the larger of the two (target ≤ 1.3×: {'met' if ratio <= 1.3 else 'not met'})."]
 
 
 def nvme_slope(data: dict) -> tuple[float, float] | None:
@@ -335,24 +287,6 @@ def common_readings(study: Study, data: dict) -> list[str]:
             notes.setdefault(ms[mode]["reading"].strip(), []).append(f"{mode} at {ms[mode]['commit']}")
     out += [f"On {', '.join(where)}:\n\n{text}" for text, where in notes.items()]
     return out
-
-
-def gpt_describe(data: dict) -> str:
-    nvme = data["measurements"].get("stage3+nvme", {}).get("nvme_dir")
-    return (f"Model: GPT, vocab 256, block 64, n_embd {data['n_embd']}, {data['n_head']} heads, no biases, depth "
-            f"along the ladder {GPT.rungs(data['max_rungs'])}, bisected to about 10% after an OOM kill; fp32, AdamW, "
-            "bucket_mb 25, built on the meta device and initialised bucket by bucket "
-            "(`param_init=model.init_module`); micro-batch 1 × 64 tokens per rank, 2 steps."
-            + (f" NVMe: zerompi's default swap settings on the machine's disk (`{nvme}`), with "
-               "optimizer_in_backward=True since 529e1da." if nvme else ""))
-
-
-GPT = Study(key="gpt", stem="capacity", worker="capacity_worker.py",
-            modes=("stage0", "stage3", "stage3+cpu", "stage3+nvme"),
-            ladder=(2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160),
-            model={"n_embd": 1024, "n_head": 16}, quick={"n_embd": 256, "n_head": 8},
-            title="Capacity: the largest GPT that trains under one memory cap", describe=gpt_describe,
-            readings=gpt_readings, x_label="GPT parameters (millions), each point a run that trained")
 
 
 def plot(study: Study, data: dict, path: Path) -> bool:
