@@ -17,6 +17,11 @@ from .tolerance import check_parity
 
 WORLDS = (1, 2, 3)
 SCHEDULES = ("config", "user")
+# The config schedule's rates worked out by hand (lr 1e-2 and the second group's 5e-3; warm-up 2, total 5,
+# min_lr 1e-4, so a floor of 1 %): k < 2: (k + 1) / 2; then 0.01 + 0.99 * (1 + cos(pi (k - 2) / 3)) / 2,
+# i.e. 1, 0.7525, 0.2575 at k = 2, 3, 4; k >= 5: 0.01. Not computed by optim/schedules, which the
+# reference also uses.
+BY_HAND = [0.5, 1.0, 1.0, 0.7525, 0.2575, 0.01]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +35,9 @@ def results(tmp_path_factory):
 def test_schedule_parity(results, world, stage, schedule):
     r = results(world)[(stage, schedule)]
     assert r["lrs"] == r["ref_lrs"]
+    if schedule == "config":
+        assert [a for a, _ in r["lrs"]] == pytest.approx([1e-2 * f for f in BY_HAND], rel=1e-12, abs=0)
+        assert [b for _, b in r["lrs"]] == pytest.approx([5e-3 * f for f in BY_HAND], rel=1e-12, abs=0)
     assert len({tuple(x) for x in r["lrs"]}) > 2  # the schedule moved the learning rates
     assert r["lrs"][0][1] != r["lrs"][0][0]  # two groups, two learning rates
     check_parity(r)
