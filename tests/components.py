@@ -24,7 +24,7 @@ def unavailable(component: str, reason: str):
     MISSING[component] = reason
     if in_ci():
         pytest.fail(f"{component} is required when CI is set, and could not be set up: {reason}", pytrace=False)
-    pytest.skip(f"{component} not available: {reason}")
+    pytest.skip(f"{component} not available: {reason}", allow_module_level=True)
 
 
 def ran(component: str, version: str) -> None:
@@ -37,12 +37,15 @@ def summary_lines() -> list[str]:
     return lines
 
 
-def require_module(*names: str) -> None:
-    """The Python packages ``names`` (the test extra's), recorded with their versions."""
+def require_module(*names: str, extra: str = "test"):
+    """The Python packages ``names`` (of zerompi's ``extra``), recorded with their versions; the last one.
+    Also at a test module's top, instead of ``pytest.importorskip``, which skips under CI too."""
     import importlib
+    module = None
     for name in names:
         try:
             module = importlib.import_module(name)
         except ImportError as e:
-            unavailable(name, f"import {name} failed ({e}): pip install -e '.[test]'")
+            unavailable(name, f"import {name} failed ({e}): pip install -e '.[{extra}]'")
         ran(name, getattr(module, "__version__", "?"))
+    return module

@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+from tests.components import require_module
+
 from .launcher import ROOT, run_mpi
 
 
@@ -25,7 +27,7 @@ def test_linear_regression_reaches_least_squares(tmp_path, stage):
 
 
 def test_cnn_reaches_95_percent_on_digits(tmp_path):
-    pytest.importorskip("sklearn")
+    require_module("sklearn", extra="examples")
     proc = run_mpi(2, "jobs/train_cnn.py", "--out", str(tmp_path), "--stage", "3")
     accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
     assert accuracy >= 0.95, proc.stdout
@@ -35,7 +37,7 @@ def test_cnn_reaches_95_percent_on_digits(tmp_path):
 
 def test_cnn_resumes_exactly(tmp_path):
     """BatchNorm running statistics and dropout included: 10 steps + checkpoint + 10 resumed == 20 straight."""
-    pytest.importorskip("sklearn")
+    require_module("sklearn", extra="examples")
     run_mpi(2, "jobs/train_cnn.py", "--out", str(tmp_path / "a"), "--steps", "20")
     run_mpi(2, "jobs/train_cnn.py", "--out", str(tmp_path / "b"), "--steps", "10", "--save-every", "10")
     proc = run_mpi(2, "jobs/train_cnn.py", "--out", str(tmp_path / "b"), "--steps", "20", "--resume")

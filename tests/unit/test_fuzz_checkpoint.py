@@ -65,7 +65,9 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("hypothesis")
+from tests.components import require_module, unavailable  # noqa: E402
+
+require_module("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -253,16 +255,15 @@ def write_one(root: Path, frozen: bool = False) -> None:
     engine.close()
 
 
-def write_two(root: Path) -> bool:
-    """A 2-rank stage-3 GPT checkpoint from a real MPI job; False when no MPI launcher is usable."""
+def write_two(root: Path) -> str:
+    """A 2-rank stage-3 GPT checkpoint from a real MPI job: '', or why no MPI launcher could write it."""
     from tests.mpi.launcher import run_mpi
     try:
         run_mpi(2, "ckpt.py", "--mode", "save", "--root", str(root), "--out", str(root.parent / "two.npz"),
                 "--before", "2", "--after", "0", "--tag", "good", timeout=300)
     except (RuntimeError, OSError) as e:  # no mpiexec on this machine
-        print(f"no 2-rank checkpoint: {e}")
-        return False
-    return True
+        return f"no 2-rank checkpoint: {e}"
+    return ""
 
 
 # ---- mutations ---------------------------------------------------------------------
@@ -641,12 +642,16 @@ def bases(tmp_path_factory):
     write_one(top / "one")
     write_one(top / "frozen", frozen=True)
     out = {"one": prepare_base("one", top / "one"), "frozen": prepare_base("frozen", top / "frozen")}
-    if write_two(top / "two"):
+    NOT_WRITTEN["two"] = write_two(top / "two")
+    if not NOT_WRITTEN["two"]:
         out["two"] = prepare_base("two", top / "two")
     yield out
     extra = TALLY.summary()
     extra["bases"] = {k: {"world_size": b.world, "file_bytes": b.sizes} for k, b in out.items()}
     _write_report("checkpoint", extra)
+
+
+NOT_WRITTEN: dict[str, str] = {}  # base -> why the bases fixture could not write it
 
 
 @pytest.fixture(scope="module")
@@ -718,7 +723,7 @@ FILE_CASES = [
                               for b, k, p, o in FILE_CASES])
 def test_deleted_swapped_and_copied_files_are_detected(bases, workdir, base_name, kind, path, other):
     if base_name not in bases:
-        pytest.skip("no 2-rank checkpoint (no usable mpiexec)")
+        unavailable("mpiexec", NOT_WRITTEN.get(base_name, "no 2-rank checkpoint"))
     m = Mutation(base_name, kind, path, other=other)
     full, eng, verdicts = run_mutation(bases[base_name], m, workdir, record="files")
     assert verdicts == ("ok", "ok"), (str(m), full, eng)
@@ -785,7 +790,7 @@ def _mutation(base: Base, kind: str, path: str, dataset: str = "", other: str = 
 def test_hostile_structures_are_refused(bases, workdir, worker, case):
     base_name, kind, path, dataset, other, says = case
     if base_name not in bases:
-        pytest.skip("no 2-rank checkpoint (no usable mpiexec)")
+        unavailable("mpiexec", NOT_WRITTEN.get(base_name, "no 2-rank checkpoint"))
     m = _mutation(bases[base_name], kind, path, dataset, other)
     full, eng, _ = run_mutation(bases[base_name], m, workdir, worker, record="structure")
     assert (full.outcome, eng.outcome) == ("detected", "detected"), (str(m), full, eng)

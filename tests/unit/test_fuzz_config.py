@@ -36,7 +36,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("hypothesis")
+from tests.components import require_module  # noqa: E402
+
+require_module("hypothesis")
 # The DeepSpeed translation warns about tuning keys with no effect; the property here is the outcome.
 pytestmark = pytest.mark.filterwarnings(r"ignore:(DeepSpeed config keys accepted|scheduler\.type=)")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from tests.components import require_module
 from zerompi.shard.layout import (BucketLayout, ParamSlot, ParamSpec, Piece, ShardRange, choose_units,
                             common_ancestor, padded_numel, parent_fqn, plan_buckets)
 
@@ -211,7 +212,7 @@ def test_pieces_of_full_range_are_whole_nonempty_params(seed):
 
 
 def test_plan_invariants_hypothesis():
-    hypothesis = pytest.importorskip("hypothesis")
+    hypothesis = require_module("hypothesis")
     st = hypothesis.strategies
     shapes = st.lists(st.integers(0, 6), max_size=3).map(tuple)
     spec_lists = st.lists(st.tuples(shapes, st.integers(0, 2)), max_size=20).map(

@@ -18,6 +18,7 @@ import torch
 from zerompi.errors import ConfigError, UsageError, ZeroMPIError
 from zerompi.offload import NVMeSwapper, SwapConfig, aligned_empty
 from zerompi.offload.nvme import SwapError
+from tests.components import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 16 * 1024  # small blocks: multi-block tensors stay small and fast
@@ -184,7 +185,7 @@ def test_o_direct_is_used_on_disk(tmp_path):
 def test_tmpfs_works_with_at_most_one_warning():
     """tmpfs refused O_DIRECT before Linux 6.6 and accepts it since: either way, one warning at most."""
     if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
+        unavailable("/dev/shm", "not a directory here")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with NVMeSwapper("/dev/shm", 0, SMALL) as sw:
@@ -197,7 +198,7 @@ def test_tmpfs_works_with_at_most_one_warning():
 def test_fallback_when_filesystem_refuses_o_direct(tmp_path):
     """ramfs refuses O_DIRECT at open(); mounted in a private mount namespace of a child."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare(1) to mount a ramfs")
+        unavailable("ramfs", "mounting one (a filesystem that refuses O_DIRECT) needs root and unshare(1)")
     mnt = tmp_path / "ramfs"
     mnt.mkdir()
     code = f"""
@@ -222,7 +223,7 @@ def test_fallback_when_filesystem_refuses_o_direct(tmp_path):
     proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     if "mount" in proc.stderr and proc.returncode != 0:
-        pytest.skip(f"cannot mount a ramfs here: {proc.stderr.strip()}")
+        unavailable("ramfs", f"mount failed: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["ok"] and not res["direct"] and res["gone"]
@@ -485,7 +486,7 @@ def test_released_memory_is_reused_only_when_nothing_else_holds_it():
     old, aligned.REUSE = aligned.REUSE, pool
     try:
         if pool._use_count is None:
-            pytest.skip("this torch exposes no storage use count: released memory is never reused")
+            unavailable("torch storage use count", "this torch has none: released memory is never reused")
         t = aligned_empty(10000, torch.float32)
         ptr = t.data_ptr()
         release(t)

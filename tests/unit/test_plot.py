@@ -7,8 +7,9 @@ import pytest
 
 from zerompi.tools import plot
 from zerompi.tools.cli import main
+from tests.components import require_module
 
-pytest.importorskip("matplotlib")
+require_module("matplotlib", extra="examples")
 
 
 def write_run(directory, rate_key="samples_per_s", accuracy=True):

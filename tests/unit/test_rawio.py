@@ -13,6 +13,7 @@ from zerompi.checkpoint.durable import verify_file
 from zerompi.checkpoint.per_rank import RankFiles, write_rank_file
 from zerompi.checkpoint.rawio import SMALL, WriteOptions, read_into
 from zerompi.errors import CheckpointError
+from tests.components import unavailable
 
 N = 3 * schema.CRC_BLOCK + 12345  # four checksum blocks, the last one partial
 
@@ -148,7 +149,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes(tmp_path):
     import sys
     import textwrap
     if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare(1) to mount a ramfs")
+        unavailable("ramfs", "mounting one (a filesystem that refuses O_DIRECT) needs root and unshare(1)")
     mnt = tmp_path / "ramfs"
     mnt.mkdir()
     script = tmp_path / "child.py"
@@ -166,7 +167,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes(tmp_path):
     proc = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t ramfs none {mnt} && exec {sys.executable} {script}"],
                           env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=60)
     if "mount" in proc.stderr and proc.returncode != 0:
-        pytest.skip(f"cannot mount a ramfs here: {proc.stderr.strip()}")
+        unavailable("ramfs", f"mount failed: {proc.stderr.strip()}")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
