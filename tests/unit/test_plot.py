@@ -36,6 +36,23 @@ def test_plot_writes_a_png_of_several_runs(tmp_path):
     assert data.startswith(b"\x89PNG") and len(data) > 10_000
 
 
+def _png_width(path) -> int:
+    return int.from_bytes(path.read_bytes()[16:20], "big")  # the IHDR chunk's width
+
+
+def test_panels_choose_what_is_drawn(tmp_path, capsys):
+    """Four panels by default (loss, accuracy, lr, rate); --panels loss,lr draws two, half as wide."""
+    a = write_run(tmp_path / "run")
+    every, two = tmp_path / "every.png", tmp_path / "two.png"
+    assert main(["plot", str(a), "-o", str(every)]) == 0
+    assert main(["plot", str(a), "-o", str(two), "--panels", "loss,lr"]) == 0
+    assert abs(_png_width(every) - 2 * _png_width(two)) <= 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["plot", str(a), "--panels", "loss,speed"])
+    assert exit_.value.code == 2
+    assert "unknown panel speed: choose among loss, accuracy, lr, rate" in capsys.readouterr().err
+
+
 def test_plot_defaults_to_the_first_run_directory(tmp_path):
     a = write_run(tmp_path / "run")
     assert main(["plot", str(a)]) == 0

@@ -72,8 +72,21 @@ def _pyplot():
     return plt
 
 
-def draw(runs: list[Series], out: Path) -> Path:
-    """Write the PNG of ``runs`` to ``out``; one panel per kind of curve that some run has."""
+PANELS = ("loss", "accuracy", "lr", "rate")
+
+
+def panel_list(text: str) -> tuple[str, ...]:
+    """``--panels``: a comma-separated subset of PANELS."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    wrong = [n for n in names if n not in PANELS]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"unknown panel {', '.join(wrong) or repr(text)}: "
+                                         f"choose among {', '.join(PANELS)}")
+    return names
+
+
+def draw(runs: list[Series], out: Path, only: tuple[str, ...] | None = None) -> Path:
+    """Write the PNG of ``runs`` to ``out``; one panel per kind of curve that some run has (of ``only``'s)."""
     plt = _pyplot()
     has = {k for run in runs for k in run.curves}
     panels = [("loss", ("loss", "val_loss"), "loss (train solid, val dashed)", True)]
@@ -84,6 +97,7 @@ def draw(runs: list[Series], out: Path) -> Path:
     rate = [k for k in RATES if k in has]
     if rate:
         panels.append(("rate", tuple(rate), " / ".join(k.replace("_per_s", "/s") for k in rate), False))
+    panels = [p for p in panels if only is None or p[0] in only] or panels[:1]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (_, keys, title, log_y) in zip(axes[0], panels):
         for i, run in enumerate(runs):
@@ -111,7 +125,7 @@ def draw(runs: list[Series], out: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     runs = [read_metrics(a) for a in args.runs]
     out = Path(args.output) if args.output else metrics_path(args.runs[0]).parent / "metrics.png"
-    draw(runs, out)
+    draw(runs, out, args.panels)
     print(out)
     return 0
 
@@ -123,4 +137,6 @@ def register(subparsers) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directory (with metrics.jsonl) or metrics file")
     p.add_argument("-o", "--output", metavar="FILE.png",
                    help="where to write the picture (default: metrics.png in the first run's directory)")
+    p.add_argument("--panels", type=panel_list, default=None, metavar="LIST",
+                   help=f"comma-separated panels among {', '.join(PANELS)} (default: every kind some run has)")
     p.set_defaults(func=run)
