@@ -5,15 +5,24 @@
 
 The runs are jobs/train_gpt.py with jobs/configs/default.toml (stage 3, fp32, AdamW, warm-up and
 cosine decay) for 600 steps, its schedule stretched to them (total_steps = steps), at 2 and 4
-ranks, one run per variant: unquantized, int8 weights + int8 gradients, int8 weights + int4
+ranks, one run per variant and seed (``[train] seed``: model initialisation and data order;
+``--seeds``, three by default): unquantized, int8 weights + int8 gradients, int8 weights + int4
 gradients, and the latter with error feedback. The machine is shared, so one ``run`` invocation
 takes about ``--budget-s`` seconds: it advances the run that is furthest behind by one segment
 (``--segment`` steps; the job checkpoints and the next segment resumes, bitwise as if
-uninterrupted, error-feedback residuals included), and so on in turn, interleaving the variants.
+uninterrupted, error-feedback residuals included), and so on in turn, interleaving the runs;
+with ``--in-turn`` it finishes each run before starting the next, in the order world size,
+seed, variant (so that what is done when time runs out is whole runs, paired across variants).
 Every segment is recorded in results/quantized.jsonl with its wall time, the load average
-before and after it (``uptime``'s) and the commit. ``report`` compares each run's final
-validation loss with the unquantized run at its world size (int8 gradients: within 1 %, int4:
-within 2 %) and draws the curves with ``zerompi plot``.
+before and after it (``uptime``'s) and the commit; rows without a ``seed`` are an earlier
+single-seed series (seed 1337, commit cdabb0d) whose run directories are gone.
+
+``report`` gives, per world size and variant, each seed's final validation loss, their mean and
+spread (min to max, and the sample standard deviation), and the quantized mean's gap to the
+unquantized mean. The verdict: "within seed noise" when that gap is no larger than the min-to-max
+spread of the unquantized seeds and of the variant's seeds; otherwise "within X %" or "OUTSIDE
+X %" against the allowed gap (int8 gradients: 1 %, int4: 2 %); no verdict until every listed
+seed of both has finished. It draws the loss curves with ``zerompi plot``.
 """
 from __future__ import annotations
 
@@ -65,19 +74,19 @@ def _toml(value) -> str:
     return repr(value)
 
 
-def write_config(path: Path, steps: int, zero: dict) -> None:
-    """The default config with ``steps`` steps (the schedule ending with them) and ``zero`` on top."""
+def write_config(path: Path, steps: int, zero: dict, seed: int) -> None:
+    """The default config with ``steps`` steps (the schedule ending with them), ``seed`` and ``zero`` on top."""
     import tomllib
     doc = tomllib.loads(BASE.read_text())
-    doc["train"]["steps"] = steps
+    doc["train"].update(steps=steps, seed=seed)
     doc["zero"].update(total_steps=steps, **zero)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(f"[{table}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in body.items()) + "\n"
                             for table, body in doc.items()))
 
 
-def run_dir(ranks: int, variant: str) -> Path:
-    return RUNS / f"np{ranks}-{variant}"
+def run_dir(ranks: int, variant: str, seed: int) -> Path:
+    return RUNS / f"np{ranks}-{variant}-s{seed}"
 
 
 def done_steps(directory: Path) -> int:
@@ -94,11 +103,11 @@ def prune(directory: Path) -> None:
             shutil.rmtree(tag, ignore_errors=True)
 
 
-def segment(ranks: int, variant: str, until: int, steps: int) -> dict:
+def segment(ranks: int, variant: str, seed: int, until: int, steps: int) -> dict:
     """Run one segment of one run (resuming from its checkpoint) up to step ``until``."""
-    directory = run_dir(ranks, variant)
+    directory = run_dir(ranks, variant, seed)
     config = directory / "config.toml"
-    write_config(config, steps, VARIANTS[variant][0])
+    write_config(config, steps, VARIANTS[variant][0], seed)
     start, load0, t0 = done_steps(directory), os.getloadavg(), time.perf_counter()
     cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "jobs/train_gpt.py", "--config", str(config),
            "--steps", str(until), "--out", str(directory), "--save-every", str(until), "--resume"]
@@ -108,31 +117,32 @@ def segment(ranks: int, variant: str, until: int, steps: int) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     prune(directory)
-    return dict(ranks=ranks, variant=variant, start=start, until=until, wall_s=round(wall, 1),
+    return dict(ranks=ranks, variant=variant, seed=seed, start=start, until=until, wall_s=round(wall, 1),
                 load_before=[round(x, 2) for x in load0], load_after=[round(x, 2) for x in os.getloadavg()],
                 commit=commit(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
 def cmd_run(args) -> int:
     ranks = [int(x) for x in args.ranks.split(",")]
-    order = [(n, v) for n in ranks for v in args.variants]
+    order = [(n, s, v) for n in ranks for s in args.seeds for v in args.variants]
     history = [json.loads(line) for line in LOG.read_text().splitlines()] if LOG.exists() else []
     began, before = time.perf_counter(), len(history)
     while True:
-        pending = [(done_steps(run_dir(n, v)), i, n, v) for i, (n, v) in enumerate(order)
-                   if done_steps(run_dir(n, v)) < args.steps]
+        pending = [(done_steps(run_dir(n, v, s)), i, n, s, v) for i, (n, s, v) in enumerate(order)
+                   if done_steps(run_dir(n, v, s)) < args.steps]
         if not pending:
             print("complete: every run reached", args.steps, "steps")
             return 0
-        done, _, n, v = min(pending)  # the run furthest behind, in the order listed: interleaved
+        # The first unfinished run in the order listed, or the one furthest behind: interleaved.
+        done, _, n, s, v = pending[0] if args.in_turn else min(pending)
         seg = args.segment * 2 // n  # 4 ranks take about twice as long per step on 2 cores
         past = [r["wall_s"] / (r["until"] - r["start"]) for r in history if (r["ranks"], r["variant"]) == (n, v)]
         guess = seg * (past[-1] if past else 2.0) + 20
         ran = len(history) > before  # at least one segment per invocation, whatever the guess
         if ran and time.perf_counter() - began + guess > args.budget_s:
-            print(f"budget spent; next: np{n} {v} from step {done} (about {guess:.0f} s)")
+            print(f"budget spent; next: np{n} {v} seed {s} from step {done} (about {guess:.0f} s)")
             return 0
-        record = segment(n, v, min(args.steps, done + seg), args.steps)
+        record = segment(n, v, s, min(args.steps, done + seg), args.steps)
         history.append(record)
         with LOG.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -152,51 +162,116 @@ def last_traffic(directory: Path) -> dict[str, int]:
     return {k: v for k, v in sent[-1].items() if k.split(".")[0].split("@")[0] in keep} if sent else {}
 
 
+def seed_result(directory: Path, steps: int) -> float | str:
+    """A finished run's final validation loss, or what stands in for it: "in progress (k/steps)" or "not run"."""
+    done = done_steps(directory)
+    if done >= steps and (directory / "metrics.jsonl").exists() and (last := final_val(directory)) and last[0] == steps:
+        return last[1]
+    return f"in progress ({done}/{steps})" if done or (directory / "metrics.jsonl").exists() else "not run"
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, min, max and sample standard deviation (None for one value) of the seeds' final losses."""
+    mean = sum(values) / len(values)
+    std = (sum((x - mean) ** 2 for x in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else None
+    return dict(mean=mean, min=min(values), max=max(values), std=std)
+
+
+def verdict(base: dict, quant: dict, allowed: float) -> str:
+    """"within seed noise" when the gap of the means is no larger than either side's min-to-max spread,
+    else whether the relative gap is within the allowed one."""
+    gap = abs(quant["mean"] - base["mean"])
+    if gap <= min(base["max"] - base["min"], quant["max"] - quant["min"]):
+        wide = max(base["max"] - base["min"], quant["max"] - quant["min"]) / base["mean"] > allowed
+        return "within seed noise" + ("; the seed spread exceeds the allowed gap" if wide else "")
+    return f"{'within' if gap / base['mean'] <= allowed else 'OUTSIDE'} {allowed:.0%}"
+
+
 def cmd_report(args) -> int:
     ranks = [int(x) for x in args.ranks.split(",")]
     history = [json.loads(line) for line in LOG.read_text().splitlines()]
+    history = [r for r in history if "seed" in r]  # rows without one: the earlier single-seed series
     lines = ["# Convergence with quantized collectives", "",
              "Written by `benchmarks/bench_quantized.py report` from the runs of `bench_quantized.py run` "
              "(its docstring says what they are). Final validation loss of jobs/train_gpt.py (default config, "
-             f"{args.steps} steps, cosine schedule over them) per variant, against the unquantized run at the "
-             "same world size; bytes are those one rank sent per step in parameter all-gathers and gradient "
-             "reduce-scatters (the last logged interval).", ""]
+             f"{args.steps} steps, cosine schedule over them) per variant and seed (`[train] seed`: model "
+             "initialisation and data order), their mean and spread, and the gap of each variant's mean to "
+             "the unquantized mean at the same world size.", "",
+             "Verdict: **within seed noise** when the gap of the means is no larger than the min-to-max "
+             "spread of the unquantized seeds and of the variant's seeds; otherwise **within X %** or "
+             "**OUTSIDE X %** against the allowed relative gap (int8 gradients 1 %, int4 2 %). No verdict "
+             f"until all {len(args.seeds)} seeds of both have finished; a run in progress or not run is "
+             "shown as such and counts in no mean. Bytes are those one rank sent per step in parameter "
+             "all-gathers and gradient reduce-scatters (the last logged interval of a finished run; the same "
+             "for every seed).", ""]
     summary = {}
     for n in ranks:
-        base = final_val(run_dir(n, "none"))
-        lines += [f"## {n} ranks", "", "| variant | final val loss (step) | vs none | allowed | verdict | "
-                  "bytes sent per step | of none's |", "|---|---|---|---|---|---|---|"]
-        base_bytes = sum(last_traffic(run_dir(n, "none")).values())
+        results = {v: {s: seed_result(run_dir(n, v, s), args.steps) for s in args.seeds} for v in args.variants}
+        finals = {v: [x for x in r.values() if isinstance(x, float)] for v, r in results.items()}
+        stats = {v: spread(f) for v, f in finals.items() if f}
+        traffic = {v: next((last_traffic(run_dir(n, v, s)) for s in args.seeds
+                            if isinstance(results[v][s], float)), {}) for v in args.variants}
+        base_bytes = sum(traffic.get("none", {}).values())
+        lines += [f"## {n} ranks", "",
+                  "| variant | " + " | ".join(f"seed {s}" for s in args.seeds) +
+                  " | mean | min to max | std | mean vs none | allowed | verdict | bytes sent per step | of none's |",
+                  "|---|" + "---|" * len(args.seeds) + "---|---|---|---|---|---|---|---|"]
         for v, (fields, allowed) in VARIANTS.items():
-            d = run_dir(n, v)
-            if v not in args.variants or not (d / "metrics.jsonl").exists():
-                lines.append(f"| {v} | not run |  |  |  |  |  |")
+            if v not in args.variants:
+                lines.append(f"| {v} | " + " | ".join("not run" for _ in args.seeds) + " |  |  |  |  |  |  |  |  |")
                 continue
-            step, val = final_val(d)
-            gap = (val - base[1]) / base[1]
-            traffic = last_traffic(d)
-            verdict = "-" if allowed is None else ("within" if abs(gap) <= allowed else "OUTSIDE")
-            lines.append(f"| {v} | {val:.4f} ({step}) | {gap:+.2%} | {'-' if allowed is None else f'{allowed:.0%}'} "
-                         f"| {verdict} | {', '.join(f'{k} {b:,}' for k, b in sorted(traffic.items()))} | "
-                         f"{sum(traffic.values()) / base_bytes:.3f} |")
-            summary[f"np{n}-{v}"] = dict(final_val_loss=val, step=step, rel_gap=gap, allowed=allowed,
-                                         bytes_per_step=traffic)
+            cells = [f"{x:.4f}" if isinstance(x, float) else x for x in results[v].values()]
+            st, base = stats.get(v), stats.get("none")
+            complete = len(finals[v]) == len(args.seeds) and len(finals.get("none", [])) == len(args.seeds)
+            gap = (st["mean"] - base["mean"]) / base["mean"] if st and base else None
+            if allowed is None:
+                word = "-"
+            elif complete:
+                word = verdict(base, st, allowed)
+            else:
+                word = f"no verdict: {len(finals[v])} of {len(args.seeds)} seeds finished"
+                if v != "none":
+                    word += f" (none: {len(finals.get('none', []))})"
+            sent = traffic[v]
+            count = f" ({len(finals[v])} seeds)" if st and len(finals[v]) < len(args.seeds) else ""
+            lines.append(
+                f"| {v} | " + " | ".join(cells) + " | " +
+                (f"{st['mean']:.4f}{count} | {st['min']:.4f} to {st['max']:.4f} ({st['max'] - st['min']:.4f}) | "
+                 f"{'-' if st['std'] is None else format(st['std'], '.4f')} | " if st else " |  |  | ") +
+                ("" if gap is None or allowed is None else f"{gap:+.2%}") +
+                f" | {'-' if allowed is None else f'{allowed:.0%}'} | {word} | " +
+                ", ".join(f"{k} {b:,}" for k, b in sorted(sent.items())) + " | " +
+                (f"{sum(sent.values()) / base_bytes:.3f}" if sent and base_bytes else "") + " |")
+            summary[f"np{n}-{v}"] = dict(
+                final_val_loss={str(s): x for s, x in results[v].items()}, **(st or {}), rel_gap=gap,
+                allowed=allowed, verdict=word, bytes_per_step=sent)
         png = RESULTS / f"quantized-np{n}.png"
-        plot.draw([plot.read_metrics(str(run_dir(n, v))) for v in VARIANTS
-                   if v in args.variants and (run_dir(n, v) / "metrics.jsonl").exists()], png)
-        lines += ["", f"![curves at {n} ranks]({png.name})", ""]
-    commits = sorted({r["commit"] for r in history})
-    loads = [r["load_before"][0] for r in history] + [r["load_after"][0] for r in history]
-    walls = {}
-    for r in history:
-        walls.setdefault(f"np{r['ranks']}-{r['variant']}", []).append(r["wall_s"] / (r["until"] - r["start"]))
-    lines += ["## Conditions", "",
-              f"- commits: {', '.join(commits)}; {len(history)} segments from {history[0]['time']} to "
-              f"{history[-1]['time']}",
-              f"- 1-minute load average around the segments (`uptime`): {min(loads):.2f} to {max(loads):.2f} "
-              "on 2 cores shared with other jobs: wall times are not comparisons of speed",
-              "- wall seconds per step (start-up included), median per run: " +
-              ", ".join(f"{k} {sorted(w)[len(w) // 2]:.2f}" for k, w in sorted(walls.items())), ""]
+        series = [plot.read_metrics(str(run_dir(n, v, s))) for v in args.variants for s in args.seeds
+                  if (run_dir(n, v, s) / "metrics.jsonl").exists()]
+        if series:
+            plot.draw(series, png, only=("loss",))
+            lines += ["", f"![loss curves at {n} ranks]({png.name})", ""]
+        else:
+            png.unlink(missing_ok=True)
+            lines += [""]
+    runs = {(n, v, s) for n in ranks for v in args.variants for s in args.seeds}
+    history = [r for r in history if (r["ranks"], r["variant"], r["seed"]) in runs]
+    lines += ["## Conditions", ""]
+    if history:
+        commits = sorted({r["commit"] for r in history})
+        loads = [r["load_before"][0] for r in history] + [r["load_after"][0] for r in history]
+        walls = {}
+        for r in history:
+            walls.setdefault(f"np{r['ranks']}-{r['variant']}-s{r['seed']}", []).append(
+                r["wall_s"] / (r["until"] - r["start"]))
+        lines += [f"- commits: {', '.join(commits)}; {len(history)} segments from {history[0]['time']} to "
+                  f"{history[-1]['time']}",
+                  f"- 1-minute load average around the segments (`uptime`): {min(loads):.2f} to {max(loads):.2f} "
+                  "on 2 cores shared with other jobs: wall times are not comparisons of speed",
+                  "- wall seconds per step (start-up included), median per run: " +
+                  ", ".join(f"{k} {sorted(w)[len(w) // 2]:.2f}" for k, w in sorted(walls.items()))]
+    lines += ["- rows of results/quantized.jsonl without a seed are an earlier single-seed series (seed 1337, "
+              "commit cdabb0d) whose run directories are gone; they count in nothing above", ""]
     (RESULTS / "quantized.md").write_text("\n".join(lines))
     (RESULTS / "quantized.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("\n".join(lines))
@@ -212,8 +287,12 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=540, help="seconds one 'run' invocation may take")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma list of " + ", ".join(VARIANTS) + " (error feedback only where int4 needs it)")
+    p.add_argument("--seeds", default="1337,1,2", help="comma list of [train] seed values, one run each")
+    p.add_argument("--in-turn", action="store_true",
+                   help="finish each run before starting the next (world size, then seed, then variant)")
     args = p.parse_args()
     args.variants = args.variants.split(",")
+    args.seeds = [int(x) for x in args.seeds.split(",")]
     if unknown := [v for v in args.variants if v not in VARIANTS]:
         p.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     return cmd_run(args) if args.mode == "run" else cmd_report(args)
