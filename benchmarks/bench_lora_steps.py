@@ -67,14 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_row(row: str, args, mpiexec: str) -> dict:
-    """One repeat of one row as its own job: the record bench_peers' repeats.fold expects."""
+def run_row(row: str, args, mpiexec: str, extra: tuple[str, ...] = ()) -> dict:
+    """One repeat of one row as its own job: the record bench_peers' repeats.fold expects (``extra``: more
+    worker arguments, e.g. bench_transport's ``--trace``)."""
     out = Path(tempfile.mkstemp(prefix=f"lora-{row}-", suffix=".json")[1])
     nvme = Path(tempfile.mkdtemp(prefix="lora-swap-"))
     model = [a for k, v in {**LORA.model, "seq": args.seq}.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "mpi4py", str(HERE / "workers" / "lora_worker.py"),
            "--mode", row, "--n-layer", str(args.n_layer), *model, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--nvme", str(nvme), "--out", str(out)]
+           "--warmup", str(args.warmup), "--nvme", str(nvme), "--out", str(out), *extra]
     rec = dict(kind="row", row=row, label=ROWS[row][0], size=f"{args.n_layer} layers", np=args.ranks,
                loadavg_before=os.getloadavg())
     t0 = time.perf_counter()

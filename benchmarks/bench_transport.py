@@ -18,6 +18,10 @@ against zerompi's, both on MPICH).
 
 Results: ``benchmarks/results/transport.{jsonl,md}`` (``--out``); ``--peers PREFIX`` adds the gap
 table from a bench_peers.py run's ``PREFIX.jsonl``; ``--report-only`` rewrites the md from the jsonl.
+
+``--lora``: the rows of bench_lora_steps.py instead (default zerompi stage 3 and DeepSpeed ZeRO-3 with
+its defaults, on the LoRA base at ``--n-layer`` layers, 2 ranks), traced by workers/lora_worker.py;
+results ``benchmarks/results/transport-lora.{jsonl,md}``, gap against ``benchmarks/results/lora_steps``.
 """
 from __future__ import annotations
 
@@ -29,22 +33,34 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+import bench_lora_steps  # noqa: E402
 import bench_peers  # noqa: E402
 from peers import repeats as rp  # noqa: E402
 from peers import transport_report  # noqa: E402
 
 DEFAULT_ROWS = "zerompi-1,zerompi-2,zerompi-3,ddp,fsdp2,ds-3"
+LORA_ROWS = "stage3,deepspeed-zero3"
+
+
+class LoraRow(NamedTuple):
+    """A bench_lora_steps.py row, named as bench_peers' rows are."""
+    key: str
+    label: str
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="20M", choices=("20M", "120M"))
-    p.add_argument("--np", default="2,4", help="comma list of world sizes")
-    p.add_argument("--rows", default=DEFAULT_ROWS, help="row keys of bench_peers.py")
+    p.add_argument("--np", help="comma list of world sizes (default 2,4; with --lora 2)")
+    p.add_argument("--rows", help=f"row keys of bench_peers.py (default {DEFAULT_ROWS}) or with --lora of "
+                                  f"bench_lora_steps.py (default {LORA_ROWS})")
+    p.add_argument("--lora", action="store_true", help="the LoRA rows of bench_lora_steps.py")
+    p.add_argument("--n-layer", type=int, default=4, help="--lora: depth of the base, as bench_lora_steps.py")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every (world size, transport) job")
     p.add_argument("--iters", type=int, default=5, help="timed replays of a row's step per job")
     p.add_argument("--warmup", type=int, default=1, help="untimed replays first")
@@ -61,8 +77,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.np, args.repeats, args.iters = "2", 2, 2
-    args.out = Path(args.out or HERE / "results" / "transport")
-    keys = {r.key: r for r in bench_peers.ROWS}
+    args.out = Path(args.out or HERE / "results" / ("transport-lora" if args.lora else "transport"))
+    args.np = args.np or ("2" if args.lora else "2,4")
+    args.rows = args.rows or (LORA_ROWS if args.lora else DEFAULT_ROWS)
+    if args.lora:
+        args.size = f"{args.n_layer} layers"  # bench_lora_steps' records call their size so
+        args.peers = args.peers or str(HERE / "results" / "lora_steps")
+    keys = ({k: LoraRow(key=k, label=label) for k, (label, _) in bench_lora_steps.ROWS.items()} if args.lora
+            else {r.key: r for r in bench_peers.ROWS})
     unknown = [k for k in args.rows.split(",") if k not in keys]
     if unknown:
         p.error(f"unknown rows {unknown}")
@@ -79,18 +101,35 @@ def meta_of(args, mpiexec: str) -> dict:
     meta["gloo_host_address"] = socket.gethostbyname(socket.gethostname())  # gloo's default device binds here
     meta["settings"] = dict(size=args.size, np=args.np, rows=args.rows, repeats=args.repeats, iters=args.iters,
                             warmup=args.warmup, trace_warmup=1, bucket_mb=args.bucket_mb, seed=args.seed,
-                            mpich_yield=args.mpich_yield)
+                            mpich_yield=args.mpich_yield, lora=args.lora)
+    if args.lora:
+        m = bench_lora_steps.LORA.model
+        meta["settings"].update(bucket_mb=None, model=(
+            f"LoRA base of bench_lora_steps.py: Llama-style, {args.n_layer} layers, hidden {m['hidden']}, "
+            f"intermediate {m['intermediate']}, vocabulary {m['vocab']}, bf16, LoRA r={m['lora_r']}, "
+            f"{m['seq']} tokens per rank"))
+        meta["dirty"] = bench_lora_steps.git_state((*bench_lora_steps.SOURCES, "benchmarks/bench_transport.py",
+                                                    "benchmarks/peers/transport_worker.py"))[1]
     return meta
+
+
+def trace_job(row, np_: int, args, mpiexec: str) -> dict:
+    """One traced run of a row: 1 warm-up + 1 traced step (bench_peers' or bench_lora_steps' worker)."""
+    if args.lora:
+        largs = argparse.Namespace(ranks=np_, n_layer=args.n_layer, seq=bench_lora_steps.LORA.model["seq"], steps=1,
+                                   warmup=1, timeout=args.timeout, mpich_yield=args.mpich_yield)
+        return bench_lora_steps.run_row(row.key, largs, mpiexec, extra=("--trace",))
+    targs = argparse.Namespace(steps=1, warmup=1, bucket_mb=args.bucket_mb, seed=args.seed, timeout=args.timeout,
+                               mpich_yield=args.mpich_yield)
+    return bench_peers.run_row(row, args.size, np_, targs, mpiexec, extra=("--trace",))
 
 
 def trace_rows(args, mpiexec: str, out) -> list[dict]:
     """Each row once per world size with --trace: the collectives of one timed step."""
-    targs = argparse.Namespace(steps=1, warmup=1, bucket_mb=args.bucket_mb, seed=args.seed, timeout=args.timeout,
-                               mpich_yield=args.mpich_yield)
     traces = []
     for np_ in args.np_list:
         for row in args.row_list:
-            r = bench_peers.run_row(row, args.size, np_, targs, mpiexec, extra=("--trace",))
+            r = trace_job(row, np_, args, mpiexec)
             t = dict(kind="trace", row=row.key, label=row.label, size=args.size, np=np_, status=r["status"],
                      calls=r.get("trace", []), params=r.get("params"),
                      bytes_per_step_kinds=r.get("bytes_per_step_kinds"), error=r.get("error", ""))

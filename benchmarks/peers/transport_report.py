@@ -14,6 +14,7 @@ SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadc
 TRANSPORTS = {"mpi": "MPICH shm", "gloo": "gloo TCP"}
 GAPS = [("stage 1 / DDP", "zerompi-1", "ddp"), ("stage 2 / DDP", "zerompi-2", "ddp"),
         ("stage 3 / FSDP2", "zerompi-3", "fsdp2"), ("stage 3 / DeepSpeed ZeRO-3", "zerompi-3", "ds-3")]
+LORA_GAPS = [("LoRA: stage 3 / DeepSpeed ZeRO-3 (defaults)", "stage3", "deepspeed-zero3")]  # bench_transport --lora
 
 
 def fold_times(times: list[dict]) -> dict[tuple[int, str, str], dict]:
@@ -100,7 +101,7 @@ def _d(x: dict) -> str:
     return f"{x['median']:+.3f} ({x['lo']:+.3f} to {x['hi']:+.3f})"
 
 
-def gap_table(folded: dict, peers: list[dict], size: str) -> list[str]:
+def gap_table(folded: dict, peers: list[dict], size: str, gaps=GAPS) -> list[str]:
     """Step-time gap (peer - zerompi, from the bench_peers run) beside the collectives' time on each transport."""
     rows = {(r["np"], r["row"]): r for r in peers if r["size"] == size and r.get("repeats_ok", 1) > 0
             and r["status"] == "ok"}
@@ -108,7 +109,7 @@ def gap_table(folded: dict, peers: list[dict], size: str) -> list[str]:
              "| peer's on gloo TCP s | peer's on MPICH shm s | transport: peer's gloo - MPICH s (range) "
              "| transport / gap | pattern: peer's - zerompi's, both on MPICH s |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for label, z, peer in GAPS:
+    for label, z, peer in gaps:
         for np_ in sorted({n for n, _ in rows}):
             zr, pr = rows.get((np_, z)), rows.get((np_, peer))
             zm, pg, pm = (folded.get((np_, k, tr)) for k, tr in ((z, "mpi"), (peer, "gloo"), (peer, "mpi")))
@@ -117,8 +118,9 @@ def gap_table(folded: dict, peers: list[dict], size: str) -> list[str]:
             gap = dict(median=pr["step_s_median"] - zr["step_s_median"], lo=pr["step_s_lo"] - zr["step_s_hi"],
                        hi=pr["step_s_hi"] - zr["step_s_lo"])
             transport, pattern = _diff(pg, pm), _diff(pm, zm)
-            share = (f"{100 * transport['median'] / gap['median']:.0f}%" if gap["lo"] > 0 else
-                     "gap at parity (range contains 0)" if gap["lo"] <= 0 <= gap["hi"] else "peer faster")
+            pct = f"{100 * transport['median'] / gap['median']:.0f}%" if gap["median"] > 0 else ""
+            share = (pct if gap["lo"] > 0 else f"{pct + ' of the median gap; ' if pct else ''}gap at parity "
+                     "(range contains 0)" if gap["lo"] <= 0 <= gap["hi"] else "peer faster")
             lines.append(f"| {label} | {np_} | {_d(gap)} | {_s(zm)} | {_s(pg)} | {_s(pm)} | {_d(transport)} "
                          f"| {share} | {pattern['median']:+.3f} |")
     return lines if len(lines) > 2 else []
@@ -127,12 +129,14 @@ def gap_table(folded: dict, peers: list[dict], size: str) -> list[str]:
 def header(meta: dict) -> list[str]:
     s, v = meta["settings"], meta["versions"]
     la0, la1 = meta["loadavg_start"], meta.get("loadavg_end", meta["loadavg_start"])
+    model = s.get("model") or f"{s['size']} GPT, bucket {s['bucket_mb']} MB"
     return [
         "# Collectives of one training step: MPICH shared memory and gloo over TCP loopback", "",
         f"- date: {meta['date']}; host {meta['host']}: {meta['cpu']}, {meta['cores']} cores; {meta['os']}",
         f"- versions: Python {meta['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items() if val)
-        + f"; {meta['mpi']}; zerompi commit {meta['zerompi_commit']}",
-        f"- settings: {s['size']} GPT, bucket {s['bucket_mb']} MB, ranks {s['np']}; calls traced in one timed step "
+        + f"; {meta['mpi']}; zerompi commit {meta['zerompi_commit']}"
+        + (f" + uncommitted changes to {', '.join(meta['dirty'])}" if meta.get("dirty") else ""),
+        f"- settings: {model}, ranks {s['np']}; calls traced in one timed step "
         f"(after {s['trace_warmup']} warm-up step) of each row; each row's calls replayed {s['warmup']} + "
         f"{s['iters']} times per job, {s['repeats']} interleaved repeats of every (ranks, transport) job"
         + ("; MPICH ranks yield while waiting" if s["mpich_yield"] else ""),
@@ -145,7 +149,9 @@ NOTES = [
     "zerompi's `ProcessGroup` calls, the peers' `torch.distributed` calls, DDP's buckets through torch's own "
     "`allreduce_hook`) is replayed alone, in order, blocking, on buffers of the same size, with no compute in "
     "between. MPICH shm: mpi4py on `MPI_COMM_WORLD` with the calls zerompi/dist/mpi.py makes (`Reduce_scatter_block`, "
-    "`Allgather`, `Allreduce(IN_PLACE)`, `Bcast`); MPICH between ranks of one node uses shared memory. gloo TCP: "
+    "`Allgather`, `Allreduce(IN_PLACE)`, `Bcast`; 16-bit tensors as zerompi moves them: gathered as int16 views, "
+    "reduce-scattered as an `Alltoall` of int16 views summed in fp32); MPICH between ranks of one node uses shared "
+    "memory. gloo TCP: "
     "`torch.distributed` on a gloo group that rendezvoused at 127.0.0.1, exactly as the peer rows do, with the "
     "function the row called (zerompi's calls: `reduce_scatter_single`, `all_gather_single`, `all_reduce`); "
     "the host name resolves to {gloo_addr}, where gloo's ranks connect to each other. "
@@ -177,7 +183,8 @@ def markdown(meta: dict, traces: list[dict], times: list[dict], peers: list[dict
             f"- {t['np']} ranks, {TRANSPORTS[t['transport']]}, repeat {t['repeat']}: {report.short_error(t)}"
             for t in failed] + [""]
     if peers:
-        gaps = gap_table(folded, peers, meta["settings"]["size"])
+        gaps = gap_table(folded, peers, meta["settings"]["size"],
+                         LORA_GAPS if meta["settings"].get("lora") else GAPS)
         if gaps:
             parts += [f"## How much of the step-time gap is transport (step times from `{peers_name}`)", "",
                       *gaps, ""]

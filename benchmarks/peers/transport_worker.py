@@ -8,7 +8,9 @@ buffers of the recorded size (fp32 as recorded), with nothing computed in betwee
 
 - ``--transport mpi``: mpi4py on MPI_COMM_WORLD, the calls zerompi/dist/mpi.py makes
   (``Reduce_scatter_block``, ``Allgather``, ``Allreduce(IN_PLACE)``, ``Bcast``, ``Reduce``, ``Alltoall``
-  on the tensors themselves); under MPICH on one node that is its shared-memory transport.
+  on the tensors themselves); under MPICH on one node that is its shared-memory transport. 16-bit
+  tensors as zerompi moves them: gathered and broadcast as int16 views, reduce-scattered as an
+  ``Alltoall`` of int16 views whose received chunks are summed in fp32.
 - ``--transport gloo``: torch.distributed over gloo, rendezvous on 127.0.0.1 like the peer rows
   (rowlib.init_torch_distributed); the function the row called where it is a torch.distributed
   one, else (zerompi's calls) ``reduce_scatter_single`` / ``all_gather_single`` / ``all_reduce`` /
@@ -56,10 +58,25 @@ class Buffers:
         return self.cache[key]
 
 
+def _mpi_16bit(comm: MPI.Comm, op: str, full: torch.Tensor, part: torch.Tensor, n: int):
+    """A 16-bit call as zerompi makes it: MPI moves the bits (int16); a sum happens in fp32 after."""
+    raw_full, raw_part = full.view(torch.int16), part.view(torch.int16)
+    if op == "reduce_scatter":
+        recv = torch.empty_like(raw_full)
+        return lambda: (comm.Alltoall(raw_full, recv), recv.view(full.dtype).view(n, -1).float().sum(0))
+    if op == "all_gather":
+        return lambda: comm.Allgather(raw_part[:full.numel() // n], raw_full)
+    if op == "broadcast":
+        return lambda: comm.Bcast(raw_full, root=0)
+    raise ValueError(f"no 16-bit MPI replay for {op} (MPI cannot sum 16-bit floats; zerompi never asks it to)")
+
+
 def mpi_call(comm: MPI.Comm, c: dict, bufs: Buffers):
     """The call as zerompi makes it (zerompi/dist/mpi.py), as a thunk."""
     op, n = c["op"], comm.Get_size()
     full, part = bufs.get(op, c["numel"], DTYPES[c["itemsize"]])
+    if full.element_size() == 2:
+        return _mpi_16bit(comm, op, full, part, n)
     if op == "reduce_scatter":
         return lambda: comm.Reduce_scatter_block(full, part, op=MPI.SUM)
     if op == "all_gather":

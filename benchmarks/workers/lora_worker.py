@@ -22,6 +22,8 @@ Each step is one micro-batch of ``--seq`` random tokens per rank, bf16 compute, 
 Every rank starts each step at a barrier; a step's time is the slowest rank's. Rank 0 writes JSON:
 parameters, seconds per phase, per-step times and losses, peak RSS (and zerompi's model-state bytes)
 per rank. bench_capacity.py runs it inside a memory-capped cgroup, bench_lora_steps.py for step time.
+With ``--trace`` it also records rank 0's collectives of the timed steps (peers/calltrace.py: zerompi's
+``ProcessGroup`` calls, DeepSpeed's ``torch.distributed`` calls), which ``bench_transport.py --lora`` replays.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "jobs"), str(ROOT / "benchmarks" / "peers")]  # a checkout, uninstalled
+import calltrace  # noqa: E402  (records nothing unless --trace starts it)
 
 ZEROMPI_MODES = {
     "stage0": dict(stage=0),
@@ -179,6 +182,8 @@ def zerompi_trainer(args, comm) -> tuple[Callable, dict]:
     if cfg.stage == 0:
         materialize_frozen(model, init)
     frozen, trainable = count(model, trainable=False), count(model, trainable=True)
+    if args.trace:
+        calltrace.install_zerompi()
     engine = zerompi.initialize(model, cfg, param_init=init, comm=comm)
 
     def step(x, y) -> float:
@@ -283,6 +288,8 @@ def parse_args() -> argparse.Namespace:
                    help="bf16 F.linear widened to fp32 block by block (WideMatmul), or torch's own bf16 kernels")
     p.add_argument("--nvme", default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--trace", action="store_true",
+                   help="record the collectives of the timed steps (peers/calltrace.py; bench_transport.py --lora)")
     return p.parse_args()
 
 
@@ -302,6 +309,8 @@ def main() -> None:
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             sent = info["bytes_sent"]()
+            if args.trace:
+                calltrace.start()
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + i * 1009 + comm.rank)
         data = torch.randint(0, args.vocab, (1, args.seq + 1), generator=g)
         comm.Barrier()  # every rank starts the step together: the slowest rank's time is the step's
@@ -310,6 +319,7 @@ def main() -> None:
             loss = step(data[:, :-1], data[:, 1:])
         times.append(time.perf_counter() - t)
         losses.append(loss)
+    calls = calltrace.stop()
     per_step = {k: (v - sent.get(k, 0)) / args.steps for k, v in info["bytes_sent"]().items() if v - sent.get(k, 0)}
     gc.collect()
     mine = {"peak_rss": peak_rss(), "rss_steady": rss_now(), "bytes_sent_per_step": per_step,
@@ -324,7 +334,8 @@ def main() -> None:
             "dtype": "bf16", "matmul": args.matmul, "seq": args.seq, "world_size": comm.size, "initialize_s": setup_s,
             "step_s": [max(r["times"][i] for r in ranks) for i in range(args.steps)], "warmup": args.warmup,
             "losses": loss_mean, "finite": all(math.isfinite(x) for x in loss_mean),
-            "ranks": [{k: v for k, v in r.items() if k not in ("times", "losses")} for r in ranks]}))
+            "ranks": [{k: v for k, v in r.items() if k not in ("times", "losses")} for r in ranks],
+            **({"trace": calls} if args.trace else {})}))
 
 
 if __name__ == "__main__":
