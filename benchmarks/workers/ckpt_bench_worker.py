@@ -7,11 +7,12 @@ Builds the GPT twice: a zerompi stage-3 engine and FSDP2 (``fully_shard`` per bl
 runs it, gloo), each taking one AdamW step so that the optimizer state exists. Then --repeats times, in this
 order: zerompi's synchronous save, eviction of its files, cold load; a training step; an asynchronous save
 (live shards), --overlap-steps steps while it writes, its wait; the same with checkpoint_async_copy; raw I/O
-of as many bytes (each rank its share: buffered 8 MiB writes + fsync, evict, cold read); DCP's save, cold
-load, a step, async_save with the same overlapping steps and its wait. Each collective call is timed on
-every rank between barriers; timers wrapped around zerompi's checkpoint functions at run time (its code is
-unchanged) split each rank's time. Rank 0 writes JSON; each repeat's files are removed after it.
-The page-cache, raw-I/O and child-process helpers are shared with ``bench_checkpoint.py``.
+of as many bytes in every RAW_CONFIGS way (each rank its share, all ranks at once: O_DIRECT or buffered
+pwrite of large blocks on several threads + fsync, evict, cold pread); DCP's save, cold load, a step,
+async_save with the same overlapping steps and its wait. Each collective call is timed on every rank
+between barriers; timers wrapped around zerompi's checkpoint functions at run time (its code is unchanged)
+split each rank's time. Rank 0 writes JSON; each repeat's files are removed after it. The page-cache and
+child-process helpers are shared with ``bench_checkpoint.py``.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from zerompi.checkpoint import rawio, reader, writer  # noqa: E402
 from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
 
 log = logging.getLogger("ckpt_bench_worker")
-BLOCK = 8 << 20  # raw I/O block
+BLOCK = 8 << 20  # the CRC-32 throughput buffer
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -94,49 +95,57 @@ def resident_fraction(paths: list[Path]) -> float:
     return sum(r for r, _ in counts) / total if total else 0.0
 
 
-def _in_threads(paths: list[Path], work) -> float:
-    """Seconds for ``work(path)`` on every path at once, one thread each (a thread's exception is raised)."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(paths)) as pool:
-        list(pool.map(work, paths))
-    return time.perf_counter() - t0
+RAW_CONFIGS = (  # (O_DIRECT, threads, block MiB): the ways the raw rows write and read a rank's bytes
+    *((True, t, 8) for t in (1, 2, 4, 8)), (True, 4, 1), (True, 8, 1), (True, 4, 32), (True, 8, 32),
+    (True, 2, 4),  # the save's own requests: 4 MiB checksum blocks on 2 threads
+    (False, 1, 8), (False, 4, 8))
 
 
-def raw_write(paths: list[Path], per_file: int, buf: memoryview) -> float:
-    """Write ``per_file`` bytes to each path in BLOCK-sized writes of ``buf``, then fsync."""
-    def work(path: Path) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            for _ in range(per_file // BLOCK):
-                if os.write(fd, buf) != BLOCK:
-                    raise OSError(f"short write to {path}")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return _in_threads(paths, work)
+def raw_name(direct: bool, threads: int, mib: int) -> str:
+    return f"{'O_DIRECT' if direct else 'buffered'}, {threads} thread{'s' * (threads > 1)}, {mib} MiB"
 
 
-def raw_read(paths: list[Path]) -> float:
-    def work(path: Path) -> None:
-        buf = bytearray(BLOCK)
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-    return _in_threads(paths, work)
+def raw_buffers(threads: int, block: int) -> list[mmap.mmap]:
+    """One page-aligned buffer of random bytes per thread (anonymous mappings, faulted in now)."""
+    bufs = [mmap.mmap(-1, block) for _ in range(threads)]
+    for buf in bufs:
+        buf.write(os.urandom(1 << 20) * (block >> 20))
+    return bufs
 
 
-def raw_io(directory: Path, nbytes: int, threads: int, buf: memoryview) -> dict:
-    """Write ``nbytes`` over ``threads`` files (+fsync), read them cold, then warm; seconds."""
-    paths = [directory / f"raw-{threads}-{i}.bin" for i in range(threads)]
-    per_file = nbytes // threads // BLOCK * BLOCK
-    write = raw_write(paths, per_file, buf)
-    evict(paths)
-    resident = resident_fraction(paths)
-    cold, warm = raw_read(paths), raw_read(paths)
-    for p in paths:
-        p.unlink()
-    return {"bytes": per_file * threads, "write": write, "read_cold": cold, "read_warm": warm,
-            "resident_after_evict": resident}
+def _raw_io(fd: int, size: int, threads: int, block: int, bufs: list[mmap.mmap], write: bool) -> None:
+    """``size`` bytes of ``fd`` in ``block``-sized pwrite/preadv calls at their offsets, thread t taking
+    blocks t, t + threads, ... (as fio's jobs on one file); the last block may be shorter."""
+    def work(t: int) -> None:
+        view = memoryview(bufs[t])
+        for at in range(t * block, size, threads * block):
+            want, done = min(block, size - at), 0
+            while done < want:
+                got = (os.pwrite(fd, view[done:want], at + done) if write
+                       else os.preadv(fd, [view[done:want]], at + done))
+                if got <= 0:
+                    raise OSError(f"raw I/O stopped at byte {at + done} of {size}")
+                done += got
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, range(threads)))
+
+
+def raw_write(path: Path, size: int, direct: bool, threads: int, block: int, bufs: list) -> None:
+    """A new file of ``size`` bytes (a multiple of 4 KiB), written then fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o600)
+    try:
+        _raw_io(fd, size, threads, block, bufs, write=True)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: Path, size: int, direct: bool, threads: int, block: int, bufs: list) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        _raw_io(fd, size, threads, block, bufs, write=False)
+    finally:
+        os.close(fd)
 
 
 def crc32_gibps(seconds: float = 1.0) -> float:
@@ -315,15 +324,24 @@ def evict_all(comm, root: Path) -> float:
     return resident_fraction(files) if files else 0.0
 
 
-def raw_rows(comm, timers, scratch: Path, nbytes: int) -> dict:
-    """Each rank writes (then fsyncs) and reads back cold its share of ``nbytes``, as a save would."""
-    path, buf = scratch / f"raw-rank{comm.Get_rank()}.bin", memoryview(os.urandom(BLOCK))
-    per_rank = max(BLOCK, nbytes // comm.Get_size() // BLOCK * BLOCK)
-    write = timed_collective(comm, timers, lambda: raw_write([path], per_rank, buf))
-    evict([path])
-    read = timed_collective(comm, timers, lambda: raw_read([path]))
-    path.unlink()
-    return {"raw_write": write, "raw_read": read, "raw_bytes": per_rank * comm.Get_size()}
+def raw_rows(comm, timers, scratch: Path, nbytes: int, rep: int) -> dict:
+    """Each rank writes (then fsyncs) and reads back cold its share of ``nbytes`` in every RAW_CONFIGS
+    way, all ranks at once as in a save; the order turns by one each repeat."""
+    path = scratch / f"raw-rank{comm.Get_rank()}.bin"
+    per_rank = -(-nbytes // comm.Get_size() // 4096) * 4096  # O_DIRECT sizes are whole pages
+    bufs = raw_buffers(max(t for _, t, _ in RAW_CONFIGS), max(m for _, _, m in RAW_CONFIGS) << 20)
+    turn = rep % len(RAW_CONFIGS)
+    rows = {}
+    for direct, threads, mib in RAW_CONFIGS[turn:] + RAW_CONFIGS[:turn]:
+        how = (per_rank, direct, threads, mib << 20, bufs)
+        write = timed_collective(comm, timers, lambda: raw_write(path, *how))
+        evict([path])  # O_DIRECT writes leave no pages; buffered ones are dropped after their fsync
+        read = timed_collective(comm, timers, lambda: raw_read(path, *how))
+        path.unlink()
+        rows[raw_name(direct, threads, mib)] = {"write": write, "read": read}
+    for buf in bufs:
+        buf.close()
+    return {"raw": rows, "raw_bytes": per_rank * comm.Get_size()}
 
 
 def async_rows(comm, timers, start, step, wait, first: int, steps: int) -> dict:
@@ -378,15 +396,17 @@ def run(args, comm, engine, step, peer, timers: Timers) -> list[dict]:
     root.mkdir(parents=True, exist_ok=True)
     for rep in range(args.repeats):  # every row once per repeat: load on the machine hits them alike
         row = {"rep": rep, "load": os.getloadavg()[0], "zerompi": zerompi_rows(comm, timers, engine, step, root, rep, args)}
-        row.update(raw_rows(comm, timers, root, comm.bcast(row["zerompi"]["bytes"], root=0)))
+        nbytes = comm.bcast(row["zerompi"]["bytes"], root=0)
+        row.update(raw_rows(comm, timers, root, nbytes, rep))
         if peer is not None:
             row["dcp"] = peer_rows(comm, timers, peer, root, rep, args)
         reps.append(row)
         if comm.Get_rank() == 0:
             z = row["zerompi"]
-            log.info("rep %d: save %.2f s, cold load %.2f s, async call %.3f s, raw write %.2f s",
+            raw = {k: min(max(r["seconds"] for r in v[k]) for v in row["raw"].values()) for k in ("write", "read")}
+            log.info("rep %d: save %.2f s, cold load %.2f s, async call %.3f s, fastest raw write %.2f s, read %.2f s",
                      rep, max(r["seconds"] for r in z["save"]), max(r["seconds"] for r in z["load_cold"]),
-                     max(r["seconds"] for r in z["async_False"]["call"]), max(r["seconds"] for r in row["raw_write"]))
+                     max(r["seconds"] for r in z["async_False"]["call"]), raw["write"], raw["read"])
         clean(comm, root)
     return reps
 
