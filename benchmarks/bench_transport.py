@@ -70,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     p.add_argument("--quick", action="store_true", help="2 ranks, 2 repeats of 2 iterations: a check")
     p.add_argument("--out", help="results prefix (default benchmarks/results/transport)")
-    p.add_argument("--peers", help="prefix of a bench_peers.py run (its .jsonl) for the step-gap table")
+    p.add_argument("--peers", help="prefix of a bench_peers.py (--lora: bench_lora_steps.py) run, its .jsonl, for "
+                                   "the step-gap table; a comma list gives one table per run")
     p.add_argument("--mpiexec")
     p.add_argument("--reading", help="a markdown file with the reading, put in the report")
     p.add_argument("--report-only", action="store_true", help="run nothing: rewrite the md from {out}.jsonl")
@@ -163,23 +164,24 @@ def time_job(transport: str, np_: int, repeat: int, plan: Path, args, mpiexec: s
     return base
 
 
-def load_peers(prefix: str | None) -> list[dict] | None:
-    if not prefix:
-        return None
-    path = Path(prefix).with_suffix(".jsonl")
-    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    return rp.fold([r for r in lines if r["kind"] == "row"])
+def load_peers(prefixes: str | None) -> list[dict]:
+    """Each step-time run named in ``--peers`` (comma list): its file, last meta line and folded rows."""
+    runs = []
+    for prefix in (prefixes or "").split(","):
+        if not prefix:
+            continue
+        path = Path(prefix).with_suffix(".jsonl").resolve()
+        lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+        runs.append(dict(name=str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
+                         meta=[ln for ln in lines if ln["kind"] in ("meta", "meta_end")][-1],
+                         rows=rp.fold([r for r in lines if r["kind"] == "row"])))
+    return runs
 
 
 def write_report(meta: dict, traces: list[dict], times: list[dict], args) -> None:
     reading = Path(args.reading).read_text() if args.reading else None
-    peers = load_peers(args.peers)
-    name = ""
-    if args.peers:
-        path = Path(args.peers).with_suffix(".jsonl").resolve()
-        name = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
     md = args.out.with_suffix(".md")
-    md.write_text(transport_report.markdown(meta, traces, times, peers, name, reading))
+    md.write_text(transport_report.markdown(meta, traces, times, load_peers(args.peers), reading))
     print(f"wrote {md}")
 
 

@@ -168,8 +168,18 @@ NOTES = [
 ]
 
 
+def _run_note(run: dict) -> str:
+    """Where a step-time run's numbers come from: its file, commit and load."""
+    m = run["meta"]
+    commit = m.get("commit") or m.get("zerompi_commit", "?")
+    la0, la1 = m.get("loadavg_start"), m.get("loadavg_end")
+    load = f"; load average {la0[0]:.2f} at its start" + (f", {la1[0]:.2f} at its end" if la1 else "") if la0 else ""
+    return f"step times from `{run['name']}`, commit {commit}, {m['date']}{load}"
+
+
 def markdown(meta: dict, traces: list[dict], times: list[dict], peers: list[dict] | None = None,
-             peers_name: str = "", reading: str | None = None) -> str:
+             reading: str | None = None) -> str:
+    """``peers``: the step-time runs of bench_transport.load_peers (name, meta, folded rows), one gap table each."""
     folded = fold_times(times)
     nps = sorted({t["np"] for t in traces})
     parts = header(meta)
@@ -182,12 +192,11 @@ def markdown(meta: dict, traces: list[dict], times: list[dict], peers: list[dict
         parts += ["Failed jobs (left out):", ""] + [
             f"- {t['np']} ranks, {TRANSPORTS[t['transport']]}, repeat {t['repeat']}: {report.short_error(t)}"
             for t in failed] + [""]
-    if peers:
-        gaps = gap_table(folded, peers, meta["settings"]["size"],
+    for run in peers or []:
+        gaps = gap_table(folded, run["rows"], meta["settings"]["size"],
                          LORA_GAPS if meta["settings"].get("lora") else GAPS)
         if gaps:
-            parts += [f"## How much of the step-time gap is transport (step times from `{peers_name}`)", "",
-                      *gaps, ""]
+            parts += [f"## How much of the step-time gap is transport ({_run_note(run)})", "", *gaps, ""]
     parts += [n.format(gloo_addr=meta.get("gloo_host_address", "?")) for n in NOTES]
     if reading:
         parts += ["## Reading", "", *reading.strip().splitlines(), ""]
