@@ -21,7 +21,7 @@ import pytest
 
 from zerompi.checkpoint import consolidate, load_full_state_dict
 
-from .launcher import ROOT, TIMEOUT, mpi_env, run_mpi
+from .launcher import ROOT, TIMEOUT, mpi_env, run_mpi, run_worker_json
 from .tolerance import check_resume
 
 RESUMES = [  # (np save, stage save) -> (np load, stage load), dtype, optimizer
@@ -148,6 +148,18 @@ def test_async_save_writes_the_state_of_the_call(tmp_path, stage, dtype, offload
     for key in a.files:
         assert np.array_equal(a[key], b[key]), f"{key} differs"
     assert any(not np.array_equal(a[k], a[k.replace("final/", "saved/")]) for k in a.files if k.startswith("final/"))
+
+
+def test_async_save_captures_every_item_at_the_call(tmp_path):
+    """With int4 gradients and error feedback, fp16 and a scheduler, an asynchronous save followed by two
+    steps (and the data position advanced in place) loads back each captured item bitwise as it was at
+    the call: residuals, loss scaler, scheduler, CPU RNG, step counter, client_state (workers/async_capture.py)."""
+    rows = run_worker_json(2, "async_capture.py", tmp_path / "rows.json", "--root", str(tmp_path / "ckpt"))
+    assert sorted((r["case"], r["rank"]) for r in rows) == [("s1", 0), ("s1", 1), ("s3", 0), ("s3", 1)]
+    for r in rows:
+        assert all(r["moved"].values()), r  # the steps after the call changed every item
+        assert r["fence_waits"] > 0, r      # and ran while the save was taking the buckets
+        assert all(r["same"].values()), r
 
 
 def test_failed_async_save_is_reported_on_every_rank_and_latest_stays(tmp_path, saved):

@@ -55,8 +55,10 @@ def test_async_save_holds_the_state_of_the_call(tmp_path, kw):
     at_call = e.full_state_dict()
     taken = slowed(e, 0.05)
     t0 = time.perf_counter()
-    tag = e.save_checkpoint(tmp_path, "t", client_state={"n": 2}, async_save=True)
+    position = {"n": 2}
+    tag = e.save_checkpoint(tmp_path, "t", client_state=position, async_save=True)
     returned = time.perf_counter() - t0
+    position["n"] = 4  # changed in place before the save publishes: the index holds the call's value
     train(e, 2, seed=2)  # the step waits for the buckets the save has not taken yet
     e.wait_checkpoint()
     assert tag == "t" and (tmp_path / "latest").read_text().strip() == "t" and not list(tmp_path.glob(".tmp-*"))

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import uuid
+from copy import deepcopy
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -248,7 +249,8 @@ class Job(NamedTuple):
 def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, store: ShardStore,
           copy: bool = False, include_frozen: bool = True) -> Job:
     """Collective: check the arguments, agree on the save's id, clean the root and make the temporary
-    directory; read the metadata (rank 0: the index, with the replicated tensors, copied if ``copy``)."""
+    directory; read the metadata (rank 0: the index, with the replicated tensors; with ``copy``, the
+    index and those tensors are copies that the next steps cannot change)."""
     snap = engine.snapshot()
     if not snap.between_steps:
         raise UsageError("save_checkpoint() in the middle of a gradient-accumulation window: "
@@ -267,6 +269,9 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
     index, replicated = None, {}
     if group.rank == 0:
         index = _index(engine, snap, tag, client_state, meta, nonce, store.kind.value, include_frozen)
+        if copy:  # written on the save's thread: client_state and the scheduler's state_dict may share
+            # dicts and lists that training changes in place (a data position, a scheduler's history)
+            index = deepcopy(index)
         replicated = replicated_tensors(engine, index, copy)
     return Job(snap, root, tag, tmp, nonce, store, meta, index, replicated, include_frozen)
 
