@@ -22,6 +22,9 @@ table from a bench_peers.py run's ``PREFIX.jsonl``; ``--report-only`` rewrites t
 ``--lora``: the rows of bench_lora_steps.py instead (default zerompi stage 3 and DeepSpeed ZeRO-3 with
 its defaults, on the LoRA base at ``--n-layer`` layers, 2 ranks), traced by workers/lora_worker.py;
 results ``benchmarks/results/transport-lora.{jsonl,md}``, gap against ``benchmarks/results/lora_steps``.
+``--with-steps`` also times each row's steps as bench_lora_steps.py does (1 untimed + 4 timed steps),
+once per repeat before its replay jobs, so that step times and replays see the same machine; the
+report then adds a gap table from those step jobs.
 """
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                   f"bench_lora_steps.py (default {LORA_ROWS})")
     p.add_argument("--lora", action="store_true", help="the LoRA rows of bench_lora_steps.py")
     p.add_argument("--n-layer", type=int, default=4, help="--lora: depth of the base, as bench_lora_steps.py")
+    p.add_argument("--with-steps", action="store_true",
+                   help="--lora: time the rows' steps too, in every repeat beside the replays (a gap table of its own)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every (world size, transport) job")
     p.add_argument("--iters", type=int, default=5, help="timed replays of a row's step per job")
     p.add_argument("--warmup", type=int, default=1, help="untimed replays first")
@@ -81,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.out = Path(args.out or HERE / "results" / ("transport-lora" if args.lora else "transport"))
     args.np = args.np or ("2" if args.lora else "2,4")
     args.rows = args.rows or (LORA_ROWS if args.lora else DEFAULT_ROWS)
+    if args.with_steps and not args.lora:
+        p.error("--with-steps needs --lora")
     if args.lora:
         args.size = f"{args.n_layer} layers"  # bench_lora_steps' records call their size so
         args.peers = args.peers or str(HERE / "results" / "lora_steps")
@@ -102,7 +109,7 @@ def meta_of(args, mpiexec: str) -> dict:
     meta["gloo_host_address"] = socket.gethostbyname(socket.gethostname())  # gloo's default device binds here
     meta["settings"] = dict(size=args.size, np=args.np, rows=args.rows, repeats=args.repeats, iters=args.iters,
                             warmup=args.warmup, trace_warmup=1, bucket_mb=args.bucket_mb, seed=args.seed,
-                            mpich_yield=args.mpich_yield, lora=args.lora)
+                            mpich_yield=args.mpich_yield, lora=args.lora, with_steps=args.with_steps)
     if args.lora:
         m = bench_lora_steps.LORA.model
         meta["settings"].update(bucket_mb=None, model=(
@@ -114,12 +121,15 @@ def meta_of(args, mpiexec: str) -> dict:
     return meta
 
 
+def lora_args(args, np_: int, steps: int, warmup: int) -> argparse.Namespace:
+    return argparse.Namespace(ranks=np_, n_layer=args.n_layer, seq=bench_lora_steps.LORA.model["seq"], steps=steps,
+                              warmup=warmup, timeout=args.timeout, mpich_yield=args.mpich_yield)
+
+
 def trace_job(row, np_: int, args, mpiexec: str) -> dict:
     """One traced run of a row: 1 warm-up + 1 traced step (bench_peers' or bench_lora_steps' worker)."""
     if args.lora:
-        largs = argparse.Namespace(ranks=np_, n_layer=args.n_layer, seq=bench_lora_steps.LORA.model["seq"], steps=1,
-                                   warmup=1, timeout=args.timeout, mpich_yield=args.mpich_yield)
-        return bench_lora_steps.run_row(row.key, largs, mpiexec, extra=("--trace",))
+        return bench_lora_steps.run_row(row.key, lora_args(args, np_, 1, 1), mpiexec, extra=("--trace",))
     targs = argparse.Namespace(steps=1, warmup=1, bucket_mb=args.bucket_mb, seed=args.seed, timeout=args.timeout,
                                mpich_yield=args.mpich_yield)
     return bench_peers.run_row(row, args.size, np_, targs, mpiexec, extra=("--trace",))
@@ -178,10 +188,29 @@ def load_peers(prefixes: str | None) -> list[dict]:
     return runs
 
 
-def write_report(meta: dict, traces: list[dict], times: list[dict], args) -> None:
+def step_jobs(repeat: int, args, mpiexec: str, out) -> list[dict]:
+    """--with-steps: one step-time job per row (as bench_lora_steps.py times them), written as its records."""
+    rows = []
+    for np_ in args.np_list:
+        for row in args.row_list:
+            r = dict(bench_lora_steps.run_row(row.key, lora_args(args, np_, 4, 1), mpiexec), repeat=repeat)
+            rows.append(r)
+            out.write(json.dumps(r) + "\n")
+            out.flush()
+            shown = f"{r['step_s_median']:.2f} s/step" if r["status"] == "ok" else r["error"].splitlines()[0]
+            print(f"repeat {repeat + 1}/{args.repeats} np={np_} steps {row.label:30s} {r['status']:7s} {shown}",
+                  flush=True)
+    return rows
+
+
+def write_report(meta: dict, traces: list[dict], times: list[dict], args, steps: list[dict] = ()) -> None:
     reading = Path(args.reading).read_text() if args.reading else None
     md = args.out.with_suffix(".md")
-    md.write_text(transport_report.markdown(meta, traces, times, load_peers(args.peers), reading))
+    runs = load_peers(args.peers)
+    if steps:
+        runs.append(dict(name=f"{md.with_suffix('.jsonl').name}: the step jobs of each repeat", meta=meta,
+                         rows=rp.fold(list(steps))))
+    md.write_text(transport_report.markdown(meta, traces, times, runs, reading))
     print(f"wrote {md}")
 
 
@@ -191,12 +220,13 @@ def main(argv=None) -> None:
     if args.report_only:
         lines = [json.loads(ln) for ln in jsonl.read_text().splitlines() if ln.strip()]
         meta = [ln for ln in lines if ln["kind"] in ("meta", "meta_end")][-1]
-        write_report(meta, [t for t in lines if t["kind"] == "trace"], [t for t in lines if t["kind"] == "time"], args)
+        write_report(meta, [t for t in lines if t["kind"] == "trace"], [t for t in lines if t["kind"] == "time"], args,
+                     [t for t in lines if t["kind"] == "row"])
         return
     mpiexec = bench_peers.find_mpiexec(args.mpiexec)
     meta = meta_of(args, mpiexec)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    times = []
+    times, steps = [], []
     with open(jsonl, "w") as f, tempfile.TemporaryDirectory() as tmp:
         f.write(json.dumps(meta) + "\n")
         traces = trace_rows(args, mpiexec, f)
@@ -206,6 +236,8 @@ def main(argv=None) -> None:
             plans[np_].write_text(json.dumps({t["row"]: t["calls"] for t in traces
                                               if t["np"] == np_ and t["status"] == "ok"}))
         for repeat in range(args.repeats):
+            if args.with_steps:
+                steps += step_jobs(repeat, args, mpiexec, f)
             for np_ in args.np_list:
                 order = ("mpi", "gloo") if repeat % 2 == 0 else ("gloo", "mpi")
                 for transport in order:
@@ -219,7 +251,7 @@ def main(argv=None) -> None:
                           f"({t['wall_s']:.0f} s)", flush=True)
         meta["loadavg_end"] = os.getloadavg()
         f.write(json.dumps(dict(meta, kind="meta_end")) + "\n")
-    write_report(meta, traces, times, args)
+    write_report(meta, traces, times, args, steps)
 
 
 if __name__ == "__main__":
