@@ -12,8 +12,8 @@ job (mpiexec and all ranks; swap is off here). Two ladders (capacity_report.Stud
   ``zerompi.initialize`` with deferred initialisation, two AdamW steps; modes stage 0, stage 3,
   stage 3 + CPU offload, stage 3 + NVMe offload. Results: benchmarks/results/capacity.{json,md,png}.
 - ``--lora`` (workers/lora_worker.py): LoRA adapters (peft) on a frozen Llama-style base in bf16,
-  two steps; the same four zerompi modes and DeepSpeed ZeRO-3 with its default and its lean memory
-  settings (run it with the peers venv's Python, benchmarks/setup_peers.sh, for those).
+  two steps; the zerompi modes and DeepSpeed ZeRO-3 with its default and its lean memory settings, and
+  lean with CPU or NVMe offload (run it with the peers venv's Python, benchmarks/setup_peers.sh, for those).
   Results: benchmarks/results/lora_capacity.{json,md,png}.
 
 For each mode the depth grows along the ladder, and on past its end by its last step, until a

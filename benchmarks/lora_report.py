@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from capacity_report import GiB, Study, nvme_slope
 
-DS_MODES = ("deepspeed-zero3", "deepspeed-zero3-lean")
-# Issue 13's targets: stage 3 fits >= 1.8x the base stage 0 fits; stage 3 + NVMe >= 4x DeepSpeed ZeRO-3.
+DS_MODES = ("deepspeed-zero3", "deepspeed-zero3-lean", "deepspeed-zero3+cpu", "deepspeed-zero3+nvme")
+# zerompi's mode and the DeepSpeed mode that keeps (or offloads) the base the same way: the headline pairs
+PAIRS = (("stage3", "deepspeed-zero3"), ("stage3-lean", "deepspeed-zero3-lean"),
+         ("stage3+cpu", "deepspeed-zero3+cpu"), ("stage3+nvme", "deepspeed-zero3+nvme"))
+# Issue 13's targets: stage 3 fits >= 1.8x the base stage 0 fits; stage 3 + NVMe >= 4x DeepSpeed ZeRO-3
+# (judged against DeepSpeed with NVMe offload too).
 TARGET_STAGE3, TARGET_NVME = 1.8, 4.0
 
 
@@ -51,7 +55,12 @@ def describe(data: dict) -> str:
             "with bf16 and a torch AdamW. `deepspeed-zero3` keeps DeepSpeed's defaults for gathered parameters "
             "(`stage3_max_live_parameters` and `stage3_max_reuse_distance` 1e9, `stage3_prefetch_bucket_size` 5e7); "
             "`deepspeed-zero3-lean` sets all three to 0, so each module's parameters are released after use and "
-            "nothing is prefetched: DeepSpeed's own advice when it runs out of memory.")
+            "nothing is prefetched: DeepSpeed's own advice when it runs out of memory. `deepspeed-zero3+cpu` and "
+            "`deepspeed-zero3+nvme` take the lean settings (DeepSpeed's best here without offload) and set "
+            "`offload_param` and `offload_optimizer` to `cpu` (unpinned) or to `nvme` (ZeRO-Infinity: the async I/O "
+            "op, built against Debian's libaio-dev; parameter swap buffers of one embedding's size, 5 of them, "
+            "`max_in_cpu` 0; the swap folder on the same disk as zerompi's), with "
+            "`zero_force_ds_cpu_optimizer: false` so the same torch AdamW runs.")
 
 
 def readings(data: dict) -> list[str]:
@@ -68,26 +77,18 @@ def readings(data: dict) -> list[str]:
                    "plus the unit being gathered. stage3-lean is stage 3 with `return_freed_memory=True`: freed "
                    "blocks of 1 MiB or more go back to the OS instead of staying on glibc's heap for reuse, which "
                    "lowers the peak and costs page faults (s/step).")
-    ds = [m for m in DS_MODES if m in params]
-    if ds and "stage3+nvme" in params:
-        top = max(ds, key=lambda m: params[m])
-        r = params["stage3+nvme"] / params[top]
-        why = best["stage3+nvme"]["why"]
-        out.append(f"Stage 3 + NVMe fine-tunes {r:.1f}× the base DeepSpeed ZeRO-3 fits at its best ({top}, "
-                   f"{_size(params[top])}) (target ≥ {TARGET_NVME:g}×: {_verdict(r, TARGET_NVME)})"
-                   + ("." if why == "OOM killed" else f"; the NVMe ladder was not stopped by memory ({why}), so "
-                      "this is a lower bound."))
-    if "stage3" in params and ds:
-        out.append("Against DeepSpeed ZeRO-3 without offload, zerompi stage 3 fits " + ", ".join(
-            f"{params['stage3'] / params[m]:.2f}× {m}" for m in ds) + ". " + _ds_note(params))
+    out += like_for_like(data)
     missing = [m for m in DS_MODES if m in data["measurements"] and m not in params]
     if missing:
         out.append(f"{', '.join(missing)} trained no depth at all; the end of each failed trial's output is "
                    "above.")
+    ds_cpu = ("deepspeed-zero3+cpu", "deepspeed-zero3-lean")
     if "stage3" in params and "stage3+cpu" in params:
         out.append(f"'cpu' offload fits {params['stage3+cpu'] / params['stage3']:.2f}× what stage 3 fits. On this "
                    "machine the CPU is the device, so 'cpu' offload has nothing to move out of the memory the cap "
-                   "counts; on a GPU node the same setting moves the frozen shards off the GPU.")
+                   "counts; on a GPU node the same setting moves the frozen shards off the GPU."
+                   + (f" DeepSpeed's 'cpu' offload fits {params[ds_cpu[0]] / params[ds_cpu[1]]:.2f}× what "
+                      f"{ds_cpu[1]} fits." if set(ds_cpu) <= set(params) else ""))
     if "stage3+nvme" in best:
         text = ("With NVMe offload the frozen shards live in the swap files (2 bytes per base parameter in bf16, "
                 "split over the ranks) and memory holds one gathered unit (plus one read ahead), the adapters and "
@@ -101,8 +102,48 @@ def readings(data: dict) -> list[str]:
     return out
 
 
+def _common_step(data: dict, a: str, b: str) -> str:
+    """s/step of modes ``a`` and ``b`` at the largest depth both trained (the last step of each)."""
+    step = {m: {r["n_layer"]: r["step_s"][-1] for r in data["rows"] if r["mode"] == m and r["ok"]} for m in (a, b)}
+    both = set(step[a]) & set(step[b])
+    if not both:
+        return ""
+    n = max(both)
+    return (f"; at {n} layers, the deepest both trained, {step[a][n]:.1f} s/step against {step[b][n]:.1f} "
+            f"({step[b][n] / step[a][n]:.2f}× zerompi's time)")
+
+
+def like_for_like(data: dict) -> list[str]:
+    """The headline: each zerompi mode against the DeepSpeed mode that offloads the same way."""
+    best, ms = data["best"], data["measurements"]
+    params = {mode: b["params"] for mode, b in best.items()}
+    parts = []
+    for z, d in PAIRS:
+        if z not in params or d not in ms:
+            continue
+        if d not in params:
+            parts.append(f"{z} {_size(params[z])} against {d}: trained no depth (its error is above)")
+            continue
+        r = params[z] / params[d]
+        bound = [m for m in (z, d) if best[m]["why"] != "OOM killed"]
+        text = f"{z} {r:.2f}× {d} ({_size(params[z])} against {_size(params[d])}"
+        if z == "stage3+nvme":
+            text += f"; target ≥ {TARGET_NVME:g}×: {_verdict(r, TARGET_NVME)}"
+        text += ")" + _common_step(data, z, d)
+        if bound:
+            text += " — " + " and ".join(f"{m}'s ladder was not stopped by memory ({best[m]['why']})"
+                                         for m in bound) + (", so its size is a lower bound" if len(bound) == 1 else
+                                                            ", so both sizes are lower bounds")
+        parts.append(text)
+    if not parts:
+        return []
+    out = ["Like for like (each zerompi mode against the DeepSpeed mode that keeps or offloads the base the same way; "
+           "s/step at a common depth, since the largest depths differ): " + "; ".join(parts) + "."]
+    return out + ([_ds_note(params)] if all(m in params for m in DS_MODES[:2]) else [])
+
+
 def _ds_note(params: dict) -> str:
-    if all(m in params for m in DS_MODES):
+    if all(m in params for m in DS_MODES[:2]):
         lean, default = params["deepspeed-zero3-lean"], params["deepspeed-zero3"]
         return (f"DeepSpeed's lean settings fit {lean / default:.2f}× its defaults: the defaults keep up to 1e9 "
                 f"gathered elements ({2e9 / GiB:.1f} GiB in bf16) per rank from forward to backward.")

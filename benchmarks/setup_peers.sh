@@ -13,6 +13,16 @@
 # rows use only zerompi's own dependencies (mpi4py, mpich, torch, numpy, h5py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# DeepSpeed's NVMe offload (ZeRO-Infinity; the LoRA ladder's deepspeed-zero3+nvme) JIT-builds its async
+# I/O op against libaio: Debian's libaio-dev, installed here when missing and run as root.
+if ! dpkg -s libaio-dev >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y --no-install-recommends libaio-dev >/dev/null \
+            || { apt-get update -qq && apt-get install -y --no-install-recommends libaio-dev >/dev/null; }
+    else
+        echo "warning: libaio-dev missing; DeepSpeed's NVMe offload rows need it (apt-get install libaio-dev)" >&2
+    fi
+fi
 PYTHON=${PYTHON:-python3}
 VENV=benchmarks/.venv-peers
 if [ ! -x "$VENV/bin/python" ]; then

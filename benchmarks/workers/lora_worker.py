@@ -13,11 +13,13 @@ Each step is one micro-batch of ``--seq`` random tokens per rank, bf16 compute, 
   (``jobs/finetune_lora.py``'s ``build`` and ``param_init``). At stage 0 frozen parameters are
   replicated and must be real: every rank materialises its own bf16 copy of the base first, one
   module at a time, as a user loading ``from_pretrained(dtype=torch.bfloat16)`` would.
-- DeepSpeed modes (``deepspeed-zero3``, ``deepspeed-zero3-lean``; the peers venv): DeepSpeed 0.19.8
+- DeepSpeed modes (``deepspeed-zero3``, ``deepspeed-zero3-lean``, ``deepspeed-zero3+cpu``,
+  ``deepspeed-zero3+nvme``; the peers venv): DeepSpeed 0.19.8
   ZeRO-3 with ``DS_ACCELERATOR=cpu`` over gloo; the base is built under ``deepspeed.zero.Init`` (each
   module partitioned as soon as it is constructed, so no rank holds the whole base), PEFT is applied
   after it and ``deepspeed.initialize`` partitions the adapters; bf16, a plain ``torch.optim.AdamW``.
-  ``-lean`` sets DeepSpeed's memory knobs to gather one layer at a time (DS_LEAN below).
+  ``-lean`` sets DeepSpeed's memory knobs to gather one layer at a time (DS_LEAN below); ``+cpu`` and
+  ``+nvme`` add ``offload_param`` and ``offload_optimizer`` to the CPU or to ``--nvme`` (ds_offload below).
 
 Every rank starts each step at a barrier; a step's time is the slowest rank's. Rank 0 writes JSON:
 parameters, seconds per phase, per-step times and losses, peak RSS (and zerompi's model-state bytes)
@@ -57,7 +59,10 @@ ZEROMPI_MODES = {
 # distance 1e9 elements, prefetch bucket 5e7) keep gathered parameters from forward to backward;
 # "lean" releases each layer after use and prefetches none, DeepSpeed's advice for running out of memory.
 DS_LEAN = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
-DS_MODES = {"deepspeed-zero3": {}, "deepspeed-zero3-lean": DS_LEAN}
+# Offload rows take the lean knobs too (DeepSpeed's best here without offload) and move the partitioned
+# base and the optimizer state to the CPU or to NVMe (ZeRO-Infinity: its async I/O op, built against libaio).
+DS_MODES = {"deepspeed-zero3": {}, "deepspeed-zero3-lean": DS_LEAN,
+            "deepspeed-zero3+cpu": dict(DS_LEAN, offload="cpu"), "deepspeed-zero3+nvme": dict(DS_LEAN, offload="nvme")}
 MODES = (*ZEROMPI_MODES, *DS_MODES)
 LR = 1e-4
 WIDE_BLOCK = 1 << 22  # elements of a bf16 weight widened to fp32 at a time (WideMatmul)
@@ -206,14 +211,32 @@ def count(model: torch.nn.Module, trainable: bool) -> int:
                if p.requires_grad == trainable)
 
 
+def ds_offload(device: str, nvme: str | None, numel: int) -> dict:
+    """``offload_param`` / ``offload_optimizer`` (and ``aio``) for ``device``: unpinned buffers (pinning on the
+    CPU accelerator only locks pages); for NVMe, parameter swap buffers just large enough for the largest
+    parameter (``numel`` elements), DeepSpeed's fewest, so its buffers take as little of the cap as it allows."""
+    if device == "cpu":
+        return {"offload_param": {"device": "cpu", "pin_memory": False},
+                "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    return {"offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False, "buffer_count": 5,
+                              "buffer_size": numel, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False, "buffer_count": 4}}
+
+
 def ds_config(args) -> dict:
+    zero = dict(DS_MODES[args.mode])
+    offload = zero.pop("offload", None)
+    if offload:  # largest parameter: the embedding and the head, vocab x hidden
+        zero.update(ds_offload(offload, args.nvme, args.vocab * args.hidden))
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True},
             # every row's F.linear is _WideLinear (WideMatmul), which saves the weight parameter as DeepSpeed's
             # own memory-efficient linear does; DeepSpeed's would replace F.linear and hide it from the mode
             "zero_optimization": {"stage": 3, "memory_efficient_linear": args.matmul == "native",
-                                  **DS_MODES[args.mode]},
+                                  **zero},
             "zero_allow_untested_optimizer": True,  # a plain torch.optim.AdamW, as zerompi's rows use
+            # with offload_optimizer DeepSpeed refuses a client optimizer unless told not to force its own
+            "zero_force_ds_cpu_optimizer": False,
             "gradient_clipping": 0.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
