@@ -5,7 +5,8 @@ the frozen parameters are sharded and gathered with their unit (no gradient, mas
 state or reduce-scatter), so each rank holds c·Ψ_frozen/N of them; the bytes are exactly the
 stage-3 volumes with the frozen part gathered and never reduced; offload moves them like the
 rest, bitwise; checkpoints hold them as shards (or not at all with include_frozen=False) and
-load at another world size and stage.
+load at another world size and stage. Inside backward, a unit's frozen part is released once its
+backward is over: sampled as each module's backward starts, not only after the step.
 """
 from __future__ import annotations
 
@@ -48,6 +49,18 @@ def test_frozen_parity_bytes_and_memory(train, world, hierarchy):
     else:  # hpZ: the node-local copy is refreshed for trainables only; frozen ones never change
         assert sent["all_gather@inter"] == vol(trainable)
     assert sent["reduce_scatter"] == accum * vol(trainable)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"np{w}")
+@pytest.mark.parametrize("prefetch", (0, 1), ids=lambda p: f"prefetch{p}")
+def test_frozen_units_are_released_inside_backward(train, world, prefetch):
+    """Sampled on every rank as each module's backward starts (workers/held.py): the frozen storage
+    gathered is at most that of the units enclosing the module, of those whose inputs carry no
+    gradient (the root, released at the end of backward) and prefetch_units largest units per unit
+    in backward. A unit kept gathered after its backward breaks it in the first blocks."""
+    for r in train(world)["held"][str(prefetch)]:
+        assert r["excess"] <= 0, f"more frozen bytes gathered than the bound: {r}"
+        assert r["unit_bytes"] <= r["peak"][1] < r["total_bytes"], r  # a unit sampled, never the whole base
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"np{w}")

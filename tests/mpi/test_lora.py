@@ -6,7 +6,8 @@ the parity bounds of the core tests (tolerance.py; 16-bit runs judged on the ada
 the frozen base checked to be exactly its initial values in the compute dtype). At stage 3 the
 frozen base is sharded (c·Ψ_frozen/N per rank), HF ``generate`` runs on the trained engine, and a
 checkpoint saved with ``include_frozen=False`` consolidates into an adapters-only file that PEFT
-loads (``set_peft_model_state_dict`` and ``PeftModel.from_pretrained``).
+loads (``set_peft_model_state_dict`` and ``PeftModel.from_pretrained``); inside backward, the frozen
+base is released unit by unit, not kept gathered to the end.
 """
 from __future__ import annotations
 
@@ -52,3 +53,16 @@ def test_generate_and_adapters_round_trip_at_stage3(rows, world, model):
     assert r["generate"], "greedy tokens differ from a single process holding the engine's parameters"
     assert r["saved_names"], "the adapters-only consolidated file holds other names than the LoRA parameters"
     assert r["set_state"] and r["from_pretrained"], r
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"np{w}")
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("dtype", ("fp32", "bf16"))
+def test_frozen_base_is_released_inside_backward_at_stage3(rows, world, model, dtype):
+    """Sampled on every rank as each module's backward starts (workers/held.py): the frozen base
+    gathered is at most the units enclosing the module and those whose inputs carry no gradient
+    (the root, the base layers before the first adapter), which wait for the end of backward;
+    prefetch is off. A base unit kept gathered after its backward breaks it in the first layer."""
+    for r in rows(world)[(model, 3, dtype)]["held"]:
+        assert r["excess"] <= 0, f"more frozen bytes gathered than the bound: {r}"
+        assert r["unit_bytes"] <= r["peak"][1] < r["total_bytes"], r  # a unit sampled, never the whole base

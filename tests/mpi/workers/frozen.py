@@ -4,8 +4,9 @@ The model is the tiny GPT with its embeddings (tied to the LM head) and MLP weig
 a fine-tuning job: every gather unit holds frozen and trainable parameters. Phases:
 
 * ``train``: parity with single-process PyTorch (fp32, accumulation 2, flat and hpZ) with the
-  bytes and memory counters; offload none/cpu/nvme bitwise alike (fp32, bf16); requires_grad
-  changed after initialize; a meta-device build; frozen sets that differ between ranks.
+  bytes and memory counters; the frozen storage gathered inside backward (held.py); offload
+  none/cpu/nvme bitwise alike (fp32, bf16); requires_grad changed after initialize; a meta-device
+  build; frozen sets that differ between ranks.
 * ``save``: train, then save with and without the frozen base (and from stage 1) into ``--dir``.
 * ``load`` (another world size): load those into engines of other stages and bases.
 
@@ -21,6 +22,7 @@ from mpi4py import MPI
 import zerompi
 from common import (compare, engine_train, gpt_loss, initial_params, local_part, references, tiny_gpt,
                     token_batches, write_json, zero_train)
+from held import held_in_backward
 from zerompi.checkpoint import load_full_state_dict
 from zerompi.errors import CheckpointError, ModelMismatchError, UsageError
 
@@ -126,8 +128,18 @@ def mismatched() -> list:
     return COMM.allgather(error_of(lambda: zerompi.initialize(model, zerompi.ZeroConfig(stage=3, **ADAMW))))
 
 
+def held(prefetch: int) -> list:
+    """Frozen storage gathered inside backward, every rank's (held.py); four blocks, so that later
+    blocks kept gathered would show while the first ones compute."""
+    engine = zerompi.initialize(frozen_gpt(n_layer=4), zerompi.ZeroConfig(stage=3, prefetch_units=prefetch, **ADAMW))
+    batches = [local_part(step[0], rank) for step in token_batches(11, world, 2, 1)]
+    row = held_in_backward(engine, batches, gpt_loss, prefetch)
+    engine.close()
+    return COMM.allgather(row)
+
+
 def train_phase(swap: str) -> dict:
-    return dict(parity=parity(), hpz=parity(hierarchy="hpz", ranks_per_node=1),
+    return dict(parity=parity(), hpz=parity(hierarchy="hpz", ranks_per_node=1), held={p: held(p) for p in (0, 1)},
                 offload={d: offload(d, swap) for d in ("fp32", "bf16")},
                 changed={n: requires_grad_changed(n) for n in ("transformer.h.0.mlp.c_fc.weight",
                                                                "transformer.h.1.attn.c_attn.weight")},

@@ -7,7 +7,8 @@ rank 0 records the differences, the order noise (tolerance.py) and the memory an
 At stage 3 it also checks what users do with the result: HF ``generate`` on the trained engine
 gives the tokens of a single-process model holding the engine's parameters; a checkpoint saved
 with ``include_frozen=False`` holds the adapters alone, and its consolidated file loads back into
-a fresh PEFT model with ``set_peft_model_state_dict`` and with ``PeftModel.from_pretrained``.
+a fresh PEFT model with ``set_peft_model_state_dict`` and with ``PeftModel.from_pretrained``, and
+one more backward samples the frozen base gathered inside it (held.py).
 """
 import argparse
 import os
@@ -20,7 +21,8 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import zerompi  # noqa: E402
-from common import MICRO, Run, compare, initial_params, references, write_json, zero_train  # noqa: E402
+from common import MICRO, Run, compare, initial_params, local_part, references, write_json, zero_train  # noqa: E402
+from held import held_in_backward  # noqa: E402
 from hf_models import lora_model  # noqa: E402
 from zerompi.checkpoint import consolidate  # noqa: E402
 
@@ -111,6 +113,8 @@ for kind in args.models.split(","):
                    frozen_padded=sum(b.layout.padded_numel for b in engine.sharded.frozen),
                    trainable_padded=sum(b.layout.padded_numel for b in engine.sharded.buckets),
                    frozen_buckets=len(engine.sharded.frozen))
+        if stage == 3:  # after the counters: one more backward and step, every rank's samples
+            row["held"] = COMM.allgather(held_in_backward(engine, [local_part(data[0][0], rank)], hf_loss, 0))
         engine.close()
         ref, alts = references(COMM, make, cfg, data, loss_fn=hf_loss)
         if rank == 0:
