@@ -181,7 +181,8 @@ def rows(data: dict) -> list[dict]:
             for c in data["consolidation"]]
     out.append({"kind": "job", **{k: job[k] for k in ("params", "largest_tensor", "setup_seconds", "job_seconds",
                                                       "crc32")}, "crc32_gibps": data["crc32_gibps"]})
-    return [{**r, "model": data["model"], **data["meta"]} for r in out]
+    # the run's metadata beside each row's own fields, which win (a repeat's "load" is its own, not the run's)
+    return [{"model": data["model"], **data["meta"], **r} for r in out]
 
 
 def machine(directory: Path) -> dict:
