@@ -119,7 +119,10 @@ def like_for_like(data: dict) -> list[str]:
     params = {mode: b["params"] for mode, b in best.items()}
     parts = []
     for z, d in PAIRS:
-        if z not in params or d not in ms:
+        if z not in params:
+            continue
+        if d not in ms:
+            parts.append(f"{z} {_size(params[z])} against {d}: not measured in this file (a note below says why)")
             continue
         if d not in params:
             parts.append(f"{z} {_size(params[z])} against {d}: trained no depth (its error is above)")
@@ -130,6 +133,8 @@ def like_for_like(data: dict) -> list[str]:
         if z == "stage3+nvme":
             text += f"; target ≥ {TARGET_NVME:g}×: {_verdict(r, TARGET_NVME)}"
         text += ")" + _common_step(data, z, d)
+        if ms[z]["commit"] != ms[d]["commit"]:
+            text += f" — measured at two commits ({z} at {ms[z]['commit']}, {d} at {ms[d]['commit']})"
         if bound:
             text += " — " + " and ".join(f"{m}'s ladder was not stopped by memory ({best[m]['why']})"
                                          for m in bound) + (", so its size is a lower bound" if len(bound) == 1 else
