@@ -196,7 +196,7 @@ def cmd_report(args) -> int:
              "(its docstring says what they are). Final validation loss of jobs/train_gpt.py (default config, "
              f"{args.steps} steps, cosine schedule over them) per variant and seed (`[train] seed`: model "
              "initialisation and data order), their mean and spread, and the gap of each variant's mean to "
-             "the unquantized mean at the same world size.", "",
+             "the unquantized mean at the same world size, over the seeds finished for both.", "",
              "Verdict: **within seed noise** when the gap of the means is no larger than the min-to-max "
              "spread of the unquantized seeds and of the variant's seeds; otherwise **within X %** or "
              "**OUTSIDE X %** against the allowed relative gap (int8 gradients 1 %, int4 2 %). No verdict "
@@ -223,7 +223,12 @@ def cmd_report(args) -> int:
             cells = [f"{x:.4f}" if isinstance(x, float) else x for x in results[v].values()]
             st, base = stats.get(v), stats.get("none")
             complete = len(finals[v]) == len(args.seeds) and len(finals.get("none", [])) == len(args.seeds)
-            gap = (st["mean"] - base["mean"]) / base["mean"] if st and base else None
+            # the gap of the means over the seeds finished on both sides only: one high seed on one side
+            # alone would otherwise move it by the whole seed spread
+            both = [s for s in args.seeds if isinstance(results[v][s], float) and isinstance(results.get("none", {}).get(s), float)]
+            mean_v, mean_0 = (sum(results[x][s] for s in both) / len(both) if both else 0.0 for x in (v, "none"))
+            gap = (mean_v - mean_0) / mean_0 if both else None
+            paired = f" (seeds {', '.join(map(str, both))})" if both and len(both) < len(args.seeds) else ""
             if allowed is None:
                 word = "-"
             elif complete:
@@ -238,7 +243,7 @@ def cmd_report(args) -> int:
                 f"| {v} | " + " | ".join(cells) + " | " +
                 (f"{st['mean']:.4f}{count} | {st['min']:.4f} to {st['max']:.4f} ({st['max'] - st['min']:.4f}) | "
                  f"{'-' if st['std'] is None else format(st['std'], '.4f')} | " if st else " |  |  | ") +
-                ("" if gap is None or allowed is None else f"{gap:+.2%}") +
+                ("" if gap is None or allowed is None else f"{gap:+.2%}{paired}") +
                 f" | {'-' if allowed is None else f'{allowed:.0%}'} | {word} | " +
                 ", ".join(f"{k} {b:,}" for k, b in sorted(sent.items())) + " | " +
                 (f"{sum(sent.values()) / base_bytes:.3f}" if sent and base_bytes else "") + " |")
