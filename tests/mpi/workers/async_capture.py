@@ -14,14 +14,12 @@ Rank 0 writes the rows to OUT (JSON); tests/mpi/test_checkpoint.py judges them.
 """
 import argparse
 import json
-import time
-from contextlib import contextmanager
 
 import torch
 from mpi4py import MPI
 
 import zerompi
-from common import gpt_loss, local_part, tiny_gpt, token_batches, write_json
+from common import gpt_loss, local_part, slow_capture, tiny_gpt, token_batches, write_json
 
 COMM = MPI.COMM_WORLD
 world, rank = COMM.Get_size(), COMM.Get_rank()
@@ -37,18 +35,6 @@ class Tracked(torch.optim.lr_scheduler.LambdaLR):
     def step(self, *args, **kwargs):
         super().step(*args, **kwargs)
         self.seen.append(self.get_last_lr()[0])
-
-
-def slow_capture(engine, seconds: float) -> None:
-    """Delay each bucket a background save takes (the test's clock, not the engine's)."""
-    frozen = engine.optimizer.fenced_state
-
-    @contextmanager
-    def slow(index):
-        time.sleep(seconds)
-        with frozen(index) as held:
-            yield held
-    engine.optimizer.fenced_state = slow
 
 
 def state(engine, position: dict) -> dict:

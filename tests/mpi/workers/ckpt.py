@@ -25,7 +25,7 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from common import SEQ, VOCAB, gpt_loss, tiny_gpt, write_json
+from common import SEQ, VOCAB, gpt_loss, slow_capture, tiny_gpt, write_json
 
 GLOBAL = 120  # divisible by 1, 2, 3, 4, 5, 6, 8
 COMM = MPI.COMM_WORLD
@@ -59,20 +59,6 @@ def config(args) -> zerompi.ZeroConfig:
                               hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node,
                               checkpoint_layout=args.layout, checkpoint_verify=args.verify,
                               checkpoint_async_copy=args.async_copy, **offload)
-
-
-def slow_capture(engine, seconds: float) -> None:
-    """Delay each bucket a background save takes (the test's clock, not the engine's)."""
-    import time
-    from contextlib import contextmanager
-    frozen = engine.optimizer.fenced_state
-
-    @contextmanager
-    def slow(index):
-        time.sleep(seconds)
-        with frozen(index) as held:
-            yield held
-    engine.optimizer.fenced_state = slow
 
 
 def snapshot(engine) -> dict[str, np.ndarray]:

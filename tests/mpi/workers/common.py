@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -256,3 +258,15 @@ def initial_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
+
+
+def slow_capture(engine, seconds: float) -> None:
+    """Delay each bucket a background save takes (the test's clock, not the engine's)."""
+    frozen = engine.optimizer.fenced_state
+
+    @contextmanager
+    def slow(index):
+        time.sleep(seconds)
+        with frozen(index) as held:
+            yield held
+    engine.optimizer.fenced_state = slow
