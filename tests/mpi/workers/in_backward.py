@@ -139,8 +139,9 @@ def main():
         rows.append(compare(stage, "fp32", "nvme", args.swap, two, overlap_grad_reduce=True))
         rows.append(compare(stage, "bf16", "none", args.swap, one, frozen=True, overlap_grad_reduce=True))
     rows.append(compare(3, "fp32", "nvme", args.swap, one, frozen=True, prefetch_units=2))
-    result = dict(rows=rows, refusals=refusals(args.swap, one), abandoned=abandoned(args.swap),
-                  left_behind=sorted(os.listdir(args.swap)))
+    result = dict(rows=rows, refusals=refusals(args.swap, one), abandoned=abandoned(args.swap))
+    COMM.Barrier()  # each rank's close() removes its own swap file: list once every rank has closed
+    result["left_behind"] = sorted(os.listdir(args.swap))
     if COMM.Get_rank() == 0:
         write_json(args.out, result)
 

@@ -87,6 +87,7 @@ def main():
     except zerompi.ZeroMPIError as e:
         message = f"{type(e).__name__}: {e}"
     result["missing_dir"] = COMM.allgather(message)
+    COMM.Barrier()  # each rank's close() removes its own swap file: list once every rank has closed
     result["left_behind"] = sorted(os.listdir(args.swap))
     if COMM.Get_rank() == 0:
         write_json(args.out, result)
