@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import logging
-import mmap
 import os
 import platform
 import shutil
@@ -21,12 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+sys.path[:0] = [str(ROOT), str(HERE)]  # run from a checkout, uninstalled; rawdisk.py
+import rawdisk  # noqa: E402
 from zerompi.tools.mpirun import mpiexec  # noqa: E402
 from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
 
@@ -65,28 +64,21 @@ def raw_disk(directory: Path, size: int, repeats: int) -> list[dict]:
     rewrites its regions every step), then a cold read after posix_fadvise(DONTNEED)."""
     path, nblocks = directory / f"raw-{os.getpid()}.bin", size // BLOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-    bufs = [mmap.mmap(-1, BLOCK) for _ in range(IO_THREADS)]
-    for buf in bufs:
-        buf.write(os.urandom(BLOCK))
+    bufs = rawdisk.page_aligned(IO_THREADS, BLOCK)
 
-    def io(call):
-        def work(t):
-            for i in range(t, nblocks, IO_THREADS):
-                if call(fd, [bufs[t]], i * BLOCK) != BLOCK:
-                    raise OSError(f"short raw I/O at block {i}")
-        with ThreadPoolExecutor(IO_THREADS) as pool:
-            list(pool.map(work, range(IO_THREADS)))  # list(): re-raises a thread's error
+    def io(write: bool) -> None:
+        rawdisk.strided(fd, nblocks * BLOCK, IO_THREADS, BLOCK, bufs, write)
     try:
         os.posix_fallocate(fd, 0, size)
-        io(os.pwritev)  # untimed: turns the allocation into written blocks
+        io(write=True)  # untimed: turns the allocation into written blocks
         out = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            io(os.pwritev)
+            io(write=True)
             os.fsync(fd)
             os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)  # nothing cached under O_DIRECT: belt and braces
             t1 = time.perf_counter()
-            io(os.preadv)
+            io(write=False)
             out.append({"write": size / GiB / (t1 - t0), "read": size / GiB / (time.perf_counter() - t1)})  # GiB/s
         return out
     finally:

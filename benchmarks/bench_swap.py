@@ -35,7 +35,6 @@ import platform
 import random
 import statistics
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import rawdisk  # noqa: E402  (beside this file)
 from zerompi.offload import NVMeSwapper, SwapConfig, aligned_empty, nvme  # noqa: E402
 
 log = logging.getLogger("bench_swap")
@@ -78,14 +78,6 @@ def parse_size(text: str) -> int:
     return value - value % RAW_BLOCK or RAW_BLOCK
 
 
-def _parallel(threads: int, work) -> None:
-    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
-
-
 def raw_once(path: str, size: int, threads: int, fresh: bool) -> tuple[float, float]:
     """Seconds to write (with fsync) and to read ``size`` bytes of ``path`` with O_DIRECT.
 
@@ -94,23 +86,17 @@ def raw_once(path: str, size: int, threads: int, fresh: bool) -> tuple[float, fl
     flags = os.O_RDWR | os.O_DIRECT | (os.O_CREAT | os.O_TRUNC if fresh else 0)
     fd = os.open(path, flags, 0o600)
     try:
-        bufs = [mmap.mmap(-1, RAW_BLOCK) for _ in range(threads)]
-        for buf in bufs:
-            buf.write(os.urandom(MiB) * (RAW_BLOCK // MiB))
+        bufs = rawdisk.page_aligned(threads, RAW_BLOCK)
         nblocks = size // RAW_BLOCK
 
-        def io(call):
-            def work(t):
-                for i in range(t, nblocks, threads):
-                    if call(fd, [bufs[t]], i * RAW_BLOCK) != RAW_BLOCK:
-                        raise OSError(f"short raw I/O at block {i}")
-            return work
+        def io(write: bool) -> None:
+            rawdisk.strided(fd, nblocks * RAW_BLOCK, threads, RAW_BLOCK, bufs, write)
 
         t0 = time.perf_counter()
-        _parallel(threads, io(os.pwritev))
+        io(write=True)
         os.fsync(fd)
         t1 = time.perf_counter()
-        _parallel(threads, io(os.preadv))
+        io(write=False)
         return t1 - t0, time.perf_counter() - t1
     finally:
         os.close(fd)

@@ -28,14 +28,15 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]),  # run from a checkout, uninstalled
+                str(Path(__file__).resolve().parents[1]),  # rawdisk.py
                 str(Path(__file__).resolve().parents[1] / "peers")]  # the FSDP2 row of the peers benchmark
+import rawdisk  # noqa: E402
 import zerompi  # noqa: E402
 from zerompi.checkpoint import rawio, reader, writer  # noqa: E402
 from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -105,36 +106,11 @@ def raw_name(direct: bool, threads: int, mib: int) -> str:
     return f"{'O_DIRECT' if direct else 'buffered'}, {threads} thread{'s' * (threads > 1)}, {mib} MiB"
 
 
-def raw_buffers(threads: int, block: int) -> list[mmap.mmap]:
-    """One page-aligned buffer of random bytes per thread (anonymous mappings, faulted in now)."""
-    bufs = [mmap.mmap(-1, block) for _ in range(threads)]
-    for buf in bufs:
-        buf.write(os.urandom(1 << 20) * (block >> 20))
-    return bufs
-
-
-def _raw_io(fd: int, size: int, threads: int, block: int, bufs: list[mmap.mmap], write: bool) -> None:
-    """``size`` bytes of ``fd`` in ``block``-sized pwrite/preadv calls at their offsets, thread t taking
-    blocks t, t + threads, ... (as fio's jobs on one file); the last block may be shorter."""
-    def work(t: int) -> None:
-        view = memoryview(bufs[t])
-        for at in range(t * block, size, threads * block):
-            want, done = min(block, size - at), 0
-            while done < want:
-                got = (os.pwrite(fd, view[done:want], at + done) if write
-                       else os.preadv(fd, [view[done:want]], at + done))
-                if got <= 0:
-                    raise OSError(f"raw I/O stopped at byte {at + done} of {size}")
-                done += got
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(work, range(threads)))
-
-
 def raw_write(path: Path, size: int, direct: bool, threads: int, block: int, bufs: list) -> None:
     """A new file of ``size`` bytes (a multiple of 4 KiB), written then fsynced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o600)
     try:
-        _raw_io(fd, size, threads, block, bufs, write=True)
+        rawdisk.strided(fd, size, threads, block, bufs, write=True)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -143,7 +119,7 @@ def raw_write(path: Path, size: int, direct: bool, threads: int, block: int, buf
 def raw_read(path: Path, size: int, direct: bool, threads: int, block: int, bufs: list) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
-        _raw_io(fd, size, threads, block, bufs, write=False)
+        rawdisk.strided(fd, size, threads, block, bufs, write=False)
     finally:
         os.close(fd)
 
@@ -329,7 +305,7 @@ def raw_rows(comm, timers, scratch: Path, nbytes: int, rep: int) -> dict:
     way, all ranks at once as in a save; the order turns by one each repeat."""
     path = scratch / f"raw-rank{comm.Get_rank()}.bin"
     per_rank = -(-nbytes // comm.Get_size() // 4096) * 4096  # O_DIRECT sizes are whole pages
-    bufs = raw_buffers(max(t for _, t, _ in RAW_CONFIGS), max(m for _, _, m in RAW_CONFIGS) << 20)
+    bufs = rawdisk.page_aligned(max(t for _, t, _ in RAW_CONFIGS), max(m for _, _, m in RAW_CONFIGS) << 20)
     turn = rep % len(RAW_CONFIGS)
     rows = {}
     for direct, threads, mib in RAW_CONFIGS[turn:] + RAW_CONFIGS[:turn]:
