@@ -636,6 +636,9 @@ def _write_report(section: str, summary: dict) -> None:
     p.write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
+NOT_WRITTEN: dict[str, str] = {}  # base -> why the bases fixture could not write it
+
+
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     top = tmp_path_factory.mktemp("fuzzckpt")
@@ -649,9 +652,6 @@ def bases(tmp_path_factory):
     extra = TALLY.summary()
     extra["bases"] = {k: {"world_size": b.world, "file_bytes": b.sizes} for k, b in out.items()}
     _write_report("checkpoint", extra)
-
-
-NOT_WRITTEN: dict[str, str] = {}  # base -> why the bases fixture could not write it
 
 
 @pytest.fixture(scope="module")
