@@ -152,6 +152,9 @@ def trial(cg: Cgroup, args, mode: str, n_layer: int, scratch: Path) -> dict:
     # the DeepSpeed modes rendezvous over gloo on loopback; the zerompi modes ignore these
     env = dict(_mpi_env(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
                PYTHONWARNINGS="ignore::FutureWarning")
+    # the venv's bin first, as setup_peers.sh builds DeepSpeed's ops: torch's loader runs the first
+    # `ninja` on PATH, and another ninja version rebuilds the op inside the trial
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     cg.reset_peak()
     kills = cg.oom_kills()
     loadavg = os.getloadavg()[0]

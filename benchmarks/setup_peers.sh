@@ -39,6 +39,14 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # the nvme extra: zlib-ng's CRC-32, as the test venv has it (jobs/setup.sh), so checkpoint rows match
 "${PIP[@]}" -e ".[nvme]"
 command -v g++ >/dev/null || echo "warning: g++ not found; DeepSpeed rows need it (apt-get install g++)" >&2
+# Build DeepSpeed's async I/O op now rather than inside a measured trial (12 C++ files, minutes on
+# 2 cores). torch's extension loader runs the first `ninja` on PATH, and a build made by one ninja
+# version is rebuilt by another (Debian's 1.11 does not read 1.13's log): the venv's bin comes first
+# here, as it does in bench_capacity.py's trials.
+if dpkg -s libaio-dev >/dev/null 2>&1; then
+    PATH="$PWD/$VENV/bin:$PATH" DS_ACCELERATOR=cpu "$VENV/bin/python" -c \
+        "from deepspeed.ops.op_builder import AsyncIOBuilder as B; B().load(verbose=False)" >/dev/null
+fi
 DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'EOF'
 import torch, mpi4py.MPI as M, deepspeed, matplotlib, transformers, peft, zerompi
 print("peers venv: torch", torch.__version__, "| deepspeed", deepspeed.__version__,
