@@ -284,7 +284,7 @@ def _scheduler(lr_scheduler: Any, cfg: ZeroConfig, schedule):
 def _world_size(comm) -> int:
     if comm is not None:
         return comm.Get_size()
-    from zerompi.dist.mpi import world_size
+    from zerompi.comm.mpi import world_size
     return world_size()
 
 

@@ -22,10 +22,10 @@ from zerompi.checkpoint.fence import ShardFence
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 from zerompi.checkpoint.stores import store_for
 from zerompi.config import DType, Offload, Progress, ZeroConfig
-from zerompi.dist import guard, launch
-from zerompi.dist.group import ProcessGroup
-from zerompi.dist.mpi import MPIGroup
-from zerompi.dist.topology import build_groups
+from zerompi.comm import guard, launch
+from zerompi.comm.group import ProcessGroup
+from zerompi.comm.mpi import MPIGroup
+from zerompi.comm.topology import build_groups
 from zerompi.errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
 from zerompi.log import get_logger, set_rank
 from zerompi.offload.tiers import TierPlan
@@ -353,8 +353,12 @@ def _param_groups(module: nn.Module, param_groups):
 def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
                param_groups: list[dict[str, Any]] | None = None,
                param_init: deferred.ParamInit | None = None,
-               lr_scheduler: schedules.SchedulerFactory | None = None) -> Engine:
+               lr_scheduler: schedules.SchedulerFactory | None = None,
+               group: ProcessGroup | None = None) -> Engine:
     """Collective: wrap ``model`` in an :class:`Engine` over ``comm`` (``MPI.COMM_WORLD`` by default).
+
+    ``group`` replaces ``comm`` with another process group, e.g. the in-process
+    ``zerompi.comm.local.LocalGroup`` that tests run at several ranks in one process.
 
     ``param_groups`` optionally splits the trainable parameters into optimizer
     groups with their own options, like ``torch.optim`` param groups, e.g.
@@ -369,7 +373,10 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     """
     cfg = config if config is not None else ZeroConfig()
     store_for(cfg.checkpoint_layout)  # a layout this h5py cannot write fails now, not at the first save
-    group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
+    if group is None:
+        group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
+    elif comm is not None:
+        raise ZeroMPIError("initialize: pass comm (an MPI communicator) or group, not both")
     if cfg.abort_on_exception:
         guard.abort_on_uncaught_exception(group)
     if cfg.collective_timeout is not None:

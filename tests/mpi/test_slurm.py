@@ -5,7 +5,7 @@ inside the allocation and by srun --mpi=pmi2; both must reach world size 2,
 not two singletons. A USR1 before the time limit must checkpoint, requeue and
 resume. Mismatched PMI must fail loudly: srun --mpi=pmix aborts in the pip
 MPICH's MPI_Init, and srun --mpi=none gives real singletons, which
-zerompi.dist.launch_check must refuse with its hint. Every Slurm command runs under
+zerompi.comm.launch_check must refuse with its hint. Every Slurm command runs under
 ``timeout``; Slurm is stopped again by jobs/ci/slurm_down.sh.
 """
 from __future__ import annotations
@@ -169,7 +169,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
 
 CHECK = """\
 from mpi4py import MPI
-from zerompi.dist.launch_check import check_world_matches_launcher
+from zerompi.comm.launch_check import check_world_matches_launcher
 
 size = MPI.COMM_WORLD.Get_size()
 check_world_matches_launcher(size)
@@ -204,9 +204,9 @@ def test_train_sbatch_with_pmix_fails_loudly(slurm, tmp_path):
 
 
 def test_train_sbatch_refuses_singletons(slurm, tmp_path):
-    if "check_world_matches_launcher" not in (ROOT / "zerompi" / "dist" / "launch.py").read_text():
+    if "check_world_matches_launcher" not in (ROOT / "zerompi" / "comm" / "launch.py").read_text():
         # Until then the job would train two singletons; no need to spend the time watching it.
-        pytest.xfail("zerompi.dist.launch.discover does not call launch_check.check_world_matches_launcher yet")
+        pytest.xfail("zerompi.comm.launch.discover does not call launch_check.check_world_matches_launcher yet")
     job, log = slurm.submit("singletons", *TINY, "--steps", "2", "--out", str(tmp_path / "out"),
                             env=dict(ZEROMPI_LAUNCH="srun", ZEROMPI_PMI="none"))
     state = slurm.wait(job)

@@ -13,8 +13,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from zerompi.dist.mpi import MPIGroup
-from zerompi.dist.topology import Groups
+from zerompi.comm.mpi import MPIGroup
+from zerompi.comm.topology import Groups
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.layout import ParamSpec, plan_buckets

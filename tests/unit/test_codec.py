@@ -1,4 +1,4 @@
-"""dist/codec.py: block-wise int8/int4 codes with one fp32 scale per block.
+"""comm/codec.py: block-wise int8/int4 codes with one fp32 scale per block.
 
 Every decoded value must lie within its block's bound (half a step, plus 2^-16 of a step for
 the fp32 roundings) of the value encoded, also for all-zero, constant, huge and subnormal
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from zerompi.dist.codec import BlockCodec
+from zerompi.comm.codec import BlockCodec
 
 FLT_MAX = torch.finfo(torch.float32).max
 TINY = torch.finfo(torch.float32).smallest_normal

@@ -1,10 +1,10 @@
-"""zerompi.dist.mpi.MPIGroup in one process: MPI.COMM_SELF and a Dup of it, and a recording stand-in communicator.
+"""zerompi.comm.mpi.MPIGroup in one process: MPI.COMM_SELF and a Dup of it, and a recording stand-in communicator.
 
 On a world of one every collective is an identity and the (N-1)/N volume is 0, so the
 byte formulas are pinned with ``Recorder``, a duck-typed communicator of any size that
 records which MPI call each verb makes and moves no data (except where a test presets
 what Alltoall delivers). What these tests pin is today's behaviour, including the odd
-parts (marked "today:"), so that a refactor of dist/ can be checked against it.
+parts (marked "today:"), so that a refactor of comm/ can be checked against it.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from zerompi.dist.group import Work
-from zerompi.dist.monitor import CollectiveMismatchError, Monitor
-from zerompi.dist.mpi import MPIGroup
+from zerompi.comm.group import Work
+from zerompi.comm.monitor import CollectiveMismatchError, Monitor
+from zerompi.comm.mpi import MPIGroup
 from zerompi.errors import ZeroMPIError
 
 

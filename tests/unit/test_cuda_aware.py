@@ -1,4 +1,4 @@
-"""The cuda_aware_mpi decision from fake probe answers (zerompi/dist/cuda_aware.py), and the real probes here."""
+"""The cuda_aware_mpi decision from fake probe answers (zerompi/comm/cuda_aware.py), and the real probes here."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from zerompi.dist.cuda_aware import Probes, decide, kinds_say_cuda, mpi_says, parse_alloc_kinds
+from zerompi.comm.cuda_aware import Probes, decide, kinds_say_cuda, mpi_says, parse_alloc_kinds
 from zerompi.errors import ConfigError
 
 YES_KINDS, NO_KINDS = "system,mpi,cuda:device", "mpi,system"  # NO_KINDS: what MPICH 5 reports
@@ -104,8 +104,8 @@ def test_reason_carries_every_probe_answer():
 
 def test_real_probes_on_this_mpi_answer_without_crashing():
     """On the test machines' MPI (the CPU MPICH wheel from PyPI) every probe answers, and says no."""
-    from zerompi.dist.mpi import MPIGroup, cuda_probes
-    from zerompi.dist.launch import use_cuda_aware
+    from zerompi.comm.mpi import MPIGroup, cuda_probes
+    from zerompi.comm.launch import use_cuda_aware
 
     found = cuda_probes()
     assert {found.mpix_cuda, found.mpix_gpu} <= {None, False, True}

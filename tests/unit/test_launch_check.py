@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from zerompi.errors import ZeroMPIError
-from zerompi.dist.launch_check import announced_tasks, check_world_matches_launcher
+from zerompi.comm.launch_check import announced_tasks, check_world_matches_launcher
 
 STEP = {"SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
         "SLURM_NPROCS": "2", "SLURM_PROCID": "1", "SLURM_JOB_NUM_NODES": "1"}

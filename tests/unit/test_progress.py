@@ -1,4 +1,4 @@
-"""The communication thread: issue order, results and errors, closing (zerompi/dist/thread.py)."""
+"""The communication thread: issue order, results and errors, closing (zerompi/comm/thread.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from zerompi.errors import ZeroMPIError
-from zerompi.dist.thread import CommThread
+from zerompi.comm.thread import CommThread
 
 
 def test_calls_run_in_submission_order_on_one_other_thread():

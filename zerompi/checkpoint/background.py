@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from zerompi.checkpoint.fence import ShardFence
-from zerompi.dist.group import ProcessGroup
+from zerompi.comm.group import ProcessGroup
 from zerompi.errors import CheckpointError, all_ranks_ok
 from zerompi.log import get_logger
 

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 
 from zerompi.checkpoint import objects, schema
-from zerompi.dist.group import ProcessGroup
+from zerompi.comm.group import ProcessGroup
 from zerompi.errors import CheckpointError
 
 SHARED = "shards.h5"

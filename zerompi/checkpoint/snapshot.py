@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from zerompi.checkpoint.fence import ShardFence
-from zerompi.dist.group import ProcessGroup
+from zerompi.comm.group import ProcessGroup
 from zerompi.shard.layout import BucketLayout, ShardRange
 
 

@@ -23,7 +23,7 @@ from zerompi.checkpoint.durable import fsync_path
 from zerompi.checkpoint.per_rank import RankFiles, write_rank_file
 from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.config.choices import CheckpointLayout
-from zerompi.dist.group import ProcessGroup
+from zerompi.comm.group import ProcessGroup
 from zerompi.errors import CheckpointError, UsageError
 
 Parts = Iterable[tuple[str, np.ndarray]]

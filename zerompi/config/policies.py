@@ -128,7 +128,7 @@ class ReliabilityPolicy:
 
 @dataclass(frozen=True)
 class CompressionPolicy:
-    """Which collectives travel as block-wise integer codes (dist/codec.py)."""
+    """Which collectives travel as block-wise integer codes (comm/codec.py)."""
 
     weights: WeightQuant
     """Parameter all-gathers: none or int8."""

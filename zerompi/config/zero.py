@@ -135,7 +135,7 @@ class ZeroConfig:
     hierarchy: Hierarchy = Hierarchy.FLAT
     """'flat': shard over all ranks; 'hsdp' (stages 1-3): shard within a node and replicate across
     nodes; 'hpz' (stage 3): flat shards plus a secondary parameter copy sharded within each node,
-    so forward/backward all-gathers stay inside the node (ZeRO++). See dist/topology.py."""
+    so forward/backward all-gathers stay inside the node (ZeRO++). See comm/topology.py."""
     ranks_per_node: int | None = None
     """Ranks per node for 'hsdp'/'hpz': None takes nodes from MPI (shared memory); a number
     groups consecutive ranks, e.g. to emulate several nodes on one machine."""

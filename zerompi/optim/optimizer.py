@@ -28,7 +28,7 @@ import torch
 from zerompi.checkpoint.fence import ShardFence
 from zerompi.checkpoint.snapshot import ShardState
 from zerompi.config.choices import DType, NonFinite
-from zerompi.dist.group import ProcessGroup
+from zerompi.comm.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
 from zerompi.offload.aligned import align_storage, trim_heap

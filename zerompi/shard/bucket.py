@@ -15,7 +15,7 @@ from enum import Enum
 
 import torch
 
-from zerompi.dist.group import Work
+from zerompi.comm.group import Work
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.offload.aligned import aligned_clone
 from zerompi.offload.tiers import Resident, ShardTier, TierPlan
@@ -56,7 +56,7 @@ class Bucket:
             are re-bound as views into this bucket's flat parameter buffer.
         placement: stage plan, rank (in ``groups.shard``), dtype and device.
         init: the full padded fp32 initial values (identical on every rank).
-        groups: the process groups (flat, HSDP or hpZ; see dist/topology.py).
+        groups: the process groups (flat, HSDP or hpZ; see comm/topology.py).
         tiers: where the shards live between uses (offload/tiers.py).
     """
 

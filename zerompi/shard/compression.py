@@ -3,8 +3,8 @@
 A bucket holds a :class:`WeightCodes` for its parameter shard when parameter
 all-gathers are quantized (``quantize_weights``) and a :class:`GradCodes` when
 its gradient reduce-scatters are (``quantize_grads``); without them it
-communicates as before. Both carry dist/codec.py's packed chunks through
-dist/compressed.py, so the byte counters see exactly what crosses.
+communicates as before. Both carry comm/codec.py's packed chunks through
+comm/compressed.py, so the byte counters see exactly what crosses.
 
 Weights are encoded once per step, by their owner, from the compute-dtype shard
 right after the optimizer updated it (``publish``) and at build from the initial
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from zerompi.config.policies import CompressionPolicy
-from zerompi.dist.codec import BlockCodec
-from zerompi.dist.compressed import CompressedGroup
-from zerompi.dist.group import ProcessGroup, Work
+from zerompi.comm.codec import BlockCodec
+from zerompi.comm.compressed import CompressedGroup
+from zerompi.comm.group import ProcessGroup, Work
 from zerompi.shard.layout import BucketLayout
 
 
@@ -49,7 +49,7 @@ class WeightCodes:
 
     Args:
         codec: the weight codec.
-        groups: the bucket's groups (dist/topology.py's Groups: shard, gather, secondary).
+        groups: the bucket's groups (comm/topology.py's Groups: shard, gather, secondary).
         layout: the bucket's layout.
         rank: this rank in ``groups.shard``.
         full: the full compute-dtype parameters at build (the same on every rank).

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from zerompi.dist.topology import Groups
+from zerompi.comm.topology import Groups
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
 from zerompi.offload.aligned import trim_heap

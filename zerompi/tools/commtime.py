@@ -7,7 +7,7 @@ elements per rank and c bytes per compute element:
     stage 3  parameter all-gather x 2 (forward, backward) + gradient reduce-scatter
 
 A collective moves one chunk per peer: S c bytes as they are, or the packed chunk
-of dist/codec.py (codes + one fp32 scale per block: S (1 + 4/B) bytes for int8,
+of comm/codec.py (codes + one fp32 scale per block: S (1 + 4/B) bytes for int8,
 S (1/2 + 4/B) for int4) when quantized. The model is one bucket here; the engine
 packs each bucket's shard, so its counters differ by the blocks' rounding.
 
@@ -40,7 +40,7 @@ class Quantization(NamedTuple):
         bits = _BITS[self.weights if which == "weights" else self.grads]
         if bits is None:
             return numel * c
-        from zerompi.dist.codec import BlockCodec  # torch: imported only when something is quantized
+        from zerompi.comm.codec import BlockCodec  # torch: imported only when something is quantized
         return BlockCodec(bits, self.block).nbytes(numel)
 
 

@@ -8,7 +8,7 @@ or, for the model's first bucket, zero ('drop'). Used only by the parity worker'
 """
 from __future__ import annotations
 
-from zerompi.dist.mpi import MPIGroup
+from zerompi.comm.mpi import MPIGroup
 
 MUTATIONS = {
     "scale": lambda out, group, what: out.mul_(1 + 1e-3),

@@ -2,7 +2,7 @@
 
 Rows (rank 0 writes them; tests/mpi/test_quantized.py judges them), each named by ``case``:
 
-* ``rs/...``, ``ag/...``: dist/compressed.py's reduce-scatter and all-gather of random and
+* ``rs/...``, ``ag/...``: comm/compressed.py's reduce-scatter and all-gather of random and
   special blocks (zero, constant, huge, subnormal) against the exact result in float64, with the
   bound derived from the block scales every rank used, the bytes counted, async == blocking,
   error feedback's identity, and NaN blocks;
@@ -19,9 +19,9 @@ from mpi4py import MPI
 
 import zerompi
 from common import digest, engine_train, initial_params, rel_to_update, tiny_gpt, token_batches, write_json
-from zerompi.dist.codec import BlockCodec
-from zerompi.dist.compressed import CompressedGroup
-from zerompi.dist.mpi import MPIGroup
+from zerompi.comm.codec import BlockCodec
+from zerompi.comm.compressed import CompressedGroup
+from zerompi.comm.mpi import MPIGroup
 from zerompi.errors import ZeroMPIError
 
 p = argparse.ArgumentParser()

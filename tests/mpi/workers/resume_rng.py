@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from zerompi.dist import launch
+from zerompi.comm import launch
 from common import SEQ, VOCAB, gpt_loss, tiny_gpt
 
 GLOBAL = 8  # sequences per step, split evenly over the ranks

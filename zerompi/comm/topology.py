@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from zerompi.dist.group import ProcessGroup
+from zerompi.comm.group import ProcessGroup
 from zerompi.config.choices import Hierarchy, Stage
 from zerompi.config.policies import TopologyPolicy
 from zerompi.errors import ConfigError
-from zerompi.dist.launch import RankInfo
+from zerompi.comm.launch import RankInfo
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,16 @@ counters see what is sent, under the kind ``<kind>.<codec>`` (monitor.py's
   per step, see shard/compression.py); the packed chunks are gathered and every
   rank decodes all of them, its own included, so every rank holds the same values.
 
-Both return a :class:`~zerompi.dist.group.Work` whose ``wait()`` decodes once
+Both return a :class:`~zerompi.comm.group.Work` whose ``wait()`` decodes once
 the data has moved, so they overlap like the uncompressed verbs.
 """
 from __future__ import annotations
 
 import torch
 
-from zerompi.dist.codec import BlockCodec
-from zerompi.dist.group import ProcessGroup, ThenWork, Work
-from zerompi.dist.monitor import compressed_kind
+from zerompi.comm.codec import BlockCodec
+from zerompi.comm.group import ProcessGroup, ThenWork, Work
+from zerompi.comm.monitor import compressed_kind
 
 
 class CompressedGroup:

@@ -1,14 +1,11 @@
 """The only user of mpi4py: :class:`MPIGroup`, collectives on flat, contiguous tensors.
 
-Besides the group, MPI answers here what the rest of dist/ asks of the
+Besides the group, MPI answers here what the rest of comm/ asks of the
 library: the thread level the communication thread needs, the CUDA probes,
 the world rank and size. Everything else sees a ``ProcessGroup`` (group.py).
 
-Every collective takes 1-D contiguous tensors (MPI would silently send a
-strided tensor in memory order) and returns a :class:`Work` handle. Bytes
-sent are counted per kind the way the ZeRO paper counts them: an all-gather
-or reduce-scatter of P elements sends (N-1)/N*P elements per rank, an
-all-reduce twice that.
+Every collective takes 1-D contiguous tensors and returns a :class:`Work`
+handle; shapes.py checks them and counts the bytes, as for every group.
 
 MPI has no 16-bit floating reduction, so a 16-bit reduce-scatter is an
 ``Alltoall`` (same bytes) followed by a local fp32 sum over ranks, which is
@@ -28,14 +25,13 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from zerompi.dist.cuda_aware import Probes
-from zerompi.dist.group import FutureWork, RequestWork, Work
-from zerompi.dist.monitor import Agreement, Monitor
-from zerompi.dist.thread import CommThread
+from zerompi.comm import shapes
+from zerompi.comm.cuda_aware import Probes
+from zerompi.comm.group import FutureWork, RequestWork, Work
+from zerompi.comm.monitor import Agreement, Monitor
+from zerompi.comm.thread import CommThread
 from zerompi.errors import ZeroMPIError
 
-_SUM_DTYPES = (torch.float32, torch.float64)
-_16BIT = (torch.bfloat16, torch.float16)
 _MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi.h
 
 
@@ -112,21 +108,13 @@ def _mpix_gpu_cuda_support() -> bool | None:
     return bool(flag.value)
 
 
-def _check_flat(name: str, t: torch.Tensor) -> None:
-    if t.dim() != 1 or not t.is_contiguous():
-        raise ZeroMPIError(
-            f"{name}: collectives take 1-D contiguous tensors, got shape {tuple(t.shape)} "
-            f"(contiguous={t.is_contiguous()}); flatten into a FlatBuffer first"
-        )
-
-
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """A view MPI can describe: 16-bit floats travel as int16 where no arithmetic happens."""
-    return t.view(torch.int16) if t.dtype in _16BIT else t
+    return t.view(torch.int16) if t.dtype in shapes.HALF_DTYPES else t
 
 
 class MPIGroup:
-    """A :class:`~zerompi.dist.group.ProcessGroup` over an MPI communicator.
+    """A :class:`~zerompi.comm.group.ProcessGroup` over an MPI communicator.
 
     Args:
         comm: the mpi4py communicator (``MPI.COMM_WORLD`` when None).
@@ -159,7 +147,7 @@ class MPIGroup:
     def h5py_comm(self) -> MPI.Comm:
         """The communicator for ``h5py.File(driver="mpio", comm=...)``.
 
-        The one place the raw communicator leaves dist/: h5py's MPI-IO needs an
+        The one place the raw communicator leaves comm/: h5py's MPI-IO needs an
         mpi4py communicator and takes no other handle.
         """
         return self.comm
@@ -257,13 +245,7 @@ class MPIGroup:
     def all_gather(self, shard: torch.Tensor | None, out: torch.Tensor, *, kind: str = "all_gather",
                    async_op: bool = False, what: str = "") -> Work:
         """``out[r*S:(r+1)*S] = shard of rank r``; ``shard`` may be ``None`` for in place."""
-        _check_flat("all_gather out", out)
-        n = out.numel() // self.size
-        if shard is not None:
-            _check_flat("all_gather shard", shard)
-            if shard.numel() * self.size != out.numel() or shard.dtype != out.dtype:
-                raise ZeroMPIError(f"all_gather: shard {shard.numel()} x {self.size} ranks != out {out.numel()}")
-        self._count(kind, (self.size - 1) * n * out.element_size())
+        self._count(kind, shapes.all_gather_bytes(shard, out, self.size))
         desc = self._enter(kind, out, what)
         if shard is None:
             (o,), back = self._stage(out)
@@ -281,20 +263,15 @@ class MPIGroup:
         fp32/fp64 use ``Reduce_scatter_block``; 16-bit inputs use ``Alltoall``
         and sum the received chunks in fp32 in rank order.
         """
-        _check_flat("reduce_scatter input", full)
-        if full.numel() % self.size:
-            raise ZeroMPIError(f"reduce_scatter: {full.numel()} elements do not split over {self.size} ranks")
+        self._count(kind, shapes.reduce_scatter_bytes(full, self.size))
         n = full.numel() // self.size
-        self._count(kind, (self.size - 1) * n * full.element_size())
         desc = self._enter(kind, full, what)
-        if full.dtype in _SUM_DTYPES:
+        if full.dtype in shapes.SUM_DTYPES:
             out = torch.empty(n, dtype=full.dtype, device=full.device)
             (f, o), back = self._stage(full, out)
             return self._issue(desc, lambda: self.comm.Reduce_scatter_block(f, o, op=MPI.SUM),
                                lambda: self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM),
                                lambda: (back(), out.float())[1], async_op)
-        if full.dtype not in _16BIT:
-            raise ZeroMPIError(f"reduce_scatter: unsupported dtype {full.dtype}")
         recv = torch.empty_like(full)
         (f, r), back = self._stage(full, recv)
 
@@ -307,11 +284,7 @@ class MPIGroup:
     def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
                    what: str = "") -> Work:
         """In-place sum of an fp32/fp64 tensor over ranks."""
-        _check_flat("all_reduce", t)
-        if t.dtype not in _SUM_DTYPES:
-            raise ZeroMPIError(f"all_reduce: MPI cannot sum {t.dtype}; reduce in fp32 "
-                               "or use reduce_scatter + all_gather")
-        self._count(kind, 2 * (self.size - 1) * t.numel() * t.element_size() // self.size)
+        self._count(kind, shapes.all_reduce_bytes(t, self.size))
         desc = self._enter(kind, t, what)
         (x,), back = self._stage(t)
         return self._issue(desc, lambda: self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
@@ -320,12 +293,7 @@ class MPIGroup:
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
                    async_op: bool = False, what: str = "") -> Work:
         """``recv[r*n:(r+1)*n]`` = chunk ``rank`` of rank r's ``send`` (the bytes of any dtype, moved as they are)."""
-        _check_flat("all_to_all send", send)
-        _check_flat("all_to_all recv", recv)
-        if send.numel() != recv.numel() or send.dtype != recv.dtype or send.numel() % self.size:
-            raise ZeroMPIError(f"all_to_all: send {send.numel()} x {send.dtype} and recv {recv.numel()} x "
-                               f"{recv.dtype} must match and split over {self.size} ranks")
-        self._count(kind, (self.size - 1) * send.numel() // self.size * send.element_size())
+        self._count(kind, shapes.all_to_all_bytes(send, recv, self.size))
         desc = self._enter(kind, send, what)
         (s, r), back = self._stage(send, recv)
         return self._issue(desc, lambda: self.comm.Alltoall(_raw(s), _raw(r)),
@@ -333,9 +301,7 @@ class MPIGroup:
 
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:
         """In-place broadcast from ``root`` (used once, at initialisation)."""
-        _check_flat("broadcast", t)
-        if self.rank == root:
-            self._count(kind, (self.size - 1) * t.numel() * t.element_size())
+        self._count(kind, shapes.broadcast_bytes(t, self.size, self.rank, root))
         desc = self._enter(kind, t, what)
         (x,), back = self._stage(t)
         with self._blocked(desc):

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from zerompi.dist.cuda_aware import decide
-from zerompi.dist.group import ProcessGroup
-from zerompi.dist.mpi import cuda_probes, world_rank, world_size
+from zerompi.comm.cuda_aware import decide
+from zerompi.comm.group import ProcessGroup
+from zerompi.comm.mpi import cuda_probes, world_rank, world_size
 from zerompi.config.choices import CudaAware, Device
 from zerompi.errors import ConfigError
-from zerompi.dist.launch_check import check_world_matches_launcher
+from zerompi.comm.launch_check import check_world_matches_launcher
 from zerompi.log import get_logger
 
 logger = get_logger(__name__)

@@ -1,7 +1,7 @@
 """What the rest of zerompi asks of a process group, and the handles its collectives return.
 
-The package outside ``dist/`` types groups as :class:`ProcessGroup` and never
-sees a communicator; ``dist/mpi.py`` (:class:`~zerompi.dist.mpi.MPIGroup`) is
+The package outside ``comm/`` types groups as :class:`ProcessGroup` and never
+sees a communicator; ``comm/mpi.py`` (:class:`~zerompi.comm.mpi.MPIGroup`) is
 the one implementation, and the only module that uses mpi4py. Collectives
 take flat, contiguous tensors and return a :class:`Work`.
 """

@@ -11,7 +11,7 @@ import sys
 import time
 import traceback
 
-from zerompi.dist.watchdog import ABORT_GRACE
+from zerompi.comm.watchdog import ABORT_GRACE
 
 _installed = False
 

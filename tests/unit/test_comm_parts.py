@@ -1,11 +1,13 @@
-"""The pieces of zerompi/dist/ apart from MPI: Work handles, Counters, the debug Agreement, the Watchdog.
+"""The pieces of zerompi/comm/ apart from MPI: Work handles, Counters, the debug Agreement, the Watchdog.
 
-Also the seam itself: MPIGroup has every member of the ProcessGroup protocol, and
-dist/mpi.py is the only module of the package importing mpi4py.
+Also the seam itself: MPIGroup has every member of the ProcessGroup protocol, and the old
+``zerompi.dist`` name still imports it (test_structure.py checks that only comm/mpi.py imports mpi4py).
 """
 from __future__ import annotations
 
-import ast
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from concurrent.futures import Future
@@ -16,10 +18,10 @@ import torch
 from mpi4py import MPI
 
 import zerompi
-from zerompi.dist.group import FutureWork, ProcessGroup, RequestWork, Work
-from zerompi.dist.monitor import Agreement, CollectiveMismatchError, Counters, Monitor
-from zerompi.dist.mpi import MPIGroup, thread_support_error
-from zerompi.dist.watchdog import ABORT_CODE, Overdue, Watchdog
+from zerompi.comm.group import FutureWork, ProcessGroup, RequestWork, Work
+from zerompi.comm.monitor import Agreement, CollectiveMismatchError, Counters, Monitor
+from zerompi.comm.mpi import MPIGroup, thread_support_error
+from zerompi.comm.watchdog import ABORT_CODE, Overdue, Watchdog
 
 
 class Request:
@@ -196,16 +198,27 @@ def test_thread_level_is_asked_of_mpi():
     assert thread_support_error() is None
 
 
-def test_only_dist_mpi_imports_mpi4py():
-    root = Path(zerompi.__file__).parent
-    importers = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            if any(n == "mpi4py" or n.startswith("mpi4py.") for n in names):
-                importers.append(path.relative_to(root).as_posix())
-    assert sorted(set(importers)) == ["dist/mpi.py"]
+def test_old_dist_name_imports_the_comm_modules_with_a_deprecation_warning():
+    """zerompi.dist.X is zerompi.comm.X itself (one module object), for one release, with a warning."""
+    code = textwrap.dedent("""
+        import warnings, zerompi.comm.group as new
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            import zerompi.dist.group as old
+            from zerompi.dist.codec import BlockCodec
+        import zerompi.comm.codec
+        assert old is new and BlockCodec is zerompi.comm.codec.BlockCodec, (old, new)
+        assert old.__spec__.name == "zerompi.comm.group"
+        assert [str(w.message) for w in seen if w.category is DeprecationWarning] == [
+            "zerompi.dist is deprecated and will be removed in the next release; import zerompi.comm instead"]
+        try:
+            import zerompi.dist.nosuch
+        except ModuleNotFoundError:
+            pass
+        else:
+            raise AssertionError("zerompi.dist.nosuch imported")
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(zerompi.__file__).parent.parent)
 
 
 def test_shared_checkpoint_writer_gets_the_communicator_only_for_h5py(monkeypatch, tmp_path):

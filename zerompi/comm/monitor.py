@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerompi.dist.thread import CommThread
-from zerompi.dist.watchdog import Watchdog
+from zerompi.comm.thread import CommThread
+from zerompi.comm.watchdog import Watchdog
 from zerompi.errors import ZeroMPIError
 
 

@@ -21,7 +21,7 @@ non-finite, which the optimizer reports (or skips, as configured). An all-zero
 block has scale 0 and decodes to exact zeros.
 
 Everything here is vectorised torch on whole tensors, deterministic, with no
-communication: ``dist/compressed.py`` carries these chunks in collectives.
+communication: ``comm/compressed.py`` carries these chunks in collectives.
 """
 from __future__ import annotations
 

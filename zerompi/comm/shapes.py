@@ -1,0 +1,62 @@
+"""What every group implementation checks of a collective's tensors, and the bytes it counts.
+
+Collectives take 1-D contiguous tensors (MPI would silently send a strided tensor in memory
+order). Bytes sent are counted per rank the way the ZeRO paper counts them: an all-gather or
+reduce-scatter of P elements sends (N-1)/N*P elements, an all-reduce twice that.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerompi.errors import ZeroMPIError
+
+SUM_DTYPES = (torch.float32, torch.float64)  # what MPI_SUM reduces; 16-bit floats are summed in fp32 locally
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_flat(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ZeroMPIError(
+            f"{name}: collectives take 1-D contiguous tensors, got shape {tuple(t.shape)} "
+            f"(contiguous={t.is_contiguous()}); flatten into a FlatBuffer first"
+        )
+
+
+def all_gather_bytes(shard: torch.Tensor | None, out: torch.Tensor, size: int) -> int:
+    check_flat("all_gather out", out)
+    if shard is not None:
+        check_flat("all_gather shard", shard)
+        if shard.numel() * size != out.numel() or shard.dtype != out.dtype:
+            raise ZeroMPIError(f"all_gather: shard {shard.numel()} x {size} ranks != out {out.numel()}")
+    return (size - 1) * (out.numel() // size) * out.element_size()
+
+
+def reduce_scatter_bytes(full: torch.Tensor, size: int) -> int:
+    check_flat("reduce_scatter input", full)
+    if full.numel() % size:
+        raise ZeroMPIError(f"reduce_scatter: {full.numel()} elements do not split over {size} ranks")
+    if full.dtype not in SUM_DTYPES + HALF_DTYPES:
+        raise ZeroMPIError(f"reduce_scatter: unsupported dtype {full.dtype}")
+    return (size - 1) * (full.numel() // size) * full.element_size()
+
+
+def all_reduce_bytes(t: torch.Tensor, size: int) -> int:
+    check_flat("all_reduce", t)
+    if t.dtype not in SUM_DTYPES:
+        raise ZeroMPIError(f"all_reduce: MPI cannot sum {t.dtype}; reduce in fp32 "
+                           "or use reduce_scatter + all_gather")
+    return 2 * (size - 1) * t.numel() * t.element_size() // size
+
+
+def all_to_all_bytes(send: torch.Tensor, recv: torch.Tensor, size: int) -> int:
+    check_flat("all_to_all send", send)
+    check_flat("all_to_all recv", recv)
+    if send.numel() != recv.numel() or send.dtype != recv.dtype or send.numel() % size:
+        raise ZeroMPIError(f"all_to_all: send {send.numel()} x {send.dtype} and recv {recv.numel()} x "
+                           f"{recv.dtype} must match and split over {size} ranks")
+    return (size - 1) * send.numel() // size * send.element_size()
+
+
+def broadcast_bytes(t: torch.Tensor, size: int, rank: int, root: int) -> int:
+    check_flat("broadcast", t)
+    return (size - 1) * t.numel() * t.element_size() if rank == root else 0
