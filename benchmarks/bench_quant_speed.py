@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/bench_quant_speed.py link           # again until it says "complete"
     .venv/bin/python benchmarks/bench_quant_speed.py report         # results/quantized-speed.md
 
-* kernels: encode/decode throughput of dist/codec.py on one thread, in the process's CPU time
+* kernels: encode/decode throughput of comm/codec.py on one thread, in the process's CPU time
   (the machine is shared: wall time would count other jobs), and the relative L2 error of the
   default GPT's weights and gradients per block size, beside the bytes per element;
 * collectives: the fp32/bf16 all-gather and reduce-scatter of 2^20 and 2^22 elements per rank beside

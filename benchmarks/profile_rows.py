@@ -6,7 +6,7 @@ Each row of bench_peers.py runs under ``py-spy record --idle`` (every rank, 100 
 Python frames). Only samples taken inside the timed steps count (frames under rowlib's
 ``_timed_loop``). A sample is charged to the innermost frame that belongs to a known part:
 
-- communication: zerompi/dist/ (mpi.py, group.py, thread.py), torch.distributed's c10d calls and
+- communication: zerompi/comm/ (mpi.py, group.py, thread.py), torch.distributed's c10d calls and
   FSDP's collectives, deepspeed/comm (time in MPI or gloo, waits included);
 - framework: the rest of zerompi (hooks, buckets, copies), FSDP, DeepSpeed, DDP's reducer
   calls from Python;
@@ -34,7 +34,7 @@ import bench_peers  # noqa: E402
 
 # innermost-first: the first part whose marker is in a frame's file takes the sample
 PARTS = (
-    ("communication", ("zerompi/dist/mpi.py", "zerompi/dist/group.py", "zerompi/dist/thread.py",
+    ("communication", ("zerompi/comm/mpi.py", "zerompi/comm/group.py", "zerompi/comm/thread.py",
                        "distributed/distributed_c10d.py", "_fsdp_collectives.py", "deepspeed/comm/",
                        "distributed/c10d_logger.py")),
     # the benchmark's model lives in zerompi/models, and DeepSpeed ZeRO-3 swaps F.linear for its

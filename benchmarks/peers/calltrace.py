@@ -86,7 +86,7 @@ def record_torch(fn: str, a: dict, n: int) -> None:
 
 def install_zerompi() -> None:
     """Wrap zerompi's ProcessGroup collectives so that each call is recorded (idempotent)."""
-    from zerompi.dist.mpi import MPIGroup
+    from zerompi.comm.mpi import MPIGroup
 
     def wrap(name: str, full):
         fn = getattr(MPIGroup, name)

@@ -148,7 +148,7 @@ NOTES = [
     "How: every collective a row issued in one timed step of its training (traced by `peers/calltrace.py`: "
     "zerompi's `ProcessGroup` calls, the peers' `torch.distributed` calls, DDP's buckets through torch's own "
     "`allreduce_hook`) is replayed alone, in order, blocking, on buffers of the same size, with no compute in "
-    "between. MPICH shm: mpi4py on `MPI_COMM_WORLD` with the calls zerompi/dist/mpi.py makes (`Reduce_scatter_block`, "
+    "between. MPICH shm: mpi4py on `MPI_COMM_WORLD` with the calls zerompi/comm/mpi.py makes (`Reduce_scatter_block`, "
     "`Allgather`, `Allreduce(IN_PLACE)`, `Bcast`; 16-bit tensors as zerompi moves them: gathered as int16 views, "
     "reduce-scattered as an `Alltoall` of int16 views summed in fp32); MPICH between ranks of one node uses shared "
     "memory. gloo TCP: "

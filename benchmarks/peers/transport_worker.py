@@ -6,7 +6,7 @@
 timed step of that row at this world size. Every call is issued in order, blocking, on fresh
 buffers of the recorded size (fp32 as recorded), with nothing computed in between:
 
-- ``--transport mpi``: mpi4py on MPI_COMM_WORLD, the calls zerompi/dist/mpi.py makes
+- ``--transport mpi``: mpi4py on MPI_COMM_WORLD, the calls zerompi/comm/mpi.py makes
   (``Reduce_scatter_block``, ``Allgather``, ``Allreduce(IN_PLACE)``, ``Bcast``, ``Reduce``, ``Alltoall``
   on the tensors themselves); under MPICH on one node that is its shared-memory transport. 16-bit
   tensors as zerompi moves them: gathered and broadcast as int16 views, reduce-scattered as an
@@ -72,7 +72,7 @@ def _mpi_16bit(comm: MPI.Comm, op: str, full: torch.Tensor, part: torch.Tensor, 
 
 
 def mpi_call(comm: MPI.Comm, c: dict, bufs: Buffers):
-    """The call as zerompi makes it (zerompi/dist/mpi.py), as a thunk."""
+    """The call as zerompi makes it (zerompi/comm/mpi.py), as a thunk."""
     op, n = c["op"], comm.Get_size()
     full, part = bufs.get(op, c["numel"], DTYPES[c["itemsize"]])
     if full.element_size() == 2:

@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from zerompi.dist.codec import BlockCodec  # noqa: E402
+from zerompi.comm.codec import BlockCodec  # noqa: E402
 
 CPU = time.process_time  # kernels: this process's CPU seconds (the machine is shared; wall time counts others)
 VARIANTS = {"none": {}, "w8g8": dict(quantize_weights="int8", quantize_grads="int8"),
@@ -84,8 +84,8 @@ def kernels(args) -> dict:
 
 def collectives(args) -> dict:
     from mpi4py import MPI
-    from zerompi.dist.compressed import CompressedGroup
-    from zerompi.dist.mpi import MPIGroup
+    from zerompi.comm.compressed import CompressedGroup
+    from zerompi.comm.mpi import MPIGroup
     torch.set_num_threads(1)
     group = MPIGroup(MPI.COMM_WORLD)
     n, s = group.size, args.numel
