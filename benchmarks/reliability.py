@@ -13,7 +13,7 @@
    child forked from a trained single-process engine is SIGKILLed there; then `latest` must load
    (every tensor read and verified) with the values of a complete save, every earlier tag must still
    load bitwise, and the next save must succeed and clean up -- nothing lost.
-3. Fuzzing: runs tests/unit/test_fuzz_checkpoint.py and tests/unit/test_fuzz_config.py with
+3. Fuzzing: runs tests/unit/checkpoint/test_fuzz_checkpoint.py and tests/unit/config/test_fuzz_config.py with
    ZEROMPI_FUZZ_REPORT and reports their counts.
 
 Writes benchmarks/results/reliability.md (about 3-5 minutes on 2 cores).
@@ -321,7 +321,7 @@ def fuzz(tmp: Path, log) -> dict:
     env = dict(_mpi_env(ROOT), ZEROMPI_FUZZ_REPORT=str(report))
     start = time.monotonic()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           "tests/unit/test_fuzz_checkpoint.py", "tests/unit/test_fuzz_config.py"]
+           "tests/unit/checkpoint/test_fuzz_checkpoint.py", "tests/unit/config/test_fuzz_config.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     seconds = time.monotonic() - start
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
@@ -390,8 +390,8 @@ def summary(results: dict) -> list[str]:
                    f"{cf.get('config_error', 0)} ConfigError naming the key; known bugs hit: {known}; "
                    "anything else: 0 (the tests fail otherwise).")
     out.append("- Bugs: 9 found (K1-K5, S1, C1-C3; details and reproducers at the end). All nine are fixed "
-               "now; each has a regression test (tests/unit/test_fuzz_config.py, "
-               "tests/unit/test_fuzz_checkpoint.py, tests/mpi/test_checkpoint.py).")
+               "now; each has a regression test (tests/unit/config/test_fuzz_config.py, "
+               "tests/unit/checkpoint/test_fuzz_checkpoint.py, tests/mpi/test_checkpoint.py).")
     return out + [""]
 
 
@@ -482,7 +482,7 @@ def render(results: dict, meta: dict) -> str:
     fz = results.get("fuzz")
     if fz:
         L += ["## Fuzzed checkpoints and configs", "",
-              f"`pytest tests/unit/test_fuzz_checkpoint.py tests/unit/test_fuzz_config.py` (hypothesis, "
+              f"`pytest tests/unit/checkpoint/test_fuzz_checkpoint.py tests/unit/config/test_fuzz_config.py` (hypothesis, "
               f"derandomized): `{fz['pytest']['summary']}` ({fz['pytest']['seconds']:.0f} s with start-up; "
               "the xfailed tests are the reproducers of the bugs below).", ""]
         ck = fz.get("checkpoint")
@@ -571,7 +571,7 @@ missing directory (`CheckpointError: ROOT/TAG: missing`), and the next save's `_
 4 of 142 interrupted saves (both tries at "after 1st `Path.rename`" and "before 2nd `Path.rename`" of a
 re-save). 55d347e makes `resolve` fall back to `.old-TAG-*` and `_prepare_root` move it back; the tables
 above are measured with it, and this test guards it:
-`tests/unit/test_fuzz_checkpoint.py::test_killed_resave_of_latest_tag_keeps_it_loadable`.
+`tests/unit/checkpoint/test_fuzz_checkpoint.py::test_killed_resave_of_latest_tag_keeps_it_loadable`.
 Reproducer (before 55d347e):
 ```python
 import os, pathlib, signal, torch, zerompi
@@ -615,7 +615,7 @@ sign bit of `rng/torch_cpu`'s datatype (`uint8` -> `int8`) makes `engine.load_ch
 `TypeError: RNG state must be a torch.ByteTensor` from `apply()`, after every master shard and the
 optimizer state were overwritten. Reproducer: find the datatype message (bytes `11 20 1f 00 04 00 00 00`
 for `<f4`, `10 00 00 00 01 00 00 00` for `uint8`) before the dataset's data and flip bit 0 (byte order)
-or bit 3 (sign) of its second byte; `tests/unit/test_fuzz_checkpoint.py::_datatype_flip` does it.
+or bit 3 (sign) of its second byte; `tests/unit/checkpoint/test_fuzz_checkpoint.py::_datatype_flip` does it.
 Checking `ds.dtype` against the expected `float32`/`uint8` in `read_array` closes both.
 
 **K3 (half-loaded engine). A model whose buffers differ from the checkpoint's loads its parameters,

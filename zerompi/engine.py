@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from zerompi import offload
 from zerompi.checkpoint.background import BackgroundSave
@@ -37,6 +36,7 @@ from zerompi.shard.bucket import Placement
 from zerompi.shard.compression import Compression
 from zerompi.shard.sharded import Overlap, ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
+from zerompi.torch_private import tree_map
 
 logger = get_logger(__name__)
 
@@ -373,14 +373,16 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     """
     cfg = config if config is not None else ZeroConfig()
     store_for(cfg.checkpoint_layout)  # a layout this h5py cannot write fails now, not at the first save
+    reliability = cfg.reliability
     if group is None:
-        group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi), debug=cfg.debug_collectives)
+        group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi),
+                         debug=reliability.debug_collectives)
     elif comm is not None:
         raise ZeroMPIError("initialize: pass comm (an MPI communicator) or group, not both")
-    if cfg.abort_on_exception:
+    if reliability.abort_on_exception:
         guard.abort_on_uncaught_exception(group)
-    if cfg.collective_timeout is not None:
-        group.start_watchdog(cfg.collective_timeout)
+    if reliability.collective_timeout is not None:
+        group.start_watchdog(reliability.collective_timeout)
     if cfg.overlap.progress == Progress.THREAD:
         group.start_comm_thread()
     return Engine(model, cfg, group, param_groups, param_init, lr_scheduler)

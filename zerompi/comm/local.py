@@ -87,8 +87,9 @@ class LocalGroup:
         with self.monitor.watchdog.blocked(desc + (f" (group {self.label})" if self.label else "")):
             return self._world.exchange(self.rank, value)
 
-    def _enter(self, kind: str, t: torch.Tensor, what: str, nbytes: int) -> str:
-        self.monitor.counters.add(kind, self.label, nbytes)
+    def _enter(self, kind: str, t: torch.Tensor, what: str, nbytes: int | None) -> str:
+        if nbytes is not None:  # None: this rank sends nothing (a broadcast's receivers)
+            self.monitor.counters.add(kind, self.label, nbytes)
         agreement = self.monitor.agreement
         desc = agreement.describe(kind, t, what)
         if agreement.debug:
@@ -135,7 +136,8 @@ class LocalGroup:
         return Work.done()
 
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:
-        desc = self._enter(kind, t, what, shapes.broadcast_bytes(t, self.size, self.rank, root))
+        nbytes = shapes.broadcast_bytes(t, self.size)
+        desc = self._enter(kind, t, what, nbytes if self.rank == root else None)
         t.copy_(self._exchange(desc, t.detach().clone())[root])
 
     # ---- small control messages ----------------------------------------

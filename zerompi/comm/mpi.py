@@ -301,7 +301,9 @@ class MPIGroup:
 
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:
         """In-place broadcast from ``root`` (used once, at initialisation)."""
-        self._count(kind, shapes.broadcast_bytes(t, self.size, self.rank, root))
+        nbytes = shapes.broadcast_bytes(t, self.size)
+        if self.rank == root:
+            self._count(kind, nbytes)
         desc = self._enter(kind, t, what)
         (x,), back = self._stage(t)
         with self._blocked(desc):

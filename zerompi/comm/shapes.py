@@ -57,6 +57,7 @@ def all_to_all_bytes(send: torch.Tensor, recv: torch.Tensor, size: int) -> int:
     return (size - 1) * send.numel() // size * send.element_size()
 
 
-def broadcast_bytes(t: torch.Tensor, size: int, rank: int, root: int) -> int:
+def broadcast_bytes(t: torch.Tensor, size: int) -> int:
+    """What the root sends (the other ranks send nothing and count nothing)."""
     check_flat("broadcast", t)
-    return (size - 1) * t.numel() * t.element_size() if rank == root else 0
+    return (size - 1) * t.numel() * t.element_size()

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
+from zerompi import torch_private
 from zerompi.errors import UsageError
 
 ALIGN = 4096
@@ -155,7 +156,7 @@ class Reuse:
         self._free: list[torch.UntypedStorage] = []  # oldest first
         self._bytes = 0
         self._lock = threading.Lock()
-        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
+        self._use_count = torch_private.use_count_of()
 
     def take(self, nbytes: int) -> torch.UntypedStorage | None:
         with self._lock:
@@ -169,7 +170,7 @@ class Reuse:
         """Keep ``storage`` if this is its last reference (a view, a transfer or a caller's copy
         still using it keeps it out)."""
         n = storage.nbytes()
-        if self._use_count is None or not 0 < n <= self.limit or self._use_count(storage._cdata) != 1:
+        if self._use_count is None or not 0 < n <= self.limit or self._use_count(storage) != 1:
             return
         with self._lock:
             self._free.append(storage)

@@ -27,7 +27,7 @@ import torch
 
 from zerompi.checkpoint.fence import ShardFence
 from zerompi.checkpoint.snapshot import ShardState
-from zerompi.config.choices import DType, NonFinite
+from zerompi.config.choices import NonFinite
 from zerompi.comm.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
@@ -102,9 +102,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.fence = fence or ShardFence()
         self.group = group
         self.clip = cfg.clip_grad_norm
-        self.nonfinite = cfg.nonfinite
+        self.nonfinite = cfg.reliability.nonfinite
         self.replicated = not any(b.plan.shard_optimizer for b in buckets)  # no norm all-reduce
-        self.scaler = LossScaler.from_config(cfg) if cfg.dtype == DType.FP16 else None
+        self.scaler = LossScaler.from_policy(cfg.precision) if cfg.precision.scales_loss else None
         groups = []
         for gi, options in enumerate(group_options):
             masters = [b.master for b in buckets if b.layout.group == gi]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerompi.config.policies import PrecisionPolicy
 from zerompi.errors import ConfigError, ZeroMPIError
 
 
@@ -31,7 +32,8 @@ class LossScaler:
             self.hysteresis_left = self.hysteresis
 
     @classmethod
-    def from_config(cls, cfg) -> "LossScaler":
+    def from_policy(cls, cfg: PrecisionPolicy) -> "LossScaler":
+        """The scaler an fp16 policy asks for (``ZeroConfig.precision``)."""
         if cfg.loss_scale > 0:
             return cls(scale=float(cfg.loss_scale), dynamic=False)
         if 2 ** cfg.initial_scale_power < cfg.min_loss_scale:

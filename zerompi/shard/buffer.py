@@ -8,7 +8,7 @@ and refilled. This is how stage 3 releases gathered parameters between uses.
 
 Handed a ``reuse`` pool (host buffers only), a freed buffer's memory goes there
 instead of back to the C library, and ``alloc`` takes memory of the same size
-from it: the storage object keeps its identity (``_swap_data_ptr_`` moves the
+from it: the storage object keeps its identity (torch_private.move_storage moves the
 bytes between storage objects, as ``resize_`` would have replaced them), so
 the views see the reused memory. A unit's gathered parameters and gradient
 buffer are the same size unit after unit, and memory already mapped is written
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from zerompi import torch_private
 from zerompi.errors import ZeroMPIError
 
 
 def _host_pool(reuse, device: torch.device):
     """``reuse`` (a pool with take(nbytes) -> storage | None and give(storage)) for host memory
     on a torch that can move bytes between storages; None elsewhere (a device allocator caches)."""
-    return reuse if device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_") else None
+    return reuse if device.type == "cpu" and torch_private.can_move_storage() else None
 
 
 class FlatBuffer:
@@ -66,7 +67,7 @@ class FlatBuffer:
             storage = self.tensor.untyped_storage()
             spare = self._reuse.take(self._nbytes) if self._reuse is not None else None
             if spare is not None:
-                storage._swap_data_ptr_(spare)  # ``spare`` is left empty and dropped
+                torch_private.move_storage(storage, spare)  # ``spare`` is left empty and dropped
             else:
                 storage.resize_(self._nbytes)
             if zero:
@@ -80,7 +81,7 @@ class FlatBuffer:
         storage = self.tensor.untyped_storage()
         if self._reuse is not None and storage.nbytes():
             spare = torch.UntypedStorage(0)
-            storage._swap_data_ptr_(spare)  # the bytes move to ``spare``; this storage is left empty
+            torch_private.move_storage(storage, spare)  # the bytes move to ``spare``; this one is left empty
             self._reuse.give(spare)         # kept for the next buffer of the size, or freed
         else:
             storage.resize_(0)

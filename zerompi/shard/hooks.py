@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
+
+from zerompi.torch_private import tree_flatten, tree_unflatten
 
 
 class HookSet:

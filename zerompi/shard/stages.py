@@ -42,6 +42,18 @@ class StagePlan(NamedTuple):
     """The bucket holds trainable parameters: a master, gradients and optimizer state (frozen
     buckets hold the parameter shard alone)."""
 
+    @property
+    def step_collectives(self) -> tuple[tuple[str, str], ...]:
+        """(collective, 'weights' or 'grads') that one optimizer step runs over a bucket, each moving
+        the bucket's (N-1)/N: stage 3 gathers the weights in forward and again in backward, then
+        reduce-scatters the gradients; stages 1-2 reduce-scatter the gradients and gather the
+        updated weights; stage 0 all-reduces the gradients as a reduce-scatter and an all-gather."""
+        if self.shard_params:
+            return ("all_gather", "weights"), ("all_gather", "weights"), ("reduce_scatter", "grads")
+        if self.all_reduce_grads:
+            return ("reduce_scatter", "grads"), ("all_gather", "grads")
+        return ("reduce_scatter", "grads"), ("all_gather", "weights")
+
 
 PLANS = {
     0: StagePlan(0, shard_optimizer=False, shard_grads=False, shard_params=False,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from zerompi.errors import ConfigError
+from zerompi.shard.stages import PLANS, plan_for
 
 WEIGHT_CHOICES = ("none", "int8")
 GRAD_CHOICES = ("none", "int8", "int4")
@@ -56,10 +57,8 @@ def check(weights: str, grads: str, block: int) -> Quantization:
 
 
 def collectives(stage: int) -> list[tuple[str, str]]:
-    """(collective kind, 'weights' or 'grads') of one step at stage 1, 2 or 3."""
-    if stage in (1, 2):
-        return [("reduce_scatter", "grads"), ("all_gather", "weights")]
-    return [("all_gather", "weights"), ("all_gather", "weights"), ("reduce_scatter", "grads")]
+    """(collective kind, 'weights' or 'grads') of one step at ``stage``: the stage table's."""
+    return list(plan_for(stage).step_collectives)
 
 
 class StepComm(NamedTuple):
@@ -81,7 +80,7 @@ def step_comm(shard: int, ranks: int, stage: int, c: int, q: Quantization, link:
     sent: dict[str, int] = {}
     seconds = 0.0
     for kind, which in collectives(stage):
-        chunk = q.chunk_bytes(which, shard + (frozen if stage == 3 and which == "weights" else 0), c)
+        chunk = q.chunk_bytes(which, shard + (frozen if plan_for(stage).shard_params and which == "weights" else 0), c)
         name = kind if _BITS[getattr(q, which)] is None else f"{kind}.{getattr(q, which)}"
         sent[name] = sent.get(name, 0) + (ranks - 1) * chunk
         seconds += (ranks - 1) * (latency + 8 * chunk / bandwidth)
@@ -95,7 +94,7 @@ def comm_rows(shard_of, ranks: list[int], c: int, q: Quantization, link: tuple[f
     rows = []
     plain = Quantization(block=q.block)
     for n in ranks:
-        for stage in (1, 2, 3):
+        for stage in (p.stage for p in PLANS.values() if p.shard_optimizer):
             shard, frozen = shard_of(n), frozen_of(n)
             base = step_comm(shard, n, stage, c, plain, link, frozen)
             ours = step_comm(shard, n, stage, c, q, link, frozen)

@@ -36,6 +36,7 @@ import tomllib
 from typing import Any, NamedTuple
 
 from zerompi.errors import ConfigError
+from zerompi.shard.stages import PLANS, StagePlan, plan_for
 from zerompi.tools import commtime
 from zerompi.tools.counts import parse_count, parse_ranks  # noqa: F401 (part of this module's API)
 
@@ -100,10 +101,10 @@ def _positive_int(key: str, value: Any) -> int:
     return int(value)
 
 
-def _stage(stage: Any) -> int:
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ConfigError(f"stage={stage!r} is not one of 0, 1, 2, 3")
-    return int(stage)
+def _stage(stage: Any) -> StagePlan:
+    if isinstance(stage, bool) or stage not in PLANS:
+        raise ConfigError(f"stage={stage!r} is not one of {', '.join(map(str, PLANS))}")
+    return plan_for(stage)
 
 
 def compute_bytes(dtype: str) -> int:
@@ -126,16 +127,16 @@ def model_state_bytes(params: int, ranks: int, stage: int, dtype: str = "fp32",
                       optimizer: str = "adamw", offload: str = "none", frozen: int = 0) -> MemoryEstimate:
     """Per-rank model-state bytes of ``params`` trainable (and ``frozen`` frozen) parameters at
     ``stage`` on ``ranks`` ranks."""
-    psi, n, stage = _positive_int("params", params), _positive_int("ranks", ranks), _stage(stage)
+    psi, n, plan = _positive_int("params", params), _positive_int("ranks", ranks), _stage(stage)
     c, k = compute_bytes(dtype), optimizer_bytes(optimizer, dtype)
     _choice("offload", offload, OFFLOAD)
     shard = shard_numel(psi, n)
     return MemoryEstimate(
-        params=psi, ranks=n, stage=stage, offload=offload,
-        parameters=c * (shard if stage >= 3 else psi),
-        gradients=c * (shard if stage >= 2 else psi),
-        optimizer_state=k * (shard if stage >= 1 else psi),
-        frozen=c * (_frozen_shard(frozen, n) if stage >= 3 else _frozen(frozen)))
+        params=psi, ranks=n, stage=plan.stage, offload=offload,
+        parameters=c * (shard if plan.shard_params else psi),
+        gradients=c * (shard if plan.shard_grads else psi),
+        optimizer_state=k * (shard if plan.shard_optimizer else psi),
+        frozen=c * (_frozen_shard(frozen, n) if plan.shard_params else _frozen(frozen)))
 
 
 def _frozen(frozen: int) -> int:
@@ -152,10 +153,10 @@ def communication_per_step(params: int, ranks: int, stage: int, dtype: str = "fp
                            frozen: int = 0) -> CommEstimate:
     """Elements and bytes one rank sends per step: 2Ψ(N-1)/N at stages 0-2, 3Ψ(N-1)/N at stage 3
     (plus 2Ψ_f(N-1)/N for the ``frozen`` parameters, gathered in forward and backward)."""
-    n, stage = _positive_int("ranks", ranks), _stage(stage)
-    collectives = 3 if stage == 3 else 2
+    n, plan = _positive_int("ranks", ranks), _stage(stage)
+    collectives = len(plan.step_collectives)
     elements = collectives * (n - 1) * shard_numel(params, n)
-    if stage == 3:
+    if plan.shard_params:  # frozen parameters are gathered with the rest, in forward and backward
         elements += 2 * (n - 1) * _frozen_shard(frozen, n)
     return CommEstimate(collectives, elements, elements * compute_bytes(dtype))
 

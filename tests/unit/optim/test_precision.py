@@ -11,7 +11,7 @@ from zerompi.optim.precision import LossScaler
 def scaler(**overrides) -> LossScaler:
     kwargs = dict(dtype="fp16", initial_scale_power=8, loss_scale_window=3, hysteresis=2,
                   min_loss_scale=1.0)
-    return LossScaler.from_config(zerompi.ZeroConfig(**{**kwargs, **overrides}))
+    return LossScaler.from_policy(zerompi.ZeroConfig(**{**kwargs, **overrides}).precision)
 
 
 def run(s: LossScaler, overflows: str) -> list[float]:
@@ -23,18 +23,18 @@ def run(s: LossScaler, overflows: str) -> list[float]:
     return out
 
 
-def test_from_config_dynamic():
+def test_from_policy_dynamic():
     s = scaler(initial_scale_power=5, loss_scale_window=7, hysteresis=3, min_loss_scale=0.5)
     assert (s.scale, s.dynamic, s.window, s.hysteresis, s.hysteresis_left, s.min_scale) == (
         32.0, True, 7, 3, 3, 0.5)
 
 
-def test_from_config_defaults_start_at_2_pow_16():
-    s = LossScaler.from_config(zerompi.ZeroConfig(dtype="fp16"))
+def test_from_policy_defaults_start_at_2_pow_16():
+    s = LossScaler.from_policy(zerompi.ZeroConfig(dtype="fp16").precision)
     assert s.scale == 2.0 ** 16 and s.dynamic and s.window == 1000 and s.hysteresis == 2
 
 
-def test_from_config_static():
+def test_from_policy_static():
     s = scaler(loss_scale=128.0)
     assert s.scale == 128.0 and not s.dynamic
 
@@ -111,4 +111,4 @@ def test_direct_construction_honours_hysteresis():
 def test_initial_scale_below_minimum_is_a_config_error():
     cfg = zerompi.ZeroConfig(dtype="fp16", initial_scale_power=0, min_loss_scale=4.0)
     with pytest.raises(ConfigError, match="initial_scale_power"):
-        LossScaler.from_config(cfg)
+        LossScaler.from_policy(cfg.precision)

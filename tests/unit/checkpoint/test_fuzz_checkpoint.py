@@ -77,7 +77,7 @@ from zerompi.errors import CheckpointError  # noqa: E402
 from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
 from tests.unit import hostile  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HANG_S = 15      # one load of these few-KiB files takes milliseconds; longer is a hang
 STARTUP_S = 180  # the load worker imports torch (slow on a busy machine)
 FUZZ = dict(deadline=None, derandomize=True, database=None,
@@ -457,7 +457,7 @@ WORKER = r"""
 import faulthandler, sys
 faulthandler.enable()
 sys.path.insert(0, {root!r})
-from tests.unit.test_fuzz_checkpoint import serve
+from tests.unit.checkpoint.test_fuzz_checkpoint import serve
 serve()
 """
 

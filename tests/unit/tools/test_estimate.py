@@ -17,7 +17,7 @@ from zerompi.tools.estimate import (communication_per_step, model_state_bytes, o
                               parse_ranks, shard_numel)
 from zerompi.models.gpt import GPT, gpt_config_from_dict
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # ZeRO paper (arXiv:1910.02054) Table 1: per-device model-state memory in GB for
 # Ψ = 7.5B, K = 12, fp16 compute, as printed (one decimal; two below 2 GB).

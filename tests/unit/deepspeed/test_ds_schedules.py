@@ -22,7 +22,7 @@ from zerompi.config.ds_schedule import read_schedule
 from zerompi.errors import ConfigError
 from zerompi.optim.ds_schedules import scheduler_factory
 
-from ..peers import deepspeed_python
+from tests.peers import deepspeed_python
 
 
 def lr_sequence(kind: str, params: dict, group_lrs: list[float], steps: int, auto_warmup: bool = False):

@@ -3,6 +3,7 @@ checksums computed once from memory, datasets aligned, reads straight into the c
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -163,7 +164,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes(tmp_path):
         verify_file("{mnt}/r.h5")
         print("ok")
     """))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(Path(__file__).resolve().parents[3])
     proc = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t ramfs none {mnt} && exec {sys.executable} {script}"],
                           env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=60)
     if "mount" in proc.stderr and proc.returncode != 0:

@@ -20,7 +20,7 @@ from zerompi.offload import NVMeSwapper, SwapConfig, aligned_empty
 from zerompi.offload.nvme import SwapError
 from tests.components import unavailable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BLOCK = 16 * 1024  # small blocks: multi-block tensors stay small and fast
 SMALL = SwapConfig(block_bytes=BLOCK, threads=3, buffers=4)
 

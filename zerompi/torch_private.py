@@ -1,0 +1,37 @@
+"""Every private torch API zerompi uses, in one place (tests/unit/test_torch_private.py pins each).
+
+A torch upgrade that renames or changes one of these fails that test by name instead of
+degrading quietly where it is used. Where torch lacks one, the public fallback is named here:
+
+- ``_swap_data_ptr_`` moves bytes between two storage objects, so a freed FlatBuffer's memory can
+  be kept and handed back to the same storage object (shard/buffer.py); without it buffers free
+  to the C library (``resize_``);
+- ``_storage_Use_Count`` tells whether a released storage has no other user, so its memory may be
+  reused (offload/aligned.py's Reuse); without it nothing is reused;
+- ``torch.utils._pytree`` walks nested args and outputs (engine.py, shard/hooks.py); it has no
+  public equivalent in torch 2.x, and torch's own compile and FSDP2 rely on it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["can_move_storage", "move_storage", "use_count_of", "tree_flatten", "tree_map", "tree_unflatten"]
+
+
+def can_move_storage() -> bool:
+    """Whether this torch can move the bytes of one storage object into another."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def move_storage(dst: torch.UntypedStorage, src: torch.UntypedStorage) -> None:
+    """Exchange the bytes of ``dst`` and ``src`` (each keeps its identity and its views)."""
+    dst._swap_data_ptr_(src)
+
+
+def use_count_of() -> Callable[[torch.UntypedStorage], int] | None:
+    """A function giving a storage's reference count inside torch, or None where torch lacks it."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else (lambda storage: count(storage._cdata))
