@@ -40,12 +40,13 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" -e ".[nvme]"
 command -v g++ >/dev/null || echo "warning: g++ not found; DeepSpeed rows need it (apt-get install g++)" >&2
 # Build DeepSpeed's async I/O op now rather than inside a measured trial (12 C++ files, minutes on
-# 2 cores). torch's extension loader runs the first `ninja` on PATH, and a build made by one ninja
-# version is rebuilt by another (Debian's 1.11 does not read 1.13's log): the venv's bin comes first
-# here, as it does in bench_capacity.py's trials.
+# 2 cores), where the trials load it: the folder lora_worker.py names (TORCH_EXTENSIONS_DIR, in the
+# venv), with the venv's ninja first on PATH as in bench_capacity.py's trials. A build made by one
+# ninja version, or with other include paths, is rebuilt by the next load.
 if dpkg -s libaio-dev >/dev/null 2>&1; then
-    PATH="$PWD/$VENV/bin:$PATH" DS_ACCELERATOR=cpu "$VENV/bin/python" -c \
-        "from deepspeed.ops.op_builder import AsyncIOBuilder as B; B().load(verbose=False)" >/dev/null
+    PATH="$PWD/$VENV/bin:$PATH" TORCH_EXTENSIONS_DIR="$PWD/$VENV/torch-extensions" DS_ACCELERATOR=cpu \
+        "$PWD/$VENV/bin/python" -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; B().load(verbose=False)" \
+        >/dev/null
 fi
 DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'EOF'
 import torch, mpi4py.MPI as M, deepspeed, matplotlib, transformers, peft, zerompi
