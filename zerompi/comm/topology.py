@@ -41,6 +41,12 @@ class Groups:
     def hierarchical(self) -> bool:
         return self.replicate is not None or self.secondary is not None
 
+    def secondary_block(self, numel: int) -> slice:
+        """hpZ: this rank's block of a ``numel``-element bucket in its node's secondary copy, which
+        is sharded over the gather group (the node)."""
+        n = numel // self.gather.size
+        return slice(self.gather.rank * n, (self.gather.rank + 1) * n)
+
 
 class NodePlacement(NamedTuple):
     """Where this rank sits among the nodes."""

@@ -95,9 +95,7 @@ class Bucket:
             WeightCodes(weights, groups, layout, placement.rank, self.param_full.tensor, hpz)
         self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
         if hpz and self.weight_codes is None:
-            sec = layout.padded_numel // groups.gather.size
-            rank = groups.gather.rank
-            self.secondary = Resident(self.param_full.tensor[rank * sec:(rank + 1) * sec].clone())
+            self.secondary = Resident(self.param_full.tensor[groups.secondary_block(layout.padded_numel)].clone())
         if plan.trains:
             self._init_training(init, tiers)
         else:  # frozen: the parameter shard is all there is (no gradient hook ever reaches it)

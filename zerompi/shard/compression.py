@@ -65,9 +65,7 @@ class WeightCodes:
         self.own = codec.encode(full[own.start:own.stop], self.chunk)
         self.secondary: torch.Tensor | None = None
         if hpz:
-            sec = layout.padded_numel // groups.gather.size
-            local = groups.gather.rank
-            self.secondary = codec.encode(full[local * sec:(local + 1) * sec], self.chunk)
+            self.secondary = codec.encode(full[groups.secondary_block(layout.padded_numel)], self.chunk)
 
     def decode_all(self, full: torch.Tensor) -> None:
         """Stages 1-2 at build: ``full`` becomes what the quantized gather after a step gives, decoded
