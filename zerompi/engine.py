@@ -129,7 +129,7 @@ class Engine:
                                                  cfg.max_live_params),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size: a dozen of the
-            buckets = self.sharded.buckets + self.sharded.frozen  # largest shards, four of the largest gathers
+            buckets = self.sharded.all_buckets  # largest fp32 shards, four of the largest gathers
             offload.keep_released(12 * 4 * max(b.layout.shard_numel for b in buckets)
                                   + 4 * max(b.param_full.nbytes for b in buckets))
         self._fence = ShardFence()  # buckets an asynchronous save has not taken yet

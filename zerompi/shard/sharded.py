@@ -112,6 +112,8 @@ class ShardedModel:
         """The trainable buckets, indexed by their layout's index (the optimizer's and the checkpoint's)."""
         self.frozen = [b for b in built if not b.plan.trains]
         """Stage 3: the buckets of frozen parameters, indexed by their layout's index."""
+        self.all_buckets = self.buckets + self.frozen
+        """Trainable buckets, then frozen ones: what every bucket-wide walk visits."""
         self._slot_of: dict[nn.Parameter, tuple[Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -221,9 +223,9 @@ class ShardedModel:
         rows = [f"  {'frozen' if not b.plan.trains else 'bucket'} {b.layout.index:3d} "
                 f"unit={b.layout.unit or '-':20s} params={len(b.layout.slots):3d} "
                 f"numel={b.layout.numel} padded={b.layout.padded_numel} shard={b.layout.shard_numel}"
-                for b in self.buckets + self.frozen]
+                for b in self.all_buckets]
         log_rank0(logger, logging.INFO, "stage %d, %d buckets (%d frozen) on %d ranks:\n%s", self.plan.stage,
-                  len(self.buckets) + len(self.frozen), len(self.frozen), self.placement.world_size, "\n".join(rows))
+                  len(self.all_buckets), len(self.frozen), self.placement.world_size, "\n".join(rows))
 
     # ---- forward / backward events ---------------------------------------
     def _pre_forward(self, unit: Unit, entry: nn.Module, args: tuple, kwargs: dict):
@@ -352,10 +354,10 @@ class ShardedModel:
                 self._step(b)
         self._inflight.clear()
         self._backward = None
-        for b in self.buckets + self.frozen:
+        for b in self.all_buckets:
             b.reshard()
         if self.plan.shard_params:
-            stuck = [b.name for b in self.buckets + self.frozen
+            stuck = [b.name for b in self.all_buckets
                      if b.plan.shard_params and b.state is not BucketState.SHARDED]
             if stuck:
                 raise ZeroMPIError(f"buckets {stuck} are still gathered after backward")
@@ -375,4 +377,4 @@ class ShardedModel:
     def state_bytes(self) -> int:
         """Model state held in memory: replicated frozen parameters, and every bucket's state."""
         frozen = sum(p.numel() * p.element_size() for _, p in self.replicated_frozen())
-        return frozen + sum(b.state_bytes() for b in self.buckets + self.frozen)
+        return frozen + sum(b.state_bytes() for b in self.all_buckets)
