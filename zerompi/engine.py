@@ -128,10 +128,8 @@ class Engine:
                                     ShardOptions(cap, membership, overlap, param_init, cfg.param_persistence_threshold,
                                                  cfg.max_live_params),
                                     tiers)
-        if swapper is not None:  # released memory waits for the next block of its size: a dozen of the
-            buckets = self.sharded.all_buckets  # largest fp32 shards, four of the largest gathers
-            offload.keep_released(12 * 4 * max(b.layout.shard_numel for b in buckets)
-                                  + 4 * max(b.param_full.nbytes for b in buckets))
+        if swapper is not None:  # released memory waits for the next block of its size
+            swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
         self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
         self._saving: BackgroundSave | None = None
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers, self._fence)

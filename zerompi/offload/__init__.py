@@ -7,13 +7,13 @@ and the optimizer its store (residency.py: :class:`InMemory` or
 file per rank and moves them with asynchronous, page-aligned block I/O;
 tensors from :func:`aligned_empty` skip the staging copy.
 """
-from zerompi.offload.aligned import aligned_empty, keep_released, return_freed_memory
+from zerompi.offload.aligned import aligned_empty, return_freed_memory
 from zerompi.offload.nvme import NVMeSwapper, SwapConfig
 from zerompi.offload.residency import InMemory, NVMeResidency
 from zerompi.offload.tiers import Resident, ShardTier, Swapped, TierPlan
 
 __all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "Resident", "ShardTier", "SwapConfig", "Swapped",
-           "TierPlan", "aligned_empty", "keep_released", "open_swapper", "return_freed_memory"]
+           "TierPlan", "aligned_empty", "open_swapper", "return_freed_memory", "reuse_bytes"]
 
 
 def open_swapper(policy, rank: int) -> NVMeSwapper | None:
@@ -25,3 +25,15 @@ def open_swapper(policy, rank: int) -> NVMeSwapper | None:
     return NVMeSwapper(policy.nvme_path, rank, SwapConfig(
         block_bytes=policy.block_kib * 1024, threads=policy.threads, buffers=policy.buffers,
         verify=policy.verify))
+
+
+REUSE_FP32_SHARDS = 12  # the step streams a bucket's master, two Adam moments and its gradient, and
+                        # the next buckets' reads run ahead: a dozen fp32 shards of the largest size
+REUSE_GATHERS = 4       # gathered parameter buffers of the units in flight (the current one, prefetched ones)
+
+
+def reuse_bytes(buckets) -> int:
+    """How much released host memory an engine that swaps keeps for reuse: a dozen of its largest
+    fp32 shards and four of its largest gathered buffers (aligned.py's Reuse)."""
+    return (REUSE_FP32_SHARDS * 4 * max(b.layout.shard_numel for b in buckets)
+            + REUSE_GATHERS * max(b.param_full.nbytes for b in buckets))

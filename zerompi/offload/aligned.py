@@ -149,7 +149,8 @@ class Reuse:
     when nothing else holds it (torch's use count, where this torch exposes it); ``aligned_empty``
     takes a block of the exact size when one is here. At most ``limit`` bytes wait, the oldest
     going first, so resident memory stays bounded whatever the model's size; the limit is 0 (no
-    reuse) until an engine with NVMe offload raises it (``keep_released``)."""
+    reuse) until its owner raises it (``keep``). Each NVMe swapper holds one (nvme.py), handed to
+    the tiers and buffers of its engine: there is no process-wide pool."""
 
     def __init__(self, limit: int = 0):
         self.limit = limit
@@ -183,24 +184,20 @@ class Reuse:
         """Bytes waiting for reuse."""
         return self._bytes
 
-
-REUSE = Reuse()
-"""The process's one pool of released swap-tensor memory (offload moves every shard through it)."""
-
-
-def keep_released(nbytes: int) -> None:
-    """Let :data:`REUSE` keep up to ``nbytes`` of released memory (the largest any engine asked for)."""
-    REUSE.limit = max(REUSE.limit, nbytes)
+    def keep(self, nbytes: int) -> None:
+        """Keep up to ``nbytes`` of released memory from now on (never less than already allowed)."""
+        self.limit = max(self.limit, nbytes)
 
 
-def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-D CPU tensor whose data starts on a 4 KiB boundary.
+def aligned_empty(numel: int, dtype: torch.dtype, pool: Reuse | None = None) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor whose data starts on a 4 KiB boundary, in memory taken from
+    ``pool`` when it holds a block of the size.
 
     The swapper moves such tensors' whole blocks without a staging copy.
     """
     item = torch.empty(0, dtype=dtype).element_size()
     nbytes = numel * item + ALIGN
-    storage = REUSE.take(nbytes)
+    storage = pool.take(nbytes) if pool is not None else None
     if storage is None:
         storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
     skip = -storage.data_ptr() % ALIGN  # a multiple of the allocator's 64-byte alignment: whole elements
@@ -272,20 +269,20 @@ def direct_io_works(fd: int, pool: BufferPool) -> bool:
     return True
 
 
-def release(t: torch.Tensor) -> None:
+def release(t: torch.Tensor, pool: Reuse | None = None) -> None:
     """Swap ``t``'s data for an empty tensor: the object (an optimizer state key, a bucket's shard)
     survives, and the old storage goes once any finished transfer drops its view of it (at once to
-    :data:`REUSE` when nothing else holds it)."""
+    ``pool`` when nothing else holds it)."""
     storage = t.untyped_storage() if t.device.type == "cpu" and t.numel() and not t.is_pinned() else None
     t.data = t.new_empty(0)
-    if storage is not None:
-        REUSE.give(storage)
+    if storage is not None and pool is not None:
+        pool.give(storage)
 
 
-def allocate(t: torch.Tensor, numel: int) -> None:
-    """Give a released ``t`` storage for ``numel`` elements again. Host memory is allocated on a
-    4 KiB boundary, so the swapper moves it with O_DIRECT and no staging copy (pinned memory is
-    page aligned already)."""
+def allocate(t: torch.Tensor, numel: int, pool: Reuse | None = None) -> None:
+    """Give a released ``t`` storage for ``numel`` elements again (from ``pool`` when it has a block
+    of the size). Host memory is allocated on a 4 KiB boundary, so the swapper moves it with O_DIRECT
+    and no staging copy (pinned memory is page aligned already)."""
     if t.numel() != numel:
-        t.data = aligned_empty(numel, t.dtype) if t.device.type == "cpu" and not t.is_pinned() \
+        t.data = aligned_empty(numel, t.dtype, pool) if t.device.type == "cpu" and not t.is_pinned() \
             else t.new_empty(numel)

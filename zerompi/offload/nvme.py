@@ -38,7 +38,7 @@ import torch
 
 from zerompi.errors import ConfigError, UsageError
 from zerompi.log import get_logger
-from zerompi.offload.aligned import ALIGN, BufferPool, create_file, direct_io_works
+from zerompi.offload.aligned import ALIGN, BufferPool, Reuse, create_file, direct_io_works
 from zerompi.offload.swapfile import (Priority, PriorityPool, Region, SwapConfig, SwapError, SwapStats,
                                       check_tensor, claim_space, remove_file, round_up)
 
@@ -112,6 +112,9 @@ class NVMeSwapper:
         self.directory = directory
         self.path = os.path.join(directory, f"zerompi-swap-rank{rank}-{os.getpid()}-{next(_file_seq)}.bin")
         self._pool = BufferPool(config.buffers, config.block_bytes)
+        self.memory = Reuse()
+        """Host memory of this swapper's released shards, kept for the next of their size (its
+        engine sets the limit once its buckets are built)."""
         self._fd, self.direct = self._open()
         self._finalizer = weakref.finalize(self, remove_file, self._fd, self.path)
         self._executor = PriorityPool(config.threads, f"zerompi-swap{rank}")

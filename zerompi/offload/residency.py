@@ -87,7 +87,7 @@ class NVMeResidency(InMemory):
         key = f"b{index}.master"
         swapper.reserve(key, master.numel() * master.element_size())
         swapper.write(key, master).result()
-        release(master)
+        release(master, swapper.memory)
 
     def _tensors(self, index: int) -> dict[str, torch.Tensor]:
         """The swapped tensors of a bucket: its master and per-element optimizer state."""
@@ -106,7 +106,7 @@ class NVMeResidency(InMemory):
         copies, reads = {}, []
         for key, t in self._tensors(index).items():
             if key in self._numel:  # swapped out at least once: the file has its latest values
-                copies[id(t)] = aligned_empty(self._numel[key], t.dtype)
+                copies[id(t)] = aligned_empty(self._numel[key], t.dtype, self.swapper.memory)
                 reads.append(self.swapper.read(key, copies[id(t)]))
         for read in reads:
             read.result()
@@ -116,7 +116,7 @@ class NVMeResidency(InMemory):
         futures = []
         for key, t in self._tensors(index).items():
             if key in self._numel:
-                allocate(t, self._numel[key])
+                allocate(t, self._numel[key], self.swapper.memory)
                 if load:  # after the parameter reads the compute thread is about to wait on
                     futures.append(self.swapper.read(key, t, Priority.SOON))
         self._reads[index] = futures
@@ -139,7 +139,7 @@ class NVMeResidency(InMemory):
         for f in futures:
             f.result()
         for t in self._tensors(index).values():
-            release(t)
+            release(t, self.swapper.memory)
 
     @contextmanager
     def resident(self, index: int, *, load: bool = True) -> Iterator[None]:

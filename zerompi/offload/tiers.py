@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from zerompi.config.choices import Offload
-from zerompi.offload.aligned import REUSE, Reuse, aligned_empty, allocate, release
+from zerompi.offload.aligned import Reuse, aligned_empty, allocate, release
 from zerompi.offload.nvme import NVMeSwapper
 from zerompi.offload.residency import InMemory, NVMeResidency
 
@@ -42,6 +42,9 @@ class ShardTier(Protocol):
 
     reads_master: bool
     """The shard is read from the master's swap region, so publishing the master into it moves nothing."""
+
+    memory: Reuse | None
+    """Where memory this tier releases waits for the next tensor of its size (its swapper's pool), or None."""
 
     def loaded(self, *, load: bool = True) -> AbstractContextManager[torch.Tensor]:
         """The shard in memory for the block (``load=False``: it is about to be overwritten)."""
@@ -66,6 +69,7 @@ class Resident:
 
     stays_resident = True
     reads_master = False
+    memory = None
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -97,6 +101,10 @@ class Swapped:
     stays_resident = False
     reads_master = False
 
+    @property
+    def memory(self) -> Reuse:
+        return self.swapper.memory
+
     def __init__(self, swapper: NVMeSwapper, key: str, shard: torch.Tensor):
         self.swapper, self.key, self.shard, self.numel = swapper, key, shard, shard.numel()
         self._read: Future | None = None  # a read-ahead in flight (prefetch)
@@ -107,11 +115,11 @@ class Swapped:
         """Write the (resident) shard out and release it."""
         self.swapper.reserve(self.key, self.shard.numel() * self.shard.element_size())
         self.swapper.write(self.key, self.shard).result()
-        release(self.shard)
+        release(self.shard, self.memory)
 
     def prefetch(self) -> None:
         if self._read is None and not self.shard.numel():
-            allocate(self.shard, self.numel)
+            allocate(self.shard, self.numel, self.memory)
             self._read = self.swapper.read(self.key, self.shard)
             self.read_ahead += 1
 
@@ -121,18 +129,18 @@ class Swapped:
             read, self._read = self._read, None
             read.result()
         else:
-            allocate(self.shard, self.numel)
+            allocate(self.shard, self.numel, self.memory)
             if load:
                 self.swapper.read(self.key, self.shard).result()
         try:
             yield self.shard
         finally:
             if self.shard.numel():
-                release(self.shard)
+                release(self.shard, self.memory)
 
     @contextmanager
     def snapshot(self) -> Iterator[torch.Tensor]:
-        copy = aligned_empty(self.numel, self.shard.dtype)
+        copy = aligned_empty(self.numel, self.shard.dtype, self.memory)
         self.swapper.read(self.key, copy).result()
         yield copy
 
@@ -153,7 +161,7 @@ class MasterAlias(Swapped):
         self.swapper, self.key, self.shard, self.numel = swapper, f"b{index}.master", shard, shard.numel()
         self._read: Future | None = None
         self.read_ahead = 0
-        release(self.shard)
+        release(self.shard, self.memory)
 
     def store(self) -> None:
         """Nothing to write: the master's region, which the step writes, holds these values."""
@@ -194,7 +202,7 @@ class TierPlan:
         """Where stage 3's released gather and gradient buffers wait for the next of their size:
         the pool of released host memory (aligned.py's Reuse) when shards stream through a swap
         file, which is where fresh memory's page faults cost the step most."""
-        return REUSE if self.swapper is not None else None
+        return self.swapper.memory if self.swapper is not None else None
 
     def host(self, t: torch.Tensor) -> torch.Tensor:
         """A host-memory copy of ``t`` (pinned when there is a GPU to copy to)."""

@@ -105,7 +105,7 @@ class GradShard:
     def zero(self) -> None:
         """After a step (or a skipped one): the next reduction starts the shard afresh."""
         if self._fp32 is not None and not self.tier.stays_resident:  # write(taken_next=True)'s own copy
-            release(self._fp32)  # its memory may serve the next shard
+            release(self._fp32, self.tier.memory)  # its memory may serve the next shard
         self.fresh, self._sq, self._fp32 = True, 0.0, None
 
     @property

@@ -481,29 +481,40 @@ def test_state_streamed_behind_backward_matches_the_step(tmp_path):
 
 def test_released_memory_is_reused_only_when_nothing_else_holds_it():
     from zerompi.offload.aligned import Reuse, allocate, release
-    import zerompi.offload.aligned as aligned
     pool = Reuse(limit=3 * (40000 + 4096))
-    old, aligned.REUSE = aligned.REUSE, pool
+    if pool._use_count is None:
+        unavailable("torch storage use count", "this torch has none: released memory is never reused")
+    t = aligned_empty(10000, torch.float32, pool)
+    ptr = t.data_ptr()
+    release(t, pool)
+    assert pool.nbytes == 40000 + 4096 and t.numel() == 0
+    u = aligned_empty(10000, torch.float32, pool)  # the same block again, still 4 KiB aligned
+    assert u.data_ptr() == ptr and ptr % 4096 == 0 and pool.nbytes == 0
+    held = u[:10]  # a view keeps the memory in use: not reused
+    release(u, pool)
+    assert pool.nbytes == 0 and held.data_ptr() == ptr
+    other = aligned_empty(2500, torch.bfloat16, pool)
+    assert other.data_ptr() != ptr
+    many = [torch.empty(0) for _ in range(5)]
+    for v in many:
+        allocate(v, 10000, pool)
+    newest = many[-1].data_ptr()
+    for v in many:  # the pool keeps at most its limit (three blocks), the oldest going first
+        release(v, pool)
+    assert pool.nbytes == pool.limit and aligned_empty(10000, torch.float32, pool).data_ptr() == newest
+    kept = pool.nbytes
+    release(aligned_empty(10000, torch.float32))  # no pool: nothing taken, nothing kept
+    assert pool.nbytes == kept
+
+
+def test_each_swapper_has_its_own_pool_sized_by_its_engine(tmp_path):
+    """Two engines' swappers never share released memory; a pool's limit only grows."""
+    a, b = NVMeSwapper(tmp_path, 0), NVMeSwapper(tmp_path, 1)
     try:
-        if pool._use_count is None:
-            unavailable("torch storage use count", "this torch has none: released memory is never reused")
-        t = aligned_empty(10000, torch.float32)
-        ptr = t.data_ptr()
-        release(t)
-        assert pool.nbytes == 40000 + 4096 and t.numel() == 0
-        u = aligned_empty(10000, torch.float32)  # the same block again, still 4 KiB aligned
-        assert u.data_ptr() == ptr and ptr % 4096 == 0 and pool.nbytes == 0
-        held = u[:10]  # a view keeps the memory in use: not reused
-        release(u)
-        assert pool.nbytes == 0 and held.data_ptr() == ptr
-        other = aligned_empty(2500, torch.bfloat16)
-        assert other.data_ptr() != ptr
-        many = [torch.empty(0) for _ in range(5)]
-        for v in many:
-            allocate(v, 10000)
-        newest = many[-1].data_ptr()
-        for v in many:  # the pool keeps at most its limit (three blocks), the oldest going first
-            release(v)
-        assert pool.nbytes == pool.limit and aligned_empty(10000, torch.float32).data_ptr() == newest
+        assert a.memory is not b.memory and a.memory.limit == b.memory.limit == 0
+        a.memory.keep(1 << 20)
+        a.memory.keep(1 << 10)
+        assert (a.memory.limit, b.memory.limit) == (1 << 20, 0)
     finally:
-        aligned.REUSE = old
+        a.close()
+        b.close()
