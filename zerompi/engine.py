@@ -376,7 +376,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
         group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi),
                          debug=reliability.debug_collectives)
     elif comm is not None:
-        raise ZeroMPIError("initialize: pass comm (an MPI communicator) or group, not both")
+        raise UsageError("initialize: pass comm (an MPI communicator) or group, not both")
     if reliability.abort_on_exception:
         guard.abort_on_uncaught_exception(group)
     if reliability.collective_timeout is not None:

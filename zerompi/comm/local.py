@@ -67,6 +67,14 @@ class _World:
                 child.abort()
 
 
+def _rank_order_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of every rank's tensor, rank 0 first: one fixed order, whatever the rank count."""
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total += t
+    return total
+
+
 class LocalGroup:
     """One rank's view of an in-process group (see the module docstring for what differs from MPI)."""
 
@@ -84,7 +92,7 @@ class LocalGroup:
         return self.monitor.counters.bytes_sent
 
     def _exchange(self, desc: str, value: Any) -> list[Any]:
-        with self.monitor.watchdog.blocked(desc + (f" (group {self.label})" if self.label else "")):
+        with self.monitor.watchdog.blocked(desc, self.label):
             return self._world.exchange(self.rank, value)
 
     def _enter(self, kind: str, t: torch.Tensor, what: str, nbytes: int | None) -> str:
@@ -113,20 +121,13 @@ class LocalGroup:
         desc = self._enter(kind, full, what, shapes.reduce_scatter_bytes(full, self.size))
         chunks = [t[self._mine(t)] for t in self._exchange(desc, full.detach().clone())]
         if full.dtype in shapes.SUM_DTYPES:  # summed in the input's precision, as MPI_SUM does
-            total = chunks[0].clone()
-            for c in chunks[1:]:
-                total += c
-            return Work.done(total.float())
+            return Work.done(_rank_order_sum(chunks).float())
         return Work.done(torch.stack(chunks).float().sum(dim=0))
 
     def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
                    what: str = "") -> Work:
         desc = self._enter(kind, t, what, shapes.all_reduce_bytes(t, self.size))
-        values = self._exchange(desc, t.detach().clone())
-        total = values[0]
-        for v in values[1:]:
-            total = total + v
-        t.copy_(total)
+        t.copy_(_rank_order_sum(self._exchange(desc, t.detach().clone())))
         return Work.done()
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
@@ -151,7 +152,7 @@ class LocalGroup:
         return copy.deepcopy(self._exchange("an exchange of metadata (allgather_object)", obj))
 
     def barrier(self) -> None:
-        with self.monitor.watchdog.blocked("a barrier"):
+        with self.monitor.watchdog.blocked("a barrier", self.label):
             self._world.wait()
 
     def abort(self, code: int = 1) -> None:

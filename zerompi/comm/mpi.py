@@ -197,7 +197,7 @@ class MPIGroup:
 
     def _blocked(self, what: str) -> AbstractContextManager:
         """The watchdog's record that this rank waits in ``what`` (naming the group)."""
-        return self.monitor.watchdog.blocked(what + (f" (group {self.label})" if self.label else ""))
+        return self.monitor.watchdog.blocked(what, self.label)
 
     def _enter(self, kind: str, t: torch.Tensor, what: str) -> str:
         """Number the collective; in debug mode every rank must be at the same one. Returns its description."""

@@ -34,9 +34,10 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     @contextmanager
-    def blocked(self, what: str) -> Iterator[None]:
-        """Record that this rank waits in ``what`` for the duration of the block."""
-        self.waiting = (what, time.monotonic())
+    def blocked(self, what: str, group: str = "") -> Iterator[None]:
+        """Record that this rank waits in ``what`` (on the group labelled ``group``, "" for one
+        spanning the job) for the duration of the block."""
+        self.waiting = (what + (f" (group {group})" if group else ""), time.monotonic())
         try:
             yield
         finally:

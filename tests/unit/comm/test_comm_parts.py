@@ -151,7 +151,7 @@ def test_watchdog_aborts_a_long_wait_through_the_injected_abort(capfd):
     def abort(code: int) -> None:
         codes.append(code)
         aborted.set()
-    with w.blocked("a barrier (group intra)"):
+    with w.blocked("a barrier", "intra"):  # a sub-group's label is named in the report
         w.start(0.2, 1, 4, abort)
         assert aborted.wait(10)
     w.stop()
