@@ -34,6 +34,7 @@ from zerompi.phase import PhaseTracker
 from zerompi.shard import deferred
 from zerompi.shard.bucket import Placement
 from zerompi.shard.compression import Compression
+from zerompi.shard.placement import place
 from zerompi.shard.sharded import Overlap, ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
 from zerompi.torch_private import tree_map
@@ -100,14 +101,18 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
-        deferred.check(module, lambda p: cfg.stage.shards_params and p.numel() >= cfg.param_persistence_threshold)
+        membership, options = _param_groups(module, param_groups)
+        plan = plan_for(cfg.stage)
+        group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
+        placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
+                                 plan, cfg.param_persistence_threshold, group_of))
+        deferred.check(module, {pl.fqn for pl in placements if pl.bucketed})
         self.module = deferred.to_device(module, self.device)
         self.groups = build_groups(group, self.info, cfg.topology, cfg.stage)
-        shard, plan = self.groups.shard, plan_for(cfg.stage)
+        shard = self.groups.shard
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
                               check_finite=cfg.dtype != DType.FP16,  # fp16 overflows are the loss scaler's
                               compression=Compression.from_policy(cfg.compression))
-        membership, options = _param_groups(module, param_groups)
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         # Swapped parameter shards are read ahead even when gathers are not prefetched: three units,
         # which on the capacity benchmark's disk hid most reads that one unit ahead left exposed.
@@ -125,8 +130,7 @@ class Engine:
         tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
                          cfg.offload.pin_memory)
         self.sharded = ShardedModel(module, placement, self.groups,
-                                    ShardOptions(cap, membership, overlap, param_init, cfg.param_persistence_threshold,
-                                                 cfg.max_live_params),
+                                    ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))

@@ -17,6 +17,7 @@ threshold) and buffers are held whole anyway and must be real.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Callable
 
 import torch
@@ -36,10 +37,10 @@ def reset_parameters(module: nn.Module) -> None:
     reset()
 
 
-def check(module: nn.Module, frozen_sharded: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
-    """Only parameters that go into buckets may wait on the meta device: trainable ones, and
-    frozen ones for which ``frozen_sharded(p)`` (stage 3 shards them)."""
-    bad = [n for n, p in module.named_parameters() if p.is_meta and not p.requires_grad and not frozen_sharded(p)]
+def check(module: nn.Module, bucketed: Collection[str]) -> None:
+    """Only parameters that go into buckets (the fqns ``bucketed``, placement.py) may wait on the
+    meta device: trainable ones, and frozen ones that stage 3 shards."""
+    bad = [n for n, p in module.named_parameters() if p.is_meta and n not in bucketed]
     bad += [n for n, b in module.named_buffers() if b.is_meta]
     if bad:
         raise UsageError(f"these frozen parameters or buffers must not be on the meta device (they are "

@@ -27,11 +27,11 @@ from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.hooks import HookSet
-from zerompi.shard.layout import BucketLayout, ParamSpec, choose_units, common_ancestor, descent, plan_buckets
+from zerompi.shard.layout import BucketLayout, choose_units, common_ancestor, descent, plan_buckets
+from zerompi.shard.placement import ParamPlacement, Residence
 from zerompi.shard.prefetch import Prefetcher
 from zerompi.shard.steps import BackwardSteps
 from zerompi.shard.units import Unit, owners_of
-from zerompi.shard.stages import FROZEN, plan_for
 
 logger = get_logger(__name__)
 
@@ -51,14 +51,11 @@ class ShardOptions:
 
     cap_numel: int
     """Bucket size in elements (stage 3: gather-unit size)."""
-    param_group: dict
-    """Optimizer group index of each trainable parameter (buckets never mix groups)."""
+    placements: tuple[ParamPlacement, ...]
+    """Every parameter's placement (placement.py's ``place``), in ``named_parameters`` order."""
     overlap: Overlap = Overlap()
     param_init: ParamInit | None = None
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
-    persistence_threshold: int = 0
-    """Stage 3: parameters with fewer elements stay gathered (trainable ones in buckets planned as
-    at stage 2, frozen ones replicated)."""
     max_live_params: int | None = None
     """Stage 3: prefetch no more than this many elements, the unit computing included."""
 
@@ -96,17 +93,17 @@ class ShardedModel:
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
+        self.placements = {pl.fqn: pl for pl in options.placements}
+        """Each parameter's placement by fqn (stage 3: with its gather unit)."""
         # requires_grad as planned: a change after initialize would silently train the wrong set
-        self._planned = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
+        self._planned = [(n, p, self.placements[n].trainable) for n, p in module.named_parameters()]
         named = [(n, p) for n, p, trains in self._planned if trains]
         uses: dict[int, int] = {}
         for _, p in module.named_parameters(remove_duplicate=False):
             uses[id(p)] = uses.get(id(p), 0) + 1
         self._tied = {i for i, n in uses.items() if n > 1}  # ids of parameters of several modules
         self.units: list[Unit] = []
-        self._persistent: set[int] = set()  # stage 3: indices of buckets whose parameters stay gathered
-        plans = self._plan(options.cap_numel, options.param_group, options.persistence_threshold)
-        built = [self._build(layout, frozen) for layout, frozen in plans]
+        built = [self._build(layout) for layout in self._plan(options.cap_numel)]
         trim_heap()  # the full tensors each build copied out of, and the shards' unaligned first copies
         self.buckets = [b for b in built if b.plan.trains]
         """The trainable buckets, indexed by their layout's index (the optimizer's and the checkpoint's)."""
@@ -134,20 +131,18 @@ class ShardedModel:
         return self._backward is not None
 
     # ---- planning ---------------------------------------------------------
-    def _plan(self, cap: int, param_group, persistence: int) -> list[tuple[BucketLayout, bool]]:
-        """Every bucket as (layout, frozen), in build order; trainable and frozen buckets are
-        numbered apart. Stage 3 plans unit by unit, so a model built on the meta device is
-        materialised one unit at a time."""
+    def _plan(self, cap: int) -> list[BucketLayout]:
+        """Every bucket's layout, in build order; trainable and frozen buckets are numbered apart.
+        Stage 3 plans unit by unit, so a model built on the meta device is materialised one unit
+        at a time."""
         world = self.placement.world_size
-        trainable = [(n, p) for n, p, trains in self._planned if trains]
-        # reverse registration order ~ the order backward produces gradients
-        kept = [(n, p) for n, p in trainable if not self.plan.shard_params or p.numel() < persistence]
-        layouts = plan_buckets([ParamSpec(n, tuple(p.shape), param_group[p]) for n, p in reversed(kept)], world, cap)
-        plans = [(lay, False) for lay in layouts]
+        placed = list(self.placements.values())
+        # gathered ones first, in reverse registration order ~ the order backward produces gradients
+        gathered = [pl.spec for pl in reversed(placed) if pl.residence is Residence.GATHERED]
+        layouts = plan_buckets(gathered, world, cap)
         if not self.plan.shard_params:
-            return plans
-        self._persistent = {lay.index for lay in layouts}
-        named = [(n, p) for n, p, _ in self._planned if p.numel() >= persistence]
+            return layouts
+        named = [(pl, self._param(pl.fqn)) for pl in placed if pl.sharded]
         owners = owners_of(self.module, [p for _, p in named])
         modules = dict(self.module.named_modules())
         own_numel: dict[str, int] = {}
@@ -155,27 +150,30 @@ class ShardedModel:
             own_numel[owner] = own_numel.get(owner, 0) + p.numel()
         runs = {n for n, m in modules.items() if type(m).forward is not nn.Module.forward}
         unit_of = choose_units(list(modules), own_numel, cap, runs)
-        counts = [len(layouts), 0]  # trainable, frozen buckets so far
+        counts = {True: len(layouts), False: 0}  # trainable, frozen buckets so far
         for fqn in modules:
             if unit_of[fqn] != fqn:
                 continue
-            mine = [(n, p) for n, p in named if unit_of[owners[p]] == fqn]
-            for frozen in (False, True):
-                specs = [ParamSpec(n, tuple(p.shape), 0 if frozen else param_group[p]) for n, p in mine
-                         if p.requires_grad != frozen]
+            mine = [(pl, p) for pl, p in named if unit_of[owners[p]] == fqn]
+            for trainable in (True, False):
+                specs = [pl.spec for pl, _ in mine if pl.trainable == trainable]
                 if specs:
-                    new = plan_buckets(specs, world, 2**62, first_index=counts[frozen], unit=fqn)
-                    counts[frozen] += len(new)
-                    plans += [(lay, frozen) for lay in new]
+                    new = plan_buckets(specs, world, 2**62, first_index=counts[trainable], unit=fqn)
+                    counts[trainable] += len(new)
+                    layouts += new
+            for pl, _ in mine:
+                self.placements[pl.fqn] = dataclasses.replace(pl, unit=fqn)
             if mine:
                 inner = descent(fqn, common_ancestor([owners[p] for _, p in mine]))
                 entries = [modules[fqn]] + [modules[m] for m in inner if m in runs]
                 self.units.append(Unit(fqn, modules[fqn], entries))
         self._unit = {u.fqn: u for u in self.units}
-        return plans
+        return layouts
 
-    def _build(self, layout: BucketLayout, frozen: bool) -> Bucket:
+    def _build(self, layout: BucketLayout) -> Bucket:
         params = [self._param(slot.fqn) for slot in layout.slots]
+        placed = self.placements[layout.slots[0].fqn]  # a bucket's parameters share their placement
+        frozen = not placed.trainable
         # trainable: fp32, the master's starting values; frozen: the compute dtype is all they keep
         dtype = self.placement.dtype if frozen else torch.float32
         init = torch.zeros(layout.padded_numel, dtype=dtype, device=self.placement.device)
@@ -188,11 +186,7 @@ class ShardedModel:
                 p.data = p.data.new_empty(0)            # the next one (a tied one is another module's too)
         # every rank starts from rank 0's values, as DDP does
         self.groups.world.broadcast(init, what=f"initial values of {'frozen ' if frozen else ''}bucket {layout.index}")
-        placement = self.placement
-        if frozen:
-            placement = dataclasses.replace(placement, plan=FROZEN)
-        elif layout.index in self._persistent:  # stage 3's small parameters: kept whole, as at stage 2
-            placement = dataclasses.replace(placement, plan=plan_for(2))
+        placement = dataclasses.replace(self.placement, plan=placed.bucket_plan(self.plan))
         bucket = Bucket(layout, params, placement, init, self.groups, self.tiers)
         del init  # the next bucket's values may take its place
         if bucket.plan.shard_params:
@@ -204,8 +198,7 @@ class ShardedModel:
 
     def replicated_frozen(self) -> list[tuple[str, nn.Parameter]]:
         """The frozen parameters every rank holds whole (all of them at stages 0-2)."""
-        sharded = {slot.fqn for b in self.frozen for slot in b.layout.slots}
-        return [(n, p) for n, p, trains in self._planned if not trains and n not in sharded]
+        return [(n, p) for n, p, _ in self._planned if self.placements[n].residence is Residence.REPLICATED]
 
     def _sync_replicated(self) -> None:
         """Replicated frozen parameters and buffers: rank 0's values, in the compute dtype."""

@@ -6,17 +6,30 @@ import torch
 from torch import nn
 
 from zerompi.shard.deferred import Materializer, check, to_device
+from zerompi.shard.placement import place
+from zerompi.shard.stages import plan_for
 from zerompi.errors import UsageError
+
+
+def _bucketed(m: nn.Module, stage: int, threshold: int = 0) -> set[str]:
+    placed = place([(n, tuple(p.shape), p.requires_grad) for n, p in m.named_parameters()], plan_for(stage),
+                   threshold, {n: 0 for n, _ in m.named_parameters()})
+    return {pl.fqn for pl in placed if pl.bucketed}
 
 
 def test_frozen_parameters_and_buffers_must_be_real():
     with torch.device("meta"):
         m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     with pytest.raises(UsageError, match="1.running_mean"):
-        check(m)
+        check(m, _bucketed(m, 2))
     m[1].weight.requires_grad_(False)
+    m[1].running_mean, m[1].running_var = torch.zeros(2), torch.ones(2)
+    m[1].num_batches_tracked = torch.zeros((), dtype=torch.long)
     with pytest.raises(UsageError, match="1.weight"):
-        check(m)
+        check(m, _bucketed(m, 2))          # stages 0-2 replicate a frozen parameter: it must be real
+    check(m, _bucketed(m, 3))              # stage 3 shards it: it may wait for its bucket
+    with pytest.raises(UsageError, match="1.weight"):
+        check(m, _bucketed(m, 3, threshold=3))  # below the persistence threshold it is replicated
 
 
 def test_materialize_keeps_parameter_objects_and_runs_param_init():

@@ -1,0 +1,85 @@
+"""Where each parameter lives: one record per parameter, decided once, before any bucket is built.
+
+A parameter is *sharded* (stage 3: a shard in a bucket of its gather unit, gathered
+around use), *gathered* (in a bucket, whole on every rank: stages 0-2, and stage 3's
+trainable parameters below ``param_persistence_threshold``) or *replicated* (no bucket:
+a frozen parameter held whole, as buffers are). Trainable and frozen are an attribute of
+the record, not a separate path: the bucket builder, deferred initialisation and the
+checkpoint's list of whole frozen tensors all read the same records (``place``), so the
+persistence threshold is compared in one place.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from zerompi.shard.layout import ParamSpec
+from zerompi.shard.stages import FROZEN, StagePlan, plan_for
+
+
+class Residence(Enum):
+    """How a parameter is held between uses."""
+
+    SHARDED = "sharded"        # stage 3: this rank's shard, in a bucket of its gather unit
+    GATHERED = "gathered"      # whole on every rank, in a bucket (its master and gradient may be sharded)
+    REPLICATED = "replicated"  # whole on every rank, outside any bucket (frozen parameters only)
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """One parameter's placement: its residence, whether it trains, its optimizer group and unit."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    trainable: bool
+    residence: Residence
+    group: int = 0
+    """Optimizer param group (frozen parameters: 0); buckets never mix groups."""
+    unit: str | None = None
+    """Stage 3: the gather unit whose forward gathers it (sharded parameters, once units are chosen)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def sharded(self) -> bool:
+        return self.residence is Residence.SHARDED
+
+    @property
+    def bucketed(self) -> bool:
+        return self.residence is not Residence.REPLICATED
+
+    @property
+    def spec(self) -> ParamSpec:
+        """What the bucket planner needs (layout.py)."""
+        return ParamSpec(self.fqn, self.shape, self.group)
+
+    def bucket_plan(self, stage: StagePlan) -> StagePlan:
+        """The stage-table row its bucket runs: a frozen shard keeps its values alone (FROZEN); a
+        trainable parameter kept whole at stage 3 is bucketed as at stage 2."""
+        if not self.trainable:
+            return FROZEN
+        if stage.shard_params and not self.sharded:
+            return plan_for(2)
+        return stage
+
+
+def place(params: Iterable[tuple[str, tuple[int, ...], bool]], stage: StagePlan, persistence_threshold: int,
+          group_of: Mapping[str, int]) -> list[ParamPlacement]:
+    """The placement of each ``(fqn, shape, requires_grad)``, in the order given.
+
+    Stage 3 shards every parameter of at least ``persistence_threshold`` elements, trainable or
+    frozen; below it, trainable ones stay gathered and frozen ones replicated. Stages 0-2 keep
+    trainable parameters gathered and frozen ones replicated. ``group_of``: optimizer group of
+    each trainable parameter's fqn."""
+    out = []
+    for fqn, shape, trainable in params:
+        if stage.shard_params and math.prod(shape) >= persistence_threshold:
+            residence = Residence.SHARDED
+        else:
+            residence = Residence.GATHERED if trainable else Residence.REPLICATED
+        out.append(ParamPlacement(fqn, tuple(shape), trainable, residence, group_of[fqn] if trainable else 0))
+    return out
