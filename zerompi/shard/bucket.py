@@ -24,6 +24,7 @@ from zerompi.shard.compression import Compression, GradCodes, WeightCodes
 from zerompi.shard.grads import GradShard
 from zerompi.shard.layout import BucketLayout
 from zerompi.shard.stages import StagePlan
+from zerompi.shard.sync import GradSync, ParamSync, grad_sync_for, param_sync_for
 
 
 class BucketState(Enum):
@@ -96,6 +97,10 @@ class Bucket:
         self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
         if hpz and self.weight_codes is None:
             self.secondary = Resident(self.param_full.tensor[groups.secondary_block(layout.padded_numel)].clone())
+        self.param_sync: ParamSync = param_sync_for(plan, groups, self.weight_codes, self.secondary)
+        """What the parameters' collectives are (sync.py)."""
+        self.grad_sync: GradSync | None = None
+        """What the gradients' collectives are (sync.py); None for a frozen bucket."""
         if plan.trains:
             self._init_training(init, tiers)
         else:  # frozen: the parameter shard is all there is (no gradient hook ever reaches it)
@@ -131,28 +136,21 @@ class Bucket:
         self.grad_codes = None if codec is None else GradCodes(
             codec, self.groups.shard, self.layout.padded_numel, placement.compression.error_feedback,
             placement.device)
+        self.grad_sync = grad_sync_for(plan, self.groups, self.layout, self.grad_codes)
 
     def _illegal(self, verb: str, allowed: str) -> ZeroMPIError:
         return ZeroMPIError(f"{self.name}: {verb} in state {self.state.name} (allowed from {allowed})")
 
     # ---- parameters -------------------------------------------------------
-    def _source(self) -> ShardTier:
-        """What a gather reads: hpZ's node-local secondary copy, else the primary shard."""
-        return self.secondary if self.secondary is not None else self.param_tier
-
     def unshard(self, *, async_op: bool = False) -> Work:
         """Stage 3: SHARDED -> GATHERED (blocking) or GATHERING (``async_op``). A bucket already
         gathered or gathering has nothing to start: its in-flight gather, if any, is returned."""
         if self.state is not BucketState.SHARDED:
             return self._gather if self._gather is not None else Work.done()
         self.param_full.alloc()
-        if self.weight_codes is not None:  # the packed shard, encoded once per step, stays in memory
-            work = self.weight_codes.gather(self.param_full.tensor, async_op=async_op, what=self.name)
-        else:
-            source = self._source()
-            async_op = async_op and source.stays_resident  # a swapped shard is gone after its block
-            with source.loaded() as shard:
-                work = self.groups.gather.all_gather(shard, self.param_full.tensor, async_op=async_op, what=self.name)
+        source = self.param_sync.source(self.param_tier)
+        async_op = async_op and (source is None or source.stays_resident)  # a swapped shard is gone after its block
+        work = self.param_sync.gather(self.param_tier, self.param_full.tensor, async_op=async_op, what=self.name)
         if async_op:
             self._gather, self.state = work, BucketState.GATHERING
         else:
@@ -162,8 +160,8 @@ class Bucket:
     def prefetch(self) -> None:
         """Start what ``unshard()`` will wait on: a non-blocking all-gather, or, for a shard in the
         swap file, its read (the gather then runs when the unit needs it)."""
-        source = self._source()
-        if source.stays_resident or self.weight_codes is not None:
+        source = self.param_sync.source(self.param_tier)
+        if source is None or source.stays_resident:
             self.unshard(async_op=True)
         elif self.state is BucketState.SHARDED:
             source.prefetch()
@@ -197,19 +195,12 @@ class Bucket:
         """After an optimizer step: bring the updated master into the compute parameters."""
         if self.plan.shard_params and self.state is not BucketState.SHARDED:
             raise self._illegal("publish()", "SHARDED: the step runs between backward and forward")
-        if self.param_tier.reads_master and self.weight_codes is None and not self.plan.gather_after_step \
-                and self.secondary is None:
+        if self.param_tier.reads_master and not self.param_sync.publishes:
             return  # the next gather reads the master's region, which the step writes
         with self.param_tier.loaded(load=False) as shard:
             if self.separate:
                 shard.copy_(self.master)
-            if self.weight_codes is not None:
-                full = self.param_full.tensor if self.plan.gather_after_step else None
-                self.weight_codes.publish(shard, full, self.name)
-            elif self.plan.gather_after_step:  # over the group the bucket is sharded over
-                self.groups.shard.all_gather(None, self.param_full.tensor, what=self.name)
-            if self.secondary is not None:  # hpZ: the one cross-node all-gather of parameters per step
-                self.groups.secondary.all_gather(shard, self.secondary.tensor, what=self.name)
+            self.param_sync.publish(shard, self.param_full.tensor, self.name)
             self.param_tier.store()
 
     # ---- gradients --------------------------------------------------------
@@ -255,18 +246,13 @@ class Bucket:
             self.grad_full.alloc()
             self._written.clear()
         full = self._zero_unwritten()
-        shard, n = self.groups.shard, self.groups.world.size
         self._pending = False
         self._reduced = True
-        if self.plan.all_reduce_grads:
-            # reduce-scatter + all-gather = all-reduce, with bitwise identical replicas
-            mine = self.layout.shard(shard.rank)
-            reduced = shard.reduce_scatter(full, kind="all_reduce", what=self.name).wait()
-            full[mine.start:mine.stop].copy_(reduced.div_(n))
-            shard.all_gather(None, full, kind="all_reduce", what=self.name)
+        work = self.grad_sync.start(full, async_op=async_op, what=self.name)
+        if self.grad_sync.in_place:
             self.grads.filled_in_place()  # the shard is the whole buffer, reduced in place
             return
-        self._reduce = (self.grad_codes or shard).reduce_scatter(full, what=self.name, async_op=async_op)
+        self._reduce = work
         if not async_op:
             self.finish_reduce(taken_next=taken_next)
 
@@ -287,12 +273,10 @@ class Bucket:
         if self._reduce is None:
             return
         work, self._reduce = self._reduce, None
-        reduced, n = work.wait(), self.groups.world.size
-        if self.groups.replicate is not None:  # hsdp: sum the node's shard across nodes, in fp32
-            self.groups.replicate.all_reduce(reduced, what=self.name)
         # stage 1 reduced the window's local sum once; stages 2-3 add each micro-batch
-        self.grads.write(reduced.div_(n), accumulate=self.plan.shard_grads, taken_next=taken_next)
-        if self.plan.shard_grads:
+        each = self.grad_sync.per_micro_batch
+        self.grads.write(self.grad_sync.finish(work, self.name), accumulate=each, taken_next=taken_next)
+        if each:
             self.grad_full.free()
 
     def master_grad(self) -> torch.Tensor:
@@ -343,11 +327,8 @@ class Bucket:
         if self.plan.trains or self.state is not BucketState.SHARDED:
             raise self._illegal("load_params()", "SHARDED, on a frozen bucket")
         with self.param_tier.loaded(load=False) as mine:
-            mine.copy_(shard)
-            if self.weight_codes is not None:  # gathers read the packed shard: pack the new one
-                self.weight_codes.publish(mine, None, self.name)
-            elif self.secondary is not None:
-                self.groups.secondary.all_gather(mine, self.secondary.tensor, what=self.name)
+            mine.copy_(shard)  # then to where gathers read: the packed shard, hpZ's node copy
+            self.param_sync.publish(mine, self.param_full.tensor, self.name)
             self.param_tier.store()
 
 

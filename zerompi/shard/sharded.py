@@ -290,7 +290,7 @@ class ShardedModel:
                 b.progress()
 
     def _reduce(self, bucket: Bucket) -> None:
-        overlapped = self.overlap.grad_reduce and not self.plan.all_reduce_grads
+        overlapped = self.overlap.grad_reduce and not bucket.grad_sync.in_place
         steps = self._backward is not None and self._backward.steps is not None
         bucket.reduce_grads(async_op=overlapped, taken_next=steps)
         if overlapped:

@@ -1,0 +1,197 @@
+"""A bucket's collectives, apart from its storage: one parameter and one gradient strategy per bucket.
+
+A :class:`~zerompi.shard.bucket.Bucket` owns buffers and tiers; the strategies
+chosen here, once per bucket from its stage-table row, own what crosses the
+network (Megatron-Core keeps ``_ParamAndGradBuffer`` apart from its bucket
+groups in the same way). They hold groups and codes, never the bucket's
+tensors: the bucket hands in the buffer of the moment, since a gathered buffer
+is freed and reallocated.
+
+Parameters (:class:`ParamSync`):
+  - ``Whole``: stage 0, every rank updates every element; nothing is sent.
+  - ``GatherAfterStep``: stages 1-2, the updated shards are all-gathered after the step.
+  - ``GatherForUse``: stage 3 (and frozen shards), gathered around forward and backward.
+  - wrappers: ``NodeCopy`` (hpZ: gathers read a node-local copy, refreshed once per step)
+    and ``QuantizedWeights`` (packed codes gathered and decoded; shard/compression.py).
+Gradients (:class:`GradSync`):
+  - ``AllReduce``: stage 0, a reduce-scatter and an all-gather, so replicas stay bitwise equal.
+  - ``ReduceScatter``: stages 1-3 (stage 1 once per window, stages 2-3 every micro-batch), over
+    quantized codes when the bucket has them, then across nodes under HSDP.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from zerompi.comm.group import ProcessGroup, Work
+from zerompi.offload.tiers import Resident, ShardTier
+from zerompi.shard.compression import GradCodes, WeightCodes
+from zerompi.shard.layout import BucketLayout
+from zerompi.shard.stages import StagePlan
+
+
+class ParamSync(Protocol):
+    """How a bucket's parameters travel."""
+
+    publishes: bool
+    """``publish`` communicates (else a step that wrote the master's region in place is all)."""
+
+    def source(self, shard: ShardTier) -> ShardTier | None:
+        """What a gather reads (None: packed codes held in memory)."""
+
+    def gather(self, shard: ShardTier, out: torch.Tensor, *, async_op: bool, what: str) -> Work:
+        """Stage 3: the full parameters into ``out`` from every rank's ``shard``."""
+
+    def publish(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        """After a step (or a load of frozen values): bring the new ``shard`` to where gathers and
+        the compute parameters ``full`` read."""
+
+
+class Whole:
+    """Stage 0: every rank holds and updates the whole bucket."""
+
+    publishes = False
+
+    def source(self, shard: ShardTier) -> ShardTier | None:
+        return shard
+
+    def gather(self, shard: ShardTier, out: torch.Tensor, *, async_op: bool, what: str) -> Work:
+        raise AssertionError(f"{what}: parameters kept whole are never gathered")
+
+    def publish(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        pass
+
+
+class GatherAfterStep(Whole):
+    """Stages 1-2: parameters stay whole; each rank's updated shard is all-gathered after the step."""
+
+    publishes = True
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    def publish(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        self.group.all_gather(None, full, what=what)  # the shard is a view of ``full``: in place
+
+
+class GatherForUse(Whole):
+    """Stage 3: only the shard persists; the unit's forward and backward gather it."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    def gather(self, shard: ShardTier, out: torch.Tensor, *, async_op: bool, what: str) -> Work:
+        async_op = async_op and shard.stays_resident  # a swapped shard is gone after its block
+        with shard.loaded() as tensor:
+            return self.group.all_gather(tensor, out, async_op=async_op, what=what)
+
+
+class NodeCopy(Whole):
+    """hpZ: gathers read this node's copy of the parameters (sharded inside the node), which the
+    one cross-node all-gather of parameters per step refreshes."""
+
+    publishes = True
+
+    def __init__(self, inner: GatherForUse, group: ProcessGroup, copy: Resident):
+        self.inner, self.group, self.copy = inner, group, copy
+
+    def source(self, shard: ShardTier) -> ShardTier | None:
+        return self.copy
+
+    def gather(self, shard: ShardTier, out: torch.Tensor, *, async_op: bool, what: str) -> Work:
+        return self.inner.gather(self.copy, out, async_op=async_op, what=what)
+
+    def publish(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        self.inner.publish(shard, full, what)
+        self.group.all_gather(shard, self.copy.tensor, what=what)
+
+
+class QuantizedWeights(Whole):
+    """Parameters cross as packed codes (and hpZ's node copy is held packed: WeightCodes)."""
+
+    publishes = True
+
+    def __init__(self, codes: WeightCodes, after_step: bool):
+        self.codes, self.after_step = codes, after_step
+
+    def source(self, shard: ShardTier) -> ShardTier | None:
+        return None  # the packed shard, encoded once per step, stays in memory
+
+    def gather(self, shard: ShardTier, out: torch.Tensor, *, async_op: bool, what: str) -> Work:
+        return self.codes.gather(out, async_op=async_op, what=what)
+
+    def publish(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
+        self.codes.publish(shard, full if self.after_step else None, what)
+
+
+def param_sync_for(plan: StagePlan, groups, codes: WeightCodes | None, node_copy: Resident | None) -> ParamSync:
+    """The parameter strategy of a bucket running ``plan`` (``codes``: quantized weights;
+    ``node_copy``: hpZ's secondary copy)."""
+    if codes is not None:
+        return QuantizedWeights(codes, plan.gather_after_step)
+    if plan.shard_params:
+        inner = GatherForUse(groups.gather)
+        return inner if node_copy is None else NodeCopy(inner, groups.secondary, node_copy)
+    return GatherAfterStep(groups.shard) if plan.gather_after_step else Whole()
+
+
+class GradSync(Protocol):
+    """How a bucket's gradients are averaged into the shard its rank owns."""
+
+    in_place: bool
+    """The reduction completes in the full buffer itself (``start`` returns None)."""
+    per_micro_batch: bool
+    """Reduced after every micro-batch and summed into the shard (the full buffer is freed after)."""
+
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None: ...
+
+    def finish(self, work: Work, what: str) -> torch.Tensor:
+        """This rank's averaged chunk in fp32."""
+
+
+class AllReduce:
+    """Stage 0: reduce-scatter + all-gather = all-reduce, with bitwise identical replicas."""
+
+    in_place, per_micro_batch = True, False
+
+    def __init__(self, group: ProcessGroup, layout: BucketLayout, world_size: int):
+        self.group, self.layout, self.world_size = group, layout, world_size
+
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
+        mine = self.layout.shard(self.group.rank)
+        reduced = self.group.reduce_scatter(full, kind="all_reduce", what=what).wait()
+        full[mine.start:mine.stop].copy_(reduced.div_(self.world_size))
+        self.group.all_gather(None, full, kind="all_reduce", what=what)
+        return None
+
+    def finish(self, work: Work, what: str) -> torch.Tensor:
+        raise AssertionError(f"{what}: an all-reduce completes in start()")
+
+
+class ReduceScatter:
+    """Stages 1-3: each rank receives the sum of its chunk (over ``codes`` when quantized), summed
+    across nodes under HSDP (``replicate``), then divided by the world size."""
+
+    in_place = False
+
+    def __init__(self, group: ProcessGroup, world_size: int, per_micro_batch: bool,
+                 codes: GradCodes | None = None, replicate: ProcessGroup | None = None):
+        self.group, self.world_size, self.per_micro_batch = group, world_size, per_micro_batch
+        self.codes, self.replicate = codes, replicate
+
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
+        return (self.codes or self.group).reduce_scatter(full, what=what, async_op=async_op)
+
+    def finish(self, work: Work, what: str) -> torch.Tensor:
+        reduced = work.wait()
+        if self.replicate is not None:  # hsdp: sum the node's shard across nodes, in fp32
+            self.replicate.all_reduce(reduced, what=what)
+        return reduced.div_(self.world_size)
+
+
+def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCodes | None) -> GradSync:
+    """The gradient strategy of a trainable bucket running ``plan``."""
+    if plan.all_reduce_grads:
+        return AllReduce(groups.shard, layout, groups.world.size)
+    return ReduceScatter(groups.shard, groups.world.size, plan.shard_grads, codes, groups.replicate)
