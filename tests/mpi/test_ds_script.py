@@ -16,8 +16,8 @@ import subprocess
 
 import pytest
 
-from zerompi.config.ds_schedule import read_schedule
-from zerompi.optim.ds_schedules import factor_for
+from zerompi.compat.deepspeed.schedule import read_schedule
+from zerompi.compat.deepspeed.lr_schedules import factor_for
 
 from ..peers import deepspeed_python
 from .launcher import ROOT, WORKERS, mpi_env, run_worker_json

@@ -3,8 +3,9 @@
 Every value is checked once, in ``__post_init__``, so the rest of the package
 can trust it; a bad value raises :class:`ConfigError` naming the key, the value
 and what is allowed. A config comes from keyword arguments, a plain dict
-(``from_dict``), a TOML or JSON file (``from_file``) or a DeepSpeed JSON config
-(``from_deepspeed``), translated key by key: what zerompi lacks is refused, never ignored.
+(``from_dict``) or a TOML or JSON file (``from_file``), which also reads the dialects
+registered in dialects.py (DeepSpeed JSON, translated key by key by zerompi.compat.deepspeed:
+what zerompi lacks is refused, never ignored).
 """
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ from typing import Any
 
 import torch
 
-from zerompi.config import checks
+from zerompi.config import checks, dialects
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
                                     Offload, Progress, Schedule, Stage, WeightQuant)
-from zerompi.config.deepspeed import Translation, looks_like_deepspeed, translate, warning_text
 from zerompi.config.files import read_document
 from zerompi.config.policies import (CompressionPolicy, OffloadPolicy, OverlapPolicy, PrecisionPolicy,
                                      ReliabilityPolicy, TopologyPolicy)
@@ -314,43 +314,21 @@ class ZeroConfig:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, table: str | None = None) -> ZeroConfig:
-        """Read a .toml or .json file, or one top-level ``table`` of it; DeepSpeed
-        configs are recognised and go through from_deepspeed."""
+        """Read a .toml or .json file, or one top-level ``table`` of it; another framework's config
+        that a registered dialect recognises (DeepSpeed JSON: zerompi.compat.deepspeed) is read
+        through it (dialects.py)."""
         doc, where = read_document(path, table)
-        deepspeed = looks_like_deepspeed(doc)
+        dialect = dialects.recognising(doc)
         try:
-            return cls.from_deepspeed(doc) if deepspeed else cls.from_dict(doc)
+            return dialect.read(doc) if dialect is not None else cls.from_dict(doc)
         except ConfigError as e:
-            how = " (read as a DeepSpeed config)" if deepspeed else ""
+            how = f" (read as a {dialect.name} config)" if dialect is not None else ""
             raise ConfigError(f"{where}{how}: {e}") from None
 
     @classmethod
     def from_deepspeed(cls, d: Mapping[str, Any], model: torch.nn.Module | None = None,
                        **overrides: Any) -> ZeroConfig:
-        """Translate a DeepSpeed JSON config; ``overrides`` are field values applied on top.
-
-        Keys zerompi cannot honour are all listed in one ConfigError; tuning keys with no
-        effect are named in one warning. Left-out settings take DeepSpeed's defaults where
-        they change training (stage 0; clipping at 1.0; no weight decay in a given optimizer
-        block), else ZeroConfig's. "auto" values resolve from ``overrides`` or the defaults,
-        tuning sizes from ``model``'s hidden size (config/ds_auto.py). A scheduler block is
-        checked here and applied by ``zerompi.deepspeed.initialize``."""
-        cfg, t = cls.translate_deepspeed(d, model, overrides)
-        text = warning_text(t, cfg.lr, schedule_applied=False)
-        if text:
-            warnings.warn(text, stacklevel=2)
-        return cfg
-
-    @classmethod
-    def translate_deepspeed(cls, d: Mapping[str, Any], model: torch.nn.Module | None,
-                            overrides: Mapping[str, Any]) -> tuple[ZeroConfig, Translation]:
-        """from_deepspeed without its warning: the config and the whole translation."""
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"DeepSpeed config={d!r} is not a mapping")
-        names = [f.name for f in fields(cls)]
-        checks.reject_unknown(overrides, names, "from_deepspeed overrides")
-        overrides = {k: checks.CHECKS[k](k, v) for k, v in overrides.items()}
-        defaults = {f.name: f.default for f in fields(cls) if f.default is not dataclasses.MISSING}
-        t = translate(d, model, overrides, defaults)
-        return cls(**{**t.kwargs, **overrides}), t
-
+        """Deprecated, kept for one release: ``zerompi.compat.deepspeed.config_from``."""
+        warnings.warn("ZeroConfig.from_deepspeed is deprecated: use zerompi.compat.deepspeed.config_from "
+                      "(the same translation)", DeprecationWarning, stacklevel=2)
+        return dialects.named("DeepSpeed").read(d, model, **overrides)

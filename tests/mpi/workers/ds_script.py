@@ -125,8 +125,8 @@ def checkpoint(deepspeed, engine) -> dict:
 
 def reference() -> dict:
     """Plain torch on one process: the global batch whole, and in the ranks' micro-batches."""
-    from zerompi.config.ds_schedule import read_schedule
-    from zerompi.optim.ds_schedules import scheduler_factory
+    from zerompi.compat.deepspeed.schedule import read_schedule
+    from zerompi.compat.deepspeed.lr_schedules import scheduler_factory
     from zerompi.optim.optimizer import default_kernel  # the engine's kernel
     out = {}
     for name, chunked in (("loss_ref", False), ("loss_alt", True)):

@@ -9,6 +9,7 @@ import pickle
 import pytest
 import torch
 
+from zerompi.compat.deepspeed import config_from
 from zerompi.config import ZeroConfig
 from zerompi.errors import ConfigError
 
@@ -530,7 +531,7 @@ def full_deepspeed():
 
 
 def test_from_deepspeed_full():
-    cfg = ZeroConfig.from_deepspeed(full_deepspeed())
+    cfg = config_from(full_deepspeed())
     assert cfg.stage == 2 and cfg.dtype == "bf16"
     assert cfg.optimizer == "adamw" and cfg.lr == 3e-4
     assert cfg.betas == (0.9, 0.95) and cfg.eps == 1e-6 and cfg.weight_decay == 0.1
@@ -541,47 +542,65 @@ def test_from_deepspeed_full():
     assert (cfg.seed, cfg.device, cfg.loss_scale) == (0, "auto", 0.0)
 
 
+def test_from_deepspeed_is_a_deprecated_alias():
+    doc = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    with pytest.warns(DeprecationWarning, match="zerompi.compat.deepspeed.config_from"):
+        old = ZeroConfig.from_deepspeed(doc, lr=3e-4)
+    assert old == config_from(doc, lr=3e-4)
+
+
+def test_from_file_reads_the_registered_dialect(tmp_path):
+    from zerompi.config import dialects
+    assert dialects.named("DeepSpeed").recognises({"zero_optimization": {}})
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3, "bogus": 1}}')
+    with pytest.raises(ConfigError, match=r"read as a DeepSpeed config.*zero_optimization.bogus"):
+        ZeroConfig.from_file(path)
+    with pytest.raises(ConfigError, match="no config dialect 'Horovod'"):
+        dialects.named("Horovod")
+
+
 def test_from_deepspeed_defaults():
-    cfg = ZeroConfig.from_deepspeed({})
+    cfg = config_from({})
     assert cfg.stage == 0  # DeepSpeed without zero_optimization is plain data parallel
     assert cfg.dtype == "fp32" and cfg.weight_decay == 0.01
     assert cfg.clip_grad_norm == 1.0  # DeepSpeed 0.19 clips at 1.0 unless gradient_clipping says otherwise
 
 
 def test_from_deepspeed_allgather_bucket_alone():
-    cfg = ZeroConfig.from_deepspeed({"zero_optimization": {"allgather_bucket_size": 2**20}})
+    cfg = config_from({"zero_optimization": {"allgather_bucket_size": 2**20}})
     assert cfg.bucket_mb == 4.0
 
 
 def test_from_deepspeed_gradient_clipping_zero():
-    assert ZeroConfig.from_deepspeed({"gradient_clipping": 0.0}).clip_grad_norm is None
+    assert config_from({"gradient_clipping": 0.0}).clip_grad_norm is None
 
 
 def test_from_deepspeed_fp16_block():
-    cfg = ZeroConfig.from_deepspeed({"fp16": {
+    cfg = config_from({"fp16": {
         "enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
         "hysteresis": 4, "min_loss_scale": 0.5, "auto_cast": False,
         "consecutive_hysteresis": False}})
     assert cfg.dtype == "fp16" and cfg.torch_dtype is torch.float16
     assert (cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window) == (0.0, 12, 500)
     assert (cfg.hysteresis, cfg.min_loss_scale) == (4, 0.5)
-    static = ZeroConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale": 1024}})
+    static = config_from({"fp16": {"enabled": True, "loss_scale": 1024}})
     assert static.loss_scale == 1024.0
 
 
 @pytest.mark.parametrize("flag", ["auto_cast", "consecutive_hysteresis"])
 def test_from_deepspeed_fp16_unsupported_switches(flag):
     with pytest.raises(ConfigError, match=rf"fp16\.{flag}=True is not supported"):
-        ZeroConfig.from_deepspeed({"fp16": {"enabled": True, flag: True}})
+        config_from({"fp16": {"enabled": True, flag: True}})
 
 
 def test_from_deepspeed_bf16_and_fp16():
     with pytest.raises(ConfigError, match="bf16.enabled=True and fp16.enabled=True"):
-        ZeroConfig.from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+        config_from({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
 
 
 def test_from_deepspeed_precision_blocks_disabled():
-    cfg = ZeroConfig.from_deepspeed({"bf16": {"enabled": False}, "fp16": {}})
+    cfg = config_from({"bf16": {"enabled": False}, "fp16": {}})
     assert cfg.dtype == "fp32"
 
 
@@ -594,13 +613,13 @@ def test_from_deepspeed_precision_blocks_disabled():
     ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, "sgd"),
 ])
 def test_from_deepspeed_optimizer_type(block, expected):
-    cfg = ZeroConfig.from_deepspeed({"optimizer": block})
+    cfg = config_from({"optimizer": block})
     assert cfg.optimizer == expected
     assert cfg.weight_decay == 0.0  # DeepSpeed's optimizers default to no weight decay
 
 
 def test_from_deepspeed_sgd_params():
-    cfg = ZeroConfig.from_deepspeed({"optimizer": {"type": "sgd", "params": {
+    cfg = config_from({"optimizer": {"type": "sgd", "params": {
         "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}}})
     assert (cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay) == ("sgd", 0.1, 0.9, 1e-4)
 
@@ -618,7 +637,7 @@ def test_from_deepspeed_sgd_params():
 ])
 def test_from_deepspeed_optimizer_errors(block, match):
     with pytest.raises(ConfigError, match=match):
-        ZeroConfig.from_deepspeed({"optimizer": block})
+        config_from({"optimizer": block})
 
 
 def test_from_deepspeed_unsupported_keys_in_one_error():
@@ -631,7 +650,7 @@ def test_from_deepspeed_unsupported_keys_in_one_error():
     d["fp16"]["fp16_master_weights"] = False
     d["seed"] = 1  # not a DeepSpeed key
     with pytest.raises(ConfigError) as err:
-        ZeroConfig.from_deepspeed(d)
+        config_from(d)
     assert str(err.value) == (
         "unsupported DeepSpeed config keys: activation_checkpointing, "
         "fp16.fp16_master_weights, optimizer.params.foo, scheduler.params.warmup_steps, seed, "
@@ -656,7 +675,7 @@ def test_from_deepspeed_unsupported_keys_in_one_error():
 ])
 def test_from_deepspeed_wrong_types_name_dotted_key(d, key):
     with pytest.raises(ConfigError) as err:
-        ZeroConfig.from_deepspeed(d)
+        config_from(d)
     assert str(err.value).startswith(key), str(err.value)
 
 
@@ -665,38 +684,38 @@ def test_from_deepspeed_wrong_types_name_dotted_key(d, key):
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_from_deepspeed_offload_blocks(block, field, device):
     d = {"zero_optimization": {"stage": 3, block: {"device": device, "pin_memory": True, "nvme_path": "/tmp"}}}
-    assert getattr(ZeroConfig.from_deepspeed(d), field) == device
+    assert getattr(config_from(d), field) == device
 
 
 def test_from_deepspeed_offload_paths():
     d = {"zero_optimization": {
         "offload_optimizer": {"device": "none", "nvme_path": "/nvme", "pin_memory": False},
         "offload_param": {"device": "none", "nvme_path": "/nvme"}}}
-    cfg = ZeroConfig.from_deepspeed(d)
+    cfg = config_from(d)
     assert cfg.nvme_path == "/nvme" and cfg.pin_memory is False
     d["zero_optimization"]["offload_param"]["nvme_path"] = "/other"
     with pytest.raises(ConfigError, match="nvme_path"):
-        ZeroConfig.from_deepspeed(d)
+        config_from(d)
 
 
 def test_from_deepspeed_overrides():
-    cfg = ZeroConfig.from_deepspeed(full_deepspeed(), seed=1, stage=3, device="cpu")
+    cfg = config_from(full_deepspeed(), seed=1, stage=3, device="cpu")
     assert (cfg.seed, cfg.stage, cfg.device, cfg.dtype) == (1, 3, "cpu", "bf16")
-    with pytest.raises(ConfigError, match="unknown from_deepspeed overrides: sed"):
-        ZeroConfig.from_deepspeed(full_deepspeed(), sed=1)
+    with pytest.raises(ConfigError, match="unknown DeepSpeed config overrides: sed"):
+        config_from(full_deepspeed(), sed=1)
     with pytest.raises(ConfigError, match="^seed=-1"):
-        ZeroConfig.from_deepspeed(full_deepspeed(), seed=-1)
+        config_from(full_deepspeed(), seed=-1)
 
 
 @pytest.mark.parametrize("bad", [None, [], "{}"])
 def test_from_deepspeed_non_mapping(bad):
     with pytest.raises(ConfigError):
-        ZeroConfig.from_deepspeed(bad)
+        config_from(bad)
 
 
 def test_from_file_detects_deepspeed_json(tmp_path):
     path = _write(tmp_path, "ds_config.json", json.dumps(full_deepspeed()))
-    assert ZeroConfig.from_file(path) == ZeroConfig.from_deepspeed(full_deepspeed())
+    assert ZeroConfig.from_file(path) == config_from(full_deepspeed())
 
 
 @pytest.mark.parametrize("doc", [{"train_batch_size": 8}, {"optimizer": {"type": "SGD"}},

@@ -4,7 +4,7 @@ Inputs are arbitrary JSON-like values (nested dicts/lists, str, int of any size,
 float including nan/inf, bool, None), near-valid configs (a valid zerompi or
 DeepSpeed document with one key mutated to a random value, a wrong type, a
 deleted key or an unknown key), and random text or bytes, fed to
-``ZeroConfig.from_dict``, ``ZeroConfig.from_deepspeed`` and ``ZeroConfig.from_file``
+``ZeroConfig.from_dict``, ``zerompi.compat.deepspeed.config_from`` and ``ZeroConfig.from_file``
 (TOML and JSON files). The property:
 
 * the result is a valid ``ZeroConfig`` with ``from_dict(cfg.to_dict()) == cfg``, or
@@ -44,8 +44,9 @@ pytestmark = pytest.mark.filterwarnings(r"ignore:(DeepSpeed config keys accepted
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from zerompi.compat.deepspeed import config_from
 from zerompi.config import ZeroConfig  # noqa: E402
-from zerompi.config.deepspeed import looks_like_deepspeed  # noqa: E402
+from zerompi.compat.deepspeed.config import looks_like_deepspeed  # noqa: E402
 from zerompi.errors import ConfigError  # noqa: E402
 
 FUZZ = dict(deadline=None, derandomize=True, database=None,
@@ -487,21 +488,21 @@ def test_fuzz_in_backward(stage, clip, dtype, nonfinite, accum):
          "gradient_clipping": SCALARS, "gradient_accumulation_steps": SCALARS,
          "fp16": st.dictionaries(st.sampled_from(["enabled", "loss_scale", "min_loss_scale"]), SCALARS)})))
 def test_fuzz_from_deepspeed_arbitrary(value):
-    judge("from_deepspeed/arbitrary", lambda: ZeroConfig.from_deepspeed(value), big_int=_has_big_int(value))
+    judge("from_deepspeed/arbitrary", lambda: config_from(value), big_int=_has_big_int(value))
 
 
 @settings(max_examples=250, **FUZZ)
 @given(mutated(valid_deepspeed(), JSON_VALUES, nested=True))
 def test_fuzz_from_deepspeed_near_valid(case):
     doc, key, _how = case
-    judge("from_deepspeed/near_valid", lambda: ZeroConfig.from_deepspeed(doc), key=key,
+    judge("from_deepspeed/near_valid", lambda: config_from(doc), key=key,
           big_int=_has_big_int(doc))
 
 
 @settings(max_examples=60, **FUZZ)
 @given(valid_deepspeed())
 def test_fuzz_valid_deepspeed_configs_load(doc):
-    assert judge("from_deepspeed/valid", lambda: ZeroConfig.from_deepspeed(doc)) is not None
+    assert judge("from_deepspeed/valid", lambda: config_from(doc)) is not None
 
 
 # ---- from_file ---------------------------------------------------------------------------------------
@@ -560,8 +561,8 @@ def test_fuzz_from_file_near_valid(tmp, case, suffix):
 @pytest.mark.parametrize("call", [
     lambda tmp: ZeroConfig.from_dict({"lr": 10**400}),
     lambda tmp: ZeroConfig(weight_decay=-10**400),
-    lambda tmp: ZeroConfig.from_deepspeed({"gradient_clipping": 10**400}),
-    lambda tmp: ZeroConfig.from_deepspeed({"zero_optimization": {"reduce_bucket_size": 10**400}}),
+    lambda tmp: config_from({"gradient_clipping": 10**400}),
+    lambda tmp: config_from({"zero_optimization": {"reduce_bucket_size": 10**400}}),
     lambda tmp: ZeroConfig.from_file(write_doc(tmp, '{"lr": 1' + "0" * 400 + "}", ".json")),
     lambda tmp: ZeroConfig.from_file(write_doc(tmp, "lr = 1" + "0" * 400 + "\n", ".toml")),
 ], ids=["from_dict", "kwargs", "deepspeed-clipping", "deepspeed-bucket", "json-file", "toml-file"])
@@ -573,7 +574,7 @@ def test_c1_huge_int_is_a_config_error(tmp, call):
 @pytest.mark.parametrize("value", [1e-320, 1e308])
 def test_c2_deepspeed_bucket_size_error_names_the_deepspeed_key(value):
     with pytest.raises(ConfigError, match=r"zero_optimization\.reduce_bucket_size"):
-        ZeroConfig.from_deepspeed({"zero_optimization": {"reduce_bucket_size": value}})
+        config_from({"zero_optimization": {"reduce_bucket_size": value}})
 
 
 @pytest.mark.parametrize("name,text", [("deep.json", "[" * 100000 + "]" * 100000),

@@ -17,10 +17,11 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
+from zerompi.compat.deepspeed import config_from
 from zerompi.config import ZeroConfig
-from zerompi.config.deepspeed import NO_EFFECT, deepspeed_kwargs, translate
-from zerompi.config.ds_auto import hidden_size
-from zerompi.config.ds_batch import Batch, BatchKeys, complete_batch
+from zerompi.compat.deepspeed.config import NO_EFFECT, deepspeed_kwargs, translate
+from zerompi.compat.deepspeed.auto import hidden_size
+from zerompi.compat.deepspeed.batch import Batch, BatchKeys, complete_batch
 from zerompi.errors import ConfigError
 from zerompi.models.gpt import GPT, GPTConfig
 
@@ -67,10 +68,10 @@ CIFAR = {
 
 
 def from_deepspeed(doc, model=None, **overrides):
-    """ZeroConfig.from_deepspeed and the warnings it gave."""
+    """zerompi.compat.deepspeed.config_from and the warnings it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = ZeroConfig.from_deepspeed(copy.deepcopy(doc), model, **overrides)
+        cfg = config_from(copy.deepcopy(doc), model, **overrides)
     return cfg, [str(w.message) for w in caught]
 
 
@@ -167,9 +168,9 @@ def test_every_no_effect_key_is_warned_about():
                                                      (8193, 3, 2), (5e7, 8, 8)])
 def test_prefetch_bucket_size_to_units(size, units, units_of_twice):
     doc = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": size}}
-    assert ZeroConfig.from_deepspeed(doc).prefetch_units == units
+    assert config_from(doc).prefetch_units == units
     # The unit is the bucket the config ends with, overrides included.
-    assert ZeroConfig.from_deepspeed(doc, bucket_mb=2 * 4096 * 4 / 2**20).prefetch_units == units_of_twice
+    assert config_from(doc, bucket_mb=2 * 4096 * 4 / 2**20).prefetch_units == units_of_twice
 
 
 def test_persistence_threshold_in_kwargs():
@@ -241,11 +242,11 @@ def test_fp16_auto_follows_the_dtype_override():
 def test_unresolvable_auto_names_the_key_and_what_to_pass():
     doc = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"}}}
     with pytest.raises(ConfigError, match=r"scheduler.params.total_num_steps='auto' cannot be resolved.*total_steps"):
-        ZeroConfig.from_deepspeed(doc)
+        config_from(doc)
     t = translate(doc, None, {"total_steps": 100, "warmup_steps": 5})
     assert (t.schedule.total_num_steps, t.schedule.warmup_num_steps) == (100, 5)
     with pytest.raises(ConfigError, match=r"^zero_optimization.stage='auto'"):
-        ZeroConfig.from_deepspeed({"zero_optimization": {"stage": "auto"}})
+        config_from({"zero_optimization": {"stage": "auto"}})
 
 
 def test_unsupported_keys_still_in_one_error():
@@ -255,7 +256,7 @@ def test_unsupported_keys_still_in_one_error():
     doc["activation_checkpointing"] = {}
     doc["fp16"]["fp16_master_weights"] = True
     with pytest.raises(ConfigError) as err:
-        ZeroConfig.from_deepspeed(doc)
+        config_from(doc)
     assert str(err.value) == ("unsupported DeepSpeed config keys: activation_checkpointing, fp16.fp16_master_weights, "
                               "scheduler.params.cycle_min_lr, zero_optimization.zeropp_loco_param")
 
@@ -270,7 +271,7 @@ def test_unsupported_keys_still_in_one_error():
 ])
 def test_what_would_change_the_result_raises(doc, match):
     with pytest.raises(ConfigError, match=match):
-        ZeroConfig.from_deepspeed(doc)
+        config_from(doc)
 
 
 @pytest.mark.parametrize("keys,world,expected", [
@@ -296,5 +297,5 @@ def test_inconsistent_batch_keys_name_them(keys, world):
 
 def test_batch_keys_checked_for_type():
     with pytest.raises(ConfigError, match=r"^train_micro_batch_size_per_gpu=0"):
-        ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 0})
-    assert math.isclose(ZeroConfig.from_deepspeed({"train_batch_size": "auto"}).lr, 1e-3)
+        config_from({"train_micro_batch_size_per_gpu": 0})
+    assert math.isclose(config_from({"train_batch_size": "auto"}).lr, 1e-3)

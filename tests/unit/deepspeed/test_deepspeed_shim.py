@@ -9,9 +9,9 @@ from mpi4py import MPI
 from torch import nn
 
 import zerompi.deepspeed as deepspeed
-from zerompi.config.ds_schedule import read_schedule
+from zerompi.compat.deepspeed.schedule import read_schedule
 from zerompi.errors import ConfigError, UsageError
-from zerompi.optim.ds_schedules import factor_for
+from zerompi.compat.deepspeed.lr_schedules import factor_for
 
 LOCAL = {"device": "cpu", "cpu_threads": 1, "abort_on_exception": False, "checkpoint_layout": "per_rank"}
 

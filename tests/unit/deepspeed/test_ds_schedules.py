@@ -2,7 +2,7 @@
 
 Each step's learning rates are read off the optimizer before the step, then the scheduler
 steps (as both engines do after an optimizer step). They are checked against numbers worked
-out by hand from DeepSpeed's formulas (zerompi/optim/ds_schedules.py), and, when the peers
+out by hand from DeepSpeed's formulas (zerompi/compat/deepspeed/lr_schedules.py), and, when the peers
 venv has DeepSpeed (tests/peers.py), against DeepSpeed's own scheduler classes on the same
 param groups. WarmupCosineLR multiplies each group's lr by the same ratio on both sides, so
 it must agree exactly; WarmupLR/WarmupDecayLR set absolute rates, which LambdaLR reaches as
@@ -18,9 +18,9 @@ import subprocess
 import pytest
 import torch
 
-from zerompi.config.ds_schedule import read_schedule
+from zerompi.compat.deepspeed.schedule import read_schedule
 from zerompi.errors import ConfigError
-from zerompi.optim.ds_schedules import scheduler_factory
+from zerompi.compat.deepspeed.lr_schedules import scheduler_factory
 
 from tests.peers import deepspeed_python
 

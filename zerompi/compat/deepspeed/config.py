@@ -4,21 +4,24 @@ Keys zerompi understands are mapped one by one. Tuning keys that cannot change
 the result (``overlap_comm`` aside, which maps to overlap_grad_reduce) are accepted
 and named in :attr:`Translation.no_effect`, which the caller reports in one warning.
 Every other key is collected and refused in one ConfigError, because silently
-dropping a setting changes training. ``"auto"`` values are resolved first (ds_auto.py).
+dropping a setting changes training. ``"auto"`` values are resolved first (auto.py).
 """
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
+from dataclasses import MISSING, fields
 from typing import Any, NamedTuple
 
 from torch import nn
 
-from zerompi.config.checks import CHECKS, boolean, integer, listing, real
+from zerompi.config import ZeroConfig
+from zerompi.config.checks import CHECKS, boolean, integer, listing, real, reject_unknown
 from zerompi.config.choices import DType
-from zerompi.config.ds_auto import is_auto, resolve_auto
-from zerompi.config.ds_batch import BatchKeys, read_batch_keys
-from zerompi.config.ds_schedule import ALL_PARAMS, DeepSpeedSchedule, read_schedule
+from zerompi.compat.deepspeed.auto import is_auto, resolve_auto
+from zerompi.compat.deepspeed.batch import BatchKeys, read_batch_keys
+from zerompi.compat.deepspeed.schedule import ALL_PARAMS, DeepSpeedSchedule, read_schedule
 from zerompi.errors import ConfigError
 
 
@@ -45,7 +48,7 @@ _DS_SCHEMA: dict[str, Any] = {
     "optimizer": {"type": None, "params": ("lr", "betas", "eps", "weight_decay", "momentum",
                                            "adam_w_mode", "torch_adam")},
     "scheduler": {"type": None, "params": ALL_PARAMS},
-    # Data loader settings: zerompi.deepspeed checks and derives them (ds_batch.py).
+    # Data loader settings: zerompi.deepspeed checks and derives them (batch.py).
     "train_batch_size": None, "train_micro_batch_size_per_gpu": None,
     "steps_per_print": None, "wall_clock_breakdown": None, "prescale_gradients": None,
     "zero_allow_untested_optimizer": None,
@@ -268,7 +271,7 @@ def translate(d: Mapping[str, Any], model: nn.Module | None = None, overrides: M
               defaults: Mapping[str, Any] | None = None) -> Translation:
     """Translate a DeepSpeed config (unsupported keys: one ConfigError listing them all).
 
-    ``overrides`` and ``defaults`` are ZeroConfig field values that resolve "auto" (ds_auto.py);
+    ``overrides`` and ``defaults`` are ZeroConfig field values that resolve "auto" (auto.py);
     ``model`` gives the hidden size the tuning sizes' "auto" follow.
     """
     unsupported: list[str] = []
@@ -314,3 +317,41 @@ def warning_text(t: Translation, lr: float, schedule_applied: bool) -> str | Non
         parts.append(f"scheduler.type={t.schedule.kind!r} is applied by zerompi.deepspeed.initialize; with "
                      "zerompi.initialize pass lr_scheduler=zerompi.deepspeed.scheduler_factory(config)")
     return "; ".join(parts) or None
+
+
+def translate_config(d: Mapping[str, Any], model: nn.Module | None = None,
+                     overrides: Mapping[str, Any] | None = None) -> tuple[ZeroConfig, Translation]:
+    """The ZeroConfig of a DeepSpeed config with ``overrides`` (ZeroConfig field values) applied on
+    top, and the whole translation (its schedule, batch keys and keys without effect)."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"DeepSpeed config={d!r} is not a mapping")
+    overrides = dict(overrides or {})
+    names = [f.name for f in fields(ZeroConfig)]
+    reject_unknown(overrides, names, "DeepSpeed config overrides")
+    overrides = {k: CHECKS[k](k, v) for k, v in overrides.items()}
+    defaults = {f.name: f.default for f in fields(ZeroConfig) if f.default is not MISSING}
+    t = translate(d, model, overrides, defaults)
+    return ZeroConfig(**{**t.kwargs, **overrides}), t
+
+
+def config_from(d: Mapping[str, Any], model: nn.Module | None = None, **overrides: Any) -> ZeroConfig:
+    """Translate a DeepSpeed JSON config; ``overrides`` are field values applied on top.
+
+    Keys zerompi cannot honour are all listed in one ConfigError; tuning keys with no effect are
+    named in one warning. Left-out settings take DeepSpeed's defaults where they change training
+    (stage 0; clipping at 1.0; no weight decay in a given optimizer block), else ZeroConfig's.
+    "auto" values resolve from ``overrides`` or the defaults, tuning sizes from ``model``'s hidden
+    size (auto.py). A scheduler block is checked here and applied by ``zerompi.deepspeed.initialize``."""
+    cfg, t = translate_config(d, model, overrides)
+    text = warning_text(t, cfg.lr, schedule_applied=False)
+    if text:
+        warnings.warn(text, stacklevel=2)
+    return cfg
+
+
+class DeepSpeedDialect:
+    """DeepSpeed JSON as a config dialect that ZeroConfig.from_file recognises (config/dialects.py)."""
+
+    name = "DeepSpeed"
+    recognises = staticmethod(looks_like_deepspeed)
+    read = staticmethod(config_from)

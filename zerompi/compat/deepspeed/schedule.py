@@ -5,7 +5,7 @@ DeepSpeed's ``WarmupLR``, ``WarmupDecayLR`` and ``WarmupCosineLR`` (deepspeed 0.
 params. Their learning rates differ from zerompi's ``warmup_*`` schedules (DeepSpeed's
 first optimizer step runs at the warm-up start, its warm-up is logarithmic by default,
 its decay lags one step), so they run as their own LambdaLR factors
-(zerompi/optim/ds_schedules.py), which reproduce DeepSpeed's numbers step for step.
+(zerompi/compat/deepspeed/lr_schedules.py), which reproduce DeepSpeed's numbers step for step.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerompi.config.ds_schedule import DeepSpeedSchedule
+from zerompi.compat.deepspeed.schedule import DeepSpeedSchedule
 from zerompi.errors import UsageError
 from zerompi.optim.schedules import SchedulerFactory
 
