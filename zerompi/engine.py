@@ -17,7 +17,7 @@ from torch import nn
 
 from zerompi import offload
 from zerompi.checkpoint.background import BackgroundSave
-from zerompi.checkpoint.fence import ShardFence
+from zerompi.offload.fence import ShardFence
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 from zerompi.checkpoint.stores import store_for
 from zerompi.config import DType, Offload, Progress, ZeroConfig
@@ -127,16 +127,16 @@ class Engine:
             error = str(e)
         all_ranks_ok(group, error)
         self.swapper = swapper
+        self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
         tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
-                         cfg.offload.pin_memory)
+                         cfg.offload.pin_memory, self._fence)
         self.sharded = ShardedModel(module, placement, self.groups,
                                     ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
-        self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
         self._saving: BackgroundSave | None = None
-        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers, self._fence)
+        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
         if cfg.optimizer_in_backward:
             self.sharded.register_backward_steps(self.optimizer)
         self._phase = PhaseTracker(cfg.grad_accum_steps)

@@ -4,7 +4,7 @@
 (agreeing on the tag and the save's id, cleaning the root, making ``ROOT/.tmp-TAG-ID``, reading
 the counters, RNG state, error-feedback residuals, optimizer metadata and, on rank 0, the index
 with client_state and the scheduler's state and the replicated tensors, all as copies),
-holds every bucket in the engine's :class:`~zerompi.checkpoint.fence.ShardFence`, starts one
+holds every bucket in the engine's :class:`~zerompi.offload.fence.ShardFence`, starts one
 thread per writing rank and returns. The thread takes each bucket (a copy in host memory, or, under
 NVMe offload, a read of the swap file, which the fence keeps unchanged until then), releases it,
 and writes the rank file as a synchronous save does (rawio.py: checksums as written, fsync).
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from zerompi.checkpoint.fence import ShardFence
+from zerompi.offload.fence import ShardFence
 from zerompi.comm.group import ProcessGroup
 from zerompi.errors import CheckpointError, all_ranks_ok
 from zerompi.log import get_logger

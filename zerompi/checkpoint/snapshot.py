@@ -15,7 +15,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from zerompi.checkpoint.fence import ShardFence
+from zerompi.offload.fence import ShardFence
+from zerompi.offload.residency import ShardState
 from zerompi.comm.group import ProcessGroup
 from zerompi.shard.layout import BucketLayout, ShardRange
 
@@ -35,13 +36,6 @@ class ShardSnapshot(NamedTuple):
     layout: BucketLayout
     own: ShardRange      # the elements of the bucket this rank holds (stage 0: all of them)
     written: ShardRange  # the part of ``own`` this rank saves (stage 0 replicas save their shard)
-
-
-class ShardState(NamedTuple):
-    """A bucket's fp32 master and its optimizer state, in memory for the duration of a block."""
-
-    master: torch.Tensor
-    state: dict[str, Any]  # per-element tensors and scalars, as the inner optimizer keeps them
 
 
 class ShardStates(Protocol):

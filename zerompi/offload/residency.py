@@ -16,11 +16,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 
 from zerompi.offload.aligned import aligned_empty, allocate, release
 from zerompi.offload.nvme import NVMeSwapper, Priority
+
+
+class ShardState(NamedTuple):
+    """A bucket's fp32 master and its optimizer state, in memory for the duration of a block."""
+
+    master: torch.Tensor
+    state: dict[str, Any]  # per-element tensors and scalars, as the inner optimizer keeps them
 
 
 class InMemory:

@@ -22,13 +22,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from zerompi.config.choices import Offload
 from zerompi.offload.aligned import Reuse, aligned_empty, allocate, release
+from zerompi.offload.fence import FencedStore, ShardFence
 from zerompi.offload.nvme import NVMeSwapper
 from zerompi.offload.residency import InMemory, NVMeResidency
 
@@ -179,6 +180,7 @@ class TierPlan:
             shards go to the swap file too, as in ZeRO-Infinity.
         swapper: the rank's swap file, when anything goes to 'nvme'.
         pin_memory: pin host copies when there is a GPU to copy to.
+        fence: what asynchronous saves hold; the optimizer's store waits at it (fence.py).
     """
 
     optimizer: Offload = Offload.NONE
@@ -187,6 +189,7 @@ class TierPlan:
     shard_grads: bool = False
     swapper: NVMeSwapper | None = None
     pin_memory: bool = False
+    fence: ShardFence = field(default_factory=ShardFence)
 
     @property
     def moves_state(self) -> bool:
@@ -236,8 +239,9 @@ class TierPlan:
             NVMeResidency.swap_out_master(self.swapper, index, master)
         return master
 
-    def optimizer_store(self, buckets, inner: torch.optim.Optimizer) -> InMemory:
-        """How master and optimizer state come into memory for the step."""
-        if self.optimizer == Offload.NVME:
-            return NVMeResidency(buckets, inner, self.swapper)
-        return InMemory(buckets, inner)
+    def optimizer_store(self, buckets, inner: torch.optim.Optimizer) -> FencedStore:
+        """How master and optimizer state come into memory for the step, behind the fence of
+        asynchronous saves (fence.py)."""
+        store = NVMeResidency(buckets, inner, self.swapper) if self.optimizer == Offload.NVME else \
+            InMemory(buckets, inner)
+        return FencedStore(store, self.fence)

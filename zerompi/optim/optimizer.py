@@ -25,13 +25,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zerompi.checkpoint.fence import ShardFence
-from zerompi.checkpoint.snapshot import ShardState
 from zerompi.config.choices import NonFinite
 from zerompi.comm.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
 from zerompi.offload.aligned import align_storage, trim_heap
+from zerompi.offload.residency import ShardState
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
@@ -90,16 +89,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cfg: the ZeroConfig.
         group: the group whose shards cover every element once (for the norm all-reduce).
         group_options: per optimizer param group overrides (e.g. weight_decay).
-        tiers: where master and optimizer state live (their store streams them for the step).
-        fence: buckets an asynchronous save still reads: a bucket's master and state change (step,
-            load) only once the fence lets them.
+        tiers: where master and optimizer state live (their store streams them for the step, and
+            hands out a bucket an asynchronous save still reads only once the save has it).
     """
 
     def __init__(self, buckets: list[Bucket], cfg, group: ProcessGroup,
-                 group_options: list[dict[str, Any]], tiers: TierPlan = TierPlan(),
-                 fence: ShardFence | None = None):
+                 group_options: list[dict[str, Any]], tiers: TierPlan = TierPlan()):
         self.buckets = buckets
-        self.fence = fence or ShardFence()
         self.group = group
         self.clip = cfg.clip_grad_norm
         self.nonfinite = cfg.reliability.nonfinite
@@ -146,9 +142,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #    one at a time as it streams them), then publish them to the compute parameters
         todo = [i for i in range(len(self.buckets)) if i not in early]
         after = dict(zip(todo, todo[1:]))
-        for batch in self.store.batches(todo):
-            for i in batch:
-                self.fence.wait(i)  # a background save may still be taking this bucket
+        for batch in self.store.batches(todo):  # each bucket once no background save still reads it
             if batch[-1] in after:  # streamed (NVMe): the next gradient is read meanwhile
                 self.buckets[after[batch[-1]]].grads.prefetch()
             buckets = [self.buckets[i] for i in batch]
@@ -167,7 +161,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         clipping, no loss scale: the config allows neither), and free the gradient."""
         i = bucket.layout.index
         self._early[i] = bucket.grads.norm_sq(1.0)
-        self.fence.wait(i)
         with self.store.behind(i):
             self._update([bucket], [bucket.grads.take(1.0, 1.0)])
         bucket.zero_grad()
@@ -263,7 +256,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @contextmanager
     def shard_state(self, index: int, *, load: bool = True) -> Iterator[ShardState]:
         """Bucket ``index``'s master and optimizer state, in memory for the block."""
-        self.fence.wait(index)  # swapping it in and out rewrites the swap file's copy
         with self.store.resident(index, load=load):
             master = self.buckets[index].master
             yield ShardState(master, self.inner.state.get(master, {}))
@@ -283,7 +275,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
         """Overwrite bucket ``index``'s master and state (tensors move to the master's device),
         publish it to the compute parameters and forget its gradient."""
-        self.fence.wait(index)
         bucket = self.buckets[index]
         with self.store.resident(index, load=False):  # offloaded: overwritten, then swapped out
             with torch.no_grad():

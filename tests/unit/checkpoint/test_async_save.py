@@ -14,7 +14,7 @@ from torch import nn
 
 import zerompi
 from zerompi.checkpoint import load_full_state_dict, stores
-from zerompi.checkpoint.fence import ShardFence
+from zerompi.offload.fence import ShardFence
 from zerompi.errors import CheckpointError, UsageError
 
 
