@@ -8,6 +8,7 @@ batch, exactly as single-process training on that batch would.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,6 @@ from torch import nn
 
 from zerompi import offload
 from zerompi.checkpoint.background import BackgroundSave
-from zerompi.offload.fence import ShardFence
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 from zerompi.checkpoint.stores import store_for
 from zerompi.config import DType, Offload, Progress, ZeroConfig
@@ -27,6 +27,7 @@ from zerompi.comm.mpi import MPIGroup
 from zerompi.comm.topology import build_groups
 from zerompi.errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
 from zerompi.log import get_logger, set_rank
+from zerompi.offload.fence import ShardFence
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim import schedules
 from zerompi.optim.optimizer import ZeroOptimizer
@@ -35,7 +36,7 @@ from zerompi.shard import deferred
 from zerompi.shard.bucket import Placement
 from zerompi.shard.compression import Compression
 from zerompi.shard.placement import place
-from zerompi.shard.sharded import Overlap, ShardedModel, ShardOptions
+from zerompi.shard.sharded import ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
 from zerompi.torch_private import tree_map
 
@@ -117,7 +118,7 @@ class Engine:
         # Swapped parameter shards are read ahead even when gathers are not prefetched: three units,
         # which on the capacity benchmark's disk hid most reads that one unit ahead left exposed.
         ahead = cfg.prefetch_units or (3 if cfg.offload.params == Offload.NVME else 0)
-        overlap = Overlap(cfg.overlap_grad_reduce, ahead, cfg.overlap.progress == Progress.TEST)
+        overlap = dataclasses.replace(cfg.overlap, prefetch_units=ahead)
         if cfg.return_freed_memory or cfg.offload.uses_nvme:  # NVMe: shards stream through memory, what
             offload.return_freed_memory()                        # is freed must leave the process
         swapper, error = None, None
@@ -137,9 +138,8 @@ class Engine:
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
         self._saving: BackgroundSave | None = None
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
-        if cfg.optimizer_in_backward:
-            self.sharded.register_backward_steps(self.optimizer)
-        self._phase = PhaseTracker(cfg.grad_accum_steps)
+        self.sharded.register_backward_steps(self.optimizer)  # used by backwards that update (phase.py)
+        self._phase = PhaseTracker(cfg.grad_accum_steps, cfg.overlap.update)
         self._stats = Stats()
         self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_config(cfg), self.optimizer)
         """Stepped by ``step()`` after each optimizer step that updated (None: the lr stays)."""
@@ -173,8 +173,7 @@ class Engine:
         """Backward of this rank's mean micro-batch loss; reduces gradients as they appear."""
         if loss.dim() != 0:
             raise UsageError(f"backward() takes a scalar loss, got shape {tuple(loss.shape)}")
-        sync = self._phase.begin_backward()
-        self.sharded.begin_backward(sync=sync)
+        self.sharded.begin_backward(self._phase.begin_backward())
         try:
             (loss * (self.optimizer.loss_scale / self.config.grad_accum_steps)).backward()
             self.sharded.finish_backward()

@@ -10,11 +10,18 @@
 A backward that raises goes back to where it started (its gradients are not
 reduced). ``step()`` in ACCUMULATING returns without updating; anything else
 not drawn above raises :class:`UsageError` naming both phases.
+
+``optimizer_in_backward`` is a schedule of this machine (UpdateSchedule.IN_BACKWARD):
+the backward that completes a window also updates each bucket as its gradient becomes
+final, and STEP completes the step (the global norm, the rest). ``begin_backward`` says
+which, once, for the sharded model and the optimizer to follow.
 """
 from __future__ import annotations
 
 from enum import Enum
+from typing import NamedTuple
 
+from zerompi.config.choices import UpdateSchedule
 from zerompi.errors import UsageError
 
 
@@ -40,11 +47,20 @@ _HINTS = {
 }
 
 
+class Backward(NamedTuple):
+    """What one backward does, as the machine decides it when the backward begins."""
+
+    ends_window: bool
+    """It completes the accumulation window (stages 0-1 reduce gradients then)."""
+    updates: bool
+    """Buckets are updated during it, as their gradients become final (IN_BACKWARD, last of a window)."""
+
+
 class PhaseTracker:
     """The phase and the micro-batches of the current accumulation window."""
 
-    def __init__(self, accum: int):
-        self.accum = accum
+    def __init__(self, accum: int, schedule: UpdateSchedule = UpdateSchedule.AFTER_BACKWARD):
+        self.accum, self.schedule = accum, schedule
         self.phase = Phase.IDLE
         self.micro = 0  # backward calls completed in this window
 
@@ -55,13 +71,14 @@ class PhaseTracker:
                              + (f": {hint}" if hint else ""))
         self.phase = to
 
-    def begin_backward(self) -> bool:
-        """Enter BACKWARD; True when this backward completes the accumulation window."""
+    def begin_backward(self) -> Backward:
+        """Enter BACKWARD; what this backward does (whether it completes the window and updates)."""
         if self.phase is Phase.READY:
             raise UsageError(f"backward() called {self.micro + 1} times without step() "
                              f"(grad_accum_steps={self.accum}); call engine.step() after each backward")
         self._move(Phase.BACKWARD)
-        return self.micro + 1 == self.accum
+        ends = self.micro + 1 == self.accum
+        return Backward(ends, ends and self.schedule is UpdateSchedule.IN_BACKWARD)
 
     def end_backward(self, ok: bool) -> None:
         """Leave BACKWARD: counted when it succeeded, else back to where it started."""

@@ -120,6 +120,15 @@ class Progress(Choice):
     """One communication thread per process runs every collective (MPI_THREAD_MULTIPLE)."""
 
 
+class UpdateSchedule(Choice):
+    """When the optimizer updates a bucket in a window's last backward (``optimizer_in_backward``)."""
+
+    AFTER_BACKWARD = "after_backward"
+    """``step()`` updates every bucket."""
+    IN_BACKWARD = "in_backward"
+    """Each bucket as soon as its gradient is final; ``step()`` completes the step."""
+
+
 class Hierarchy(Choice):
     """How ranks are grouped for sharding."""
 

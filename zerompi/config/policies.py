@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerompi.config.choices import DType, GradQuant, Hierarchy, NonFinite, Offload, Progress, WeightQuant
+from zerompi.config.choices import DType, GradQuant, Hierarchy, NonFinite, Offload, Progress, UpdateSchedule, WeightQuant
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ class OverlapPolicy:
     """Stage 3: gather units gathered ahead, non-blocking (0 = on demand)."""
     progress: Progress
     """How non-blocking collectives progress while Python computes."""
+    update: UpdateSchedule = UpdateSchedule.AFTER_BACKWARD
+    """When buckets are updated: in ``step()``, or during the backward that ends a window."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 
 from zerompi.config import checks, dialects
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
-                                    Offload, Progress, Schedule, Stage, WeightQuant)
+                                    Offload, Progress, Schedule, Stage, UpdateSchedule, WeightQuant)
 from zerompi.config.files import read_document
 from zerompi.config.policies import (CompressionPolicy, OffloadPolicy, OverlapPolicy, PrecisionPolicy,
                                      ReliabilityPolicy, TopologyPolicy)
@@ -270,7 +270,8 @@ class ZeroConfig:
     @property
     def overlap(self) -> OverlapPolicy:
         """Overlap of communication with computation."""
-        return OverlapPolicy(self.overlap_grad_reduce, self.prefetch_units, self.mpi_progress)
+        return OverlapPolicy(self.overlap_grad_reduce, self.prefetch_units, self.mpi_progress,
+                             UpdateSchedule.IN_BACKWARD if self.optimizer_in_backward else UpdateSchedule.AFTER_BACKWARD)
 
     @property
     def topology(self) -> TopologyPolicy:

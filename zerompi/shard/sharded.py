@@ -20,8 +20,11 @@ import torch
 from torch import nn
 
 from zerompi.comm.topology import Groups
+from zerompi.config.choices import Progress
+from zerompi.config.policies import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
+from zerompi.phase import Backward
 from zerompi.offload.aligned import trim_heap
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
@@ -37,15 +40,6 @@ logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class Overlap:
-    """What runs non-blocking: see ZeroConfig's overlap_grad_reduce, prefetch_units, mpi_progress."""
-
-    grad_reduce: bool = False
-    prefetch_units: int = 0
-    test_progress: bool = False
-
-
-@dataclass(frozen=True)
 class ShardOptions:
     """How the model is cut into buckets and what runs non-blocking."""
 
@@ -53,7 +47,8 @@ class ShardOptions:
     """Bucket size in elements (stage 3: gather-unit size)."""
     placements: tuple[ParamPlacement, ...]
     """Every parameter's placement (placement.py's ``place``), in ``named_parameters`` order."""
-    overlap: Overlap = Overlap()
+    overlap: OverlapPolicy = OverlapPolicy(False, 0, Progress.NONE)
+    """What runs non-blocking (the config's, with the prefetch depth the engine resolved)."""
     param_init: ParamInit | None = None
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
     max_live_params: int | None = None
@@ -285,7 +280,7 @@ class ShardedModel:
                              "optimizer_in_backward=False")
         if bucket.add_grad(slot, grad) and self._backward is not None and self._backward.sync:
             self._reduce(bucket)
-        if self.overlap.test_progress:
+        if self.overlap.progress is Progress.TEST:
             for b in self._inflight:
                 b.progress()
 
@@ -305,17 +300,22 @@ class ShardedModel:
         self._backward.steps.reduced(bucket)
 
     def register_backward_steps(self, steps: BackwardSteps) -> None:
-        """optimizer_in_backward: from now on, every backward that ends an accumulation window
-        hands ``steps`` each bucket whose gradient is final, in the same order on every rank."""
+        """The optimizer, built after the buckets: a backward that updates (optimizer_in_backward,
+        the last of a window) hands ``steps`` each bucket whose gradient is final, in the same order
+        on every rank."""
         self._steps = steps
 
-    def begin_backward(self, sync: bool) -> None:
-        """``sync``: this backward ends a gradient-accumulation window (stages 0-1 reduce then;
-        stages 2-3 reduce every backward)."""
+    def begin_backward(self, backward: Backward) -> None:
+        """What the engine's phase machine decided for this backward: whether it ends a
+        gradient-accumulation window (stages 0-1 reduce then; stages 2-3 reduce every backward)
+        and whether it updates buckets as their gradients become final (register_backward_steps)."""
         if self._backward is not None:
             raise ZeroMPIError("begin_backward() inside a backward: the previous one did not finish")
+        if backward.updates and self._steps is None:
+            raise ZeroMPIError("a backward that updates buckets, with no optimizer registered to update them")
         self.check_requires_grad()
-        self._backward = _Backward(sync=sync or self.plan.shard_grads, steps=self._steps if sync else None)
+        self._backward = _Backward(sync=backward.ends_window or self.plan.shard_grads,
+                                   steps=self._steps if backward.updates else None)
         for b in self.buckets:
             b.begin_backward()
 

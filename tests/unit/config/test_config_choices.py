@@ -11,7 +11,7 @@ import torch
 
 import zerompi.config
 from zerompi.compat.deepspeed import config_from
-from zerompi.config import (CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite, Offload,
+from zerompi.config import (UpdateSchedule, CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite, Offload,
                             OffloadPolicy, OverlapPolicy, PrecisionPolicy, Progress, ReliabilityPolicy, Stage,
                             TopologyPolicy, ZeroConfig)
 from zerompi.errors import ConfigError
@@ -143,7 +143,8 @@ def test_overlap_topology_reliability_policies():
     cfg = ZeroConfig(overlap_grad_reduce=True, prefetch_units=2, mpi_progress="thread", hierarchy="hpz",
                      ranks_per_node=4, nonfinite="skip", debug_collectives=True, collective_timeout=30,
                      abort_on_exception=False)
-    assert cfg.overlap == OverlapPolicy(True, 2, Progress.THREAD)
+    assert cfg.overlap == OverlapPolicy(True, 2, Progress.THREAD, UpdateSchedule.AFTER_BACKWARD)
+    assert ZeroConfig(stage=2, optimizer_in_backward=True).overlap.update is UpdateSchedule.IN_BACKWARD
     assert cfg.topology == TopologyPolicy(Hierarchy.HPZ, 4) and not cfg.topology.is_flat
     assert ZeroConfig().topology.is_flat
     assert cfg.reliability == ReliabilityPolicy(NonFinite.SKIP, True, 30.0, False)
@@ -162,13 +163,17 @@ def test_policies_group_every_field_once():
     renamed = {"offload": {"optimizer": "offload_optimizer", "params": "offload_params",
                            "block_kib": "nvme_block_kib", "threads": "nvme_threads",
                            "buffers": "nvme_buffers", "verify": "nvme_verify"},
-               "overlap": {"grad_reduce": "overlap_grad_reduce", "progress": "mpi_progress"}}
+               "overlap": {"grad_reduce": "overlap_grad_reduce", "progress": "mpi_progress",
+                           "update": "optimizer_in_backward"}}
     seen = []
     for group in ("precision", "offload", "overlap", "topology", "reliability"):
         view = getattr(cfg, group)
         for f in dataclasses.fields(view):
             field = renamed.get(group, {}).get(f.name, f.name)
-            assert getattr(view, f.name) == getattr(cfg, field), (group, f.name)
+            value = getattr(view, f.name)
+            if isinstance(value, UpdateSchedule):  # the schedule a bool field chooses
+                value = value is UpdateSchedule.IN_BACKWARD
+            assert value == getattr(cfg, field), (group, f.name)
             seen.append(field)
     assert len(seen) == len(set(seen))
 
