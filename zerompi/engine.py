@@ -137,11 +137,11 @@ class Engine:
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
         self._saving: BackgroundSave | None = None
-        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg, group, options, tiers)
+        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg.optimization, cfg.precision, group, options, tiers)
         self.sharded.register_backward_steps(self.optimizer)  # used by backwards that update (phase.py)
         self._phase = PhaseTracker(cfg.grad_accum_steps, cfg.overlap.update)
         self._stats = Stats()
-        self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_config(cfg), self.optimizer)
+        self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_policy(cfg.lr_policy), self.optimizer)
         """Stepped by ``step()`` after each optimizer step that updated (None: the lr stays)."""
 
     # ---- identity ---------------------------------------------------------

@@ -84,7 +84,7 @@ def train_reference(cfg, bucket_fqns, clip_like="torch"):
     """Plain torch on one process; bf16 keeps fp32 masters and a bf16 working copy (as the engine)."""
     master = make_model()
     work = master if cfg.dtype == "fp32" else copy.deepcopy(master).to(torch.bfloat16)
-    opt = cfg.optimizer_class()(master.parameters(), **optimizer_kwargs(cfg, "cpu"))
+    opt = cfg.optimizer_class()(master.parameters(), **optimizer_kwargs(cfg.optimization, "cpu"))
     norms = []
     for micro in batches(cfg.grad_accum_steps, next(work.parameters()).dtype):
         for x, y in micro:
@@ -242,7 +242,7 @@ def test_zero_optimizer_step_matches_clip_grad_norm_and_torch(stage, optimizer, 
     for n, p in ref.named_parameters():
         p.grad = grads[n].clone()
     norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
-    cfg.optimizer_class()(ref.parameters(), **optimizer_kwargs(cfg, "cpu")).step()
+    cfg.optimizer_class()(ref.parameters(), **optimizer_kwargs(cfg.optimization, "cpu")).step()
     assert result.stepped and result.grad_norm == pytest.approx(norm, rel=1e-6)
     if clip > norm:  # no clipping: bitwise
         assert_bitwise(state, ref)
@@ -262,7 +262,7 @@ def test_default_kernel(name, kwargs, device, expect):
     """Adam/AdamW state in host memory gets torch's fused CPU kernel unless optimizer_kwargs chooses one;
     the engine builds its optimizer with it (the reference of the MPI parity tests does too)."""
     cfg = zerompi.ZeroConfig(optimizer=name, optimizer_kwargs=kwargs)
-    got = {k: v for k, v in optimizer_kwargs(cfg, device).items() if k in ("fused", "foreach")}
+    got = {k: v for k, v in optimizer_kwargs(cfg.optimization, device).items() if k in ("fused", "foreach")}
     assert got == expect
     if device == "cpu":
         engine = zerompi.initialize(make_model(), cfg.replace(device="cpu", abort_on_exception=False),

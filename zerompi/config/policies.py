@@ -1,7 +1,7 @@
 """Grouped, read-only views of a ZeroConfig's flat fields: one policy per concern.
 
-``cfg.precision``, ``cfg.offload``, ``cfg.overlap``, ``cfg.topology`` and
-``cfg.reliability`` build these from fields ``__post_init__`` has already
+``cfg.optimization``, ``cfg.lr_policy``, ``cfg.precision``, ``cfg.offload``,
+``cfg.overlap``, ``cfg.topology``, ``cfg.reliability`` and ``cfg.compression`` build these from fields ``__post_init__`` has already
 checked, so a policy holds parsed values (enum members, floats, ints) and does
 no validation of its own. The flat fields stay the config's spelling; a policy
 is what a component takes, so it sees only the settings it uses.
@@ -9,10 +9,47 @@ is what a component takes, so it sees only the settings it uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from zerompi.config.choices import DType, GradQuant, Hierarchy, NonFinite, Offload, Progress, UpdateSchedule, WeightQuant
+from zerompi.config import checks
+from zerompi.config.choices import (DType, GradQuant, Hierarchy, NonFinite, Offload, Progress, Schedule,
+                                    UpdateSchedule, WeightQuant)
+
+
+@dataclass(frozen=True)
+class OptimizerPolicy:
+    """The inner optimizer and its update: what ZeroOptimizer (and a reference optimizer) is built from."""
+
+    optimizer: Any
+    """'adamw', 'adam', 'sgd', an Optimizer subclass or a dotted path to one (checked)."""
+    kwargs: dict
+    """Extra constructor arguments (optimizer_kwargs)."""
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    momentum: float
+    clip_grad_norm: float | None
+    """Clip the global gradient norm to this (None: no clipping)."""
+    nonfinite: NonFinite
+    """A NaN/Inf gradient in fp32/bf16: raise or skip the step (fp16 always skips)."""
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        """The torch.optim.Optimizer subclass that ``optimizer`` names."""
+        return checks.optimizer_class("optimizer", self.optimizer)
+
+
+@dataclass(frozen=True)
+class LrSchedulePolicy:
+    """The built-in learning-rate schedule (optim/schedules.py)."""
+
+    schedule: Schedule
+    lr: float
+    warmup_steps: int
+    total_steps: int | None
+    min_lr: float
 
 
 @dataclass(frozen=True)
@@ -116,10 +153,8 @@ class TopologyPolicy:
 
 @dataclass(frozen=True)
 class ReliabilityPolicy:
-    """What happens when training or communication goes wrong."""
+    """What happens when communication goes wrong (a non-finite gradient: OptimizerPolicy.nonfinite)."""
 
-    nonfinite: NonFinite
-    """A NaN/Inf gradient in fp32/bf16: raise or skip the step (fp16 always skips)."""
     debug_collectives: bool
     """Check before every collective that all ranks are at the same one."""
     collective_timeout: float | None

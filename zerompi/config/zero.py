@@ -24,8 +24,8 @@ from zerompi.config import checks, dialects
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
                                     Offload, Progress, Schedule, Stage, UpdateSchedule, WeightQuant)
 from zerompi.config.files import read_document
-from zerompi.config.policies import (CompressionPolicy, OffloadPolicy, OverlapPolicy, PrecisionPolicy,
-                                     ReliabilityPolicy, TopologyPolicy)
+from zerompi.config.policies import (CompressionPolicy, LrSchedulePolicy, OffloadPolicy, OptimizerPolicy,
+                                     OverlapPolicy, PrecisionPolicy, ReliabilityPolicy, TopologyPolicy)
 from zerompi.errors import ConfigError
 
 
@@ -256,6 +256,17 @@ class ZeroConfig:
         return max(1, int(self.bucket_mb * 2**20 // itemsize))
 
     @property
+    def optimization(self) -> OptimizerPolicy:
+        """The optimizer, its hyperparameters, clipping and non-finite gradients."""
+        return OptimizerPolicy(self.optimizer, self.optimizer_kwargs, self.lr, self.betas, self.eps,
+                               self.weight_decay, self.momentum, self.clip_grad_norm, self.nonfinite)
+
+    @property
+    def lr_policy(self) -> LrSchedulePolicy:
+        """The built-in learning-rate schedule."""
+        return LrSchedulePolicy(self.lr_schedule, self.lr, self.warmup_steps, self.total_steps, self.min_lr)
+
+    @property
     def precision(self) -> PrecisionPolicy:
         """Compute dtype and fp16 loss scaling."""
         return PrecisionPolicy(self.dtype, self.loss_scale, self.initial_scale_power,
@@ -280,8 +291,8 @@ class ZeroConfig:
 
     @property
     def reliability(self) -> ReliabilityPolicy:
-        """Non-finite gradients, collective checks, watchdog and abort."""
-        return ReliabilityPolicy(self.nonfinite, self.debug_collectives, self.collective_timeout,
+        """Collective checks, watchdog and abort."""
+        return ReliabilityPolicy(self.debug_collectives, self.collective_timeout,
                                  self.abort_on_exception)
 
     @property

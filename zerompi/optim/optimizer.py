@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerompi.config.choices import NonFinite
+from zerompi.config.policies import OptimizerPolicy, PrecisionPolicy
 from zerompi.comm.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
@@ -58,25 +59,26 @@ def default_kernel(cls: type, device: torch.device | str) -> dict[str, Any]:
     return {"fused": True} if "fused" in accepted else {"foreach": True} if "foreach" in accepted else {}
 
 
-def optimizer_kwargs(cfg, device: torch.device | str) -> dict[str, Any]:
-    """Constructor arguments for the configured optimizer whose state lives on ``device``.
+def optimizer_kwargs(policy: OptimizerPolicy, device: torch.device | str) -> dict[str, Any]:
+    """Constructor arguments for the configured optimizer (``cfg.optimization``) whose state lives on
+    ``device``.
 
     The one place the default kernel is chosen: the engine and the parity tests' single-process
     reference both build their optimizer from this, so they run the same arithmetic."""
-    name = cfg.optimizer if isinstance(cfg.optimizer, str) else ""
+    name = policy.optimizer if isinstance(policy.optimizer, str) else ""
     if name in ("adamw", "adam"):
-        base = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        base = dict(lr=policy.lr, betas=tuple(policy.betas), eps=policy.eps, weight_decay=policy.weight_decay)
     elif name == "sgd":
-        base = dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        base = dict(lr=policy.lr, momentum=policy.momentum, weight_decay=policy.weight_decay)
     else:
-        base = dict(lr=cfg.lr)
-    if not any(k in cfg.optimizer_kwargs for k in KERNEL_KEYS):
-        base.update(default_kernel(cfg.optimizer_class(), device))
-    return {**base, **cfg.optimizer_kwargs}
+        base = dict(lr=policy.lr)
+    if not any(k in policy.kwargs for k in KERNEL_KEYS):
+        base.update(default_kernel(policy.optimizer_class(), device))
+    return {**base, **policy.kwargs}
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Runs ``cfg.optimizer`` over the buckets' master shards.
+    """Runs the configured optimizer over the buckets' master shards.
 
     To schedulers and to user code it is a ``torch.optim.Optimizer`` whose
     ``param_groups`` are the user's groups (one, or the ``param_groups`` given to
@@ -86,28 +88,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Args:
         buckets: every bucket of the sharded model.
-        cfg: the ZeroConfig.
+        policy: the optimizer, its hyperparameters, clipping, non-finite handling (cfg.optimization).
+        precision: the compute dtype and fp16 loss scaling (cfg.precision).
         group: the group whose shards cover every element once (for the norm all-reduce).
         group_options: per optimizer param group overrides (e.g. weight_decay).
         tiers: where master and optimizer state live (their store streams them for the step, and
             hands out a bucket an asynchronous save still reads only once the save has it).
     """
 
-    def __init__(self, buckets: list[Bucket], cfg, group: ProcessGroup,
+    def __init__(self, buckets: list[Bucket], policy: OptimizerPolicy, precision: PrecisionPolicy,
+                 group: ProcessGroup,
                  group_options: list[dict[str, Any]], tiers: TierPlan = TierPlan()):
         self.buckets = buckets
         self.group = group
-        self.clip = cfg.clip_grad_norm
-        self.nonfinite = cfg.reliability.nonfinite
+        self.clip = policy.clip_grad_norm
+        self.nonfinite = policy.nonfinite
         self.replicated = not any(b.plan.shard_optimizer for b in buckets)  # no norm all-reduce
-        self.scaler = LossScaler.from_policy(cfg.precision) if cfg.precision.scales_loss else None
+        self.scaler = LossScaler.from_policy(precision) if precision.scales_loss else None
         groups = []
         for gi, options in enumerate(group_options):
             masters = [b.master for b in buckets if b.layout.group == gi]
             if masters:
                 groups.append({**options, "params": masters})
         # the kernel follows where the masters live: host memory (CPU device or 'cpu'/'nvme' offload)
-        self.inner = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg, buckets[0].master.device))
+        self.inner = policy.optimizer_class()(groups, **optimizer_kwargs(policy, buckets[0].master.device))
         self.store = tiers.optimizer_store(buckets, self.inner)
         # torch.optim.Optimizer's bookkeeping over the inner optimizer's own group dicts (shared,
         # not copied) and state, so that schedulers and hooks see and change the real thing

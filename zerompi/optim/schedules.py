@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from zerompi.config.choices import Schedule
+from zerompi.config.policies import LrSchedulePolicy
 from zerompi.errors import UsageError
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -48,12 +49,12 @@ class WarmupDecay:
         return self.min_ratio + (1.0 - self.min_ratio) * decay
 
 
-def from_config(cfg) -> SchedulerFactory | None:
-    """The factory of ``cfg.lr_schedule``'s scheduler; None for 'constant'."""
-    if cfg.lr_schedule == Schedule.CONSTANT:
+def from_policy(policy: LrSchedulePolicy) -> SchedulerFactory | None:
+    """The factory of the configured scheduler (``cfg.lr_policy``); None for 'constant'."""
+    if policy.schedule == Schedule.CONSTANT:
         return None
-    factor = WarmupDecay(cfg.warmup_steps, cfg.total_steps, cfg.min_lr / cfg.lr,
-                         cosine=cfg.lr_schedule == Schedule.WARMUP_COSINE)
+    factor = WarmupDecay(policy.warmup_steps, policy.total_steps, policy.min_lr / policy.lr,
+                         cosine=policy.schedule == Schedule.WARMUP_COSINE)
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
         optimizer, [factor] * len(optimizer.param_groups))
 

@@ -79,7 +79,7 @@ def reference_train(model: nn.Module, cfg: zerompi.ZeroConfig, batches, loss_fn=
     work = master if cfg.dtype == "fp32" else copy.deepcopy(model).to(DTYPES[cfg.dtype])
     pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
     groups = param_groups(master) if param_groups else [{"params": [m for m, _ in pairs]}]
-    opt = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg, "cpu"))
+    opt = cfg.optimizer_class()(groups, **optimizer_kwargs(cfg.optimization, "cpu"))
     sched = lr_scheduler(opt) if lr_scheduler is not None else None
     # fp16: the engine's initial dynamic loss scale (it cannot change within a short run)
     scale = float(2 ** cfg.initial_scale_power) if cfg.dtype == "fp16" else 1.0

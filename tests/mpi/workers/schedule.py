@@ -49,8 +49,8 @@ def config(stage: int, schedule: str) -> zerompi.ZeroConfig:
 
 
 def factory(cfg, schedule):
-    from zerompi.optim.schedules import from_config
-    return from_config(cfg) if schedule == "config" else user_scheduler
+    from zerompi.optim.schedules import from_policy
+    return from_policy(cfg.lr_policy) if schedule == "config" else user_scheduler
 
 
 results = []

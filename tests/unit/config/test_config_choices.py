@@ -147,7 +147,7 @@ def test_overlap_topology_reliability_policies():
     assert ZeroConfig(stage=2, optimizer_in_backward=True).overlap.update is UpdateSchedule.IN_BACKWARD
     assert cfg.topology == TopologyPolicy(Hierarchy.HPZ, 4) and not cfg.topology.is_flat
     assert ZeroConfig().topology.is_flat
-    assert cfg.reliability == ReliabilityPolicy(NonFinite.SKIP, True, 30.0, False)
+    assert cfg.reliability == ReliabilityPolicy(True, 30.0, False) and cfg.optimization.nonfinite is NonFinite.SKIP
 
 
 @pytest.mark.parametrize("group", ["precision", "offload", "overlap", "topology", "reliability"])
@@ -164,9 +164,10 @@ def test_policies_group_every_field_once():
                            "block_kib": "nvme_block_kib", "threads": "nvme_threads",
                            "buffers": "nvme_buffers", "verify": "nvme_verify"},
                "overlap": {"grad_reduce": "overlap_grad_reduce", "progress": "mpi_progress",
-                           "update": "optimizer_in_backward"}}
+                           "update": "optimizer_in_backward"},
+               "optimization": {"kwargs": "optimizer_kwargs"}, "lr_policy": {"schedule": "lr_schedule"}}
     seen = []
-    for group in ("precision", "offload", "overlap", "topology", "reliability"):
+    for group in ("precision", "offload", "overlap", "topology", "reliability", "optimization", "lr_policy"):
         view = getattr(cfg, group)
         for f in dataclasses.fields(view):
             field = renamed.get(group, {}).get(f.name, f.name)
@@ -175,6 +176,7 @@ def test_policies_group_every_field_once():
                 value = value is UpdateSchedule.IN_BACKWARD
             assert value == getattr(cfg, field), (group, f.name)
             seen.append(field)
+    seen.remove("lr")  # the optimizer's, and the schedule's reference for min_lr
     assert len(seen) == len(set(seen))
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerompi
-from zerompi.optim.schedules import from_config
+from zerompi.optim.schedules import from_policy
 
 EXPECTED = {
     "warmup_cosine": [0.5, 1.0, 1.0, 0.86819805153394639, 0.55, 0.23180194846605361, 0.1, 0.1, 0.1],
@@ -24,7 +24,7 @@ EXPECTED = {
 def test_rates_by_hand(schedule):
     cfg = zerompi.ZeroConfig(lr=1.0, lr_schedule=schedule, warmup_steps=2, total_steps=6, min_lr=0.1)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-    factory = from_config(cfg)
+    factory = from_policy(cfg.lr_policy)
     sched = factory(opt) if factory else None
     rates = []
     for _ in EXPECTED[schedule]:
@@ -40,7 +40,7 @@ def test_min_lr_is_a_ratio_of_each_groups_lr():
     cfg = zerompi.ZeroConfig(lr=1.0, lr_schedule="warmup_linear", warmup_steps=2, total_steps=6, min_lr=0.1)
     opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]},
                            {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.5}], lr=1.0)
-    sched = from_config(cfg)(opt)
+    sched = from_policy(cfg.lr_policy)(opt)
     rates = []
     for _ in range(8):
         rates.append([g["lr"] for g in opt.param_groups])
