@@ -7,7 +7,7 @@ from typing import Any
 from zerompi.checkpoint.background import BackgroundSave
 from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.checkpoint.stores import store_for
-from zerompi.checkpoint.writer import begin, captured, captured_parts, publish
+from zerompi.checkpoint.writer import begin, later_parts, publish
 from zerompi.config.choices import CheckpointLayout
 from zerompi.errors import UsageError
 
@@ -25,21 +25,19 @@ def save_async(engine, root: str | os.PathLike, tag: str | None = None,
                          "async_save: checkpoint_layout='per_rank' or 'auto'")
     store = store_for(CheckpointLayout.PER_RANK)
     job = begin(engine, root, tag, client_state, store, copy=True, include_frozen=include_frozen)
-    snap, rng, write = job.snap, captured(job.snap), None
-    if snap.writes:
-        snap.fence.hold(range(len(snap.shards)))
-        parts = captured_parts(snap, job.meta["state_keys"], rng, snap.config.checkpoint_async_copy,
-                               include_frozen)
-        # on the save's own thread alone, no I/O pool beside it: with O_DIRECT from page-aligned shards
-        # a write costs little CPU, and the steps keep the cores. (A lowered priority was tried: the
-        # save then lags, and a step that reaches a bucket it has not written waits at the fence.)
-        options = WriteOptions.from_config(snap.config)._replace(threads=1)
-        def write():  # noqa: E306 - on the save's thread
-            store.write(job.tmp, snap.shard_group, parts, job.save_id, options)
-    publisher = (lambda: publish(job)) if engine.group.rank == 0 else None
-    save = BackgroundSave(job.tag, job.tmp, write, snap.shard_group.rank, snap.shard_group.size, publisher,
-                          snap.fence)
+    snap, write = job.snap, None
     try:
+        if snap.writes:  # the entries take now what the next step would change (entries.py)
+            parts = later_parts(snap, job.meta["state_keys"], include_frozen)
+            # on the save's own thread alone, no I/O pool beside it: with O_DIRECT from page-aligned shards
+            # a write costs little CPU, and the steps keep the cores. (A lowered priority was tried: the
+            # save then lags, and a step that reaches a bucket it has not written waits at the fence.)
+            options = WriteOptions.from_config(snap.config)._replace(threads=1)
+            def write():  # noqa: E306 - on the save's thread
+                store.write(job.tmp, snap.shard_group, parts, job.save_id, options)
+        publisher = (lambda: publish(job)) if engine.group.rank == 0 else None
+        save = BackgroundSave(job.tag, job.tmp, write, snap.shard_group.rank, snap.shard_group.size, publisher,
+                              snap.fence)
         return job.tag, save.start()
     except BaseException:  # no thread: nothing will release the buckets
         snap.fence.release_all()

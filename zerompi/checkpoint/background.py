@@ -27,7 +27,6 @@ logged, since no collective is possible there.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path

@@ -25,7 +25,8 @@ from zerompi.errors import CheckpointError
 from zerompi.checkpoint import safetensors, schema
 from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.index import CheckpointIndex
-from zerompi.checkpoint.reader import FP32, merge, open_shards, resolve
+from zerompi.checkpoint.reader import open_shards, resolve
+from zerompi.checkpoint.shards import FP32, merge
 
 
 class FullStateDict(Mapping):

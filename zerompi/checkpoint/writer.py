@@ -20,33 +20,22 @@ import shutil
 import uuid
 from copy import deepcopy
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from zerompi.checkpoint import frozen as frozen_values
-from zerompi.checkpoint import feedback, schema
+from zerompi.checkpoint import schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
+from zerompi.checkpoint.entries import entries
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import WriteOptions
-from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
+from zerompi.checkpoint.shards import to_numpy
+from zerompi.checkpoint.snapshot import EngineSnapshot
 from zerompi.checkpoint.stores import ShardStore, store_for
 from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """CPU numpy copy; 16-bit floats widen to fp32 (exact) since numpy has no bfloat16."""
-    t = t.detach().cpu()
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.float()
-    return t.contiguous().numpy()
-
-
-def _my_part(shard: ShardSnapshot, t: torch.Tensor) -> torch.Tensor:
-    """The part of a per-element tensor this rank writes (a stage-0 replica writes its slice)."""
-    start = shard.written.start - shard.own.start
-    return t[start:start + shard.written.numel]
 
 
 def _scalar(v) -> list | None:
@@ -77,75 +66,22 @@ def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
     return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars}
 
 
-def _bucket_parts(shard: ShardSnapshot, held, keys: list[str]) -> list[tuple[str, torch.Tensor]]:
-    """(dataset name, tensor) of the part of one bucket's master and state this rank saves."""
-    index = shard.layout.index
-    return [(schema.master(index), _my_part(shard, held.master))] + \
-        [(schema.state(index, k), _my_part(shard, held.state[k])) for k in keys if k in held.state]
+def parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(dataset name, this rank's data) of every entry (entries.py), one bucket in memory at a time."""
+    for entry in entries(snap, keys, include_frozen):
+        yield from entry.parts()
 
 
-def _frozen_parts(snap: EngineSnapshot, include_frozen: bool):
-    """(dataset name, data) of this rank's frozen shards, one in memory at a time. They do not change
-    while training runs (a load waits for a save in flight first), and ``frozen_shard`` may be read
-    from another thread, so a background save takes them as they are written."""
-    for i in range(len(snap.frozen) if include_frozen else 0):
-        with snap.frozen_states.frozen_shard(i) as held:
-            yield schema.frozen(i), frozen_values.encode(held)
-
-
-def _parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool):
-    """(dataset name, this rank's data) for everything a rank saves, one bucket in memory at a time."""
-    for i, shard in enumerate(snap.shards):
-        with snap.states.shard_state(i) as held:  # offloaded state: one bucket in memory at a time
-            yield from ((name, to_numpy(t)) for name, t in _bucket_parts(shard, held, keys))
-    yield from _frozen_parts(snap, include_frozen)
-    yield from feedback.parts(snap)
-    yield from rng_parts()
-
-
-def rng_parts() -> list[tuple[str, np.ndarray]]:
-    """This process's RNG state datasets, read now (copies)."""
-    out = [(schema.CPU_RNG, torch.get_rng_state().numpy())]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device: the engine's
-        out += [(schema.CUDA_RNG, torch.cuda.get_rng_state().numpy()),
-                (schema.CUDA_DEVICES, np.array([torch.cuda.device_count()], dtype=np.int64))]
-    return out
-
-
-def captured(snap: EngineSnapshot) -> list[tuple[str, np.ndarray]]:
-    """What a background save must read on the caller's thread, before the next step changes it:
-    the error-feedback residuals (copies) and the RNG state."""
-    return [(name, data.copy()) for name, data in feedback.parts(snap)] + rng_parts()
-
-
-def captured_parts(snap: EngineSnapshot, keys: list[str], rng: list[tuple[str, np.ndarray]], copy: bool,
-                   include_frozen: bool = True):
-    """What ``_parts`` yields, for a background save while ``snap.fence`` holds every bucket; each
-    bucket is released as soon as the save no longer needs it: written from the live tensors
-    (the default: no memory; a step waits only for buckets not yet written), copied into host
-    memory first (``copy``: all buckets before the first is written, so that steps wait only for
-    the copies), or, when the state streams from the swap file, read from it (a private copy) and
-    written before the next is read (one bucket in memory)."""
-    streams, taken, last = snap.states.streams, [], len(snap.shards) - 1
-    private = streams or copy
-    for i, shard in enumerate(snap.shards):
-        with snap.states.fenced_state(i) as held:
-            parts = _bucket_parts(shard, held, keys)
-            if not private:  # written before the bucket is released
-                yield from ((name, to_numpy(t)) for name, t in parts)
-            elif copy and not streams:
-                parts = [(name, t.detach().to("cpu", copy=True)) for name, t in parts]
-        snap.fence.release(i)
-        taken += [parts] if private else []
-        while taken and (streams or i == last):
-            yield from ((name, to_numpy(t)) for name, t in taken.pop(0))
-    yield from _frozen_parts(snap, include_frozen)
-    yield from rng
+def later_parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """What ``parts`` yields, for a background save: each entry takes now what the next step would change
+    (the optimizer's buckets are held at the fence), and the datasets are produced on the save's thread."""
+    later = [entry.later() for entry in entries(snap, keys, include_frozen)]
+    return (part for run in later for part in run())
 
 
 def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, keys: list[str],
                   save_id: str, include_frozen: bool) -> None:
-    store.write(directory, group, _parts(snap, keys, include_frozen), save_id, WriteOptions.from_config(snap.config))
+    store.write(directory, group, parts(snap, keys, include_frozen), save_id, WriteOptions.from_config(snap.config))
 
 
 def _bucket_meta(shards) -> list[dict[str, Any]]:

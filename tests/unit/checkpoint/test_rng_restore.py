@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from zerompi.checkpoint import reader, schema
+from zerompi.checkpoint import entries, schema
 from zerompi.checkpoint.schema import CUDA_DEVICES, CUDA_RNG
 from tests.unit.engines import small_stage3_engine
 
@@ -35,7 +35,7 @@ FAKE = np.arange(16, dtype=np.uint8)
     (FAKE, 8, True, 4, True, "8 CUDA devices"),
 ])
 def test_cuda_rng_decision(saved, devices, available, count, restore, warns):
-    ok, warning = reader.cuda_rng_decision(saved, devices, available, count)
+    ok, warning = entries.cuda_rng_decision(saved, devices, available, count)
     assert ok is restore
     assert (warning is None) if warns is None else (warns in warning)
 

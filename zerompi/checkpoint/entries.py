@@ -1,0 +1,218 @@
+"""What a rank's checkpoint file holds, as entries: the writer, the reader and the background save iterate them.
+
+Each entry is one kind of sharded state, reached through the engine's public snapshot
+(snapshot.py), never through a component's privates:
+
+- ``OptimizerShards`` (shards.py): every bucket's fp32 master and optimizer state;
+- ``FrozenShards``: stage 3's frozen parameter shards;
+- ``Residuals``: this rank's error-feedback residuals (feedback.py);
+- ``RngState``: this process's CPU (and CUDA) generator state.
+
+An entry says which datasets this rank writes (``parts``, one bucket in memory at a
+time), what a background save must take now and what it writes later on its thread
+(``later``), what a load reads and checks while touching nothing (``read``, phase 1)
+and how that is applied once every rank has read (``apply``, phase 2). The index
+(counters, loss scaler, scheduler, the tensors every rank holds whole) is rank 0's and
+stays with the writer and the reader. A new kind of state is a new entry here and in
+``entries()``; the writer and reader do not change.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from zerompi.checkpoint import feedback, schema
+from zerompi.checkpoint import frozen as frozen_values
+from zerompi.checkpoint.frozen import FrozenSource
+from zerompi.checkpoint.index import CheckpointIndex
+from zerompi.checkpoint.rawio import Reads
+from zerompi.checkpoint.shards import OptimizerShards, Part
+from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
+from zerompi.log import get_logger, log_rank0
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class LoadContext:
+    """What phase 1 of a load reads from."""
+
+    index: CheckpointIndex
+    files: Any              # the shard files (stores.ShardFiles)
+    directory: Path
+    reads: Reads            # reads in flight on shared threads
+    frozen: FrozenSource    # where the frozen parameters' values are
+    rank: int               # this rank in the group the engine is sharded over (and saved with)
+    world_size: int
+
+
+class Entry(Protocol):
+    what: str
+    """How messages name it."""
+
+    def parts(self) -> Iterator[Part]:
+        """(dataset name, data) this rank writes, now."""
+
+    def later(self) -> Callable[[], Iterator[Part]]:
+        """For a background save: take now what the next step would change, and return what yields
+        this rank's datasets on the save's thread."""
+
+    def read(self, ctx: LoadContext) -> Any:
+        """Phase 1: read and check this rank's part; touch no engine state."""
+
+    def apply(self, data: Any, ctx: LoadContext) -> None:
+        """Phase 2 (every rank read successfully): overwrite the engine's state with ``data``."""
+
+
+class FrozenShards:
+    """Entry: stage 3's frozen parameter shards (``f<i>/param``, in the compute dtype). They do not
+    change while training runs (a load waits for a save in flight first), and ``frozen_shard`` may be
+    read from another thread, so a background save takes them as they are written."""
+
+    what = "frozen shards"
+
+    def __init__(self, snap: EngineSnapshot, include: bool):
+        self.snap, self.include = snap, include
+
+    def parts(self) -> Iterator[Part]:
+        for i in range(len(self.snap.frozen) if self.include else 0):
+            with self.snap.frozen_states.frozen_shard(i) as held:
+                yield schema.frozen(i), frozen_values.encode(held)
+
+    def later(self) -> Callable[[], Iterator[Part]]:
+        return self.parts
+
+    def read(self, ctx: LoadContext) -> list[np.ndarray] | None:
+        if not ctx.index.frozen_saved:
+            return None
+        return [_read_frozen(shard, ctx.frozen) for shard in self.snap.frozen]
+
+    def apply(self, data: list[np.ndarray] | None, ctx: LoadContext) -> None:
+        for i, shard in enumerate(data or []):  # the same buckets on every rank (hpZ: collective)
+            self.snap.frozen_states.load_frozen(i, torch.from_numpy(shard))
+
+
+def _read_frozen(shard: ShardSnapshot, source: FrozenSource) -> np.ndarray:
+    """This rank's shard of one of our frozen buckets, from wherever the checkpoint keeps the values."""
+    data = np.zeros(shard.own.numel, dtype=np.float32)
+    for piece in shard.layout.pieces(shard.own):
+        end = piece.param_start + piece.numel
+        data[piece.local_start:piece.local_start + piece.numel] = source.read(piece.fqn, piece.param_start, end)
+    return data
+
+
+class Residuals:
+    """Entry: this rank's error-feedback residuals, restored only where they still mean something."""
+
+    what = "error-feedback residuals"
+
+    def __init__(self, snap: EngineSnapshot):
+        self.snap = snap
+
+    def parts(self) -> Iterator[Part]:
+        return feedback.parts(self.snap)
+
+    def later(self) -> Callable[[], Iterator[Part]]:
+        copies = [(name, data.copy()) for name, data in feedback.parts(self.snap)]  # the next step changes them
+        return lambda: iter(copies)
+
+    def read(self, ctx: LoadContext) -> dict[int, np.ndarray] | None:
+        return feedback.read(self.snap, ctx.index, ctx.files, ctx.directory)
+
+    def apply(self, data: dict[int, np.ndarray] | None, ctx: LoadContext) -> None:
+        feedback.restore(self.snap, data)
+
+
+class RngState:
+    """Entry: this process's RNG state, restored when the job has the same flat layout (rank r's
+    saved stream is rank r's of another world otherwise: each rank keeps its own, seed + rank)."""
+
+    what = "RNG state"
+
+    def __init__(self, snap: EngineSnapshot):
+        self.snap = snap
+
+    def parts(self) -> Iterator[Part]:
+        return iter(rng_parts())
+
+    def later(self) -> Callable[[], Iterator[Part]]:
+        now = rng_parts()
+        return lambda: iter(now)
+
+    def read(self, ctx: LoadContext) -> tuple[np.ndarray, np.ndarray | None] | None:
+        if ctx.index.world_size != ctx.world_size or self.snap.hierarchical:
+            log_rank0(logger, logging.INFO, "%s: RNG state not restored (written by %d ranks, hierarchical "
+                      "layout: %s); each rank keeps its current RNG state", ctx.directory, ctx.index.world_size,
+                      self.snap.hierarchical)
+            return None
+        cpu = schema.read_array(ctx.files.dataset(ctx.rank, schema.CPU_RNG, dtype="u1"))
+        return cpu, _read_cuda_rng(ctx.files, ctx.rank, ctx.directory)
+
+    def apply(self, data: tuple[np.ndarray, np.ndarray | None] | None, ctx: LoadContext) -> None:
+        if data is None:
+            return
+        cpu, cuda = data
+        torch.set_rng_state(torch.from_numpy(cpu.copy()))
+        if cuda is not None:
+            try:  # the current device: the engine's (initialize set it), as when it was saved
+                torch.cuda.set_rng_state(torch.from_numpy(cuda.copy()))
+            except RuntimeError as e:  # e.g. another torch's generator state format; the rest is loaded
+                logger.warning("the saved CUDA RNG state was not restored: %s", e)
+
+
+def rng_parts() -> list[Part]:
+    """This process's RNG state datasets, read now (copies)."""
+    out = [(schema.CPU_RNG, torch.get_rng_state().numpy())]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device: the engine's
+        out += [(schema.CUDA_RNG, torch.cuda.get_rng_state().numpy()),
+                (schema.CUDA_DEVICES, np.array([torch.cuda.device_count()], dtype=np.int64))]
+    return out
+
+
+def cuda_rng_decision(saved: np.ndarray | None, saved_devices: int | None, available: bool,
+                      devices: int) -> tuple[bool, str | None]:
+    """Whether to restore a saved CUDA RNG state, and what to warn about (None: nothing).
+
+    A rank saves and restores only its current device's generator: its own stream,
+    whatever device it runs on. Without CUDA here nothing draws from a CUDA generator,
+    so the state is skipped, with a warning, rather than failing a resume on a CPU
+    node. Another device count moves ranks to other devices, which does not change
+    their streams: the state is restored, with a warning, because the random numbers
+    of CUDA kernels (dropout masks) can also depend on the GPU model.
+    """
+    if saved is None:
+        return False, None
+    if not available:
+        return False, ("the checkpoint holds a CUDA RNG state but CUDA is not available in this process: "
+                       "not restored (only the CPU RNG state is)")
+    if saved_devices is not None and saved_devices != devices:
+        return True, (f"the checkpoint was written by processes seeing {saved_devices} CUDA devices, this one "
+                      f"sees {devices}: this rank's saved CUDA RNG state is restored on its current device, but "
+                      "CUDA random numbers (dropout masks) may differ on another GPU model")
+    return True, None
+
+
+def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
+    """This rank's saved CUDA RNG state if it is to be restored here (warns when it is not)."""
+    if not files.has(rank, schema.CUDA_RNG):
+        return None
+    saved = schema.read_array(files.dataset(rank, schema.CUDA_RNG, dtype="u1"))
+    devices = (int(schema.read_array(files.dataset(rank, schema.CUDA_DEVICES, 1, "<i8"))[0])
+               if files.has(rank, schema.CUDA_DEVICES) else None)  # older checkpoints do not record it
+    available = torch.cuda.is_available()
+    restore, warning = cuda_rng_decision(saved, devices, available, torch.cuda.device_count() if available else 0)
+    if warning:
+        logger.warning("%s: %s", where, warning)
+    return saved if restore else None
+
+
+def entries(snap: EngineSnapshot, keys: list[str], include_frozen: bool = True) -> list[Entry]:
+    """The entries of an engine's checkpoint, in the order their datasets are written and applied
+    (``keys``: the optimizer's per-element state names)."""
+    return [OptimizerShards(snap, keys), FrozenShards(snap, include_frozen), Residuals(snap), RngState(snap)]

@@ -1,0 +1,157 @@
+"""The optimizer's shards as a checkpoint entry: each bucket's fp32 master and optimizer state.
+
+Written as ``b<i>/master`` and ``b<i>/state/<key>``, the part of each bucket this rank
+owns (a stage-0 replica writes its slice), one bucket in memory at a time. Read back
+at any world size, stage or bucket size: each of our buckets' own range is located,
+parameter by parameter, in the saved buckets (the index's layouts) and read straight
+into the arrays that become the engine's state (rawio.read_tasks).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from zerompi.checkpoint import schema
+from zerompi.checkpoint.index import CheckpointIndex, Source
+from zerompi.checkpoint.rawio import Reads, read_tasks
+from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
+
+FP32 = "<f4"  # master shards and optimizer state are stored as little-endian fp32
+Part = tuple[str, np.ndarray]
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """CPU numpy copy; 16-bit floats widen to fp32 (exact) since numpy has no bfloat16."""
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def merge(sources: list[Source]) -> list[Source]:
+    """Join runs that are contiguous both in the file and in the destination (one read each)."""
+    out: list[Source] = []
+    for s in sorted(sources, key=lambda s: (s.rank, s.bucket, s.start)):
+        last = out[-1] if out else None
+        if (last and last.rank == s.rank and last.bucket == s.bucket and last.stop == s.start
+                and last.dest + (last.stop - last.start) == s.dest):
+            out[-1] = last._replace(stop=s.stop)
+        else:
+            out.append(s)
+    return out
+
+
+def _uncovered(numel: int, sources: list[Source]) -> list[tuple[int, int]]:
+    """The ranges of a shard of ``numel`` elements that no source fills (its padding)."""
+    gaps, at = [], 0
+    for s in sorted(sources, key=lambda s: s.dest):
+        if s.dest > at:
+            gaps.append((at, s.dest))
+        at = max(at, s.dest + s.stop - s.start)
+    return gaps + ([(at, numel)] if at < numel else [])
+
+
+def _my_part(shard: ShardSnapshot, t: torch.Tensor) -> torch.Tensor:
+    """The part of a per-element tensor this rank writes (a stage-0 replica writes its slice)."""
+    start = shard.written.start - shard.own.start
+    return t[start:start + shard.written.numel]
+
+
+@dataclass
+class BucketData:
+    master: np.ndarray
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+    scalars: dict[str, list] = field(default_factory=dict)
+
+
+def _scalar_tensor(value, dtype: str):
+    if dtype in ("int", "float", "bool"):
+        return {"int": int, "float": float, "bool": bool}[dtype](value)
+    return torch.tensor(value, dtype=getattr(torch, dtype))
+
+
+class OptimizerShards:
+    """Entry: every trainable bucket's master and optimizer state (``keys``: the per-element state
+    names, from the save's optimizer metadata)."""
+
+    what = "optimizer shards"
+
+    def __init__(self, snap: EngineSnapshot, keys: list[str]):
+        self.snap, self.keys = snap, keys
+
+    def _bucket_parts(self, shard: ShardSnapshot, held) -> list[tuple[str, torch.Tensor]]:
+        index = shard.layout.index
+        return [(schema.master(index), _my_part(shard, held.master))] + \
+            [(schema.state(index, k), _my_part(shard, held.state[k])) for k in self.keys if k in held.state]
+
+    def parts(self) -> Iterator[Part]:
+        for i, shard in enumerate(self.snap.shards):
+            with self.snap.states.shard_state(i) as held:  # offloaded state: one bucket in memory at a time
+                yield from ((name, to_numpy(t)) for name, t in self._bucket_parts(shard, held))
+
+    def later(self) -> Callable[[], Iterator[Part]]:
+        """For a background save: every bucket is held at the fence now, and each is released as soon
+        as the save no longer needs it: written from the live tensors (the default: no memory; a step
+        waits only for buckets not yet written), copied into host memory first
+        (``checkpoint_async_copy``: all buckets before the first is written, so that steps wait only
+        for the copies), or, when the state streams from the swap file, read from it (a private copy)
+        and written before the next is read (one bucket in memory)."""
+        snap = self.snap
+        snap.fence.hold(range(len(snap.shards)))
+        copy = snap.config.checkpoint_async_copy
+
+        def run() -> Iterator[Part]:
+            streams, taken, last = snap.states.streams, [], len(snap.shards) - 1
+            private = streams or copy
+            for i, shard in enumerate(snap.shards):
+                with snap.states.fenced_state(i) as held:
+                    parts = self._bucket_parts(shard, held)
+                    if not private:  # written before the bucket is released
+                        yield from ((name, to_numpy(t)) for name, t in parts)
+                    elif copy and not streams:
+                        parts = [(name, t.detach().to("cpu", copy=True)) for name, t in parts]
+                snap.fence.release(i)
+                taken += [parts] if private else []
+                while taken and (streams or i == last):
+                    yield from ((name, to_numpy(t)) for name, t in taken.pop(0))
+        return run
+
+    def read(self, ctx) -> list[BucketData]:
+        """Every bucket's arrays, read and checked (the reads run on ``ctx.reads``' threads)."""
+        slot_of = ctx.index.slot_of()
+        buckets = [self._read_bucket(shard, ctx.index, ctx.files, slot_of, ctx.reads) for shard in self.snap.shards]
+        ctx.reads.wait()
+        return buckets
+
+    def _read_bucket(self, shard: ShardSnapshot, index: CheckpointIndex, files, slot_of, reads: Reads) -> BucketData:
+        own = shard.own
+        sources = []
+        for piece in shard.layout.pieces(own):
+            sources += index.locate(slot_of, piece.fqn, piece.param_start, piece.numel, piece.local_start)
+        sources = merge(sources)
+        keys = index.optimizer.get("state_keys", [])
+        data = BucketData(np.empty(own.numel, dtype=np.float32),
+                          {k: np.empty(own.numel, dtype=np.float32) for k in keys})
+        for a, z in _uncovered(own.numel, sources):  # the reads fill the rest
+            for arr in (data.master, *data.state.values()):
+                arr[a:z] = 0
+        for s in sources:  # straight into the arrays that become the engine's state
+            n, length = s.stop - s.start, index.shard_length(s.bucket)
+            master = files.dataset(s.rank, schema.master(s.bucket), length, FP32)
+            reads.add(read_tasks(master, s.start, s.stop, data.master[s.dest:s.dest + n]))
+            for k in keys:
+                ds = files.dataset(s.rank, schema.state(s.bucket, k), length, FP32)
+                reads.add(read_tasks(ds, s.start, s.stop, data.state[k][s.dest:s.dest + n]))
+        if sources:
+            data.scalars = index.optimizer["scalars"][sources[0].bucket]
+        return data
+
+    def apply(self, buckets: list[BucketData], ctx) -> None:
+        for i, data in enumerate(buckets):
+            state = {k: torch.from_numpy(v) for k, v in data.state.items()}
+            state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
+            self.snap.states.load_shard(i, torch.from_numpy(data.master), state)
+        self.snap.states.load_hyperparameters(ctx.index.optimizer.get("groups", []))
