@@ -4,10 +4,11 @@
 bucket the tier of each of its shards (:class:`Resident` or :class:`Swapped`)
 and the optimizer its store (residency.py: :class:`InMemory` or
 :class:`NVMeResidency`). :class:`NVMeSwapper` keeps flat CPU tensors in one
-file per rank and moves them with asynchronous, page-aligned block I/O;
-tensors from :func:`aligned_empty` skip the staging copy.
+file per rank and moves them with asynchronous, page-aligned block I/O
+(blockio/direct.py); tensors from :func:`aligned_empty` skip the staging copy.
 """
-from zerompi.offload.aligned import aligned_empty, return_freed_memory
+from zerompi.blockio.aligned import aligned_empty
+from zerompi.blockio.memory import return_freed_memory
 from zerompi.offload.nvme import NVMeSwapper, SwapConfig
 from zerompi.offload.residency import InMemory, NVMeResidency
 from zerompi.offload.tiers import Resident, ShardTier, Swapped, TierPlan

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from zerompi.offload.aligned import aligned_empty, allocate, release
+from zerompi.blockio.aligned import aligned_empty, allocate, release
 from zerompi.offload.nvme import NVMeSwapper, Priority
 
 

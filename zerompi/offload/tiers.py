@@ -27,8 +27,8 @@ from typing import Protocol
 
 import torch
 
+from zerompi.blockio.aligned import Reuse, aligned_empty, allocate, release
 from zerompi.config.choices import Offload
-from zerompi.offload.aligned import Reuse, aligned_empty, allocate, release
 from zerompi.offload.nvme import NVMeSwapper
 from zerompi.offload.residency import InMemory, NVMeResidency
 

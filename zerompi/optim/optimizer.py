@@ -25,13 +25,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zerompi.blockio.aligned import align_storage
+from zerompi.blockio.memory import trim_heap
 from zerompi.checkpoint.fence import ShardFence
 from zerompi.checkpoint.snapshot import ShardState
 from zerompi.config.choices import NonFinite
 from zerompi.comm.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
-from zerompi.offload.aligned import align_storage, trim_heap
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
