@@ -119,8 +119,7 @@ class Engine:
         # which on the capacity benchmark's disk hid most reads that one unit ahead left exposed.
         ahead = cfg.prefetch_units or (3 if cfg.offload.params == Offload.NVME else 0)
         overlap = dataclasses.replace(cfg.overlap, prefetch_units=ahead)
-        if cfg.return_freed_memory or cfg.offload.uses_nvme:  # NVMe: shards stream through memory, what
-            offload.return_freed_memory()                        # is freed must leave the process
+        self.host_memory = offload.HostMemory(cfg.return_freed_memory, cfg.offload)
         swapper, error = None, None
         try:
             swapper = offload.open_swapper(cfg.offload, self.rank)

@@ -7,7 +7,7 @@ degrading quietly where it is used. Where torch lacks one, the public fallback i
   be kept and handed back to the same storage object (shard/buffer.py); without it buffers free
   to the C library (``resize_``);
 - ``_storage_Use_Count`` tells whether a released storage has no other user, so its memory may be
-  reused (offload/aligned.py's Reuse); without it nothing is reused;
+  reused (blockio/aligned.py's Reuse); without it nothing is reused;
 - ``torch.utils._pytree`` walks nested args and outputs (engine.py, shard/hooks.py); it has no
   public equivalent in torch 2.x, and torch's own compile and FSDP2 rely on it.
 """

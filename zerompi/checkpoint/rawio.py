@@ -16,7 +16,8 @@ page cache. A buffered write costs a copy into the page cache, the kernel's page
 the flusher's writeback, about 1.4 s of CPU per GB here against 0.25 s for a staged direct
 write: on a machine whose cores train, that CPU is what an asynchronous save takes from the
 steps. A filesystem that refuses ``O_DIRECT`` (ramfs; at open or at the first write) gets
-buffered writes, the same bytes. The fsync at close still makes everything durable.
+buffered writes, the same bytes. The fsync at close still makes everything durable. The pages,
+the staging and the fallback are blockio/direct.py's, which swap files use too.
 
 Alignment (``checkpoint_align_kib``, default 1 MiB): every object of that many bytes or more
 starts on a multiple of it in the file (HDF5's H5Pset_alignment), so the large datasets begin on
@@ -36,7 +37,6 @@ and every dataset is read back and checked, so the check reads what reached the 
 """
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -46,10 +46,10 @@ from typing import NamedTuple
 import h5py
 import numpy as np
 
+from zerompi.blockio.direct import READ, PageWriter, transfer
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.errors import CheckpointError
-from zerompi.offload.aligned import ALIGN, BufferPool
 
 SMALL = 64 << 10  # bytes: smaller datasets are written through h5py
 STAGE = schema.CRC_BLOCK * 8  # bytes: a staging buffer holds one checksum block of any element size
@@ -105,32 +105,13 @@ class DataFile:
         except TypeError:  # an h5py without the alignment keywords (before 3.7): unaligned, still correct
             self.h5 = h5py.File(self.path, "w")
         self.fd = self.h5.id.get_vfd_handle() if self.h5.driver == "sec2" else None
-        self._direct = _open_direct(self.path) if options.direct and self.fd is not None else None
-        self._direct_ok = self._direct is not None  # False once a write refused O_DIRECT
-        self._staging = BufferPool(max(options.threads, 1), STAGE) if self._direct is not None else None
-        self._lock = threading.Lock()
-        self.direct_bytes = 0  # bytes that went through O_DIRECT (tests, benchmarks)
+        self._pages = PageWriter(self.path, self.fd, max(options.threads, 1), STAGE, options.direct) \
+            if self.fd is not None else None
 
-    def _write(self, data: np.ndarray, at: int) -> None:
-        """``data`` (uint8) to file offset ``at``: its whole pages direct when ``at`` is page aligned,
-        the rest (and everything, without O_DIRECT) through the page cache."""
-        whole = len(data) // ALIGN * ALIGN if self._direct_ok and at % ALIGN == 0 else 0
-        if whole:
-            try:
-                if data.ctypes.data % ALIGN == 0:  # aligned memory (NVMe-offload shards): no staging copy
-                    _pwrite_all(self._direct, memoryview(data[:whole]), at)
-                else:
-                    with self._staging.lease() as buf:
-                        np.copyto(np.frombuffer(buf.view, np.uint8, whole), data[:whole])
-                        _pwrite_all(self._direct, buf.view[:whole], at)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct_ok, whole = False, 0  # accepted at open, refused at the write: buffered from here
-            with self._lock:
-                self.direct_bytes += whole
-        if whole < len(data):
-            _pwrite_all(self.fd, memoryview(data[whole:]), at + whole)
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes that went through O_DIRECT (tests, benchmarks)."""
+        return self._pages.direct_bytes if self._pages is not None else 0
 
     def put(self, name: str, data: np.ndarray) -> None:
         """Dataset ``name`` (1-D) with its checksums (bound to the file's header, written first)."""
@@ -148,7 +129,7 @@ class DataFile:
 
         def block(b: int) -> int:
             crc = schema.block_crc(flat[b * schema.CRC_BLOCK:(b + 1) * schema.CRC_BLOCK], binding, b)
-            self._write(raw[b * step:(b + 1) * step], offset + b * step)
+            self._pages.write(memoryview(raw[b * step:(b + 1) * step]), offset + b * step)
             return crc
         crcs = _run(self.options.threads, [lambda b=b: block(b) for b in _blocks(0, flat.shape[0])])
         ds.attrs["crc32"] = np.asarray(crcs, dtype=np.uint32)
@@ -162,12 +143,8 @@ class DataFile:
             verify_file(self.path)
 
     def _close_direct(self) -> None:
-        if self._direct is not None:
-            os.close(self._direct)
-            self._direct = None
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        if self._pages is not None:
+            self._pages.close()
 
     def abandon(self) -> None:
         """Close without the fsync, after a failure (the file is in a save's temporary directory)."""
@@ -176,25 +153,6 @@ class DataFile:
             self.h5.close()
         except Exception:  # noqa: BLE001 - the original failure is what the caller reports
             pass
-
-
-def _open_direct(path: Path) -> int | None:
-    """A second, O_DIRECT descriptor on ``path`` for whole pages; None where the filesystem refuses it."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return None
-
-
-def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
-    done = 0
-    while done < len(view):  # pwrite may write less than asked
-        done += os.pwrite(fd, view[done:], at + done)
 
 
 READ_THREADS = 4  # blocks in flight while a load reads: enough to keep a disk's queue full
@@ -235,21 +193,16 @@ def read_tasks(arr: schema.Array, start: int, stop: int, out: np.ndarray) -> lis
         out[...] = schema.read_array(arr, start, stop)
         return []
     fd, item = ds.file.id.get_vfd_handle(), arr.dtype.itemsize
-    size = os.fstat(fd).st_size
+    size = os.fstat(fd).st_size  # for the message: a read at the end of the file moves nothing
     base = offset + arr.offset * item
 
     def block(b: int) -> None:
         lo, hi = b * schema.CRC_BLOCK, min(n, (b + 1) * schema.CRC_BLOCK)
         whole = start <= lo and hi <= stop
         dest = out[lo - start:hi - start] if whole else np.empty(hi - lo, dtype=arr.dtype)
-        view, at = memoryview(dest.view(np.uint8)), base + lo * item
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], at + done) if at + done < size else 0
-            if got == 0:
-                raise CheckpointError(f"{arr.where}: unreadable (the file ends at byte {size}, inside elements "
-                                      f"[{lo}, {hi})): truncated")
-            done += got
+        transfer(READ, fd, memoryview(dest.view(np.uint8)), base + lo * item,
+                 short=lambda done: CheckpointError(f"{arr.where}: unreadable (the file ends at byte {size}, "
+                                                    f"inside elements [{lo}, {hi})): truncated"))
         schema.check_block(arr, dest, b)
         if not whole:
             a, z = max(lo, start), min(hi, stop)

@@ -4,16 +4,34 @@
 bucket the tier of each of its shards (:class:`Resident` or :class:`Swapped`)
 and the optimizer its store (residency.py: :class:`InMemory` or
 :class:`NVMeResidency`). :class:`NVMeSwapper` keeps flat CPU tensors in one
-file per rank and moves them with asynchronous, page-aligned block I/O;
-tensors from :func:`aligned_empty` skip the staging copy.
+file per rank and moves them with asynchronous, page-aligned block I/O
+(blockio/direct.py); tensors from :func:`aligned_empty` skip the staging copy.
+:class:`HostMemory` decides once what an engine's freed host memory does.
 """
-from zerompi.offload.aligned import aligned_empty, return_freed_memory
+from zerompi.blockio.aligned import aligned_empty
+from zerompi.blockio.memory import return_freed_memory
 from zerompi.offload.nvme import NVMeSwapper, SwapConfig
 from zerompi.offload.residency import InMemory, NVMeResidency
 from zerompi.offload.tiers import Resident, ShardTier, Swapped, TierPlan
 
-__all__ = ["InMemory", "NVMeResidency", "NVMeSwapper", "Resident", "ShardTier", "SwapConfig", "Swapped",
-           "TierPlan", "aligned_empty", "open_swapper", "return_freed_memory", "reuse_bytes"]
+__all__ = ["HostMemory", "InMemory", "NVMeResidency", "NVMeSwapper", "Resident", "ShardTier", "SwapConfig",
+           "Swapped", "TierPlan", "aligned_empty", "open_swapper", "return_freed_memory", "reuse_bytes"]
+
+
+class HostMemory:
+    """What an engine's freed host memory does, decided once from its settings.
+
+    Freed blocks of 1 MiB or more go back to the OS at once (``return_freed_memory``) when the
+    config's ``return_freed_memory`` asks for it, and always when anything is offloaded to NVMe:
+    shards then stream through memory block after block, and what is freed must leave the
+    process. glibc's setting is process-wide, so a second engine can only add to it.
+
+    ``policy`` is the config's :class:`~zerompi.config.policies.OffloadPolicy`."""
+
+    def __init__(self, return_freed: bool, policy):
+        self.returns_freed = bool(return_freed or policy.uses_nvme) and return_freed_memory()
+        """Whether freed blocks now leave the process (False also where the C library or the
+        environment's ``MALLOC_MMAP_THRESHOLD_`` decided otherwise)."""
 
 
 def open_swapper(policy, rank: int) -> NVMeSwapper | None:

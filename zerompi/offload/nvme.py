@@ -2,8 +2,9 @@
 
 Each rank owns one swap file. A tensor is stored under a key in a fixed
 region reserved once (``reserve``); ``write`` and ``read`` move its bytes in
-``block_bytes`` blocks on a thread pool and return a ``Future``. Blocks pass
-through a bounded pool of page-aligned buffers, because ``O_DIRECT`` needs
+``block_bytes`` blocks on a thread pool and return a ``Future``. Each block
+goes through blockio/direct.py, the O_DIRECT path checkpoints use too: blocks
+pass through a bounded pool of page-aligned buffers, because ``O_DIRECT`` needs
 aligned memory and because resident memory must not grow with the data:
 however many and however large the tensors, at most ``buffers * block_bytes``
 bytes of staging memory exist, and blocks wait for a free buffer. Tensors
@@ -11,7 +12,7 @@ whose memory is already 4 KiB aligned (pinned host memory, ``aligned_empty``)
 skip the staging copy for every whole block.
 
 ``os.pwritev``/``os.preadv``, crc32 (zlib-ng's when installed, else zlib's)
-and torch copies all release the GIL, so several blocks are in flight at once.
+and numpy copies all release the GIL, so several blocks are in flight at once.
 
 The caller must keep a tensor alive and must neither modify (write) nor read
 (read) it until its Future completes; the Future completes only after every
@@ -33,14 +34,18 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
+from zerompi.blockio import direct
+from zerompi.blockio.aligned import BufferPool, Reuse, round_up
+from zerompi.blockio.direct import READ as _READ
+from zerompi.blockio.direct import WRITE as _WRITE
 from zerompi.errors import ConfigError, UsageError
 from zerompi.log import get_logger
-from zerompi.offload.aligned import ALIGN, BufferPool, Reuse, create_file, direct_io_works
 from zerompi.offload.swapfile import (Priority, PriorityPool, Region, SwapConfig, SwapError, SwapStats,
-                                      check_tensor, claim_space, remove_file, round_up)
+                                      check_tensor, claim_space, remove_file)
 
 __all__ = ["NVMeSwapper", "Priority", "Region", "SwapConfig", "SwapError", "SwapStats"]
 
@@ -49,7 +54,6 @@ from zerompi.checksum import crc32 as _crc32  # zlib-ng's when installed
 logger = get_logger(__name__)
 
 _file_seq = itertools.count()
-_WRITE, _READ = "write", "read"
 
 
 @dataclass
@@ -68,8 +72,7 @@ class _Op:
         self.result = tensor if kind == _READ else None
         # Holding the view also keeps the caller's storage alive until the I/O is done.
         self.data = tensor.detach().reshape(-1).view(torch.uint8)
-        # Page-aligned memory (pinned host memory, aligned_empty) can do O_DIRECT itself.
-        self.mem = memoryview(self.data.numpy()) if self.data.data_ptr() % ALIGN == 0 else None
+        self.mem = memoryview(self.data.numpy())
         self.nblocks = -(-region.nbytes // block)
         self.crcs = [0] * self.nblocks
         self.error: BaseException | None = None
@@ -78,11 +81,10 @@ class _Op:
         self._left = self.nblocks
         self._lock = threading.Lock()
 
-    def geometry(self, index: int) -> tuple[int, int, int]:
-        """(start within the key, payload bytes, I/O bytes rounded up to ALIGN) of a block."""
+    def geometry(self, index: int) -> tuple[int, int]:
+        """(start within the key, payload bytes) of a block."""
         start = index * self.block
-        n = min(self.block, self.region.nbytes - start)
-        return start, n, round_up(n)
+        return start, min(self.block, self.region.nbytes - start)
 
     def block_done(self, error: BaseException | None) -> bool:
         """Record one finished block; True for the last one."""
@@ -129,23 +131,16 @@ class NVMeSwapper:
         logger.debug("opened swap file %s (O_DIRECT %s, %s)", self.path, self.direct, config)
 
     def _open(self) -> tuple[int, bool]:
-        fd = None
         try:
-            fd, direct = create_file(self.path, self.config.direct)
-            if direct and not direct_io_works(fd, self._pool):
-                remove_file(fd, self.path)
-                fd = None
-                fd, direct = create_file(self.path, False)
+            fd, is_direct = direct.create(self.path, self.config.direct, self._pool)
         except OSError as e:
-            if fd is not None:
-                remove_file(fd, self.path)
             raise SwapError(f"cannot create swap file {self.path!r}: {e.strerror} (errno {e.errno}); "
                             "hint: the directory must be writable by this process") from e
-        if self.config.direct and not direct:
+        if self.config.direct and not is_direct:
             warnings.warn(f"the filesystem of {self.directory!r} refuses O_DIRECT; swapping through "
                           "the page cache instead, which is slower and uses host memory",
                           RuntimeWarning, stacklevel=3)
-        return fd, direct
+        return fd, is_direct
 
     # -- public API -----------------------------------------------------------------
 
@@ -296,41 +291,28 @@ class NVMeSwapper:
         error = None
         if op.error is None:  # after a failure, skip the remaining blocks
             try:
-                start, n, io_n = op.geometry(index)
-                if op.mem is not None and n == io_n:  # page-aligned memory: no staging copy
-                    self._move(op, index, op.mem[start:start + n])
-                else:
-                    self._staged_move(op, index)
+                start, n = op.geometry(index)
+                staged = direct.move_block(op.kind, op.mem[start:start + n], op.region.offset + start, self._pool,
+                                           partial(self._transfer, op), partial(self._check, op, index))
+                if staged:
+                    with self._lock:
+                        self._totals[5] += n
             except BaseException as e:  # delivered through the Future
                 error = e
         if op.block_done(error):
             self._finish(op)
 
-    def _staged_move(self, op: _Op, index: int) -> None:
-        start, n, io_n = op.geometry(index)
-        with self._pool.lease() as buf:
-            if op.kind == _WRITE:
-                buf.tensor[:n].copy_(op.data[start:start + n])
-                buf.tensor[n:io_n].zero_()  # padding: keep the file deterministic
-            self._move(op, index, buf.view[:io_n])
-            if op.kind == _READ:
-                op.data[start:start + n].copy_(buf.tensor[:n])
-        with self._lock:
-            self._totals[5] += n
-
-    def _move(self, op: _Op, index: int, view: memoryview) -> None:
-        """Write or read one block through ``view``, with its checksum."""
-        start, n, _ = op.geometry(index)
+    def _check(self, op: _Op, index: int, view: memoryview) -> None:
+        """A block's checksum: recorded before it is written, compared after it is read."""
+        if not self.config.verify:
+            return
         if op.kind == _WRITE:
-            if self.config.verify:
-                op.crcs[index] = self._crc(view[:n])
-            self._transfer(op, start, view)
-        else:
-            self._transfer(op, start, view)
-            if self.config.verify and self._crc(view[:n]) != op.crcs[index]:
-                raise SwapError(f"checksum mismatch in {self.path}, key {op.key!r}, block of {n} bytes at "
-                                f"file offset {op.region.offset + start}: the swap file changed underneath "
-                                "us; hint: another process or a failing disk modified it")
+            op.crcs[index] = self._crc(view)
+        elif self._crc(view) != op.crcs[index]:
+            start, n = op.geometry(index)
+            raise SwapError(f"checksum mismatch in {self.path}, key {op.key!r}, block of {n} bytes at "
+                            f"file offset {op.region.offset + start}: the swap file changed underneath "
+                            "us; hint: another process or a failing disk modified it")
 
     def _crc(self, view: memoryview) -> int:
         t0 = time.perf_counter()
@@ -339,27 +321,29 @@ class NVMeSwapper:
             self._totals[4] += time.perf_counter() - t0
         return crc
 
-    def _transfer(self, op: _Op, start: int, view: memoryview) -> None:
-        """Move all of ``view`` at the block's file offset; SwapError on failure or EOF."""
-        io = os.pwritev if op.kind == _WRITE else os.preadv
-        offset = op.region.offset + start
-        done = 0
+    def _transfer(self, op: _Op, view: memoryview, offset: int) -> None:
+        """Move all of ``view`` at file offset ``offset``; SwapError on failure or EOF."""
+        moved = len(view)  # less when the transfer stops early
+
+        def short(done: int) -> SwapError:
+            nonlocal moved
+            moved = done
+            return SwapError(f"short {op.kind} on {self.path}, key {op.key!r}, at file offset "
+                             f"{offset + done}: {done} of {len(view)} bytes from offset {offset}; "
+                             "hint: the swap file was truncated or replaced by another process")
+
+        def failed(done: int, e: OSError) -> SwapError:
+            nonlocal moved
+            moved = done
+            return SwapError(f"{op.kind} failed on {self.path}, key {op.key!r}, {len(view)} bytes at file "
+                             f"offset {offset + done}: {e.strerror} (errno {e.errno})")
         t0 = time.perf_counter()
         try:
-            while done < len(view):
-                n = io(self._fd, [view[done:]], offset + done)
-                if n == 0:
-                    raise SwapError(f"short {op.kind} on {self.path}, key {op.key!r}, at file offset "
-                                    f"{offset + done}: {done} of {len(view)} bytes from offset {offset}; "
-                                    "hint: the swap file was truncated or replaced by another process")
-                done += n
-        except OSError as e:
-            raise SwapError(f"{op.kind} failed on {self.path}, key {op.key!r}, {len(view)} bytes at file "
-                            f"offset {offset + done}: {e.strerror} (errno {e.errno})") from e
+            direct.transfer(op.kind, self._fd, view, offset, short, failed)
         finally:
             slot = 0 if op.kind == _WRITE else 1
             with self._lock:
-                self._totals[slot] += done
+                self._totals[slot] += moved
                 self._totals[slot + 2] += time.perf_counter() - t0
 
     def _finish(self, op: _Op) -> None:

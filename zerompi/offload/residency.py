@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zerompi.offload.aligned import aligned_empty, allocate, release
+from zerompi.blockio.aligned import aligned_empty, allocate, release
 from zerompi.offload.nvme import NVMeSwapper, Priority
 
 

@@ -15,7 +15,7 @@ import torch
 
 from zerompi.errors import ConfigError, ZeroMPIError
 from zerompi.log import get_logger
-from zerompi.offload.aligned import ALIGN
+from zerompi.blockio.aligned import ALIGN
 
 logger = get_logger(__name__)
 
@@ -24,10 +24,6 @@ _MiB = 1 << 20
 
 class SwapError(ZeroMPIError):
     """Swap file I/O failed, the file changed underneath us, or a key was misused."""
-
-
-def round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _check_int(key: str, value: object, lo: int, hi: int, multiple: int = 1) -> None:

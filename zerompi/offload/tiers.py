@@ -27,12 +27,11 @@ from typing import Protocol
 
 import torch
 
+from zerompi.blockio.aligned import Reuse, aligned_empty, allocate, release
 from zerompi.config.choices import Offload
-from zerompi.offload.aligned import Reuse, aligned_empty, allocate, release
 from zerompi.offload.fence import FencedStore, ShardFence
 from zerompi.offload.nvme import NVMeSwapper
 from zerompi.offload.residency import InMemory, NVMeResidency
-
 
 
 class ShardTier(Protocol):

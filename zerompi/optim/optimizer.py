@@ -25,12 +25,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zerompi.blockio.aligned import align_storage
+from zerompi.blockio.memory import trim_heap
 from zerompi.config.choices import NonFinite
 from zerompi.config.policies import OptimizerPolicy, PrecisionPolicy
 from zerompi.comm.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
-from zerompi.offload.aligned import align_storage, trim_heap
 from zerompi.offload.residency import ShardState
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim.precision import LossScaler

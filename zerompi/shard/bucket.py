@@ -15,9 +15,9 @@ from enum import Enum
 
 import torch
 
+from zerompi.blockio.aligned import aligned_clone
 from zerompi.comm.group import Work
 from zerompi.errors import UsageError, ZeroMPIError
-from zerompi.offload.aligned import aligned_clone
 from zerompi.offload.tiers import Resident, ShardTier, TierPlan
 from zerompi.shard.buffer import FlatBuffer
 from zerompi.shard.compression import Compression, GradCodes, WeightCodes

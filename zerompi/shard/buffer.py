@@ -12,7 +12,7 @@ from it: the storage object keeps its identity (torch_private.move_storage moves
 bytes between storage objects, as ``resize_`` would have replaced them), so
 the views see the reused memory. A unit's gathered parameters and gradient
 buffer are the same size unit after unit, and memory already mapped is written
-at several times the speed of a fresh mapping (see offload/aligned.py's Reuse).
+at several times the speed of a fresh mapping (see blockio/aligned.py's Reuse).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from zerompi.offload.aligned import release
+from zerompi.blockio.aligned import release
 from zerompi.offload.tiers import ShardTier
 
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zerompi.blockio.memory import trim_heap
 from zerompi.comm.topology import Groups
 from zerompi.config.choices import Progress
 from zerompi.config.policies import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
 from zerompi.phase import Backward
-from zerompi.offload.aligned import trim_heap
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.deferred import Materializer, ParamInit

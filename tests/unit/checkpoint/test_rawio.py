@@ -112,7 +112,7 @@ def test_direct_writes_give_the_buffered_file_contents(tmp_path, align):
     """Whole pages go through O_DIRECT (from staging buffers: numpy's memory is not page aligned),
     ragged tails through the page cache; datasets, checksums and a verifying re-read are those of
     buffered writes. Datasets whose offset is not page aligned are written buffered throughout."""
-    from zerompi.offload.aligned import ALIGN
+    from zerompi.blockio.aligned import ALIGN
     parts = _parts()[:2]
     direct = _written_with(tmp_path / "direct.h5", WriteOptions(align=align, direct=True), parts)
     buffered = _written_with(tmp_path / "buffered.h5", WriteOptions(align=align, direct=False), parts)
@@ -131,7 +131,7 @@ def test_page_aligned_memory_is_written_without_staging(tmp_path):
     """Data already on a 4 KiB boundary (NVMe-offload shards) goes straight to the file."""
     import torch
 
-    from zerompi.offload.aligned import aligned_empty
+    from zerompi.blockio.aligned import aligned_empty
     data = aligned_empty(N, torch.float32)
     data.copy_(torch.from_numpy(_parts()[0][1]))
     arr = data.numpy()

@@ -430,7 +430,7 @@ def test_streamed_optimizer_state_moves_without_staging(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=lambda d: str(d).removeprefix("torch."))
 def test_aligned_tensors_are_no_views_so_release_frees_them(dtype):
     """A view keeps its base alive through ``_base``: a released shard would keep its whole storage."""
-    from zerompi.offload.aligned import aligned_clone
+    from zerompi.blockio.aligned import aligned_clone
     flat, square = _tensor(4900, dtype), _tensor(4900, dtype).view(70, 70)
     for t, like in ((aligned_empty(4900, dtype), None), (aligned_clone(flat), flat), (aligned_clone(square), square)):
         assert t.data_ptr() % 4096 == 0 and t._base is None
@@ -480,7 +480,7 @@ def test_state_streamed_behind_backward_matches_the_step(tmp_path):
 
 
 def test_released_memory_is_reused_only_when_nothing_else_holds_it():
-    from zerompi.offload.aligned import Reuse, allocate, release
+    from zerompi.blockio.aligned import Reuse, allocate, release
     pool = Reuse(limit=3 * (40000 + 4096))
     if pool._use_count is None:
         unavailable("torch storage use count", "this torch has none: released memory is never reused")

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from torch import nn
 
 import zerompi
-from zerompi.offload.swapfile import round_up
+from zerompi.blockio.aligned import round_up
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerompi.offload.aligned import Reuse
+from zerompi.blockio.aligned import Reuse
 from zerompi.shard.buffer import FlatBuffer
 from zerompi.errors import ZeroMPIError
 

@@ -66,7 +66,7 @@ def test_an_environment_threshold_wins():
 
 TRIM = """
 import json, torch
-from zerompi.offload.aligned import trim_heap
+from zerompi.blockio.memory import trim_heap
 
 def rss() -> int:
     with open("/proc/self/statm") as f:

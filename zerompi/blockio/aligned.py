@@ -1,28 +1,24 @@
-"""What ``O_DIRECT`` needs: aligned buffers, and a file that may refuse it.
+"""What ``O_DIRECT`` needs of memory: buffers aligned to the device's block.
 
 ``O_DIRECT`` needs buffers, offsets and sizes aligned to the device's logical
 block size; anonymous ``mmap`` memory is page aligned, which covers every
 block size up to the page size, and ``ALIGN`` covers 512 B and 4 KiB blocks.
-Some filesystems refuse ``O_DIRECT`` at open (ramfs, older tmpfs) or at the
-first I/O; ``create_file`` and ``direct_io_works`` find out.
 
-A bounded pool hands out reusable page-aligned buffers. Each is exposed as a
-``torch.uint8`` tensor, so that copies to and from tensors run in torch (which
-releases the GIL), and as a ``memoryview`` for ``os.preadv``/``os.pwritev``
-and crc32.
+A bounded pool hands out reusable page-aligned buffers (the staging memory of
+direct.py), each seen as a ``memoryview`` for ``os.preadv``/``os.pwritev``,
+numpy copies (which release the GIL) and crc32. Buffers are created lazily,
+at most ``count`` of them over the pool's life, and reused: resident memory
+stays at or under ``count * nbytes`` however much data flows through, and a
+caller that finds every buffer taken waits.
 
-Buffers are created lazily, at most ``count`` of them over the pool's life,
-and reused: resident memory stays at or under ``count * nbytes`` however much
-data flows through, and a caller that finds every buffer taken waits.
+Tensors allocated here (``aligned_empty``, ``aligned_clone``) start on a 4 KiB
+boundary, so their whole pages move with no staging copy; ``Reuse`` keeps the
+memory of released ones for the next tensor of the same size.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import mmap
-import os
 import threading
 from collections.abc import Iterator
 
@@ -33,22 +29,22 @@ from zerompi.errors import UsageError
 
 ALIGN = 4096
 """Alignment of file offsets and I/O sizes."""
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def round_up(n: int) -> int:
+    """``n`` bytes rounded up to whole ``ALIGN`` pages."""
+    return -(-n // ALIGN) * ALIGN
 
 
 class AlignedBuffer:
-    """``nbytes`` of page-aligned memory seen as a uint8 tensor and a memoryview."""
+    """``nbytes`` of page-aligned memory seen as a memoryview."""
 
     def __init__(self, nbytes: int):
         self._mmap = mmap.mmap(-1, nbytes)
         self.view = memoryview(self._mmap)
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     def close(self) -> None:
-        """Unmap; the tensor and memoryview must not be used afterwards."""
-        # torch.frombuffer and the memoryview hold buffer exports; mmap.close()
-        # refuses while they exist, so drop them first.
-        del self.tensor
+        """Unmap; the memoryview must not be used afterwards."""
         try:
             self.view.release()
             self._mmap.close()
@@ -113,44 +109,19 @@ class BufferPool:
             buf.close()
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-
-def return_freed_memory(threshold: int = 1 << 20) -> bool:
-    """Make freed tensors of ``threshold`` bytes or more go back to the OS at once.
-
-    glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, and
-    serves later blocks under it from the heap, which fragments and keeps what was freed:
-    streaming shard after shard through memory then grows the resident set with the
-    model (measured: ~1 GiB per rank at 100M parameters, 0.4 GiB with this). A fixed
-    threshold maps every large block and unmaps it on free. Costs a page fault per page
-    of each new large block; returns False where the C library has no ``mallopt``, or
-    where ``MALLOC_MMAP_THRESHOLD_`` in the environment already chose the threshold.
-    """
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    try:
-        return bool(_libc().mallopt(_M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):
-        return False
-
-
 class Reuse:
     """Host memory of released tensors, kept for the next tensor of the same size.
 
     Offload streams the same few shard sizes through memory unit after unit; each new block
     costs a page fault per 4 KiB page (glibc maps every large block afresh once its mmap
-    threshold is fixed, ``return_freed_memory``), which on this project's VM runs at about
-    1.7 GB/s against 7 GB/s for memory already mapped. ``release`` hands a tensor's storage here
-    when nothing else holds it (torch's use count, where this torch exposes it); ``aligned_empty``
-    takes a block of the exact size when one is here. At most ``limit`` bytes wait, the oldest
-    going first, so resident memory stays bounded whatever the model's size; the limit is 0 (no
-    reuse) until its owner raises it (``keep``). Each NVMe swapper holds one (nvme.py), handed to
-    the tiers and buffers of its engine: there is no process-wide pool."""
+    threshold is fixed, memory.py's ``return_freed_memory``), which on this project's VM runs at
+    about 1.7 GB/s against 7 GB/s for memory already mapped. ``release`` hands a tensor's storage
+    here when nothing else holds it (torch's use count, where this torch exposes it);
+    ``aligned_empty`` takes a block of the exact size when one is here. At most ``limit`` bytes
+    wait, the oldest going first, so resident memory stays bounded whatever the model's size; the
+    limit is 0 (no reuse) until its owner raises it (``keep``). Each NVMe swapper holds one
+    (offload/nvme.py), handed to the tiers and buffers of its engine: there is no process-wide
+    pool."""
 
     def __init__(self, limit: int = 0):
         self.limit = limit
@@ -226,47 +197,6 @@ def align_storage(t: torch.Tensor) -> bool:
         t.data = aligned_clone(t.detach())
         return True
     return False
-
-
-def trim_heap() -> bool:
-    """Give the free pages inside glibc's heap back to the OS (``malloc_trim``). After tensors were
-    moved to aligned copies, the holes they left are a page too small for the next copy, so glibc
-    would keep them unused (a 16-layer GPT's optimizer state at stage 3: 200-250 MB more per rank at
-    its peak). False where the C library has no ``malloc_trim``."""
-    try:
-        _libc().malloc_trim(0)  # returns whether any memory went back, which may rightly be none
-        return True
-    except (OSError, AttributeError):
-        return False
-
-
-def create_file(path: str, direct: bool) -> tuple[int, bool]:
-    """Create ``path`` exclusively; returns (fd, whether O_DIRECT is on)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    if direct and _O_DIRECT:
-        try:
-            return os.open(path, flags | _O_DIRECT, 0o600), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            # Linux creates the file before refusing O_DIRECT; O_EXCL proves it is ours.
-            os.unlink(path)
-    return os.open(path, flags, 0o600), False
-
-
-def direct_io_works(fd: int, pool: BufferPool) -> bool:
-    """Some filesystems accept an O_DIRECT open but refuse the I/O; try one page."""
-    with pool.lease() as buf:
-        try:
-            os.pwritev(fd, [buf.view[:ALIGN]], 0)
-            os.preadv(fd, [buf.view[:ALIGN]], 0)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            return False
-        finally:
-            os.ftruncate(fd, 0)
-    return True
 
 
 def release(t: torch.Tensor, pool: Reuse | None = None) -> None:
