@@ -9,7 +9,6 @@ batch, exactly as single-process training on that batch would.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,7 @@ from zerompi.comm import guard, launch
 from zerompi.comm.group import ProcessGroup
 from zerompi.comm.mpi import MPIGroup
 from zerompi.comm.topology import build_groups
-from zerompi.errors import ModelMismatchError, UsageError, ZeroMPIError, all_ranks_ok
+from zerompi.errors import UsageError, ZeroMPIError, all_ranks_ok
 from zerompi.log import get_logger, set_rank
 from zerompi.offload.fence import ShardFence
 from zerompi.offload.tiers import TierPlan
@@ -35,7 +34,8 @@ from zerompi.phase import PhaseTracker
 from zerompi.shard import deferred
 from zerompi.shard.bucket import Placement
 from zerompi.shard.compression import Compression
-from zerompi.shard.placement import place
+from zerompi.shard.agreement import check_models_agree
+from zerompi.shard.placement import optimizer_groups, place
 from zerompi.shard.sharded import ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
 from zerompi.torch_private import tree_map
@@ -59,30 +59,6 @@ class Stats:
     last_grad_norm: float | None = None
 
 
-def _signature(module: nn.Module) -> list[tuple]:
-    params = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-              for n, p in module.named_parameters()]
-    buffers = [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    return params + buffers
-
-
-def _check_models_agree(module: nn.Module, group: ProcessGroup) -> None:
-    """Collective: every rank must hold the same parameter names, shapes and dtypes."""
-    sig = _signature(module)
-    digest = hashlib.sha256(repr(sig).encode()).hexdigest()
-    digests = group.allgather_object(digest)
-    if len(set(digests)) == 1:
-        return
-    reference = group.allgather_object(sig if group.rank == 0 else None)[0]
-    problem = None
-    if digest != digests[0]:
-        ours, theirs = set(sig), set(reference)
-        extra = sorted(ours - theirs, key=str)[:3]
-        missing = sorted(theirs - ours, key=str)[:3]
-        problem = f"model differs from rank 0's: only here {extra}, only on rank 0 {missing}"
-    all_ranks_ok(group, problem, ModelMismatchError)
-
-
 class Engine:
     """Trains ``module`` with ZeRO over the ranks of ``group``; build it with :func:`initialize`."""
 
@@ -97,12 +73,12 @@ class Engine:
             raise ZeroMPIError("the model has no parameters: nothing to train")
         if not any(p.requires_grad for p in module.parameters()):
             raise ZeroMPIError("no parameter of the model requires grad: nothing to train")
-        _check_models_agree(module, group)
+        check_models_agree(module, group)
         self.device = launch.select_device(cfg.device, self.info.local_rank)
         if self.device.type == "cpu":
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
-        membership, options = _param_groups(module, param_groups)
+        membership, options = optimizer_groups(module, param_groups)
         plan = plan_for(cfg.stage)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
@@ -327,27 +303,6 @@ class Engine:
         self.optimizer.close()
         if self.swapper is not None:  # also when only the parameters were offloaded
             self.swapper.close()
-
-
-def _param_groups(module: nn.Module, param_groups):
-    """Map each trainable parameter to an optimizer group index, and each group's options."""
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    if not param_groups:
-        return {p: 0 for p in trainable}, [{}]
-    membership: dict[nn.Parameter, int] = {}
-    options = []
-    for gi, spec in enumerate(param_groups):
-        if not isinstance(spec, dict) or "params" not in spec:
-            raise UsageError(f"param_groups[{gi}] must be a dict with a 'params' list")
-        for p in spec["params"]:
-            if p in membership:
-                raise UsageError(f"a parameter appears in param_groups {membership[p]} and {gi}")
-            membership[p] = gi
-        options.append({k: v for k, v in spec.items() if k != "params"})
-    missing = [p for p in trainable if p not in membership]
-    if missing:
-        raise UsageError(f"{len(missing)} trainable parameters are in no param group")
-    return membership, options
 
 
 def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,

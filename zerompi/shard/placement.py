@@ -15,6 +15,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from torch import nn
+
+from zerompi.errors import UsageError
 from zerompi.shard.layout import ParamSpec
 from zerompi.shard.stages import FROZEN, StagePlan, plan_for
 
@@ -83,3 +86,24 @@ def place(params: Iterable[tuple[str, tuple[int, ...], bool]], stage: StagePlan,
             residence = Residence.GATHERED if trainable else Residence.REPLICATED
         out.append(ParamPlacement(fqn, tuple(shape), trainable, residence, group_of[fqn] if trainable else 0))
     return out
+
+
+def optimizer_groups(module: nn.Module, param_groups) -> tuple[dict[nn.Parameter, int], list[dict]]:
+    """Map each trainable parameter to an optimizer group index, and each group's options."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if not param_groups:
+        return {p: 0 for p in trainable}, [{}]
+    membership: dict[nn.Parameter, int] = {}
+    options = []
+    for gi, spec in enumerate(param_groups):
+        if not isinstance(spec, dict) or "params" not in spec:
+            raise UsageError(f"param_groups[{gi}] must be a dict with a 'params' list")
+        for p in spec["params"]:
+            if p in membership:
+                raise UsageError(f"a parameter appears in param_groups {membership[p]} and {gi}")
+            membership[p] = gi
+        options.append({k: v for k, v in spec.items() if k != "params"})
+    missing = [p for p in trainable if p not in membership]
+    if missing:
+        raise UsageError(f"{len(missing)} trainable parameters are in no param group")
+    return membership, options
