@@ -32,7 +32,7 @@ def save_async(engine, root: str | os.PathLike, tag: str | None = None,
             # on the save's own thread alone, no I/O pool beside it: with O_DIRECT from page-aligned shards
             # a write costs little CPU, and the steps keep the cores. (A lowered priority was tried: the
             # save then lags, and a step that reaches a bucket it has not written waits at the fence.)
-            options = WriteOptions.from_config(snap.config)._replace(threads=1)
+            options = WriteOptions.from_policy(snap.config.checkpointing)._replace(threads=1)
             def write():  # noqa: E306 - on the save's thread
                 store.write(job.tmp, snap.shard_group, parts, job.save_id, options)
         publisher = (lambda: publish(job)) if engine.group.rank == 0 else None

@@ -49,6 +49,7 @@ import numpy as np
 from zerompi.blockio.direct import READ, PageWriter, transfer
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
+from zerompi.config.policies import CheckpointPolicy
 from zerompi.errors import CheckpointError
 
 SMALL = 64 << 10  # bytes: smaller datasets are written through h5py
@@ -56,7 +57,7 @@ STAGE = schema.CRC_BLOCK * 8  # bytes: a staging buffer holds one checksum block
 
 
 class WriteOptions(NamedTuple):
-    """How a checkpoint's files are written (from the config: checkpoint_align_kib, checkpoint_verify)."""
+    """How a checkpoint's files are written (from the config's checkpointing policy)."""
 
     align: int = 1 << 20   # bytes: objects at least this large start on a multiple of it
     verify: bool = False   # drop the written file from the page cache and read every checksum back
@@ -64,9 +65,8 @@ class WriteOptions(NamedTuple):
     direct: bool = True    # whole pages through O_DIRECT where the filesystem allows it
 
     @classmethod
-    def from_config(cls, cfg) -> "WriteOptions":
-        return cls(align=cfg.checkpoint_align_kib * 1024, verify=cfg.checkpoint_verify,
-                   direct=cfg.checkpoint_direct_io)
+    def from_policy(cls, policy: CheckpointPolicy) -> "WriteOptions":
+        return cls(align=policy.align_kib * 1024, verify=policy.verify, direct=policy.direct_io)
 
 
 def _blocks(start: int, stop: int) -> range:

@@ -101,7 +101,7 @@ class OptimizerShards:
         and written before the next is read (one bucket in memory)."""
         snap = self.snap
         snap.fence.hold(range(len(snap.shards)))
-        copy = snap.config.checkpoint_async_copy
+        copy = snap.config.checkpointing.async_copy
 
         def run() -> Iterator[Part]:
             streams, taken, last = snap.states.streams, [], len(snap.shards) - 1

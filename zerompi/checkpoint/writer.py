@@ -81,7 +81,7 @@ def later_parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool) -> 
 
 def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, keys: list[str],
                   save_id: str, include_frozen: bool) -> None:
-    store.write(directory, group, parts(snap, keys, include_frozen), save_id, WriteOptions.from_config(snap.config))
+    store.write(directory, group, parts(snap, keys, include_frozen), save_id, WriteOptions.from_policy(snap.config.checkpointing))
 
 
 def _bucket_meta(shards) -> list[dict[str, Any]]:

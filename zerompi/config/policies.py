@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from zerompi.config import checks
-from zerompi.config.choices import (DType, GradQuant, Hierarchy, NonFinite, Offload, Progress, Schedule,
+from zerompi.config.choices import (CheckpointLayout, DType, GradQuant, Hierarchy, NonFinite, Offload, Progress, Schedule,
                                     UpdateSchedule, WeightQuant)
 
 
@@ -39,6 +39,22 @@ class OptimizerPolicy:
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         """The torch.optim.Optimizer subclass that ``optimizer`` names."""
         return checks.optimizer_class("optimizer", self.optimizer)
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """How checkpoints are laid out and written."""
+
+    layout: CheckpointLayout
+    """Per-rank files, one shared file, or 'auto'."""
+    verify: bool
+    """Read every checksum back from the disk after the fsync."""
+    direct_io: bool
+    """Whole pages through O_DIRECT where the filesystem allows it."""
+    align_kib: int
+    """Large datasets start on a multiple of this many KiB (the stripe size)."""
+    async_copy: bool
+    """A background save writes from a host copy taken first (else from the live shards)."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from zerompi.config import checks, dialects
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
                                     Offload, Progress, Schedule, Stage, UpdateSchedule, WeightQuant)
 from zerompi.config.files import read_document
-from zerompi.config.policies import (CompressionPolicy, LrSchedulePolicy, OffloadPolicy, OptimizerPolicy,
+from zerompi.config.policies import (CheckpointPolicy, CompressionPolicy, LrSchedulePolicy, OffloadPolicy, OptimizerPolicy,
                                      OverlapPolicy, PrecisionPolicy, ReliabilityPolicy, TopologyPolicy)
 from zerompi.errors import ConfigError
 
@@ -260,6 +260,12 @@ class ZeroConfig:
         """The optimizer, its hyperparameters, clipping and non-finite gradients."""
         return OptimizerPolicy(self.optimizer, self.optimizer_kwargs, self.lr, self.betas, self.eps,
                                self.weight_decay, self.momentum, self.clip_grad_norm, self.nonfinite)
+
+    @property
+    def checkpointing(self) -> CheckpointPolicy:
+        """How checkpoints are laid out and written."""
+        return CheckpointPolicy(self.checkpoint_layout, self.checkpoint_verify, self.checkpoint_direct_io,
+                                self.checkpoint_align_kib, self.checkpoint_async_copy)
 
     @property
     def lr_policy(self) -> LrSchedulePolicy:

@@ -165,9 +165,13 @@ def test_policies_group_every_field_once():
                            "buffers": "nvme_buffers", "verify": "nvme_verify"},
                "overlap": {"grad_reduce": "overlap_grad_reduce", "progress": "mpi_progress",
                            "update": "optimizer_in_backward"},
-               "optimization": {"kwargs": "optimizer_kwargs"}, "lr_policy": {"schedule": "lr_schedule"}}
+               "optimization": {"kwargs": "optimizer_kwargs"}, "lr_policy": {"schedule": "lr_schedule"},
+               "checkpointing": {"layout": "checkpoint_layout", "verify": "checkpoint_verify",
+                                 "direct_io": "checkpoint_direct_io", "align_kib": "checkpoint_align_kib",
+                                 "async_copy": "checkpoint_async_copy"}}
     seen = []
-    for group in ("precision", "offload", "overlap", "topology", "reliability", "optimization", "lr_policy"):
+    for group in ("precision", "offload", "overlap", "topology", "reliability", "optimization", "lr_policy",
+                  "checkpointing"):
         view = getattr(cfg, group)
         for f in dataclasses.fields(view):
             field = renamed.get(group, {}).get(f.name, f.name)
