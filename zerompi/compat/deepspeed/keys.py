@@ -114,27 +114,28 @@ REQUIRED: dict[str, tuple[bool, str]] = {
 class Feature:
     """A DeepSpeed feature zerompi does not implement: refused unless its block is disabled."""
 
-    def __init__(self, label: str, reason: str, default_off: bool = True):
-        self.label, self.reason = label, reason
+    def __init__(self, label: str, reason: str, default_off: bool = True, removed: bool = False):
+        self.label = label
+        self.reason = reason + ("; DeepSpeed 0.19.8 has removed it too" if removed else "")
         self.default_off = default_off
         """Off unless ``enabled: true`` appears in the block (its own, or its techniques')."""
 
 
 FEATURES: dict[str, Feature] = {
     "compression_training": Feature("compression training", "DeepSpeed Compression's quantization-aware training, "
-                                    "pruning and layer reduction change the model, and zerompi does not implement them"),
+                                    "pruning and layer reduction change the model, and zerompi does not implement them", removed=True),
     "data_efficiency": Feature("data efficiency", "curriculum data sampling and random layerwise token dropping "
                                "change what each step trains on; zerompi does not implement them"),
     "curriculum_learning": Feature("curriculum learning", "a sequence-length curriculum changes the batches; "
-                                   "zerompi does not implement it"),
+                                   "zerompi does not implement it", removed=True),
     "progressive_layer_drop": Feature("progressive layer drop", "skipping layers as training goes changes the "
-                                      "result; zerompi does not implement it"),
+                                      "result; zerompi does not implement it", removed=True),
     "eigenvalue": Feature("eigenvalue", "Hessian eigenvalue estimation drives DeepSpeed's layer-wise schedules, "
-                          "which zerompi does not implement"),
+                          "which zerompi does not implement", removed=True),
     "quantize_training": Feature("quantized training", "MoQ quantizes the weights during training, which zerompi "
-                                 "does not implement"),
+                                 "does not implement", removed=True),
     "elasticity": Feature("elastic training", "DeepSpeed's elastic agent picks batch and world sizes; zerompi runs "
-                          "under mpiexec at a fixed size"),
+                          "under mpiexec at a fixed size", removed=True),
     "autotuning": Feature("autotuning", "the DeepSpeed launcher's search over configs; zerompi has no launcher"),
     "hybrid_engine": Feature("hybrid engine", "DeepSpeed-Chat's inference kernels for RLHF generation, which "
                              "zerompi does not have"),
@@ -144,15 +145,16 @@ FEATURES: dict[str, Feature] = {
     "tensor_parallel": Feature("tensor parallelism", "AutoTP splits layers across ranks; zerompi is data parallel "
                                "only", default_off=False),
     "sparse_attention": Feature("sparse attention", "DeepSpeed's block-sparse attention kernels, which zerompi "
-                                "does not have", default_off=False),
+                                "does not have", default_off=False, removed=True),
 }
-"""Top-level blocks of features zerompi lacks, each refused with its reason unless ``enabled: false``."""
+"""Top-level blocks of features zerompi lacks, each refused with its reason unless ``enabled: false``. DeepSpeed
+0.19.8 refuses the removed ones in any form; a disabled one changes nothing, so zerompi accepts it."""
 
 OPTIMIZER_FEATURES: dict[str, Feature] = {
-    "onebitadam": Feature("1-bit Adam", "compressed optimizer communication zerompi does not implement"),
+    "onebitadam": Feature("1-bit Adam", "compressed optimizer communication zerompi does not implement", removed=True),
     "zerooneadam": Feature("0/1 Adam", "compressed optimizer communication with adaptive variance freezing, "
-                           "which zerompi does not implement"),
+                           "which zerompi does not implement", removed=True),
     "onebitlamb": Feature("1-bit LAMB", "compressed optimizer communication and LAMB's layer-wise trust ratios, "
-                          "which zerompi does not implement"),
+                          "which zerompi does not implement", removed=True),
 }
 """optimizer.type values (lower case) of optimizers zerompi lacks; their params are theirs, not unknown keys."""
