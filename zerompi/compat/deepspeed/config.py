@@ -25,7 +25,7 @@ from zerompi.compat.deepspeed.auto import is_auto, resolve_auto
 from zerompi.compat.deepspeed.batch import BatchKeys, read_batch_keys
 from zerompi.compat.deepspeed.keys import ADAM_PARAMS, MONITORS, NO_EFFECT, REQUIRED, SGD_PARAMS
 from zerompi.compat.deepspeed.schedule import DeepSpeedSchedule, read_schedule
-from zerompi.compat.deepspeed.screen import get as _ds_get, screen
+from zerompi.compat.deepspeed.screen import get as _ds_get, respell, respelled, screen
 from zerompi.compat.deepspeed.swap import read_swap, whole
 from zerompi.errors import ConfigError
 
@@ -168,7 +168,8 @@ def _ds_stage3(d: Mapping, kwargs: dict[str, Any], bucket_mb: float) -> None:
                              ("zero_optimization.stage3_max_live_parameters", "max_live_params", 1)):
         found, value = _ds_get(d, dotted)
         if found:
-            kwargs[name] = integer(dotted, whole(value), lo)
+            # DeepSpeed's lean max_live_parameters=0 keeps nothing gathered ahead: each unit alone, as 1 does here.
+            kwargs[name] = max(lo, integer(dotted, whole(value), 0))
 
 
 def _ds_zeropp(d: Mapping, kwargs: dict[str, Any]) -> None:
@@ -213,8 +214,16 @@ def translate(d: Mapping[str, Any], model: nn.Module | None = None, overrides: M
     ``overrides`` and ``defaults`` are ZeroConfig field values that resolve "auto" (auto.py);
     ``model`` gives the hidden size the tuning sizes' "auto" follow.
     """
-    d, ignored = screen(d)
-    overrides, defaults = overrides or {}, defaults or {}
+    d, ignored, renamed = screen(d)
+    try:  # keys named as the document spells them
+        t = _translate(d, ignored, model, overrides or {}, defaults or {})
+    except ConfigError as e:
+        raise respelled(e, renamed) from None
+    return t._replace(no_effect=tuple(respell(k, renamed) for k in t.no_effect))
+
+
+def _translate(d: Mapping[str, Any], ignored: list[str], model: nn.Module | None, overrides: Mapping[str, Any],
+               defaults: Mapping[str, Any]) -> Translation:
     auto_warmup = is_auto(_ds_get(d, "scheduler.params.warmup_num_steps")[1])
     d = resolve_auto(d, model, overrides, defaults)
     kwargs: dict[str, Any] = {"stage": 0, "clip_grad_norm": 1.0}  # DeepSpeed 0.19's defaults

@@ -10,6 +10,7 @@ zerompi reads (keys.py), so old and new spellings translate to equal configs.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,13 +24,34 @@ _MISSING = object()
 _CPU_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 
 
-def screen(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """A copy of ``doc`` in the spellings zerompi reads, and the keys DeepSpeed itself ignores there
-    (``bfloat16`` beside ``bf16``, ``allgather_size`` without the legacy form). Refused features and
-    unknown keys: one ConfigError naming each (a feature with its reason)."""
+def screen(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """A copy of ``doc`` in the spellings zerompi reads, the keys DeepSpeed itself ignores there
+    (``bfloat16`` beside ``bf16``, ``allgather_size`` without the legacy form), and each renamed key's
+    spelling in ``doc`` (for :func:`respelled`). Refused features and unknown keys: one ConfigError
+    naming each (a feature with its reason)."""
     d = copy.deepcopy(dict(doc))
     ignored = _legacy_zero(d)
-    ignored += _rename(d)
+    renamed: dict[str, str] = {}
+    ignored += _rename(d, renamed)
+    try:
+        _screen(d)
+    except ConfigError as e:
+        raise respelled(e, renamed) from None
+    return d, ignored, renamed
+
+
+def respell(text: str, renamed: Mapping[str, str]) -> str:
+    """``text`` with each renamed key (and the keys inside it) named as the document spells it."""
+    for new, old in renamed.items():
+        text = re.sub(rf"(?<![\w.]){re.escape(new)}(?=[.=,;:\s)]|$)", old, text)
+    return text
+
+
+def respelled(error: ConfigError, renamed: Mapping[str, str]) -> ConfigError:
+    return ConfigError(respell(str(error), renamed))
+
+
+def _screen(d: dict) -> None:
     _cpu_offload(d)
     refused = _features(d)
     unsupported: list[str] = []
@@ -41,7 +63,6 @@ def screen(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         parts.append("unsupported DeepSpeed config keys: " + ", ".join(sorted(unsupported)))
     if parts:
         raise ConfigError("; ".join(parts))
-    return d, ignored
 
 
 def get(d: Mapping, dotted: str) -> tuple[bool, Any]:
@@ -78,8 +99,8 @@ def _legacy_zero(d: dict) -> list[str]:
     return ["allgather_size"]
 
 
-def _rename(d: dict) -> list[str]:
-    """Old spellings to the key zerompi reads; two spellings that differ are refused."""
+def _rename(d: dict, renamed: dict[str, str]) -> list[str]:
+    """Old spellings to the key zerompi reads (recorded in ``renamed``); two spellings that differ are refused."""
     ignored = []
     for new, olds in ALIASES.items():
         block, leaf = _parent(d, new)
@@ -89,7 +110,7 @@ def _rename(d: dict) -> list[str]:
                 continue
             value = old_block.pop(old_leaf)
             if leaf not in block:  # an old spelling's parent is its new spelling's parent
-                block[leaf] = value
+                block[leaf], renamed[new] = value, old
             elif new == "bf16":  # DeepSpeed reads bfloat16 only without bf16
                 ignored.append(old)
             elif block[leaf] != value:
