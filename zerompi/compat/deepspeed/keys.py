@@ -123,7 +123,8 @@ class Feature:
 
 FEATURES: dict[str, Feature] = {
     "compression_training": Feature("compression training", "DeepSpeed Compression's quantization-aware training, "
-                                    "pruning and layer reduction change the model, and zerompi does not implement them", removed=True),
+                                    "pruning and layer reduction change the model, and zerompi does not implement "
+                                    "them", removed=True),
     "data_efficiency": Feature("data efficiency", "curriculum data sampling and random layerwise token dropping "
                                "change what each step trains on; zerompi does not implement them"),
     "curriculum_learning": Feature("curriculum learning", "a sequence-length curriculum changes the batches; "
