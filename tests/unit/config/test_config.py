@@ -643,18 +643,20 @@ def test_from_deepspeed_optimizer_errors(block, match):
 def test_from_deepspeed_unsupported_keys_in_one_error():
     d = full_deepspeed()
     d["scheduler"] = {"type": "WarmupLR", "params": {"warmup_steps": 3}}
-    d["activation_checkpointing"] = {"partition_activations": True}
+    d["activation_checkpointing"] = {"partition_activations": True}  # accepted, no effect
+    d["activation_checkpointing_v2"] = {}
     d["zero_optimization"]["stage3_prefetch_bucket_size"] = 5e7  # supported
-    d["zero_optimization"]["offload_param"]["buffer_count"] = 4
+    d["zero_optimization"]["offload_param"]["buffer_count"] = 4  # accepted, no effect
+    d["zero_optimization"]["offload_param"]["buffer_counts"] = 4
     d["optimizer"]["params"]["foo"] = 1
     d["fp16"]["fp16_master_weights"] = False
     d["seed"] = 1  # not a DeepSpeed key
     with pytest.raises(ConfigError) as err:
         config_from(d)
     assert str(err.value) == (
-        "unsupported DeepSpeed config keys: activation_checkpointing, "
+        "unsupported DeepSpeed config keys: activation_checkpointing_v2, "
         "fp16.fp16_master_weights, optimizer.params.foo, scheduler.params.warmup_steps, seed, "
-        "zero_optimization.offload_param.buffer_count")
+        "zero_optimization.offload_param.buffer_counts")
 
 
 @pytest.mark.parametrize("d,key", [

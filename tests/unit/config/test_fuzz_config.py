@@ -159,13 +159,16 @@ def valid_deepspeed(draw) -> dict:
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if draw(st.booleans()):
             zero[key] = _maybe_auto(draw, _SIZES) if key == "reduce_bucket_size" else draw(_SIZES)
+    gather = draw(st.sampled_from(["stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                                   "stage3_gather_fp16_weights_on_model_save"]))  # DeepSpeed 0.19.8's spellings
     for key in ("contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions",
-                "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save"):
+                "round_robin_gradients", "memory_efficient_linear", gather):
         if draw(st.booleans()):
             zero[key] = draw(st.booleans())
-    for key in ("sub_group_size", "stage3_max_reuse_distance"):
+    for key in ("sub_group_size", draw(st.sampled_from(["stage3_max_reuse_distance", "max_reuse_distance"])),
+                "stage3_model_persistence_threshold"):
         if draw(st.booleans()):
-            zero[key] = draw(_SIZES)
+            zero[key] = draw(st.one_of(_SIZES, _AUTO))
     if draw(st.booleans()):
         zero["stage3_prefetch_bucket_size"] = _maybe_auto(draw, st.one_of(st.just(0), _SIZES))
     if draw(st.booleans()):
@@ -177,17 +180,42 @@ def valid_deepspeed(draw) -> dict:
     if draw(st.booleans()):
         zero["zero_hpz_partition_size"] = draw(st.integers(1, 16))
     nvme, pin = draw(st.one_of(st.none(), TEXT.filter(bool))), draw(st.booleans())
+    tuning = {"offload_optimizer": {"buffer_count": _SIZES, "pipeline_read": st.booleans(), "fast_init": st.booleans(),
+                                    "ratio": st.floats(0, 1)},
+              "offload_param": {"buffer_count": _SIZES, "buffer_size": _SIZES, "max_in_cpu": _SIZES}}
     for block in ("offload_optimizer", "offload_param"):
         if draw(st.booleans()):
             zero[block] = {"device": "none", "pin_memory": pin} | ({"nvme_path": nvme} if nvme else {})
+            for key, strat in tuning[block].items():
+                if draw(st.booleans()):
+                    zero[block][key] = draw(strat)
     doc["zero_optimization"] = zero
+    if draw(st.booleans()):
+        doc["aio"] = draw(st.fixed_dictionaries({}, optional={
+            "block_size": st.one_of(st.integers(1, 65536).map(lambda k: 4096 * k), st.integers(1, 2**31)),
+            "intra_op_parallelism": st.integers(1, 100), "queue_depth": st.integers(0, 128),
+            "thread_count": st.integers(1, 8), "single_submit": st.booleans(), "overlap_events": st.booleans(),
+            "use_gds": st.booleans()}))
+    for name in ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler"):
+        if draw(st.booleans()):
+            doc[name] = {"enabled": draw(st.booleans())}
+    for name in draw(st.lists(st.sampled_from(["compression_training", "data_efficiency", "curriculum_learning",
+                                               "autotuning", "hybrid_engine", "torch_autocast", "elasticity",
+                                               "progressive_layer_drop"]), max_size=3, unique=True)):
+        doc[name] = {"enabled": False}
+    if draw(st.booleans()):
+        doc["activation_checkpointing"] = {"partition_activations": draw(st.booleans()),
+                                           "number_checkpoints": draw(st.integers(1, 8))}
     if draw(st.booleans()):
         doc["gradient_accumulation_steps"] = _maybe_auto(draw, st.integers(1, 64))
     if draw(st.booleans()):
         doc["gradient_clipping"] = _maybe_auto(draw, _NONNEG)
     precision = draw(st.sampled_from(["fp32", "bf16", "fp16", "auto"]))
     if precision in ("bf16", "auto") or draw(st.booleans()):
-        doc["bf16"] = {"enabled": "auto" if precision == "auto" else precision == "bf16"}
+        bf16 = draw(st.sampled_from(["bf16", "bfloat16"]))  # bfloat16: DeepSpeed's old name of the block
+        doc[bf16] = {"enabled": "auto" if precision == "auto" else precision == "bf16"}
+        if draw(st.booleans()):
+            doc[bf16]["immediate_grad_update"] = draw(st.booleans())
     if precision in ("fp16", "auto") or draw(st.booleans()):
         fp16: dict[str, Any] = {"enabled": "auto" if precision == "auto" else precision == "fp16",
                                 "auto_cast": False}
@@ -206,8 +234,9 @@ def valid_deepspeed(draw) -> dict:
             params["betas"] = _maybe_auto(draw, st.lists(st.floats(0, 0.999), min_size=2, max_size=2))
             params["eps"] = _maybe_auto(draw, _POS)
             params["adam_w_mode"] = draw(st.booleans())
-            if draw(st.booleans()):
-                params["torch_adam"] = draw(st.booleans())
+            for key in ("torch_adam", "bias_correction"):
+                if draw(st.booleans()):
+                    params[key] = draw(st.booleans()) if key == "torch_adam" else True
         params["weight_decay"] = _maybe_auto(draw, _NONNEG)
         doc["optimizer"] = {"type": kind, "params": params}
     if draw(st.booleans()):
@@ -482,8 +511,9 @@ def test_fuzz_in_backward(stage, clip, dtype, nonfinite, accum):
 
 @settings(max_examples=200, **FUZZ)
 @given(st.one_of(JSON_VALUES, st.dictionaries(st.sampled_from(
-    ["zero_optimization", "fp16", "bf16", "optimizer", "gradient_clipping", "gradient_accumulation_steps",
-     "train_batch_size"]), JSON_VALUES, max_size=5), st.fixed_dictionaries({}, optional={
+    ["zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "gradient_clipping", "gradient_accumulation_steps",
+     "train_batch_size", "aio", "tensorboard", "pipeline", "curriculum_learning", "tensor_parallel"]), JSON_VALUES,
+    max_size=5), st.fixed_dictionaries({}, optional={
          "zero_optimization": st.dictionaries(st.sampled_from(["stage", "reduce_bucket_size"]), SCALARS),
          "gradient_clipping": SCALARS, "gradient_accumulation_steps": SCALARS,
          "fp16": st.dictionaries(st.sampled_from(["enabled", "loss_scale", "min_loss_scale"]), SCALARS)})))

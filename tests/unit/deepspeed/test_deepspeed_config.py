@@ -159,7 +159,7 @@ def test_every_no_effect_key_is_warned_about():
         node = doc
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = True if kind == "bool" else 7
+        node[leaf] = {"bool": True, "size": 7, "ratio": 0.5, "any": "x"}[kind]
     _, warned = from_deepspeed(doc)
     assert len(warned) == 1 and warned_keys(warned[0]) == set(NO_EFFECT)
 
@@ -253,19 +253,20 @@ def test_unsupported_keys_still_in_one_error():
     doc = copy.deepcopy(HF_ZERO3)
     doc["zero_optimization"]["zeropp_loco_param"] = {"err_beta": 0.8}
     doc["scheduler"]["params"]["cycle_min_lr"] = 0.1
-    doc["activation_checkpointing"] = {}
+    doc["communication_data_type"] = "fp16"
     doc["fp16"]["fp16_master_weights"] = True
     with pytest.raises(ConfigError) as err:
         config_from(doc)
-    assert str(err.value) == ("unsupported DeepSpeed config keys: activation_checkpointing, fp16.fp16_master_weights, "
+    assert str(err.value) == ("unsupported DeepSpeed config keys: communication_data_type, fp16.fp16_master_weights, "
                               "scheduler.params.cycle_min_lr, zero_optimization.zeropp_loco_param")
 
 
 @pytest.mark.parametrize("doc,match", [
     ({"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, r"optimizer.type='Lamb'"),
-    ({"fp16": {"enabled": True, "auto_cast": True}}, r"fp16.auto_cast=True is not supported"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, r"fp16.auto_cast=True is not supported: .*; allowed: false"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, r"fp16.fp16_master_weights_and_grads=True"),
-    ({"zero_optimization": {"cpu_offload": True}}, r"cpu_offload=True.*offload_optimizer.device='cpu'"),
+    ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+     r"zero_optimization.cpu_offload and zero_optimization.offload_optimizer are both given"),
     ({"zero_optimization": {"round_robin_gradients": "yes"}}, r"zero_optimization.round_robin_gradients='yes'"),
     ({"zero_optimization": {"sub_group_size": -1}}, r"zero_optimization.sub_group_size=-1"),
 ])
@@ -299,3 +300,333 @@ def test_batch_keys_checked_for_type():
     with pytest.raises(ConfigError, match=r"^train_micro_batch_size_per_gpu=0"):
         config_from({"train_micro_batch_size_per_gpu": 0})
     assert math.isclose(config_from({"train_batch_size": "auto"}).lr, 1e-3)
+
+
+# ---- DeepSpeed 0.19.8's other spellings, disabled blocks, aio, features zerompi lacks --------------
+
+# Hugging Face's ZeRO-3 NVMe template (transformers' DeepSpeed guide), with its older spellings.
+HF_ZERO3_NVME = {**_COMMON, "bf16": {"enabled": True}, "fp16": {"enabled": False}, "zero_optimization": {
+    "stage": 3,
+    "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 4,
+                          "fast_init": False},
+    "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
+                      "buffer_size": 1e8, "max_in_cpu": 1e9},
+    "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+    "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": "auto",
+    "stage3_gather_fp16_weights_on_model_save": True},
+    "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+            "overlap_events": True}}
+# DeepSpeed-Chat's training config (dschat/utils/ds_utils.py get_train_ds_config), hybrid engine and
+# TensorBoard off, in the old bfloat16 spelling.
+DS_CHAT = {
+    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "offload_param": {"device": "none"},
+                          "offload_optimizer": {"device": "none"}, "stage3_param_persistence_threshold": 1e4,
+                          "stage3_max_live_parameters": 3e7, "stage3_prefetch_bucket_size": 3e7,
+                          "memory_efficient_linear": False},
+    "bfloat16": {"enabled": True}, "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
+    "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1, "release_inference_cache": False,
+                      "pin_parameters": True, "tp_gather_partition_size": 8},
+    "tensorboard": {"enabled": False, "output_path": "step1_tensorboard/ds_tensorboard_logs/",
+                    "job_name": "step1_model_tensorboard"},
+}
+# DeepSpeedExamples-style training config: Adam with bias_correction, fp16, every optional block off.
+EXAMPLES = {
+    "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 100,
+    "optimizer": {"type": "Adam", "params": {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.01,
+                                             "bias_correction": True}},
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+    "zero_optimization": {"stage": 2, "cpu_offload": True, "contiguous_gradients": True},
+    "torch_autocast": {"enabled": False}, "flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1,
+                                                              "top_modules": 1, "detailed": True, "output_file": None},
+    "wandb": {"enabled": False, "project": "x"}, "csv_monitor": {"enabled": False}, "comet": {"enabled": False},
+    "comms_logger": {"enabled": False}, "data_efficiency": {"enabled": False, "data_sampling": {"enabled": False}},
+    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                 "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                 "synchronize_checkpoint_boundary": False, "profile": False},
+}
+
+
+def test_hf_zero3_nvme_template():
+    cfg, warned = from_deepspeed(HF_ZERO3_NVME)
+    assert (cfg.stage, cfg.dtype, cfg.offload_optimizer, cfg.offload_params, cfg.nvme_path) == \
+        (3, "bf16", "nvme", "nvme", "/local_nvme")
+    assert (cfg.nvme_block_kib, cfg.max_live_params) == (256, None)  # aio.block_size is bytes; "auto": DeepSpeed's default
+    assert translate(HF_ZERO3_NVME).gather_16bit
+    assert len(warned) == 1 and warned_keys(warned[0]) == {
+        "steps_per_print", "wall_clock_breakdown", "zero_optimization.contiguous_gradients",
+        "zero_optimization.sub_group_size", "zero_optimization.offload_optimizer.buffer_count",
+        "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
+        "aio.queue_depth", "aio.thread_count", "aio.single_submit", "aio.overlap_events"}
+
+
+def test_deepspeed_chat_config():
+    cfg, warned = from_deepspeed(DS_CHAT)
+    assert (cfg.stage, cfg.dtype, cfg.param_persistence_threshold, cfg.max_live_params) == (3, "bf16", 10000, 30000000)
+    assert cfg.overlap_grad_reduce and cfg.offload_params == "none"
+    # Disabled hybrid engine and TensorBoard are not mentioned: DeepSpeed does nothing with them either.
+    assert warned_keys(warned[0]) == {"steps_per_print", "prescale_gradients", "wall_clock_breakdown",
+                                      "zero_optimization.memory_efficient_linear"}
+
+
+def test_deepspeed_examples_config():
+    cfg, warned = from_deepspeed(EXAMPLES)
+    assert (cfg.stage, cfg.optimizer, cfg.betas, cfg.dtype, cfg.offload_optimizer) == \
+        (2, "adamw", (0.9, 0.98), "fp16", "cpu")  # cpu_offload: true is offload_optimizer.device='cpu'
+    assert warned_keys(warned[0]) == {"steps_per_print", "zero_optimization.contiguous_gradients"} | {
+        f"activation_checkpointing.{k}" for k in EXAMPLES["activation_checkpointing"]}
+
+
+
+
+@pytest.mark.parametrize("old,new", [
+    ({"bfloat16": {"enabled": True}}, {"bf16": {"enabled": True}}),
+    ({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}},
+     {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}),
+    ({"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True}},
+     {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}),
+    ({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 5e7, "param_persistence_threshold": 1e5,
+                            "max_live_parameters": 1e9, "max_reuse_distance": 1e9, "model_persistence_threshold": 9,
+                            "module_granularity_threshold": 0, "use_all_reduce_for_fetch_params": False,
+                            "allgather_sequential": False}},
+     {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
+                            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                            "stage3_model_persistence_threshold": 9, "stage3_module_granularity_threshold": 0,
+                            "stage3_use_all_reduce_for_fetch_params": False, "stage3_allgather_sequential": False}}),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True}},
+     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
+    ({"zero_optimization": {"stage": 3, "cpu_offload_param": True, "cpu_offload": False}},
+     {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
+    ({"zero_optimization": True, "allgather_size": 1e6}, {"zero_optimization": {"stage": 1, "allgather_bucket_size": 1e6}}),
+    ({"zero_optimization": False}, {"zero_optimization": {"stage": 0}}),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "bias_correction": True}}},
+     {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}),
+])
+def test_old_and_new_spellings_give_equal_configs(old, new):
+    (cfg, warned), (cfg_new, warned_new) = from_deepspeed(old), from_deepspeed(new)
+    assert cfg == cfg_new
+    assert translate(old).gather_16bit == translate(new).gather_16bit
+    # The warning names the keys as each document spells them.
+    assert {k.replace("stage3_", "") for k in (warned_keys(warned[0]) if warned else ())} == \
+        {k.replace("stage3_", "") for k in (warned_keys(warned_new[0]) if warned_new else ())}
+
+
+def test_errors_name_keys_as_the_document_spells_them():
+    with pytest.raises(ConfigError, match=r"^bfloat16.enabled='x' is not a bool"):
+        config_from({"bfloat16": {"enabled": "x"}})
+    with pytest.raises(ConfigError, match=r"^unsupported DeepSpeed config keys: bfloat16.xx$"):
+        config_from({"bfloat16": {"enabled": True, "xx": 1}})
+    with pytest.raises(ConfigError, match=r"^zero_optimization.max_live_parameters=-1 is not an int"):
+        config_from({"zero_optimization": {"stage": 3, "max_live_parameters": -1}})
+    _, warned = from_deepspeed({"zero_optimization": {"stage": 2, "prefetch_bucket_size": 10}})
+    assert warned_keys(warned[0]) == {"zero_optimization.prefetch_bucket_size"}
+    # DeepSpeed's lean setting: nothing live beyond the unit computing.
+    assert config_from({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}}).max_live_params == 1
+
+
+def test_old_spellings_details():
+    cfg, _ = from_deepspeed({"zero_optimization": {"stage": 3, "max_live_parameters": 1e7}})
+    assert cfg.max_live_params == 10**7
+    # DeepSpeed reads bfloat16 only without bf16: beside bf16 it is named among the keys without effect.
+    cfg, warned = from_deepspeed({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}})
+    assert cfg.dtype == "fp32" and warned_keys(warned[0]) == {"bfloat16"}
+    with pytest.raises(ConfigError, match=r"zero_optimization.max_live_parameters=5 and "
+                                          r"zero_optimization.stage3_max_live_parameters=6 are two spellings"):
+        config_from({"zero_optimization": {"stage": 3, "max_live_parameters": 5, "stage3_max_live_parameters": 6}})
+    with pytest.raises(ConfigError, match=r"cpu_offload_param and zero_optimization.offload_param are both given"):
+        config_from({"zero_optimization": {"stage": 3, "cpu_offload_param": False, "offload_param": {"device": "cpu"}}})
+    _, warned = from_deepspeed({"zero_optimization": {"stage": 1}, "allgather_size": 10})
+    assert warned_keys(warned[0]) == {"allgather_size"}  # read only with "zero_optimization": true
+
+
+@pytest.mark.parametrize("aio,fields,no_effect", [
+    ({"block_size": 1048576, "intra_op_parallelism": 8}, {"nvme_block_kib": 1024, "nvme_threads": 8}, set()),
+    ({"block_size": 1000000, "intra_op_parallelism": 100}, {}, {"aio.block_size", "aio.intra_op_parallelism"}),
+    ({"block_size": 2**30, "use_gds": False}, {}, {"aio.block_size", "aio.use_gds"}),
+])
+def test_aio_maps_onto_swap_settings(aio, fields, no_effect):
+    doc = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "aio": aio}
+    cfg, warned = from_deepspeed(doc)
+    for name, default in dataclasses.asdict(ZeroConfig()).items():
+        if name in ("nvme_block_kib", "nvme_threads"):
+            assert getattr(cfg, name) == fields.get(name, default)
+    assert (warned_keys(warned[0]) if warned else set()) == no_effect
+
+
+@pytest.mark.parametrize("doc,match", [
+    ({"aio": {"block_size": "auto"}}, r"aio.block_size='auto'"),
+    ({"aio": {"intra_op_parallelism": 0}}, r"aio.intra_op_parallelism=0"),
+    ({"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}}, r"offload_optimizer.ratio=1.5"),
+    ({"tensorboard": {"enabled": "yes"}}, r"tensorboard.enabled='yes'"),
+    ({"tensorboard": {"enabled": False, "path": "x"}}, r"unsupported DeepSpeed config keys: tensorboard.path"),
+])
+def test_tuning_keys_are_checked(doc, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from(doc)
+
+
+def test_enabled_monitors_are_named_in_the_warning():
+    doc = {"zero_optimization": {"stage": 1}, "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "j"},
+           "wandb": {"enabled": True, "project": "p"}, "csv_monitor": {"enabled": True}, "comet": {"enabled": False},
+           "flops_profiler": {"enabled": True, "profile_step": 2}, "comms_logger": {"enabled": True, "verbose": False}}
+    _, warned = from_deepspeed(doc)
+    assert warned_keys(warned[0]) == {"tensorboard", "wandb", "csv_monitor", "flops_profiler", "comms_logger"}
+
+
+@pytest.mark.parametrize("doc,match", [
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}}},
+     r"optimizer.params.bias_correction=False is not supported: torch's Adam and AdamW always correct"),
+    ({"bf16": {"enabled": True, "check_grad_overflow": False}}, r"bf16.check_grad_overflow=False is not supported"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, r"fp32 master weights"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, r"optimizer state in fp32"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "bias_correction": True}}},
+     r"optimizer.params.bias_correction do\(es\) not apply to optimizer.type='SGD'"),
+])
+def test_values_zerompi_cannot_compute_are_refused(doc, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from(doc)
+
+
+# Each feature zerompi lacks, as DeepSpeedExamples and DeepSpeed's docs enable it, and what the refusal names.
+FEATURES = [
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 4e-4, "freeze_step": 23000, "cuda_aware": False,
+                                                     "comm_backend_name": "nccl"}}},
+     "optimizer.type='OneBitAdam' (1-bit Adam: compressed optimizer communication zerompi does not implement; "
+     "DeepSpeed 0.19.8 has removed it too)"),
+    ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "bias_correction": False, "var_freeze_step": 1000,
+                                                      "var_update_scaler": 16, "local_step_scaler": 1000,
+                                                      "local_step_clipper": 16, "cuda_aware": False,
+                                                      "comm_backend_name": "nccl"}}},
+     "optimizer.type='ZeroOneAdam' (0/1 Adam: "),
+    ({"optimizer": {"type": "OneBitLamb", "params": {"lr": 11e-3, "max_coeff": 0.3, "min_coeff": 0.01,
+                                                     "freeze_step": 1000, "coeff_beta": 0.9, "factor_max": 4.0,
+                                                     "factor_min": 0.5, "factor_threshold": 0.1}}},
+     "optimizer.type='OneBitLamb' (1-bit LAMB: "),
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True, "quantizer_kernel": False},
+                                                       "different_groups": {}}}},
+     "compression_training.weight_quantization.shared_parameters.enabled=True (compression training: "),
+    ({"data_efficiency": {"enabled": True, "seed": 1234, "data_sampling": {"enabled": True}}},
+     "data_efficiency.enabled=True (data efficiency: "),
+    ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}},
+     "curriculum_learning.enabled=True (curriculum learning: "),
+    ({"autotuning": {"enabled": True, "arg_mappings": {}}}, "autotuning.enabled=True (autotuning: "),
+    ({"tensor_parallel": {"autotp_size": 4}}, "tensor_parallel.autotp_size=4 (tensor parallelism: "),
+    ({"pipeline": {"stages": "auto", "partition": "best"}}, "pipeline (pipeline parallelism: zerompi is data parallel"),
+    ({"sparse_attention": {"mode": "fixed", "block": 16}}, "sparse_attention (sparse attention: "),
+    ({"progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001}}, "progressive_layer_drop.enabled=True"),
+    ({"elasticity": {"enabled": True, "max_train_batch_size": 2000}}, "elasticity.enabled=True (elastic training: "),
+    ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled=True (hybrid engine: "),
+    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled=True (torch autocast: "),
+]
+
+
+@pytest.mark.parametrize("doc,reason", FEATURES, ids=[next(iter(d)) if "optimizer" not in d else d["optimizer"]["type"]
+                                                      for d, _ in FEATURES])
+def test_each_missing_feature_is_refused_with_its_reason(doc, reason):
+    with pytest.raises(ConfigError, match=r"^DeepSpeed features zerompi does not implement: ") as err:
+        config_from(doc)
+    assert reason in str(err.value)
+    assert "unsupported" not in str(err.value)  # the feature's own keys are its, not unknown
+
+
+def test_missing_features_and_unknown_keys_in_one_error():
+    doc = {"zero_optimization": {"stage": 2, "zenflow_x": 1}, "foo": 1}
+    for feature, _ in FEATURES:
+        doc.update({k: v for k, v in feature.items() if k != "optimizer"})
+    doc["optimizer"] = FEATURES[0][0]["optimizer"]
+    with pytest.raises(ConfigError) as err:
+        config_from(doc)
+    text = str(err.value)
+    for _, reason in FEATURES[:1] + FEATURES[3:]:
+        assert reason in text
+    assert text.endswith("; unsupported DeepSpeed config keys: foo, zero_optimization.zenflow_x")
+
+
+# DeepSpeed 0.19.8 refuses the removed features' blocks even disabled; configs written for earlier versions carry
+# them, and a disabled block changes nothing, so zerompi accepts them.
+@pytest.mark.parametrize("name", ["compression_training", "data_efficiency", "curriculum_learning", "autotuning",
+                                  "progressive_layer_drop", "elasticity", "hybrid_engine", "torch_autocast",
+                                  "pipeline", "sparse_attention", "tensor_parallel", "eigenvalue", "quantize_training"])
+def test_disabled_features_are_accepted_silently(name):
+    base = {"zero_optimization": {"stage": 2}}
+    cfg, warned = from_deepspeed({**base, name: {"enabled": False, "anything": 1}})
+    assert cfg == config_from(base) and warned == []
+
+
+def test_disabled_by_default_and_tensor_parallel_off():
+    base = {"zero_optimization": {"stage": 2}}
+    for doc in ({"data_efficiency": {"data_sampling": {"enabled": False}}}, {"curriculum_learning": {}},
+                {"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": False}}}},
+                {"tensor_parallel": {"autotp_size": 1, "tp": {"tp_size": 1}}}):
+        assert from_deepspeed({**base, **doc}) == (config_from(base), [])
+
+
+def test_auto_in_deepspeed_default_blocks_is_the_key_left_out():
+    doc = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto", "allgather_bucket_size": "auto",
+                                 "overlap_comm": "auto", "offload_param": {"device": "cpu", "pin_memory": "auto"}},
+           "bf16": {"enabled": True, "immediate_grad_update": "auto"}, "tensorboard": {"enabled": "auto"}}
+    cfg, warned = from_deepspeed(doc)
+    assert cfg == config_from({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+                               "bf16": {"enabled": True}})
+    assert warned == []
+
+
+# ---- DeepSpeed's own DeepSpeedConfig reads the same configs ------------------------------------
+
+_DEEPSPEED_READS = """
+import json, sys
+from deepspeed.runtime.config import DeepSpeedConfig
+out = []
+for doc in json.load(sys.stdin):
+    try:
+        DeepSpeedConfig(doc)
+        out.append(None)
+    except Exception as e:
+        out.append(f"{type(e).__name__}: {e}")
+print(json.dumps(out))
+"""
+
+
+def _without_auto(doc):
+    """What Hugging Face's Trainer hands DeepSpeed: every "auto" filled (batch sizes 8 and 1, the rest left to
+    DeepSpeed's defaults as its models drop "auto")."""
+    fills = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1}
+    out = {}
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            out[k] = _without_auto(v)
+        elif v == "auto":
+            if k in fills:
+                out[k] = fills[k]
+            elif k in ("lr", "eps", "weight_decay", "warmup_min_lr", "warmup_max_lr", "gradient_clipping"):
+                out[k] = 0.001
+            elif k == "betas":
+                out[k] = [0.9, 0.999]
+            elif k == "warmup_num_steps":
+                out[k] = 10
+            elif k == "enabled":
+                out[k] = False
+            else:
+                out[k] = v  # DeepSpeed's pydantic models drop it
+        else:
+            out[k] = v
+    return out
+
+
+def test_deepspeed_reads_the_accepted_configs():
+    import json
+    import os
+    import subprocess
+
+    from tests.peers import deepspeed_python
+
+    docs = [_without_auto(d) for d in (HF_ZERO2, HF_ZERO3, HF_ZERO3_NVME, DS_CHAT, EXAMPLES, CIFAR)]
+    for doc in docs:
+        from_deepspeed(doc)
+    python = deepspeed_python()
+    proc = subprocess.run([str(python), "-c", _DEEPSPEED_READS], input=json.dumps(docs), capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [None] * len(docs)

@@ -1,7 +1,9 @@
 """Everything DeepSpeed, in one package: config translation, "auto", batch keys, schedules, the script shim.
 
 - config.py: ``config_from(ds_config)`` and ``translate_config``, key by key (what
-  zerompi lacks is refused, never ignored); auto.py resolves "auto" values, batch.py
+  zerompi lacks is refused, never ignored); keys.py holds the key tables, old spellings and
+  refusal reasons, screen.py applies them, swap.py maps the offload and aio keys; auto.py
+  resolves "auto" values, batch.py
   the batch keys, schedule.py reads a scheduler block and lr_schedules.py runs it as
   DeepSpeed's own formulas.
 - shim.py: DeepSpeed's training-script API over zerompi, public as ``zerompi.deepspeed``.

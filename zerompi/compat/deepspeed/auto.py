@@ -16,9 +16,15 @@ returns a copy of the document without any ``"auto"``:
   ``stage3_param_persistence_threshold`` = 10·h; without a model the key is dropped,
   so zerompi's default applies;
 * batch sizes are dropped: "not given" (zerompi.deepspeed derives them as DeepSpeed does);
-* a value that resolves to None (no override and no default given) is dropped too.
+* a value that resolves to None (no override and no default given) is dropped too;
+* any other ``"auto"`` in a block DeepSpeed reads through its pydantic models (``zero_optimization``
+  but its ``stage``, the offload blocks, ``fp16``, ``bf16``, the monitors) is dropped: those models
+  drop "auto" themselves, so DeepSpeed's default applies, as when the key is left out
+  (``stage3_max_live_parameters: "auto"`` is the same as no bound, ``sub_group_size: "auto"`` as none).
 
-Any other ``"auto"`` stays, and the translation refuses it under its own key.
+Any other ``"auto"`` (a ZeRO stage, a scheduler's ``total_num_steps`` without ``total_steps``, the
+``aio`` and optimizer keys DeepSpeed passes on as they are) stays, and the translation refuses it
+under its own key.
 """
 from __future__ import annotations
 
@@ -92,6 +98,22 @@ def _rules(model: nn.Module | None, overrides: Mapping, defaults: Mapping,
     return rules
 
 
+# Blocks DeepSpeed 0.19.8 validates with pydantic models that drop "auto" values (runtime/config_utils.py).
+_DEFAULTED = ("zero_optimization", "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
+              "fp16", "bf16", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger")
+_KEPT = ("zero_optimization.stage",)  # refused under its own key: a stage is no tuning default
+
+
+def _drop_defaulted(doc: dict) -> None:
+    for dotted in _DEFAULTED:
+        node: Any = doc
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            for key in [k for k, v in node.items() if is_auto(v) and f"{dotted}.{k}" not in _KEPT]:
+                del node[key]
+
+
 def _needs(overrides: Mapping, name: str, dotted: str) -> Any:
     if name not in overrides:
         raise ConfigError(f"{dotted}='auto' cannot be resolved: zerompi has no default for it; "
@@ -129,4 +151,5 @@ def resolve_auto(doc: Mapping[str, Any], model: nn.Module | None, overrides: Map
                 del node[leaf]
             else:
                 node[leaf] = list(value) if isinstance(value, tuple) else value
+    _drop_defaulted(out)
     return out

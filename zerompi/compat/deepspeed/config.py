@@ -1,10 +1,12 @@
 """Translation of DeepSpeed JSON configs into ZeroConfig fields.
 
-Keys zerompi understands are mapped one by one. Tuning keys that cannot change
-the result (``overlap_comm`` aside, which maps to overlap_grad_reduce) are accepted
-and named in :attr:`Translation.no_effect`, which the caller reports in one warning.
-Every other key is collected and refused in one ConfigError, because silently
-dropping a setting changes training. ``"auto"`` values are resolved first (auto.py).
+The document is screened first (screen.py): old spellings become the keys zerompi reads,
+and features zerompi lacks and unknown keys are refused together in one ConfigError, because
+silently dropping a setting changes training. ``"auto"`` values are resolved next (auto.py).
+Keys zerompi understands (keys.py) are then mapped one by one, the offload and aio ones in
+swap.py. Tuning and logging keys that cannot change the result (``overlap_comm`` aside, which
+maps to overlap_grad_reduce) are accepted and named in :attr:`Translation.no_effect`, which
+the caller reports in one warning.
 """
 from __future__ import annotations
 
@@ -21,38 +23,15 @@ from zerompi.config.checks import CHECKS, boolean, integer, listing, real, rejec
 from zerompi.config.choices import DType
 from zerompi.compat.deepspeed.auto import is_auto, resolve_auto
 from zerompi.compat.deepspeed.batch import BatchKeys, read_batch_keys
-from zerompi.compat.deepspeed.schedule import ALL_PARAMS, DeepSpeedSchedule, read_schedule
+from zerompi.compat.deepspeed.keys import ADAM_PARAMS, MONITORS, NO_EFFECT, REQUIRED, SGD_PARAMS
+from zerompi.compat.deepspeed.schedule import DeepSpeedSchedule, read_schedule
+from zerompi.compat.deepspeed.screen import get as _ds_get, respell, respelled, screen
+from zerompi.compat.deepspeed.swap import read_swap, whole
 from zerompi.errors import ConfigError
 
 
 _DS_MARKERS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
-               "gradient_accumulation_steps", "fp16", "bf16")
-_DS_OFFLOAD = ("device", "nvme_path", "pin_memory")
-# Keys zerompi understands: None is a leaf, a tuple a block of leaves, a dict a
-# block of blocks. Anything else is refused: dropping a setting changes training.
-_DS_SCHEMA: dict[str, Any] = {
-    "zero_optimization": {
-        "stage": None, "reduce_bucket_size": None, "allgather_bucket_size": None,
-        "offload_optimizer": _DS_OFFLOAD, "offload_param": _DS_OFFLOAD,
-        "contiguous_gradients": None, "overlap_comm": None, "reduce_scatter": None,
-        "allgather_partitions": None, "round_robin_gradients": None, "sub_group_size": None,
-        "stage3_prefetch_bucket_size": None, "stage3_param_persistence_threshold": None,
-        "stage3_max_live_parameters": None, "stage3_max_reuse_distance": None,
-        "stage3_gather_16bit_weights_on_model_save": None, "cpu_offload": None,
-        "zero_quantized_weights": None, "zero_quantized_gradients": None, "zero_hpz_partition_size": None},
-    "gradient_accumulation_steps": None, "gradient_clipping": None,
-    "bf16": ("enabled",),
-    "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
-             "hysteresis", "min_loss_scale", "auto_cast", "consecutive_hysteresis",
-             "fp16_master_weights_and_grads"),
-    "optimizer": {"type": None, "params": ("lr", "betas", "eps", "weight_decay", "momentum",
-                                           "adam_w_mode", "torch_adam")},
-    "scheduler": {"type": None, "params": ALL_PARAMS},
-    # Data loader settings: zerompi.deepspeed checks and derives them (batch.py).
-    "train_batch_size": None, "train_micro_batch_size_per_gpu": None,
-    "steps_per_print": None, "wall_clock_breakdown": None, "prescale_gradients": None,
-    "zero_allow_untested_optimizer": None,
-}
+               "gradient_accumulation_steps", "fp16", "bf16", "bfloat16")
 # DeepSpeed keys that carry one ZeroConfig field unchanged.
 _DS_DIRECT = (
     ("zero_optimization.stage", "stage"),
@@ -64,15 +43,6 @@ _DS_DIRECT = (
                                  "hysteresis", "min_loss_scale")),
     *((f"optimizer.params.{k}", k) for k in ("lr", "betas", "eps", "weight_decay", "momentum")),
 )
-# Tuning and logging keys that cannot change the result: accepted, checked for their type
-# ("bool", or "size": a number >= 0), and named in one warning when present.
-NO_EFFECT: dict[str, str] = {
-    "optimizer.params.torch_adam": "bool", "steps_per_print": "size", "wall_clock_breakdown": "bool",
-    "prescale_gradients": "bool", "zero_allow_untested_optimizer": "bool",
-    **{f"zero_optimization.{k}": "bool" for k in (
-        "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients")},
-    **{f"zero_optimization.{k}": "size" for k in ("sub_group_size", "stage3_max_reuse_distance")},
-}
 # Honoured by zerompi.deepspeed's save_16bit_model (a stage-3 engine writes the gathered weights only
 # when it is true, as DeepSpeed's does), not by the config: checked here, read there.
 SAVE_16BIT = "zero_optimization.stage3_gather_16bit_weights_on_model_save"
@@ -82,43 +52,13 @@ _STAGE3_ONLY = ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimizat
 # ZeRO++ (stage 3 in DeepSpeed; no effect below it): qwZ's int8 weights, qgZ's int4 gradients, hpZ.
 _ZEROPP = {"zero_optimization.zero_quantized_weights": "bool", "zero_optimization.zero_quantized_gradients": "bool",
            "zero_optimization.zero_hpz_partition_size": "size"}
-# Switches whose only allowed value is what zerompi does: another value changes the result.
-_MUST_BE_FALSE = {"fp16.auto_cast": "", "fp16.consecutive_hysteresis": "",
-                  "fp16.fp16_master_weights_and_grads": "",
-                  "zero_optimization.cpu_offload": "; use zero_optimization.offload_optimizer.device='cpu'"}
 _DS_OPTIMIZERS = ("Adam", "AdamW", "SGD")
-_DS_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam")
-_DS_SGD_PARAMS = ("lr", "momentum", "weight_decay")
 
 
 def looks_like_deepspeed(doc: Mapping[str, Any]) -> bool:
     """Whether ``doc`` is a DeepSpeed config rather than zerompi's own keys."""
     # zerompi's own "optimizer" is a string, so a dict there means DeepSpeed.
     return any(k in doc for k in _DS_MARKERS) or isinstance(doc.get("optimizer"), Mapping)
-
-
-def _ds_walk(block: Mapping, schema: Any, prefix: str, unsupported: list[str]) -> None:
-    """Collect keys missing from ``schema`` as dotted paths; refuse non-mapping blocks."""
-    if isinstance(schema, tuple):
-        schema = dict.fromkeys(schema)
-    for key, value in block.items():
-        dotted = f"{prefix}{key}"
-        if key not in schema:
-            unsupported.append(dotted)
-        elif schema[key] is not None:
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{dotted}={value!r} is not an object with keys from: "
-                                  + ", ".join(schema[key]))
-            _ds_walk(value, schema[key], dotted + ".", unsupported)
-
-
-def _ds_get(d: Mapping, dotted: str) -> tuple[bool, Any]:
-    node: Any = d
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
 
 
 def _ds_zero(d: Mapping, kwargs: dict[str, Any]) -> None:
@@ -133,17 +73,6 @@ def _ds_zero(d: Mapping, kwargs: dict[str, Any]) -> None:
                 raise ConfigError(f"{key}={value!r} is not a bucket size zerompi can use "
                                   "(elements, > 0 and below about 1e300)")
             kwargs["bucket_mb"] = mb
-    # zerompi has one nvme_path and one pin_memory for both offload blocks.
-    for name in ("nvme_path", "pin_memory"):
-        seen = {}
-        for block in ("offload_optimizer", "offload_param"):
-            dotted = f"zero_optimization.{block}.{name}"
-            found, value = _ds_get(d, dotted)
-            if found:
-                seen[dotted] = kwargs[name] = CHECKS[name](dotted, value)
-        if len(seen) == 2 and len(set(seen.values())) == 2:
-            raise ConfigError(" and ".join(f"{k}={v!r}" for k, v in seen.items())
-                              + f" differ; allowed: the same {name} in both blocks")
 
 
 def _ds_flag(d: Mapping, dotted: str) -> bool:
@@ -158,9 +87,10 @@ def _ds_precision(d: Mapping, kwargs: dict[str, Any]) -> None:
         raise ConfigError("bf16.enabled=True and fp16.enabled=True are both set; "
                           "allowed: at most one of them enabled")
     kwargs["dtype"] = DType.BF16 if bf16 else DType.FP16 if fp16 else DType.FP32
-    for flag, hint in _MUST_BE_FALSE.items():
-        if _ds_flag(d, flag):
-            raise ConfigError(f"{flag}=True is not supported; allowed: false{hint}")
+    for dotted, (allowed, why) in REQUIRED.items():
+        found, value = _ds_get(d, dotted)
+        if found and boolean(dotted, value) != allowed:
+            raise ConfigError(f"{dotted}={value} is not supported: {why}; allowed: {str(allowed).lower()}")
 
 
 def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
@@ -173,7 +103,7 @@ def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
                           "(case-insensitive)")
     kind = kind.lower()
     params = d["optimizer"].get("params", {})
-    allowed = _DS_SGD_PARAMS if kind == "sgd" else _DS_ADAM_PARAMS
+    allowed = SGD_PARAMS if kind == "sgd" else ADAM_PARAMS
     wrong = sorted(f"optimizer.params.{k}" for k in params if k not in allowed)
     if wrong:
         raise ConfigError(f"{', '.join(wrong)} do(es) not apply to optimizer.type="
@@ -195,9 +125,13 @@ def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
         if found:
             if kind == "bool":
                 boolean(dotted, value)
-            elif not is_auto(value):
-                real(dotted, value, ge=0)
+            elif kind != "any" and not is_auto(value):
+                real(dotted, value, ge=0) if kind == "size" else _ratio(dotted, value)
             present.append(dotted)
+    for name in MONITORS:
+        found, value = _ds_get(d, f"{name}.enabled")
+        if found and boolean(f"{name}.enabled", value):
+            present.append(name)
     found, value = _ds_get(d, SAVE_16BIT)
     if found:
         boolean(SAVE_16BIT, value)
@@ -214,6 +148,13 @@ def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
     return present
 
 
+def _ratio(dotted: str, value: Any) -> float:
+    ratio = real(dotted, value, ge=0)
+    if ratio > 1:
+        raise ConfigError(f"{dotted}={value!r} is not a finite number >= 0 and <= 1")
+    return ratio
+
+
 def _ds_stage3(d: Mapping, kwargs: dict[str, Any], bucket_mb: float) -> None:
     """Stage-3 sizes (elements): the prefetch size becomes whole gather units of bucket_mb
     (fp32 elements, as bucket sizes are counted), rounded up so that the prefetched units
@@ -227,9 +168,8 @@ def _ds_stage3(d: Mapping, kwargs: dict[str, Any], bucket_mb: float) -> None:
                              ("zero_optimization.stage3_max_live_parameters", "max_live_params", 1)):
         found, value = _ds_get(d, dotted)
         if found:
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)  # 1e5 in JSON is a float
-            kwargs[name] = integer(dotted, value, lo)
+            # DeepSpeed's lean max_live_parameters=0 keeps nothing gathered ahead: each unit alone, as 1 does here.
+            kwargs[name] = max(lo, integer(dotted, whole(value), 0))
 
 
 def _ds_zeropp(d: Mapping, kwargs: dict[str, Any]) -> None:
@@ -249,9 +189,7 @@ def _hpz_size(d: Mapping) -> int | None:
     found, value = _ds_get(d, "zero_optimization.zero_hpz_partition_size")
     if not found:
         return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return integer("zero_optimization.zero_hpz_partition_size", value, 1)
+    return integer("zero_optimization.zero_hpz_partition_size", whole(value), 1)
 
 
 class Translation(NamedTuple):
@@ -265,6 +203,8 @@ class Translation(NamedTuple):
     """The batch keys given (zerompi.deepspeed completes and checks them)."""
     no_effect: tuple[str, ...]
     """Dotted keys accepted without any effect in zerompi (to be named in one warning)."""
+    gather_16bit: bool = False
+    """stage3_gather_16bit_weights_on_model_save (in any spelling): save_16bit_model may gather at stage 3."""
 
 
 def translate(d: Mapping[str, Any], model: nn.Module | None = None, overrides: Mapping[str, Any] | None = None,
@@ -274,15 +214,21 @@ def translate(d: Mapping[str, Any], model: nn.Module | None = None, overrides: M
     ``overrides`` and ``defaults`` are ZeroConfig field values that resolve "auto" (auto.py);
     ``model`` gives the hidden size the tuning sizes' "auto" follow.
     """
-    unsupported: list[str] = []
-    _ds_walk(d, _DS_SCHEMA, "", unsupported)
-    if unsupported:
-        raise ConfigError("unsupported DeepSpeed config keys: " + ", ".join(sorted(unsupported)))
-    overrides, defaults = overrides or {}, defaults or {}
+    d, ignored, renamed = screen(d)
+    try:  # keys named as the document spells them
+        t = _translate(d, ignored, model, overrides or {}, defaults or {})
+    except ConfigError as e:
+        raise respelled(e, renamed) from None
+    return t._replace(no_effect=tuple(respell(k, renamed) for k in t.no_effect))
+
+
+def _translate(d: Mapping[str, Any], ignored: list[str], model: nn.Module | None, overrides: Mapping[str, Any],
+               defaults: Mapping[str, Any]) -> Translation:
     auto_warmup = is_auto(_ds_get(d, "scheduler.params.warmup_num_steps")[1])
     d = resolve_auto(d, model, overrides, defaults)
     kwargs: dict[str, Any] = {"stage": 0, "clip_grad_norm": 1.0}  # DeepSpeed 0.19's defaults
     _ds_zero(d, kwargs)
+    ignored += read_swap(d, kwargs)
     _ds_precision(d, kwargs)
     _ds_optimizer(d, kwargs)
     for dotted, name in _DS_DIRECT:
@@ -296,7 +242,8 @@ def translate(d: Mapping[str, Any], model: nn.Module | None = None, overrides: M
         bucket_mb = overrides.get("bucket_mb", kwargs.get("bucket_mb", defaults.get("bucket_mb", 25.0)))
         _ds_stage3(d, kwargs, real("bucket_mb", bucket_mb, gt=0))
         _ds_zeropp(d, kwargs)
-    return Translation(kwargs, read_schedule(d, auto_warmup), read_batch_keys(d), tuple(_ds_no_effect(d, stage3)))
+    return Translation(kwargs, read_schedule(d, auto_warmup), read_batch_keys(d),
+                       tuple(ignored + _ds_no_effect(d, stage3)), _ds_flag(d, SAVE_16BIT))
 
 
 def deepspeed_kwargs(d: Mapping[str, Any], model: nn.Module | None = None,
@@ -311,8 +258,9 @@ def warning_text(t: Translation, lr: float, schedule_applied: bool) -> str | Non
     block that only zerompi.deepspeed applies (None when there is nothing to say)."""
     parts = []
     if t.no_effect:
-        parts.append("DeepSpeed config keys accepted with no effect in zerompi (tuning and logging settings "
-                     "its own buckets, overlap and checkpoints replace): " + ", ".join(sorted(t.no_effect)))
+        parts.append("DeepSpeed config keys accepted with no effect in zerompi (tuning, logging and monitoring "
+                     "settings that leave the result unchanged, which its own buckets, swap settings, overlap, "
+                     "checkpoints and metrics replace): " + ", ".join(sorted(t.no_effect)))
     if t.schedule is not None and not schedule_applied and not t.schedule.is_constant(lr):
         parts.append(f"scheduler.type={t.schedule.kind!r} is applied by zerompi.deepspeed.initialize; with "
                      "zerompi.initialize pass lr_scheduler=zerompi.deepspeed.scheduler_factory(config)")

@@ -322,7 +322,5 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
         warnings.warn(text, stacklevel=2)
     engine = zero_initialize(model, cfg, comm=comm, param_groups=_param_groups(model, model_parameters),
                              lr_scheduler=_scheduler(lr_scheduler, cfg, t.schedule))
-    zero = doc.get("zero_optimization")
-    gather_16bit = isinstance(zero, Mapping) and zero.get("stage3_gather_16bit_weights_on_model_save") is True
-    return DeepSpeedEngine(engine, batch, gather_16bit), engine.optimizer, None, engine.lr_scheduler
+    return DeepSpeedEngine(engine, batch, t.gather_16bit), engine.optimizer, None, engine.lr_scheduler
 
