@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -29,7 +29,9 @@ from zerompi.shard.deferred import reset_parameters
 
 __all__ = ["GatheredParameters", "Init"]
 
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a meta parameter -> its module (for gathering)
+# A meta parameter's module, kept on the parameter (a weak reference *to* it would stop the
+# engine's materialisation from swapping it in place).
+_OWNER = "_zerompi_meta_owner"
 
 
 class Init:
@@ -74,7 +76,7 @@ def _on_meta(register):
             moved = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
             moved.__dict__.update(param.__dict__)
             module._parameters[name] = moved
-            _OWNERS[moved] = weakref.ref(module)
+            setattr(moved, _OWNER, weakref.ref(module))
     return register_parameter
 
 
@@ -112,10 +114,10 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module
             for p in params:
                 comm.broadcast(p.data, modifier_rank)
         return
-    with ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
+    with torch.no_grad():
         gathered = _Gathered(engine, params)
-        yield
+    yield
+    with torch.no_grad():
         gathered.leave(modifier_rank)
 
 
@@ -124,7 +126,7 @@ def _materialise(params: list[nn.Parameter]) -> None:
     owners = {}
     for p in params:
         if p.is_meta:
-            ref = _OWNERS.get(p)
+            ref = getattr(p, _OWNER, None)
             owner = ref() if ref is not None else None
             if owner is None:
                 raise UsageError("GatheredParameters: a parameter on the meta device that zero.Init did not "
@@ -155,8 +157,9 @@ class _Gathered:
                 full = b.full_params() if b.plan.shard_params else None  # collective
                 for s, p in hits:
                     self.slots.append((b, trains, i, s, p, p.data))
-                    if full is not None:
-                        p.data = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                    # a copy for the block, so that changes reach the engine only through leave()
+                    p.data = full[s.offset:s.offset + s.numel].view(s.shape).clone() if full is not None \
+                        else p.data.clone()
         bucketed = {id(entry[4]) for entry in self.slots}
         self.plain = [p for p in params if id(p) not in bucketed]  # replicated: already whole
 
