@@ -1,10 +1,15 @@
 """DeepSpeed's training-script API over zerompi: ``import zerompi.deepspeed as deepspeed``.
 
-The public name of zerompi/compat/deepspeed/shim.py (this module *is* that one, so its
-names, documented there, stay the same objects under both names).
+The public name of the zerompi/compat/deepspeed package: this module *is* that package,
+and ``zerompi.deepspeed.<sub>`` its submodules (``accelerator``, ``comm``, ``ops.adam``,
+``zero``, ...), each the very module object under both names, so that state (the comm
+group) and classes (``FusedAdam``) are one, whichever name a script imports.
 """
 import sys
 
-from zerompi.compat.deepspeed import shim
+from zerompi.compat import deepspeed as _package
 
-sys.modules[__name__] = shim
+_prefix = _package.__name__
+for _name, _module in list(sys.modules.items()):
+    if _name == _prefix or _name.startswith(_prefix + "."):
+        sys.modules[__name__ + _name[len(_prefix):]] = _module

@@ -8,6 +8,12 @@ tests/mpi/tolerance.py: within ORDER_K times the distance between two summation 
 that run (whole batch, and the ranks' micro-batches summed), or 16 fp32 ulps of the loss.
 Both within that bound of one reference, the two agree with each other as closely as
 summation order allows.
+
+workers/ds_surface.py is the other kind of DeepSpeed script: it builds its own FusedAdam,
+LambdaLR and dataset and passes them to initialize, asks get_accelerator() for its device and
+averages its losses over deepspeed.comm. zerompi must follow the reference within the same
+bound and the scheduler's learning rates exactly; DeepSpeed runs FusedAdam as its own CPU
+kernel (not torch's AdamW), whose rounding differs, so its losses are held to 1e-5 relative.
 """
 from __future__ import annotations
 
@@ -38,6 +44,18 @@ def reference(tmp_path_factory):
 def zerompi_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ds_zerompi")
     return run_worker_json(2, "ds_script.py", tmp / "out.json", "--impl", "zerompi", "--ckpt", str(tmp / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def surface_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds_surface_ref") / "ref.json"
+    return run_worker_json(1, "ds_surface.py", out, "--impl", "reference", "--world", "2")
+
+
+@pytest.fixture(scope="module")
+def surface_zerompi(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds_surface_zerompi") / "out.json"
+    return run_worker_json(2, "ds_surface.py", out, "--impl", "zerompi")
 
 
 def check_against_reference(run: dict, ref: dict) -> None:
@@ -73,3 +91,27 @@ def test_deepspeed_agrees(zerompi_run, reference, tmp_path):
     assert theirs["lrs"] == pytest.approx(zerompi_run["lrs"], rel=4 * 2**-52)
     assert theirs["eval_loaded"] == theirs["eval_trained"]  # the same script's checkpoint round trip, under DeepSpeed
 
+
+
+def test_zerompi_runs_the_script_that_builds_its_own(surface_zerompi, surface_reference):
+    r = surface_zerompi
+    assert (r["rank"], r["world"]) == (0, 2)  # deepspeed.comm's answers
+    assert len(r["losses"]) == 6 and r["losses"][-1] < 0.2 * r["losses"][0], r["losses"]
+    assert r["lrs"] == surface_reference["lrs"]  # the script's LambdaLR, re-pointed at the engine's optimizer
+    check_against_reference(r, surface_reference)
+
+
+def test_deepspeed_agrees_on_the_script_that_builds_its_own(surface_zerompi, surface_reference, tmp_path):
+    python = deepspeed_python()
+    out = tmp_path / "out.json"
+    cmd = [str(python.with_name("mpiexec")), "-n", "2", str(python), "-m", "mpi4py",
+           str(WORKERS / "ds_surface.py"), "--impl", "deepspeed", "--out", str(out)]
+    # the first run builds DeepSpeed's CPU ops (FusedAdam, shared-memory comm): minutes on 2 cores
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT,
+                          env={**mpi_env(), "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    theirs = json.loads(out.read_text())
+    assert (theirs["rank"], theirs["world"]) == (0, 2)
+    assert theirs["lrs"] == pytest.approx(surface_zerompi["lrs"], rel=4 * 2**-52)
+    assert theirs["losses"] == pytest.approx(surface_reference["loss_ref"], rel=1e-5)
+    assert theirs["losses"] == pytest.approx(surface_zerompi["losses"], rel=1e-5)

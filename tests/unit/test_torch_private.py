@@ -52,3 +52,18 @@ def test_no_other_module_reaches_into_torch_privates():
     private = re.compile(r"torch\._C\b|torch\.utils\._|_swap_data_ptr_|_storage_Use_Count")
     users = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if private.search(p.read_text())}
     assert users == {"torch_private.py"}
+
+
+def test_a_scheduler_moved_to_another_optimizer_steps_without_warning():
+    import warnings
+    first = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, 1, gamma=0.5)
+    second = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    second.param_groups[0]["initial_lr"] = 1.0
+    scheduler.optimizer = second
+    torch_private.track_scheduler_steps(second)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second.step()
+        scheduler.step()
+    assert second.param_groups[0]["lr"] == 0.5 and first.param_groups[0]["lr"] == 1.0

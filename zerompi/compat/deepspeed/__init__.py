@@ -1,4 +1,4 @@
-"""Everything DeepSpeed, in one package: config translation, "auto", batch keys, schedules, the script shim.
+"""Everything DeepSpeed, in one package, public as ``zerompi.deepspeed``.
 
 - config.py: ``config_from(ds_config)`` and ``translate_config``, key by key (what
   zerompi lacks is refused, never ignored); keys.py holds the key tables, old spellings and
@@ -6,16 +6,36 @@
   resolves "auto" values, batch.py
   the batch keys, schedule.py reads a scheduler block and lr_schedules.py runs it as
   DeepSpeed's own formulas.
-- shim.py: DeepSpeed's training-script API over zerompi, public as ``zerompi.deepspeed``.
+- shim.py: ``initialize`` and ``add_config_arguments``; engine.py the engine object it
+  returns; client.py what the script builds itself (optimizer, scheduler, dataset).
+- The package surface scripts import: ``accelerator`` (``get_accelerator()``), ``comm``
+  (``import deepspeed.comm as dist``), ``ops.adam`` (FusedAdam, DeepSpeedCPUAdam),
+  ``zero`` (Init, GatheredParameters), ``utils`` (logger, log_dist), ``checkpointing``
+  (activation checkpointing).
 
+``__version__`` is the DeepSpeed release whose API this follows, marked as zerompi's
+(``0.19.8+zerompi.<zerompi version>``), so version checks in scripts read a DeepSpeed number.
 Importing this package registers DeepSpeed JSON as a config dialect (config/dialects.py).
 """
+from importlib import metadata
+
+from zerompi.compat.deepspeed import accelerator, checkpointing, comm, ops, utils, zero
+from zerompi.compat.deepspeed.comm import init_distributed
 from zerompi.compat.deepspeed.config import DeepSpeedDialect, config_from, looks_like_deepspeed, translate_config
+from zerompi.compat.deepspeed.engine import DeepSpeedEngine
 from zerompi.compat.deepspeed.lr_schedules import scheduler_factory
-from zerompi.compat.deepspeed.shim import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
+from zerompi.compat.deepspeed.shim import add_config_arguments, initialize
 from zerompi.config import dialects
 
 dialects.register(DeepSpeedDialect())
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "config_from", "init_distributed", "initialize",
-           "looks_like_deepspeed", "scheduler_factory", "translate_config"]
+DEEPSPEED_API = "0.19.8"
+"""The DeepSpeed release whose training-script API this package follows."""
+try:
+    __version__ = f"{DEEPSPEED_API}+zerompi.{metadata.version('zerompi')}"
+except metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = f"{DEEPSPEED_API}+zerompi"
+
+__all__ = ["DEEPSPEED_API", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm",
+           "config_from", "init_distributed", "initialize", "looks_like_deepspeed", "ops", "scheduler_factory",
+           "translate_config", "utils", "zero", "__version__"]

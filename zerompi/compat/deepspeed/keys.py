@@ -42,7 +42,7 @@ _ZERO_NO_EFFECT = {
 NO_EFFECT: dict[str, str] = {
     "optimizer.params.torch_adam": "bool", "optimizer.legacy_fusion": "bool", "steps_per_print": "size",
     "wall_clock_breakdown": "bool", "memory_breakdown": "bool", "dump_state": "bool", "prescale_gradients": "bool",
-    "zero_allow_untested_optimizer": "bool", "zero_force_ds_cpu_optimizer": "bool", "dataloader_drop_last": "bool",
+    "zero_allow_untested_optimizer": "bool", "zero_force_ds_cpu_optimizer": "bool",
     "cuda_visible_devices": "any", "bf16.immediate_grad_update": "bool",
     **{f"zero_optimization.{k}": kind for k, kind in _ZERO_NO_EFFECT.items()},
     **{f"zero_optimization.offload_param.{k}": "size" for k in ("buffer_count", "buffer_size", "max_in_cpu")},
@@ -74,8 +74,9 @@ SCHEMA: dict[str, Any] = {
              "fp16_master_weights_and_grads"),
     "optimizer": {"type": None, "legacy_fusion": None, "params": tuple(dict.fromkeys(ADAM_PARAMS + SGD_PARAMS))},
     "scheduler": {"type": None, "params": ALL_PARAMS},
-    # Data loader settings: zerompi.deepspeed checks and derives them (batch.py).
-    "train_batch_size": None, "train_micro_batch_size_per_gpu": None,
+    # Data loader settings: zerompi.deepspeed checks and derives them (batch.py); drop_last shapes the
+    # DataLoader initialize builds from training_data=.
+    "train_batch_size": None, "train_micro_batch_size_per_gpu": None, "dataloader_drop_last": None,
     "aio": AIO, "activation_checkpointing": ACTIVATION_CHECKPOINTING, **MONITORS,
     **dict.fromkeys(k for k in NO_EFFECT if "." not in k),
 }

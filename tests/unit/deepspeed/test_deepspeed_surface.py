@@ -1,0 +1,137 @@
+"""The package surface DeepSpeed scripts import, on a world of one: accelerator, comm, utils,
+checkpointing, the version, and the two names of every module."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zerompi.deepspeed as deepspeed
+from zerompi.errors import UsageError
+
+
+def test_submodules_are_one_object_under_both_names():
+    import zerompi.compat.deepspeed as package
+    import zerompi.deepspeed.comm as dist
+    from zerompi.compat.deepspeed.ops import adam
+    from zerompi.deepspeed.accelerator import get_accelerator
+    from zerompi.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    assert deepspeed is package and dist is package.comm
+    assert FusedAdam is adam.FusedAdam and DeepSpeedCPUAdam is adam.DeepSpeedCPUAdam
+    assert get_accelerator is package.accelerator.get_accelerator
+    for name in ("initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "scheduler_factory",
+                 "zero", "checkpointing", "utils", "ops"):
+        assert hasattr(deepspeed, name), name
+
+
+def test_version_reads_as_deepspeed_and_says_zerompi():
+    from packaging.version import Version
+    v = Version(deepspeed.__version__)
+    assert v.release == (0, 19, 8) and v.local.startswith("zerompi")
+
+
+def test_cpu_accelerator_answers():
+    acc = deepspeed.accelerator.get_accelerator()
+    assert acc is deepspeed.accelerator.get_accelerator()
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the CUDA accelerator answers")
+    assert (acc.device_name(), acc.device_name(0), acc.current_device_name()) == ("cpu", "cpu", "cpu")
+    assert acc.is_available() and acc.device_count() >= 1 and acc.current_device() == int(
+        os.environ.get("LOCAL_RANK", 0))
+    assert acc.communication_backend_name() == "gloo" and acc.is_bf16_supported()
+    assert isinstance(acc.is_fp16_supported(), bool)
+    assert 0 < acc.memory_allocated() <= acc.max_memory_allocated() < acc.total_memory()
+    acc.synchronize()
+    acc.empty_cache()
+    acc.set_device(0)
+    acc.manual_seed(3)
+    a = torch.rand(2)
+    acc.manual_seed_all(3)
+    assert torch.equal(a, torch.rand(2))
+    assert acc.device() == torch.device("cpu") and acc.on_accelerator(torch.zeros(1))
+
+
+def test_cuda_accelerator_by_environment(monkeypatch):
+    from zerompi.compat.deepspeed import accelerator
+    monkeypatch.setattr(accelerator, "_chosen", None)
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    acc = accelerator.get_accelerator()
+    assert acc.device_name(1) == "cuda:1" and acc.communication_backend_name() == "nccl"
+    assert acc.is_available() == torch.cuda.is_available()
+    monkeypatch.setattr(accelerator, "_chosen", None)
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(UsageError, match="DS_ACCELERATOR='xpu'"):
+        accelerator.get_accelerator()
+    monkeypatch.setattr(accelerator, "_chosen", None)
+
+
+def test_comm_on_one_rank():
+    dist = deepspeed.comm
+    assert dist.get_rank() == 0 and dist.get_world_size() == 1
+    deepspeed.init_distributed(dist_backend="nccl")  # the backend has nothing to choose
+    deepspeed.init_distributed()  # once only
+    assert dist.is_initialized() and dist.get_local_rank() == 0
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_SIZE"]) == \
+        ("0", "0", "1", "1")
+    t = torch.tensor([[1.5, -2.0]])
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, torch.distributed.ReduceOp.MIN):
+        dist.all_reduce(t, op=op)
+        assert t.tolist() == [[1.5, -2.0]]
+    n = torch.tensor([6], dtype=torch.int64)
+    assert dist.all_reduce(n, op=dist.ReduceOp.BAND, async_op=True).wait() is None and n.item() == 6
+    b = torch.arange(6, dtype=torch.bfloat16).view(2, 3).t()  # not contiguous
+    dist.broadcast(b, src=0)
+    assert b.tolist() == torch.arange(6, dtype=torch.bfloat16).view(2, 3).t().tolist()
+    out = [torch.empty(3)]
+    dist.all_gather(out, torch.tensor([1.0, 2.0, 3.0]))
+    assert out[0].tolist() == [1.0, 2.0, 3.0]
+    whole = torch.empty(1, 2)
+    dist.all_gather_into_tensor(whole, torch.tensor([[4.0, 5.0]]))
+    assert whole.tolist() == [[4.0, 5.0]]
+    objs = [None]
+    dist.all_gather_object(objs, {"a": 1})
+    assert objs == [{"a": 1}]
+    dist.barrier()
+    with pytest.raises(UsageError, match="only the world group"):
+        dist.all_reduce(t, group=object())
+    with pytest.raises(UsageError, match="allowed SUM"):
+        dist.all_reduce(t, op="median")
+    with pytest.raises(UsageError, match="MPI gives this process rank 0"):
+        from zerompi.compat.deepspeed import comm
+        saved, comm._info = comm._info, None
+        try:
+            deepspeed.init_distributed(rank=3)
+        finally:
+            comm._info = saved
+
+
+def test_log_dist_logs_on_the_ranks_listed(caplog):
+    deepspeed.init_distributed()
+    with caplog.at_level(logging.INFO, logger="zerompi.deepspeed"):
+        deepspeed.utils.log_dist("to rank 0", ranks=[0])
+        deepspeed.utils.log_dist("to rank 1", ranks=[1])
+        deepspeed.utils.log_dist("to all", ranks=[-1])
+        deepspeed.utils.log_dist("to nobody")
+    assert [r.getMessage() for r in caplog.records] == ["[Rank 0] to rank 0", "[Rank 0] to all"]
+    assert deepspeed.utils.logger.name == "zerompi.deepspeed"
+
+
+def test_activation_checkpointing_matches_plain_backward():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Tanh())
+    x = torch.randn(3, 4, requires_grad=True)
+    deepspeed.checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True)
+    assert deepspeed.checkpointing.is_configured()
+    torch.manual_seed(1)
+    deepspeed.checkpointing.checkpoint(block, x).sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad()
+    x.grad = None
+    torch.manual_seed(1)
+    block(x).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(grads, [p.grad for p in block.parameters()] + [x.grad]))
+    with pytest.raises(UsageError, match="data parallel only"):
+        deepspeed.checkpointing.configure(object())
