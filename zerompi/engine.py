@@ -36,6 +36,7 @@ from zerompi.shard.bucket import Placement
 from zerompi.shard.compression import Compression
 from zerompi.shard.agreement import check_models_agree
 from zerompi.shard.placement import optimizer_groups, place
+from zerompi.shard.rounds import MicroBatchPlan
 from zerompi.shard.sharded import ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
 from zerompi.torch_private import tree_map
@@ -89,7 +90,9 @@ class Engine:
         shard = self.groups.shard
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
                               check_finite=cfg.dtype != DType.FP16,  # fp16 overflows are the loss scaler's
-                              compression=Compression.from_policy(cfg.compression))
+                              compression=Compression.from_policy(cfg.compression), reproducible=cfg.reproducible)
+        self.micro = MicroBatchPlan(cfg.micro_batches, group.size, group.rank) if cfg.reproducible else None
+        """reproducible=True: the micro-batches this rank runs and the rounds they make (shard/rounds.py)."""
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         # Swapped parameter shards are read ahead even when gathers are not prefetched: three units,
         # which on the capacity benchmark's disk hid most reads that one unit ahead left exposed.
@@ -107,14 +110,15 @@ class Engine:
         tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
                          cfg.offload.pin_memory, self._fence)
         self.sharded = ShardedModel(module, placement, self.groups,
-                                    ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params),
+                                    ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params,
+                                                 cfg.reproducible),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
         self._saving: BackgroundSave | None = None
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg.optimization, cfg.precision, group, options, tiers)
         self.sharded.register_backward_steps(self.optimizer)  # used by backwards that update (phase.py)
-        self._phase = PhaseTracker(cfg.grad_accum_steps, cfg.overlap.update)
+        self._phase = PhaseTracker(len(self.micro.indices) if self.micro else cfg.grad_accum_steps, cfg.overlap.update)
         self._stats = Stats()
         self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_policy(cfg.lr_policy), self.optimizer)
         """Stepped by ``step()`` after each optimizer step that updated (None: the lr stays)."""
@@ -133,9 +137,20 @@ class Engine:
         return self.info.local_rank
 
     # ---- training ---------------------------------------------------------
+    def micro_batch_indices(self) -> list[int]:
+        """reproducible=True: the global micro-batch indices (in 0..micro_batches-1) this rank runs each
+        step, in order: call forward and backward once for each, on that micro-batch's data."""
+        if self.micro is None:
+            raise UsageError("micro_batch_indices() belongs to reproducible=True (with micro_batches)")
+        return self.micro.indices
+
     def __call__(self, *args, **kwargs):
-        """Forward: floating inputs are moved to the device and cast to the compute dtype."""
+        """Forward: floating inputs are moved to the device and cast to the compute dtype. With
+        reproducible=True torch's generator is first seeded for the micro-batch about to run."""
         dtype, device = self.config.torch_dtype, self.device
+        if self.micro is not None:
+            index = self.micro.indices[min(self._phase.rounds_done, len(self.micro.indices) - 1)]
+            torch.manual_seed(self.micro.seed(self.config.seed, self._stats.steps, index))
 
         def place(x):
             if isinstance(x, torch.Tensor):
@@ -148,9 +163,12 @@ class Engine:
         """Backward of this rank's mean micro-batch loss; reduces gradients as they appear."""
         if loss.dim() != 0:
             raise UsageError(f"backward() takes a scalar loss, got shape {tuple(loss.shape)}")
-        self.sharded.begin_backward(self._phase.begin_backward())
+        backward, factor = self._phase.begin_backward(), self.optimizer.loss_scale / self.config.grad_accum_steps
+        if self.micro is not None:  # each micro-batch's share of the mean, and this round's ranks
+            factor, backward = self.micro.loss_factor, backward._replace(sources=self.micro.sources(self._phase.rounds_done))
+        self.sharded.begin_backward(backward)
         try:
-            (loss * (self.optimizer.loss_scale / self.config.grad_accum_steps)).backward()
+            (loss * factor).backward()
             self.sharded.finish_backward()
         except BaseException:
             if self.sharded.in_backward:
@@ -162,9 +180,16 @@ class Engine:
 
     def step(self) -> bool:
         """Update at the end of an accumulation window; True when the parameters changed."""
+        if self.micro is not None and self._phase.rounds_done not in (0, len(self.micro.indices)):
+            raise UsageError(f"step() after {self._phase.rounds_done} of this rank's {len(self.micro.indices)} "
+                             f"micro-batches {self.micro.indices} (reproducible=True): run forward and backward "
+                             "once for each of engine.micro_batch_indices() before step()")
         if not self._phase.begin_step():
             return False
         try:
+            if self.micro is not None:  # the rounds this rank has no micro-batch in (one at most)
+                for k in range(len(self.micro.indices), self.micro.rounds):
+                    self.sharded.empty_round(self.micro.sources(k))
             result = self.optimizer.step()
         finally:
             self._phase.end_step()

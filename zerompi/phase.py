@@ -54,6 +54,8 @@ class Backward(NamedTuple):
     """It completes the accumulation window (stages 0-1 reduce gradients then)."""
     updates: bool
     """Buckets are updated during it, as their gradients become final (IN_BACKWARD, last of a window)."""
+    sources: int = 0
+    """reproducible=True: how many ranks ran a micro-batch in this round (the engine fills it in)."""
 
 
 class PhaseTracker:
@@ -70,6 +72,11 @@ class PhaseTracker:
             raise UsageError(f"the engine cannot go from {self.phase.name} to {to.name}"
                              + (f": {hint}" if hint else ""))
         self.phase = to
+
+    @property
+    def rounds_done(self) -> int:
+        """Backward calls completed in this window (a backward in progress is round ``rounds_done``)."""
+        return self.micro
 
     def begin_backward(self) -> Backward:
         """Enter BACKWARD; what this backward does (whether it completes the window and updates)."""

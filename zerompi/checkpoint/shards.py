@@ -145,6 +145,9 @@ class OptimizerShards:
             for k in keys:
                 ds = files.dataset(s.rank, schema.state(s.bucket, k), length, FP32)
                 reads.add(read_tasks(ds, s.start, s.stop, data.state[k][s.dest:s.dest + n]))
+        if not sources:  # a shard of padding alone: its scalars (Adam's step) are its bucket's first parameter's
+            first = shard.layout.slots[0]
+            sources = index.locate(slot_of, first.fqn, 0, 1, 0)
         if sources:
             data.scalars = index.optimizer["scalars"][sources[0].bucket]
         return data

@@ -231,6 +231,8 @@ CHECKS: dict[str, Check] = {
     "quantize_weights": _of(WeightQuant),
     "quantize_grads": _of(GradQuant),
     "quant_block": quant_block,
+    "reproducible": boolean,
+    "micro_batches": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "off"),
     "grad_error_feedback": boolean,
     "checkpoint_verify": boolean,
     "checkpoint_direct_io": boolean,

@@ -35,6 +35,9 @@ class OptimizerPolicy:
     """Clip the global gradient norm to this (None: no clipping)."""
     nonfinite: NonFinite
     """A NaN/Inf gradient in fp32/bf16: raise or skip the step (fp16 always skips)."""
+    deterministic: bool = False
+    """reproducible=True: the for-loop kernel, which computes an element the same way wherever
+    shard boundaries fall (a fused or multi-tensor kernel treats a tensor's last elements apart)."""
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         """The torch.optim.Optimizer subclass that ``optimizer`` names."""

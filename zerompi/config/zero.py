@@ -24,6 +24,7 @@ from zerompi.config import checks, dialects
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
                                     Offload, Progress, Schedule, Stage, UpdateSchedule, WeightQuant)
 from zerompi.config.files import read_document
+from zerompi.config.reproducible import check_reproducible
 from zerompi.config.policies import (CheckpointPolicy, CompressionPolicy, LrSchedulePolicy, OffloadPolicy, OptimizerPolicy,
                                      OverlapPolicy, PrecisionPolicy, ReliabilityPolicy, TopologyPolicy)
 from zerompi.errors import ConfigError
@@ -195,6 +196,15 @@ class ZeroConfig:
     """Values per quantisation scale, an even int in 2..65536: smaller blocks follow the data more
     closely (a value's error is at most half its block's step, max|x|/127 or /7) for 4 bytes of
     scale each."""
+    reproducible: bool = False
+    """Train bitwise the same model at any world size N in 1..micro_batches: the micro-batches'
+    gradients are summed in the order of their global index, whatever rank ran them, and every
+    rank runs the micro-batches ``engine.micro_batch_indices()`` gives it (round robin). Stages
+    2-3, flat groups, fp32 or bf16, explicit ``cpu_threads``; config/reproducible.py lists what
+    else it needs. See the README's "Reproducible at any world size"."""
+    micro_batches: int | None = None
+    """With reproducible=True: micro-batches per optimizer step over all ranks (the global batch);
+    at least the world size. The gradient is their mean."""
     grad_error_feedback: bool = False
     """With quantize_grads: each rank keeps what quantisation dropped from its local gradient (an fp32
     residual as large as the gradient buckets, 4 bytes per parameter per rank, in memory whatever is
@@ -230,6 +240,7 @@ class ZeroConfig:
         checks.check_optimizer_kwargs(self)
         checks.check_quantization(self)
         checks.check_in_backward(self)
+        check_reproducible(self)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ZeroConfig):
@@ -259,7 +270,8 @@ class ZeroConfig:
     def optimization(self) -> OptimizerPolicy:
         """The optimizer, its hyperparameters, clipping and non-finite gradients."""
         return OptimizerPolicy(self.optimizer, self.optimizer_kwargs, self.lr, self.betas, self.eps,
-                               self.weight_decay, self.momentum, self.clip_grad_norm, self.nonfinite)
+                               self.weight_decay, self.momentum, self.clip_grad_norm, self.nonfinite,
+                               self.reproducible)
 
     @property
     def checkpointing(self) -> CheckpointPolicy:

@@ -73,7 +73,10 @@ def optimizer_kwargs(policy: OptimizerPolicy, device: torch.device | str) -> dic
         base = dict(lr=policy.lr, momentum=policy.momentum, weight_decay=policy.weight_decay)
     else:
         base = dict(lr=policy.lr)
-    if not any(k in policy.kwargs for k in KERNEL_KEYS):
+    if policy.deterministic:  # the for-loop kernel (config/reproducible.py refused fused and foreach)
+        if "foreach" in inspect.signature(policy.optimizer_class()).parameters:
+            base["foreach"] = False
+    elif not any(k in policy.kwargs for k in KERNEL_KEYS):
         base.update(default_kernel(policy.optimizer_class(), device))
     return {**base, **policy.kwargs}
 
@@ -104,6 +107,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group = group
         self.clip = policy.clip_grad_norm
         self.nonfinite = policy.nonfinite
+        self.exact_norm = policy.deterministic
         self.replicated = not any(b.plan.shard_optimizer for b in buckets)  # no norm all-reduce
         self.scaler = LossScaler.from_policy(precision) if precision.scales_loss else None
         groups = []
@@ -131,14 +135,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local = self.buckets[0].groups.shard.sum_floats([local], what="the global gradient norm")[0]
         return math.sqrt(local)
 
+    def _exact_norm(self) -> float:
+        """reproducible=True: the norm whatever the world size. Each rank takes the fp64 sum of squares of
+        every chunk of its shards (shards are whole chunks, so a chunk's elements are the same at any N),
+        all ranks gather them, and math.fsum adds them exactly, so neither their order nor the padding's
+        zero chunks matter."""
+        local = torch.cat([b.grads.chunk_sq() for b in self.buckets])
+        group = self.buckets[0].groups.shard
+        every = torch.empty(local.numel() * group.size, dtype=torch.float64)
+        group.all_gather(local, every, kind="control", what="the exact global gradient norm")
+        return math.sqrt(math.fsum(every.tolist()))
+
     def step(self) -> StepResult:
         scale = self.loss_scale
         early, self._early = self._early, {}
         self.store.drain()  # updated during backward: on disk before the next forward reads them
         # 1. one all-reduce of the squared norms gives the global norm of the unscaled gradients;
         #    inf/nan there means a bad gradient on some rank
-        norm = self._norm_from(sum(early[i] if i in early else b.grads.norm_sq(scale)
-                                   for i, b in enumerate(self.buckets)))
+        if self.exact_norm:
+            norm = self._exact_norm()
+        else:
+            norm = self._norm_from(sum(early[i] if i in early else b.grads.norm_sq(scale)
+                                       for i, b in enumerate(self.buckets)))
         if self._skips(norm, len(early)):
             return StepResult(False, norm)
         # 2. clip, as torch.nn.utils.clip_grad_norm_ does

@@ -24,7 +24,7 @@ from zerompi.shard.compression import Compression, GradCodes, WeightCodes
 from zerompi.shard.grads import GradShard
 from zerompi.shard.layout import BucketLayout
 from zerompi.shard.stages import StagePlan
-from zerompi.shard.sync import GradSync, ParamSync, grad_sync_for, param_sync_for
+from zerompi.shard.sync import GradSync, OrderedRounds, ParamSync, grad_sync_for, param_sync_for
 
 
 class BucketState(Enum):
@@ -46,6 +46,7 @@ class Placement:
     device: torch.device
     check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
     compression: Compression = Compression()  # quantized collectives (shard/compression.py)
+    reproducible: bool = False  # gradients summed in global micro-batch order (sync.py's OrderedRounds)
 
 
 class Bucket:
@@ -137,6 +138,7 @@ class Bucket:
             codec, self.groups.shard, self.layout.padded_numel, placement.compression.error_feedback,
             placement.device)
         self.grad_sync = grad_sync_for(plan, self.groups, self.layout, self.grad_codes)
+        self.rounds = OrderedRounds(self.groups.shard, self.layout) if placement.reproducible else None
 
     def _illegal(self, verb: str, allowed: str) -> ZeroMPIError:
         return ZeroMPIError(f"{self.name}: {verb} in state {self.state.name} (allowed from {allowed})")
@@ -255,6 +257,18 @@ class Bucket:
         self._reduce = work
         if not async_op:
             self.finish_reduce(taken_next=taken_next)
+
+    def reduce_round(self, sources: int) -> None:
+        """reproducible=True, after each backward (and for each round this rank ran no micro-batch in,
+        with nothing written): add the first ``sources`` ranks' gradients of this round to the shard
+        this rank owns, in rank order (sync.py's OrderedRounds)."""
+        if not self.grad_full.is_allocated:
+            self.grad_full.alloc()
+            self._written.clear()
+        for chunk in self.rounds.round(self._zero_unwritten(), sources, self.name):
+            self.grads.write(chunk, accumulate=True)
+        self._pending, self._reduced = False, True
+        self.grad_full.free()
 
     def _zero_unwritten(self) -> torch.Tensor:
         """Zero what no gradient wrote (padding, parameters without a gradient); the full buffer."""

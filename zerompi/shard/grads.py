@@ -19,6 +19,10 @@ from zerompi.blockio.aligned import release
 from zerompi.offload.tiers import ShardTier
 
 
+NORM_CHUNK = 1024
+"""reproducible=True: elements per chunk of the exact gradient norm (shards are whole chunks)."""
+
+
 class GradShard:
     """The reduced gradient shard of one bucket (stages 2-3 accumulate micro-batches into it;
     stages 0-1 overwrite it once per window with the reduction of the local sum)."""
@@ -101,6 +105,13 @@ class GradShard:
             return torch.zeros(self.numel, dtype=torch.float32, device=self.master_device)
         with self.tier.loaded() as shard:
             return shard.to(self.master_device, torch.float32, copy=not self.tier.stays_resident)
+
+    def chunk_sq(self, chunk: int = NORM_CHUNK) -> torch.Tensor:
+        """The fp64 sum of squares of each ``chunk`` elements of the gradient, each added in element order
+        (a cumulative sum runs sequentially along a row however many rows there are); every fp32 square
+        is exact in fp64. reproducible=True adds them all with math.fsum, exactly."""
+        g = self.peek().double()
+        return g.square_().view(-1, chunk).cumsum(dim=1)[:, -1].contiguous()
 
     def zero(self) -> None:
         """After a step (or a skipped one): the next reduction starts the shard afresh."""

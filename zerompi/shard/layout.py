@@ -97,22 +97,23 @@ class BucketLayout:
 
 
 def _make_bucket(index: int, group: int, specs: Sequence[ParamSpec], world_size: int,
-                 unit: str) -> BucketLayout:
+                 unit: str, align: int = 1) -> BucketLayout:
     slots, offset = [], 0
     for spec in specs:
         numel = math.prod(spec.shape)
         slots.append(ParamSlot(spec.fqn, tuple(spec.shape), numel, offset))
         offset += numel
-    return BucketLayout(index, group, tuple(slots), offset, padded_numel(offset, world_size),
+    return BucketLayout(index, group, tuple(slots), offset, padded_numel(offset, world_size * align),
                         world_size, unit)
 
 
 def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,
-                 first_index: int = 0, unit: str = "") -> list[BucketLayout]:
+                 first_index: int = 0, unit: str = "", align: int = 1) -> list[BucketLayout]:
     """Cut ``specs`` (in order) into buckets of at most ``cap_numel`` elements.
 
     Each optimizer group is cut separately; a parameter larger than the cap
     gets a bucket of its own. Buckets come out ordered by their first parameter.
+    ``align``: every shard is a multiple of this many elements (reproducible=True's norm chunks).
     """
     if world_size < 1 or cap_numel < 1:
         raise ValueError(f"world_size={world_size} and cap_numel={cap_numel} must be >= 1")
@@ -128,7 +129,7 @@ def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,
         open_chunk[spec.group] = (start, members, size + numel)
     chunks.extend((start, group, members) for group, (start, members, _) in open_chunk.items())
     chunks.sort(key=lambda c: c[0])
-    return [_make_bucket(first_index + i, group, members, world_size, unit)
+    return [_make_bucket(first_index + i, group, members, world_size, unit, align)
             for i, (_, group, members) in enumerate(chunks)]
 
 

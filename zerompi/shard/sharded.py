@@ -29,12 +29,14 @@ from zerompi.phase import Backward
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.deferred import Materializer, ParamInit
+from zerompi.shard.grads import NORM_CHUNK
 from zerompi.shard.hooks import HookSet
-from zerompi.shard.layout import BucketLayout, choose_units, common_ancestor, descent, plan_buckets
+from zerompi.shard.layout import BucketLayout
+from zerompi.shard.planning import plan_layouts
 from zerompi.shard.placement import ParamPlacement, Residence
 from zerompi.shard.prefetch import Prefetcher
 from zerompi.shard.steps import BackwardSteps
-from zerompi.shard.units import Unit, owners_of
+from zerompi.shard.units import Unit
 
 logger = get_logger(__name__)
 
@@ -53,6 +55,9 @@ class ShardOptions:
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
     max_live_params: int | None = None
     """Stage 3: prefetch no more than this many elements, the unit computing included."""
+    reproducible: bool = False
+    """Reduce after each backward, in global micro-batch order (sync.py's OrderedRounds), over
+    shards of whole norm chunks (grads.py's NORM_CHUNK)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class _Backward:
 
     sync: bool  # its gradients are reduced (the window ends, or stages 2-3)
     steps: BackwardSteps | None = None  # updates the buckets as their gradients land (the window ends)
+    sources: int = 0  # reproducible=True: ranks with a micro-batch in this round
     stepped: set[int] = field(default_factory=set)  # id() of the buckets it updated
 
 
@@ -85,6 +91,10 @@ class ShardedModel:
         self.materialize = Materializer(module, placement.device, options.param_init,
                                         placement.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
+        self.reproducible = options.reproducible
+        self._round_gathers: list[Bucket] = []  # reproducible=True: the gathers of the round in progress
+        self._last_round: list[Bucket] = []     # ... and of the last complete one
+        self._align = NORM_CHUNK if options.reproducible else 1
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
@@ -127,41 +137,11 @@ class ShardedModel:
 
     # ---- planning ---------------------------------------------------------
     def _plan(self, cap: int) -> list[BucketLayout]:
-        """Every bucket's layout, in build order; trainable and frozen buckets are numbered apart.
-        Stage 3 plans unit by unit, so a model built on the meta device is materialised one unit
-        at a time."""
-        world = self.placement.world_size
-        placed = list(self.placements.values())
-        # gathered ones first, in reverse registration order ~ the order backward produces gradients
-        gathered = [pl.spec for pl in reversed(placed) if pl.residence is Residence.GATHERED]
-        layouts = plan_buckets(gathered, world, cap)
-        if not self.plan.shard_params:
-            return layouts
-        named = [(pl, self._param(pl.fqn)) for pl in placed if pl.sharded]
-        owners = owners_of(self.module, [p for _, p in named])
-        modules = dict(self.module.named_modules())
-        own_numel: dict[str, int] = {}
-        for p, owner in owners.items():
-            own_numel[owner] = own_numel.get(owner, 0) + p.numel()
-        runs = {n for n, m in modules.items() if type(m).forward is not nn.Module.forward}
-        unit_of = choose_units(list(modules), own_numel, cap, runs)
-        counts = {True: len(layouts), False: 0}  # trainable, frozen buckets so far
-        for fqn in modules:
-            if unit_of[fqn] != fqn:
-                continue
-            mine = [(pl, p) for pl, p in named if unit_of[owners[p]] == fqn]
-            for trainable in (True, False):
-                specs = [pl.spec for pl, _ in mine if pl.trainable == trainable]
-                if specs:
-                    new = plan_buckets(specs, world, 2**62, first_index=counts[trainable], unit=fqn)
-                    counts[trainable] += len(new)
-                    layouts += new
-            for pl, _ in mine:
-                self.placements[pl.fqn] = dataclasses.replace(pl, unit=fqn)
-            if mine:
-                inner = descent(fqn, common_ancestor([owners[p] for _, p in mine]))
-                entries = [modules[fqn]] + [modules[m] for m in inner if m in runs]
-                self.units.append(Unit(fqn, modules[fqn], entries))
+        """Every bucket's layout, in build order (planning.py); stage 3's units and their placements."""
+        layouts, self.units, units_of = plan_layouts(self.module, list(self.placements.values()), self.plan,
+                                                     self.placement.world_size, cap, self._align)
+        for fqn, unit in units_of.items():
+            self.placements[fqn] = dataclasses.replace(self.placements[fqn], unit=unit)
         self._unit = {u.fqn: u for u in self.units}
         return layouts
 
@@ -241,6 +221,8 @@ class ShardedModel:
 
     def _gather(self, unit: Unit) -> None:
         for b in unit.buckets:
+            if self.reproducible and b.state is BucketState.SHARDED:
+                self._round_gathers.append(b)  # what a round without a micro-batch replays
             b.unshard()
             b.wait_gathered()
 
@@ -314,10 +296,22 @@ class ShardedModel:
         if backward.updates and self._steps is None:
             raise ZeroMPIError("a backward that updates buckets, with no optimizer registered to update them")
         self.check_requires_grad()
-        self._backward = _Backward(sync=backward.ends_window or self.plan.shard_grads,
-                                   steps=self._steps if backward.updates else None)
+        self._backward = _Backward(sync=(backward.ends_window or self.plan.shard_grads) and not self.reproducible,
+                                   steps=self._steps if backward.updates else None, sources=backward.sources)
         for b in self.buckets:
             b.begin_backward()
+
+    def empty_round(self, sources: int) -> None:
+        """reproducible=True: a round this rank ran no micro-batch in (its share of the batch is one
+        smaller): it still takes its part in the collectives the others' forward and backward run (stage
+        3's gathers, the same ones, in the same order, as its own last round: nothing is prefetched in this
+        mode) and in every bucket's all-to-all, contributing nothing."""
+        for b in self._last_round:
+            b.unshard()
+            b.wait_gathered()
+            b.reshard()
+        for b in self.buckets:
+            b.reduce_round(sources)
 
     def check_requires_grad(self) -> None:
         """Raise if a parameter's requires_grad changed since initialize: the buckets were planned
@@ -341,6 +335,10 @@ class ShardedModel:
         for b in self.buckets:
             if sync and b.needs_reduce():
                 self._reduce(b)
+            elif self.reproducible:  # every rank's gradient of this round, in global order
+                b.reduce_round(self._backward.sources)
+        if self.reproducible:
+            self._last_round, self._round_gathers = self._round_gathers, []
         for b in self._inflight:  # in the order they started, as on every rank
             b.finish_reduce(taken_next=steps)
             if steps:

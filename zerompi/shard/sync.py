@@ -190,6 +190,26 @@ class ReduceScatter:
         return reduced.div_(self.world_size)
 
 
+class OrderedRounds:
+    """reproducible=True: every micro-batch's gradient reaches the shard owners whole, and each owner
+    adds them in the order of their global micro-batch index, whatever rank ran them.
+
+    Ranks run micro-batches round robin (rank r: r, r+N, r+2N, ...), so round k brings indices kN..kN+N-1,
+    one per rank in rank order: an all-to-all hands owner s chunk s of every rank's gradient, in rank
+    order, and the owner adds the first ``sources`` of them (the ranks that had a micro-batch in this
+    round) to its shard. That is the sequential sum one process accumulating every micro-batch
+    computes, element by element, at any world size. It moves what one reduce-scatter moves."""
+
+    def __init__(self, group: ProcessGroup, layout: BucketLayout):
+        self.group, self.chunk = group, layout.shard_numel
+
+    def round(self, full: torch.Tensor, sources: int, what: str) -> list[torch.Tensor]:
+        """This rank's chunk of the first ``sources`` ranks' ``full``, in rank order."""
+        recv = torch.empty_like(full)
+        self.group.all_to_all(full, recv, kind="reduce_scatter", what=what)
+        return [recv[r * self.chunk:(r + 1) * self.chunk] for r in range(sources)]
+
+
 def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCodes | None) -> GradSync:
     """The gradient strategy of a trainable bucket running ``plan``."""
     if plan.all_reduce_grads:

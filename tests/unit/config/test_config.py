@@ -45,7 +45,7 @@ def test_field_order_matches_spec():
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
         "nvme_verify", "return_freed_memory", "overlap_grad_reduce", "optimizer_in_backward", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
         "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
-        "quantize_weights", "quantize_grads", "quant_block", "grad_error_feedback",
+        "quantize_weights", "quantize_grads", "quant_block", "reproducible", "micro_batches", "grad_error_feedback",
         "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy"]
 
 
@@ -178,6 +178,8 @@ BAD_VALUES = [
     ("quantize_grads", ["int2", "fp8", 4, None]),
     ("quant_block", [0, 1, 3, 255, 65538, 256.0, True, "256", None]),
     ("grad_error_feedback", [1, "true", None]),
+    ("reproducible", [1, "true", None]),
+    ("micro_batches", [0, -1, 1.5, "4", True]),
     ("checkpoint_verify", [1, "yes", None]),
     ("checkpoint_direct_io", [0, "no", None]),
     ("return_freed_memory", [1, "yes", None]),

@@ -165,7 +165,7 @@ def test_policies_group_every_field_once():
                            "buffers": "nvme_buffers", "verify": "nvme_verify"},
                "overlap": {"grad_reduce": "overlap_grad_reduce", "progress": "mpi_progress",
                            "update": "optimizer_in_backward"},
-               "optimization": {"kwargs": "optimizer_kwargs"}, "lr_policy": {"schedule": "lr_schedule"},
+               "optimization": {"kwargs": "optimizer_kwargs", "deterministic": "reproducible"}, "lr_policy": {"schedule": "lr_schedule"},
                "checkpointing": {"layout": "checkpoint_layout", "verify": "checkpoint_verify",
                                  "direct_io": "checkpoint_direct_io", "align_kib": "checkpoint_align_kib",
                                  "async_copy": "checkpoint_async_copy"}}

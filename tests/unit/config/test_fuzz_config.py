@@ -100,6 +100,8 @@ _KNOWN_VALID = {
     # quantization needs stage 1-3 and error feedback quantized gradients: test_fuzz_quantization
     "quantize_weights": st.just("none"), "quantize_grads": st.just("none"),
     "quant_block": st.integers(1, 32768).map(lambda k: 2 * k), "grad_error_feedback": st.just(False),
+    # needs stage 2-3, micro_batches, explicit cpu_threads, no fp16, flat: test_fuzz_reproducible
+    "reproducible": st.just(False), "micro_batches": st.just(None),
     "checkpoint_verify": st.booleans(), "checkpoint_direct_io": st.booleans(), "checkpoint_align_kib": st.sampled_from([1 << k for k in range(2, 21)]),
     "checkpoint_async_copy": st.booleans(),
 }
@@ -491,6 +493,37 @@ def test_fuzz_quantization(stage, weights, grads, half_block, feedback):
                      (dict(quant_block=2 * half_block + 1), "quant_block")):
         with pytest.raises(ConfigError, match=key):
             ZeroConfig.from_dict({**doc, **bad})
+
+
+@settings(max_examples=100, **FUZZ)
+@given(st.integers(0, 3), st.one_of(st.none(), st.integers(1, 64)), st.sampled_from(["fp32", "bf16", "fp16"]),
+       st.one_of(st.none(), st.integers(1, 8)), st.integers(1, 4), st.sampled_from(["flat", "hsdp"]),
+       st.sampled_from(["none", "int8"]), st.sampled_from(["none", "cpu", "nvme"]), st.booleans())
+def test_fuzz_reproducible(stage, micro, dtype, threads, accum, hierarchy, quant, offload, in_backward):
+    doc = dict(stage=stage, reproducible=True, micro_batches=micro, dtype=dtype, cpu_threads=threads,
+               grad_accum_steps=accum, hierarchy=hierarchy, quantize_grads=quant if stage else "none",
+               offload_optimizer=offload, nvme_path="/tmp" if offload == "nvme" else None,
+               optimizer_in_backward=in_backward and stage >= 2)
+    wrong = {"micro_batches": micro is None, "stage=": stage < 2, "grad_accum_steps": accum != 1,
+             "dtype": dtype == "fp16", "hierarchy": hierarchy != "flat", "quantize_grads": quant != "none" and stage > 0,
+             "nvme": offload == "nvme", "cpu_threads": threads is None,
+             "optimizer_in_backward": in_backward and stage >= 2}
+    if in_backward and stage >= 2 and dtype == "fp16":
+        wrong = {"optimizer_in_backward": True}  # refused first by its own check
+    if not any(wrong.values()):
+        cfg = judge("from_dict/reproducible", lambda: ZeroConfig.from_dict(doc))
+        assert cfg is not None and cfg.reproducible and cfg.optimization.deterministic
+        return
+    with pytest.raises(ConfigError) as e:
+        ZeroConfig.from_dict(doc)
+    # the error names a wrong setting (another check may name one first: offload or quantization at stage 0)
+    named = [k for k, bad in wrong.items() if bad] + (["stage=0"] if stage == 0 else [])
+    assert any(k in str(e.value) for k in named), (named, str(e.value))
+
+
+def test_micro_batches_needs_reproducible():
+    with pytest.raises(ConfigError, match="micro_batches=4 sets the global batch of reproducible=True"):
+        ZeroConfig(micro_batches=4)
 
 
 @settings(max_examples=100, **FUZZ)

@@ -1,0 +1,90 @@
+"""reproducible=True worker: one SHA-256 of the trained state, the same at every world size.
+
+A small model with dropout and LayerNorm (and, in the "frozen" rows, a frozen first layer) trains
+STEPS steps on G = 6 micro-batches per step, whose data comes from (step, global index) alone, with
+gradient clipping that bites. For stages 2-3, fp32/bf16 and offload none/cpu, rank 0 writes the
+SHA-256 of every parameter (fp32) and of the gradient norms of each step. ``--save-after K --ckpt D``
+saves after K steps and stops; ``--resume D`` loads D and trains the remaining steps.
+"""
+import argparse
+import hashlib
+import struct
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import zerompi
+from common import write_json
+
+COMM = MPI.COMM_WORLD
+G, STEPS = 6, 3
+ROWS = [(stage, dtype, offload, frozen) for stage in (2, 3) for dtype in ("fp32", "bf16")
+        for offload, frozen in (("none", False), ("cpu", True))]
+
+
+def model(frozen: bool) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 48), nn.LayerNorm(48), nn.GELU(), nn.Dropout(0.2), nn.Linear(48, 40),
+                      nn.Tanh(), nn.Dropout(0.1), nn.Linear(40, 4))
+    if frozen:
+        m[0].requires_grad_(False)
+    return m
+
+
+def config(stage, dtype, offload) -> zerompi.ZeroConfig:
+    return zerompi.ZeroConfig(stage=stage, dtype=dtype, offload_optimizer=offload, lr=3e-2, weight_decay=0.1,
+                              clip_grad_norm=0.05, reproducible=True, micro_batches=G, cpu_threads=1, device="cpu",
+                              bucket_mb=700 * 4 / 2**20, checkpoint_layout="per_rank", abort_on_exception=False)
+
+
+def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + index)
+    return torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+
+
+def digest(engine, norms: list[float]) -> str:
+    h = hashlib.sha256()
+    for name, t in engine.full_state_dict().items():
+        h.update(name.encode())
+        h.update(t.float().contiguous().numpy().tobytes())
+    h.update(struct.pack(f"<{len(norms)}d", *norms))
+    return h.hexdigest()
+
+
+def train(row, save_after=None, ckpt=None, resume=None) -> dict:
+    stage, dtype, offload, frozen = row
+    engine = zerompi.initialize(model(frozen), config(stage, dtype, offload))
+    norms = []
+    if resume:
+        norms = list(engine.load_checkpoint(resume, tag=f"row{ROWS.index(row)}")["norms"])
+    for step in range(engine.stats.steps, STEPS if save_after is None else save_after):
+        for i in engine.micro_batch_indices():
+            x, y = batch(step, i)
+            engine.backward(((engine(x).float() - y) ** 2).mean())
+        assert engine.step()
+        norms.append(engine.stats.last_grad_norm)
+    if save_after is not None:
+        engine.save_checkpoint(ckpt, tag=f"row{ROWS.index(row)}", client_state={"norms": norms})
+    out = dict(digest=digest(engine, norms), norms=norms, clipped=max(norms) > 0.05,
+               indices=engine.micro_batch_indices())
+    engine.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--save-after", type=int)
+    p.add_argument("--ckpt")
+    p.add_argument("--resume")
+    a = p.parse_args()
+    rows = {}
+    for row in ROWS:
+        rows["-".join(map(str, row))] = train(row, a.save_after, a.ckpt, a.resume)
+    if COMM.rank == 0:
+        write_json(a.out, dict(world=COMM.size, rows=rows))
+
+
+if __name__ == "__main__":
+    main()

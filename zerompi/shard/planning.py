@@ -1,0 +1,52 @@
+"""Cutting a module into buckets (and, at stage 3, gather units) from its parameters' placements.
+
+Stages 0-2 bucket the gathered parameters by size, in reverse registration order (about the
+order backward produces their gradients). Stage 3 also picks gather units and plans each unit's
+sharded parameters as buckets of their own, trainable and frozen ones apart (numbered apart too,
+as checkpoints number them), so that a model built on the meta device is materialised one unit
+at a time.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from zerompi.shard.layout import BucketLayout, choose_units, common_ancestor, descent, plan_buckets
+from zerompi.shard.placement import ParamPlacement, Residence
+from zerompi.shard.stages import StagePlan
+from zerompi.shard.units import Unit, owners_of
+
+
+def plan_layouts(module: nn.Module, placed: list[ParamPlacement], stage: StagePlan, world: int, cap: int,
+                 align: int = 1) -> tuple[list[BucketLayout], list[Unit], dict[str, str]]:
+    """(every bucket's layout in build order, stage 3's units, each sharded parameter's unit)."""
+    gathered = [pl.spec for pl in reversed(placed) if pl.residence is Residence.GATHERED]
+    layouts = plan_buckets(gathered, world, cap, align=align)
+    units: list[Unit] = []
+    unit_of_param: dict[str, str] = {}
+    if not stage.shard_params:
+        return layouts, units, unit_of_param
+    named = [(pl, module.get_parameter(pl.fqn)) for pl in placed if pl.sharded]
+    owners = owners_of(module, [p for _, p in named])
+    modules = dict(module.named_modules())
+    own_numel: dict[str, int] = {}
+    for p, owner in owners.items():
+        own_numel[owner] = own_numel.get(owner, 0) + p.numel()
+    runs = {n for n, m in modules.items() if type(m).forward is not nn.Module.forward}
+    unit_of = choose_units(list(modules), own_numel, cap, runs)
+    counts = {True: len(layouts), False: 0}  # trainable, frozen buckets so far
+    for fqn in modules:
+        if unit_of[fqn] != fqn:
+            continue
+        mine = [(pl, p) for pl, p in named if unit_of[owners[p]] == fqn]
+        for trainable in (True, False):
+            specs = [pl.spec for pl, _ in mine if pl.trainable == trainable]
+            if specs:
+                new = plan_buckets(specs, world, 2**62, first_index=counts[trainable], unit=fqn, align=align)
+                counts[trainable] += len(new)
+                layouts += new
+        unit_of_param.update((pl.fqn, fqn) for pl, _ in mine)
+        if mine:
+            inner = descent(fqn, common_ancestor([owners[p] for _, p in mine]))
+            entries = [modules[fqn]] + [modules[m] for m in inner if m in runs]
+            units.append(Unit(fqn, modules[fqn], entries))
+    return layouts, units, unit_of_param

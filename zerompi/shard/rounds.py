@@ -1,0 +1,54 @@
+"""reproducible=True's global batch: which micro-batches each rank runs, and the rounds they make.
+
+``micro_batches`` (G) micro-batches per optimizer step are dealt round robin over the N ranks:
+rank r runs the global indices r, r+N, r+2N, ... (N need not divide G: the first G mod N ranks
+run one more). Round k is the k-th backward on every rank, so it holds the indices kN..kN+N-1
+in rank order, which is what lets each shard owner add the gradients in global index order
+(sync.py's OrderedRounds). A rank with one micro-batch fewer joins the last round with nothing.
+
+Each micro-batch also draws the same random numbers at any N: the generator is seeded from
+(seed, step, global index) before its forward.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+from zerompi.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    micro_batches: int  # G
+    world_size: int     # N
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < self.world_size:
+            raise ConfigError(f"micro_batches={self.micro_batches} is smaller than the world size {self.world_size}: "
+                              "every rank needs a micro-batch; allowed: micro_batches >= the number of ranks")
+
+    @property
+    def indices(self) -> list[int]:
+        """The global micro-batch indices this rank runs each step, in order."""
+        return list(range(self.rank, self.micro_batches, self.world_size))
+
+    @property
+    def rounds(self) -> int:
+        return math.ceil(self.micro_batches / self.world_size)
+
+    def sources(self, round_: int) -> int:
+        """How many ranks run a micro-batch in round ``round_`` (the first ones, in rank order)."""
+        return min(self.world_size, self.micro_batches - round_ * self.world_size)
+
+    @property
+    def loss_factor(self) -> float:
+        """Each micro-batch's loss is scaled by 1/G before backward: the sum is the mean gradient."""
+        return 1.0 / self.micro_batches
+
+    @staticmethod
+    def seed(seed: int, step: int, index: int) -> int:
+        """The generator seed of global micro-batch ``index`` at optimizer step ``step``."""
+        digest = hashlib.sha256(f"zerompi/{seed}/{step}/{index}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
