@@ -12,13 +12,13 @@ Rank 0 writes the per-step mean losses and learning rates as JSON to ``--out``.
 """
 import argparse
 import json
-import os
-import socket
 
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
+
+from ds_env import deepspeed_env
 
 p = argparse.ArgumentParser()
 p.add_argument("--impl", choices=("zerompi", "deepspeed", "reference"), required=True)
@@ -65,15 +65,8 @@ def eval_batch():
 
 
 def start_deepspeed():
-    """DeepSpeed on CPU with gloo: rank and size from MPI, a free port from rank 0."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ.update(RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(comm.Get_rank()),
-                      LOCAL_WORLD_SIZE=str(comm.Get_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(comm.bcast(port)))
+    """DeepSpeed on CPU with gloo (ds_env.py)."""
+    deepspeed_env()
     import logging
 
     import deepspeed

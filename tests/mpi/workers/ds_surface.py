@@ -13,14 +13,14 @@ Rank 0 writes the per-step mean losses and learning rates as JSON to ``--out``.
 """
 import argparse
 import json
-import os
-import socket
 
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ds_env import deepspeed_env
 
 p = argparse.ArgumentParser()
 p.add_argument("--impl", choices=("zerompi", "deepspeed", "reference"), required=True)
@@ -106,19 +106,6 @@ def reference() -> dict:
         out[name] = losses
         out["lrs"] = lrs
     return out
-
-
-def deepspeed_env() -> None:
-    """DeepSpeed on CPU with gloo: rank and size from MPI, a free port from rank 0."""
-    comm = MPI.COMM_WORLD
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ.update(RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(comm.Get_rank()),
-                      LOCAL_WORLD_SIZE=str(comm.Get_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(comm.bcast(port)))
 
 
 if args.impl == "reference":
