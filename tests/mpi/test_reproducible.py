@@ -34,8 +34,11 @@ def test_round_robin_indices(runs):
 
 @pytest.mark.parametrize("saved,loaded", [(4, 3), (3, 5)])
 def test_resume_at_another_world_size_continues_bitwise(runs, saved, loaded, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run_worker_json(saved, "reproducible.py", tmp_path / "saved.json", "--save-after", "2", "--ckpt", str(ckpt))
-    resumed = run_worker_json(loaded, "reproducible.py", tmp_path / "resumed.json", "--resume", str(ckpt))
-    for key, ref in runs[1]["rows"].items():
-        assert resumed["rows"][key]["digest"] == ref["digest"], key
+    ckpt, rows = tmp_path / "ckpt", "3-fp32-none-False,2-bf16-cpu-True"  # both stages, dtypes, offloads
+    run_worker_json(saved, "reproducible.py", tmp_path / "saved.json", "--save-after", "2", "--ckpt", str(ckpt),
+                    "--rows", rows)
+    resumed = run_worker_json(loaded, "reproducible.py", tmp_path / "resumed.json", "--resume", str(ckpt),
+                              "--rows", rows)
+    assert sorted(resumed["rows"]) == sorted(rows.split(","))
+    for key, got in resumed["rows"].items():
+        assert got["digest"] == runs[1]["rows"][key]["digest"], key

@@ -78,10 +78,13 @@ def main() -> None:
     p.add_argument("--save-after", type=int)
     p.add_argument("--ckpt")
     p.add_argument("--resume")
+    p.add_argument("--rows", help="comma list of row keys (default: all)")
     a = p.parse_args()
     rows = {}
     for row in ROWS:
-        rows["-".join(map(str, row))] = train(row, a.save_after, a.ckpt, a.resume)
+        key = "-".join(map(str, row))
+        if a.rows is None or key in a.rows.split(","):
+            rows[key] = train(row, a.save_after, a.ckpt, a.resume)
     if COMM.rank == 0:
         write_json(a.out, dict(world=COMM.size, rows=rows))
 
