@@ -19,6 +19,7 @@ from mpi4py import MPI
 from torch import nn
 
 from ds_env import deepspeed_env
+from reference_step import reference_step
 
 p = argparse.ArgumentParser()
 p.add_argument("--impl", choices=("zerompi", "deepspeed", "reference"), required=True)
@@ -131,20 +132,7 @@ def reference() -> dict:
         losses = []
         for step in range(STEPS):
             parts = [micro_batch(step, r, m) for r in range(args.world) for m in range(ACCUM)]
-            if chunked:
-                chunk_losses = [F.mse_loss(model(x), y) for x, y in parts]
-                for loss in chunk_losses:
-                    (loss / len(parts)).backward()
-                losses.append(sum(loss.item() for loss in chunk_losses) / len(parts))
-            else:
-                x, y = torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
-                loss = F.mse_loss(model(x), y)
-                loss.backward()
-                losses.append(loss.item())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CONFIG["gradient_clipping"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
+            losses.append(reference_step(model, opt, sched, parts, chunked, CONFIG["gradient_clipping"]))
         out[name] = losses
     return out
 

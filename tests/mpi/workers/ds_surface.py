@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ds_env import deepspeed_env
+from reference_step import reference_step
 
 p = argparse.ArgumentParser()
 p.add_argument("--impl", choices=("zerompi", "deepspeed", "reference"), required=True)
@@ -90,19 +91,7 @@ def reference() -> dict:
         for step in range(STEPS):
             lrs.append(opt.param_groups[0]["lr"])
             parts = [shares[r][step * ACCUM + m] for r in range(args.world) for m in range(ACCUM)]
-            if chunked:
-                chunk_losses = [F.mse_loss(model(x), y) for x, y in parts]
-                for loss in chunk_losses:
-                    (loss / len(parts)).backward()
-                losses.append(sum(loss.item() for loss in chunk_losses) / len(parts))
-            else:
-                loss = F.mse_loss(model(torch.cat([x for x, _ in parts])), torch.cat([y for _, y in parts]))
-                loss.backward()
-                losses.append(loss.item())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CONFIG["gradient_clipping"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
+            losses.append(reference_step(model, opt, sched, parts, chunked, CONFIG["gradient_clipping"]))
         out[name] = losses
         out["lrs"] = lrs
     return out
