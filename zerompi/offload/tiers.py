@@ -211,20 +211,24 @@ class TierPlan:
         out = t.detach().to("cpu", copy=True)
         return out.pin_memory() if self.pin_memory and torch.cuda.is_available() else out
 
+    def off_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where a swap file can read and write it: host memory (a CPU tensor stays as it is)."""
+        return self.host(t) if t.device.type != "cpu" else t
+
     def param_tier(self, index: int, shard: torch.Tensor, *, frozen: bool = False) -> ShardTier:
         """Bucket ``index``'s parameter shard (stage 3); frozen buckets are numbered apart (and have no
         master to share a region with)."""
         if not frozen and self.params == Offload.NVME and self.optimizer == Offload.NVME \
                 and shard.dtype == torch.float32:
-            return MasterAlias(self.swapper, index, shard)  # fp32: the master's values, in its region
+            return MasterAlias(self.swapper, index, self.off_device(shard))  # fp32: the master's values, in its region
         if self.params == Offload.NVME:
             return Swapped(self.swapper, f"{'f' if frozen else 'b'}{index}.param", self.host(shard))
         return Resident(self.host(shard) if self.params == Offload.CPU else shard)
 
     def grad_tier(self, index: int, shard: torch.Tensor) -> ShardTier:
         """Bucket ``index``'s gradient shard."""
-        if self.optimizer == Offload.NVME and self.shard_grads:
-            return Swapped(self.swapper, f"b{index}.grad", shard)
+        if self.optimizer == Offload.NVME and self.shard_grads:  # swap files take host memory only
+            return Swapped(self.swapper, f"b{index}.grad", self.off_device(shard))
         return Resident(shard)
 
     def place_master(self, index: int, master: torch.Tensor, separate: bool) -> torch.Tensor:

@@ -42,6 +42,7 @@ class GradShard:
         else touches it (optimizer_in_backward), so a swapped shard keeps its fp32 copy in memory
         for ``take`` instead of a round trip through the swap file."""
         with self.tier.loaded(load=accumulate and not self.fresh) as shard:
+            reduced = reduced.to(shard.device, non_blocking=False)  # a swapped shard is in host memory
             if not accumulate:
                 shard.copy_(reduced)
             else:

@@ -34,7 +34,8 @@ def pinned(engine, stage: int) -> dict:
     buckets = engine.sharded.buckets
     out = dict(masters=all(b.master.is_pinned() for b in buckets if b.master.device.type == "cpu"))
     if stage == 3:
-        out["param_shards"] = all(b.param_shard.is_pinned() for b in buckets if b.param_shard.device.type == "cpu")
+        shards = [b.param_tier.tensor for b in buckets if hasattr(b.param_tier, "tensor")]  # NVMe tiers hold none
+        out["param_shards"] = all(t.is_pinned() for t in shards if t.device.type == "cpu")
     return out
 
 
