@@ -38,8 +38,10 @@ LOOP_DEFAULTS = dict(steps=100, log_every=10, eval_every=50, seed=1337,
 EVAL_STREAM = 2**31 - 1  # a "step" no training step reaches: eval draws never repeat train draws
 
 
-def parse_args(doc: str, default_config: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags every job takes."""
+def parse_args(doc: str, default_config: str, argv: list[str] | None = None, *,
+               reproducible: bool = False) -> argparse.Namespace:
+    """The flags every job takes; ``reproducible``: also --reproducible and --micro-batches (jobs whose
+    micro-batches are drawn by global index, with micro_batches())."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--config", default=default_config)
     p.add_argument("--steps", type=int, help="override train.steps")
@@ -48,6 +50,13 @@ def parse_args(doc: str, default_config: str, argv: list[str] | None = None) -> 
     p.add_argument("--save-every", type=int, help="override train.save_every (steps between checkpoints)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in the checkpoint directory, if there is one")
+    if reproducible:
+        p.add_argument("--reproducible", action="store_true",
+                       help="train the same bits at any world size (zero.reproducible): micro-batch i of a step "
+                            "is drawn from (seed, step, i) whichever rank runs it")
+        p.add_argument("--micro-batches", type=int, help="with --reproducible: micro-batches per step over all "
+                       "ranks (default: world size x grad_accum_steps); keep it when resuming elsewhere")
+    p.set_defaults(reproducible=False, micro_batches=None)
     return p.parse_args(argv)
 
 
@@ -75,7 +84,29 @@ def apply_flags(args: argparse.Namespace, train: dict, zero_doc: dict) -> zeromp
     train.update({k: v for k, v in (("steps", args.steps), ("out_dir", args.out), ("save_every", args.save_every))
                   if v is not None})
     cfg = zerompi.ZeroConfig.from_dict(zero_doc)
-    return cfg.replace(stage=args.stage) if args.stage is not None else cfg
+    if args.stage is not None:
+        cfg = cfg.replace(stage=args.stage)
+    if args.micro_batches is not None and not args.reproducible:
+        raise ConfigError("--micro-batches sets the global batch of --reproducible; add --reproducible")
+    if args.reproducible:  # the rank count no longer sets the batch: G micro-batches, dealt over the ranks
+        g = args.micro_batches or MPI.COMM_WORLD.Get_size() * cfg.grad_accum_steps
+        cfg = cfg.replace(reproducible=True, micro_batches=g, grad_accum_steps=1, cpu_threads=cfg.cpu_threads or 1)
+    return cfg
+
+
+def micro_batches(engine, seed: int, step: int) -> list[torch.Generator]:
+    """The generators of the micro-batches this rank runs at ``step``, in order. reproducible=True:
+    global micro-batch i is drawn from (seed, step, i), whichever rank runs it, so the data of a step
+    does not depend on the world size; otherwise each rank draws grad_accum_steps of its own."""
+    if engine.config.reproducible:
+        return [generator(seed, step, i) for i in engine.micro_batch_indices()]
+    return [generator(seed, step, micro, engine.rank) for micro in range(engine.config.grad_accum_steps)]
+
+
+def micro_batches_per_step(engine) -> int:
+    """Micro-batches per optimizer step over all ranks."""
+    cfg = engine.config
+    return cfg.micro_batches if cfg.reproducible else engine.world_size * cfg.grad_accum_steps
 
 
 def generator(*coords: int) -> torch.Generator:

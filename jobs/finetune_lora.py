@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python -m mpi4py jobs/finetune_lora.py \
         [--config jobs/configs/lora.toml] [--steps N] [--out DIR] [--stage S] [--save-every N] [--resume]
+        [--reproducible [--micro-batches G]]
 
 The base is built on the meta device, so no rank ever holds all of it: ``initialize``
 materialises it one gather unit at a time and, at stage 3, keeps one shard of each frozen
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 
 import zerompi
-from common import (LOOP_DEFAULTS, Preemption, apply_flags, corpus_val_loss, generator, load_config, parse_args,
-                    setup_logging, start_run, train_loop)
+from common import (LOOP_DEFAULTS, Preemption, apply_flags, corpus_val_loss, load_config, micro_batches,
+                    micro_batches_per_step, parse_args, setup_logging, start_run, train_loop)
 from zerompi.checkpoint import load_full_state_dict
 from zerompi.models.corpus import ByteCorpus
 
@@ -105,7 +106,7 @@ def write_adapter(model, ckpt_dir: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__, "jobs/configs/lora.toml", argv)
+    args = parse_args(__doc__, "jobs/configs/lora.toml", argv, reproducible=True)
     preemption = Preemption()
     setup_logging()
     model_doc, train, zero_doc = load_config(args.config, TRAIN_DEFAULTS)
@@ -117,22 +118,22 @@ def main(argv: list[str] | None = None) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("base %.2fM frozen, LoRA %.3fM trainable, %s", frozen / 1e6, trainable / 1e6, cfg)
     data = ByteCorpus(max_bytes=train["data_max_bytes"] or None)
-    T, accum = model_doc.get("block_size", 128), cfg.grad_accum_steps
+    T = model_doc.get("block_size", 128)
     run = start_run(engine, train, {"model": model_doc}, args.resume, "tokens",
-                    engine.world_size * accum * train["micro_batch"] * T, preemption, include_frozen=False)
+                    micro_batches_per_step(engine) * train["micro_batch"] * T, preemption, include_frozen=False)
     if run.rank0:
         print(f"LoRA on a {frozen / 1e6:.2f}M-parameter frozen base: {trainable:,} trainable parameters, "
               f"stage {cfg.stage}, {engine.world_size} ranks; model state {engine.stats.model_state_bytes:,} "
               "bytes per rank", flush=True)
 
     def step_fn(step: int) -> dict:
-        step_loss = 0.0
-        for micro in range(accum):
-            x, y = data.get_batch("train", train["micro_batch"], T, generator(train["seed"], step, micro, engine.rank))
+        step_loss, gens = 0.0, micro_batches(engine, train["seed"], step)
+        for gen in gens:
+            x, y = data.get_batch("train", train["micro_batch"], T, gen)
             loss = loss_of(engine, x, y)
             engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / accum
+            step_loss += loss.item() / len(gens)
+        engine.step()
         return {"loss": step_loss}
 
     result = train_loop(run, step_fn, lambda: corpus_val_loss(engine, data, train, T, loss_of))

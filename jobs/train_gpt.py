@@ -2,11 +2,13 @@
 
     mpiexec -n 2 python -m mpi4py jobs/train_gpt.py \
         [--config jobs/configs/default.toml] [--steps N] [--out DIR] [--stage S]
+        [--reproducible [--micro-batches G]]
 
 The TOML config has three tables: [model] (GPTConfig fields), [train] (this
 loop's settings, see TRAIN_DEFAULTS) and [zero] (zerompi.ZeroConfig fields).
 Every rank draws its own micro-batches; one optimizer step covers
-world_size * grad_accum_steps * micro_batch sequences. Rank 0 shows progress
+world_size * grad_accum_steps * micro_batch sequences. With --reproducible, a step is G global
+micro-batches dealt over the ranks, and the trained model is the same at any world size. Rank 0 shows progress
 on stderr and writes one JSON object per log_every steps to
 {out_dir}/metrics.jsonl ("bytes_sent_total" is cumulative since the start,
 "bytes_sent_per_step" the mean over the steps since the previous record).
@@ -18,8 +20,8 @@ import logging
 import torch
 
 import zerompi
-from common import (LOOP_DEFAULTS, Preemption, apply_flags, corpus_val_loss, generator, load_config, parse_args,
-                    setup_logging, start_run, train_loop)
+from common import (LOOP_DEFAULTS, Preemption, apply_flags, corpus_val_loss, load_config, micro_batches,
+                    micro_batches_per_step, parse_args, setup_logging, start_run, train_loop)
 from zerompi.models.corpus import ByteCorpus
 from zerompi.models.gpt import GPT, gpt_config_from_dict
 
@@ -46,7 +48,7 @@ def traffic(engine):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__, "jobs/configs/default.toml", argv)
+    args = parse_args(__doc__, "jobs/configs/default.toml", argv, reproducible=True)
     preemption = Preemption()
     setup_logging()
     model_doc, train, zero_doc = load_config(args.config, TRAIN_DEFAULTS)
@@ -60,19 +62,18 @@ def main(argv: list[str] | None = None) -> None:
     engine = zerompi.initialize(model, cfg)
     log.info("GPT with %.2fM parameters, corpus %d bytes, %s", model.num_params() / 1e6, len(data), cfg)
 
-    T, accum = gpt_cfg.block_size, cfg.grad_accum_steps
+    T = gpt_cfg.block_size
     run = start_run(engine, train, {"model": vars(gpt_cfg)}, args.resume, "tokens",
-                    engine.world_size * accum * train["micro_batch"] * T, preemption)
+                    micro_batches_per_step(engine) * train["micro_batch"] * T, preemption)
 
     def step_fn(step: int) -> dict:
-        step_loss = 0.0
-        for micro in range(accum):
-            x, y = data.get_batch("train", train["micro_batch"], T,
-                                  generator(train["seed"], step, micro, engine.rank))
+        step_loss, gens = 0.0, micro_batches(engine, train["seed"], step)
+        for gen in gens:
+            x, y = data.get_batch("train", train["micro_batch"], T, gen)
             _, micro_loss = engine(x, y)
             engine.backward(micro_loss)
-            stepped = engine.step()  # a no-op until the last micro-batch of the step
-            step_loss += micro_loss.item() / accum
+            step_loss += micro_loss.item() / len(gens)
+        stepped = engine.step()
         if not stepped:
             log.info("step %d: optimizer step skipped (loss scale %g)", step, engine.stats.loss_scale)
         return {"loss": step_loss}

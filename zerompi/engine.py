@@ -80,7 +80,7 @@ class Engine:
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
         membership, options = optimizer_groups(module, param_groups)
-        plan = plan_for(cfg.stage)
+        plan = plan_for(cfg.stage, ordered_rounds=cfg.reproducible)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
                                  plan, cfg.param_persistence_threshold, group_of))

@@ -1,7 +1,8 @@
 """reproducible=True on real ranks (workers/reproducible.py): one SHA-256 of the trained state at every
 world size from 1 to G = 6, including the uneven 4 and 5 (ranks then run different numbers of
-micro-batches), at stages 2-3, fp32 and bf16, offload none and cpu, with a frozen layer, dropout and
-gradient clipping that bites; and a checkpoint saved at one world size continues bitwise at another."""
+micro-batches), at stages 0-3, fp32 and bf16, offload none, cpu and nvme, with a frozen layer, dropout and
+gradient clipping that bites: parameters, masters and optimizer state after every step; and a checkpoint
+saved at one world size continues bitwise at another."""
 from __future__ import annotations
 
 import pytest
@@ -19,11 +20,11 @@ def runs(tmp_path_factory):
 
 def test_every_world_size_trains_the_same_bits(runs):
     rows = runs[1]["rows"]
-    assert len(rows) == 8
+    assert len(rows) == 18
     for key, ref in rows.items():
         assert ref["clipped"], key  # the clip coefficient is in play
-        digests = {n: runs[n]["rows"][key]["digest"] for n in WORLDS}
-        assert len(set(digests.values())) == 1, (key, digests)
+        steps = {n: tuple(runs[n]["rows"][key]["steps"]) for n in WORLDS}
+        assert len(set(steps.values())) == 1, (key, steps)
         assert [runs[n]["rows"][key]["norms"] for n in WORLDS] == [ref["norms"]] * len(WORLDS), key
 
 
@@ -34,7 +35,7 @@ def test_round_robin_indices(runs):
 
 @pytest.mark.parametrize("saved,loaded", [(4, 3), (3, 5)])
 def test_resume_at_another_world_size_continues_bitwise(runs, saved, loaded, tmp_path):
-    ckpt, rows = tmp_path / "ckpt", "3-fp32-none-False,2-bf16-cpu-True"  # both stages, dtypes, offloads
+    ckpt, rows = tmp_path / "ckpt", "3-fp32-none-False,2-bf16-cpu-True,0-fp32-none-True,3-bf16-nvme-True"
     run_worker_json(saved, "reproducible.py", tmp_path / "saved.json", "--save-after", "2", "--ckpt", str(ckpt),
                     "--rows", rows)
     resumed = run_worker_json(loaded, "reproducible.py", tmp_path / "resumed.json", "--resume", str(ckpt),

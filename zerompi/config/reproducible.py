@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerompi.config.choices import DType, Hierarchy, Offload
+from zerompi.config.choices import DType, Hierarchy
 from zerompi.errors import ConfigError
 
 _KERNEL_KEYS = ("fused", "foreach")
@@ -24,9 +24,6 @@ def check_reproducible(cfg: Any) -> None:
         raise ConfigError("reproducible=True needs micro_batches, the number of micro-batches per step over all "
                           "ranks (the global batch); allowed: an int >= 1")
     refused = []
-    if not cfg.stage.shards_grads:
-        refused.append((f"stage={int(cfg.stage)}", "stages 0-1 reduce once per window; so far this mode reduces "
-                        "every micro-batch at stages 2-3", "stage 2 or 3"))
     if cfg.grad_accum_steps != 1:
         refused.append((f"grad_accum_steps={cfg.grad_accum_steps}", "micro_batches and the world size set how "
                         "many micro-batches each rank runs", "1"))
@@ -43,8 +40,6 @@ def check_reproducible(cfg: Any) -> None:
                         "gathers of its last round, which prefetching makes differ from round to round", "0"))
     if cfg.optimizer_in_backward:
         refused.append(("optimizer_in_backward=True", "the update waits for every micro-batch", "False"))
-    if cfg.offload_optimizer == Offload.NVME or cfg.offload_params == Offload.NVME:
-        refused.append(("offload to 'nvme'", "not covered yet", "'none' or 'cpu'"))
     if cfg.cpu_threads is None:
         refused.append(("cpu_threads=None", "the default gives each rank its share of the cores, so the kernels' "
                         "threads (and their summation order) would change with the ranks per node", "an int >= 1"))

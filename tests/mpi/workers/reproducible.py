@@ -2,14 +2,16 @@
 
 A small model with dropout and LayerNorm (and, in the "frozen" rows, a frozen first layer) trains
 STEPS steps on G = 6 micro-batches per step, whose data comes from (step, global index) alone, with
-gradient clipping that bites. For stages 2-3, fp32/bf16 and offload none/cpu, rank 0 writes the
-SHA-256 of every parameter (fp32) and of the gradient norms of each step. ``--save-after K --ckpt D``
+gradient clipping that bites. For stages 0-3, fp32/bf16, offload none/cpu (and two NVMe rows), rank
+0 writes the SHA-256 of the parameters, masters, optimizer state and gradient norms after each step. ``--save-after K --ckpt D``
 saves after K steps and stops; ``--resume D`` loads D and trains the remaining steps.
 """
 import argparse
 import hashlib
 import struct
+import tempfile
 
+import numpy as np
 import torch
 from mpi4py import MPI
 from torch import nn
@@ -19,8 +21,10 @@ from common import write_json
 
 COMM = MPI.COMM_WORLD
 G, STEPS = 6, 3
-ROWS = [(stage, dtype, offload, frozen) for stage in (2, 3) for dtype in ("fp32", "bf16")
-        for offload, frozen in (("none", False), ("cpu", True))]
+ROWS = [(stage, dtype, offload, frozen) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")
+        for offload, frozen in (("none", False), ("none" if stage == 0 else "cpu", True))]  # stage 0: no offload
+ROWS += [(2, "fp32", "nvme", False), (3, "bf16", "nvme", True)]
+SWAP = tempfile.mkdtemp(prefix="zerompi-repro-swap-")
 
 
 def model(frozen: bool) -> nn.Module:
@@ -32,9 +36,13 @@ def model(frozen: bool) -> nn.Module:
     return m
 
 
+DEVICE = "cpu"  # --device
+
+
 def config(stage, dtype, offload) -> zerompi.ZeroConfig:
     return zerompi.ZeroConfig(stage=stage, dtype=dtype, offload_optimizer=offload, lr=3e-2, weight_decay=0.1,
-                              clip_grad_norm=0.05, reproducible=True, micro_batches=G, cpu_threads=1, device="cpu",
+                              offload_params=offload if stage == 3 else "none", nvme_path=SWAP,
+                              clip_grad_norm=0.05, reproducible=True, micro_batches=G, cpu_threads=1, device=DEVICE,
                               bucket_mb=700 * 4 / 2**20, checkpoint_layout="per_rank", abort_on_exception=False)
 
 
@@ -44,10 +52,23 @@ def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def digest(engine, norms: list[float]) -> str:
+    """SHA-256 of the parameters, the fp32 masters and the optimizer state (gathered whole and cut
+    per parameter, so shard padding, which moves with the world size, is left out) and the norms."""
     h = hashlib.sha256()
     for name, t in engine.full_state_dict().items():
         h.update(name.encode())
         h.update(t.float().contiguous().numpy().tobytes())
+    for i, bucket in enumerate(engine.sharded.buckets):
+        with engine.optimizer.shard_state(i) as st:
+            tensors = {"master": st.master, **{k: v for k, v in st.state.items() if isinstance(v, torch.Tensor)}}
+            for key, t in sorted(tensors.items()):
+                if t.numel() != st.master.numel():  # a scalar (Adam's step): the same on every rank
+                    h.update(f"{key}={t.item()!r}".encode())
+                    continue
+                full = np.concatenate(COMM.allgather(t.detach().float().cpu().numpy()))  # shards in rank order
+                for slot in bucket.layout.slots:
+                    h.update(f"{slot.fqn}/{key}".encode())
+                    h.update(full[slot.offset:slot.offset + slot.numel].tobytes())
     h.update(struct.pack(f"<{len(norms)}d", *norms))
     return h.hexdigest()
 
@@ -55,18 +76,20 @@ def digest(engine, norms: list[float]) -> str:
 def train(row, save_after=None, ckpt=None, resume=None) -> dict:
     stage, dtype, offload, frozen = row
     engine = zerompi.initialize(model(frozen), config(stage, dtype, offload))
-    norms = []
+    norms, steps = [], []
     if resume:
         norms = list(engine.load_checkpoint(resume, tag=f"row{ROWS.index(row)}")["norms"])
     for step in range(engine.stats.steps, STEPS if save_after is None else save_after):
         for i in engine.micro_batch_indices():
             x, y = batch(step, i)
-            engine.backward(((engine(x).float() - y) ** 2).mean())
+            out = engine(x).float()
+            engine.backward(((out - y.to(out.device)) ** 2).mean())
         assert engine.step()
         norms.append(engine.stats.last_grad_norm)
+        steps.append(digest(engine, norms))  # the state after every step, not only the last
     if save_after is not None:
         engine.save_checkpoint(ckpt, tag=f"row{ROWS.index(row)}", client_state={"norms": norms})
-    out = dict(digest=digest(engine, norms), norms=norms, clipped=max(norms) > 0.05,
+    out = dict(digest=digest(engine, norms), steps=steps, norms=norms, clipped=max(norms) > 0.05,
                indices=engine.micro_batch_indices())
     engine.close()
     return out
@@ -79,7 +102,10 @@ def main() -> None:
     p.add_argument("--ckpt")
     p.add_argument("--resume")
     p.add_argument("--rows", help="comma list of row keys (default: all)")
+    p.add_argument("--device", default="cpu", help="cuda: compute on the GPU (the ranks share it)")
     a = p.parse_args()
+    global DEVICE
+    DEVICE = a.device
     rows = {}
     for row in ROWS:
         key = "-".join(map(str, row))

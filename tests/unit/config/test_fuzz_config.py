@@ -100,7 +100,7 @@ _KNOWN_VALID = {
     # quantization needs stage 1-3 and error feedback quantized gradients: test_fuzz_quantization
     "quantize_weights": st.just("none"), "quantize_grads": st.just("none"),
     "quant_block": st.integers(1, 32768).map(lambda k: 2 * k), "grad_error_feedback": st.just(False),
-    # needs stage 2-3, micro_batches, explicit cpu_threads, no fp16, flat: test_fuzz_reproducible
+    # needs micro_batches, explicit cpu_threads, no fp16, flat: test_fuzz_reproducible
     "reproducible": st.just(False), "micro_batches": st.just(None),
     "checkpoint_verify": st.booleans(), "checkpoint_direct_io": st.booleans(), "checkpoint_align_kib": st.sampled_from([1 << k for k in range(2, 21)]),
     "checkpoint_async_copy": st.booleans(),
@@ -504,9 +504,9 @@ def test_fuzz_reproducible(stage, micro, dtype, threads, accum, hierarchy, quant
                grad_accum_steps=accum, hierarchy=hierarchy, quantize_grads=quant if stage else "none",
                offload_optimizer=offload, nvme_path="/tmp" if offload == "nvme" else None,
                optimizer_in_backward=in_backward and stage >= 2)
-    wrong = {"micro_batches": micro is None, "stage=": stage < 2, "grad_accum_steps": accum != 1,
-             "dtype": dtype == "fp16", "hierarchy": hierarchy != "flat", "quantize_grads": quant != "none" and stage > 0,
-             "nvme": offload == "nvme", "cpu_threads": threads is None,
+    wrong = {"micro_batches": micro is None, "grad_accum_steps": accum != 1, "offload_optimizer": offload != "none"
+             and stage == 0, "dtype": dtype == "fp16", "hierarchy": hierarchy != "flat",
+             "quantize_grads": quant != "none" and stage > 0, "cpu_threads": threads is None,
              "optimizer_in_backward": in_backward and stage >= 2}
     if in_backward and stage >= 2 and dtype == "fp16":
         wrong = {"optimizer_in_backward": True}  # refused first by its own check
