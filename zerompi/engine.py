@@ -149,6 +149,8 @@ class Engine:
         reproducible=True torch's generator is first seeded for the micro-batch about to run."""
         dtype, device = self.config.torch_dtype, self.device
         if self.micro is not None:
+            if self._phase.rounds_done >= len(self.micro.indices) and torch.is_grad_enabled() and self.module.training:
+                self._beyond_micro_batches("forward")  # stage 3's gathers would wait for the other ranks
             index = self.micro.indices[min(self._phase.rounds_done, len(self.micro.indices) - 1)]
             torch.manual_seed(self.micro.seed(self.config.seed, self._stats.steps, index))
 
@@ -163,6 +165,8 @@ class Engine:
         """Backward of this rank's mean micro-batch loss; reduces gradients as they appear."""
         if loss.dim() != 0:
             raise UsageError(f"backward() takes a scalar loss, got shape {tuple(loss.shape)}")
+        if self.micro is not None and self._phase.rounds_done >= len(self.micro.indices):
+            self._beyond_micro_batches("backward()")
         backward, factor = self._phase.begin_backward(), self.optimizer.loss_scale / self.config.grad_accum_steps
         if self.micro is not None:  # each micro-batch's share of the mean, and this round's ranks
             factor, backward = self.micro.loss_factor, backward._replace(sources=self.micro.sources(self._phase.rounds_done))
@@ -177,6 +181,12 @@ class Engine:
             self._phase.end_backward(ok=False)
             raise
         self._phase.end_backward(ok=True)
+
+    def _beyond_micro_batches(self, what: str) -> None:
+        raise UsageError(f"{what} of a micro-batch beyond this rank's {len(self.micro.indices)} micro-batches "
+                         f"{self.micro.indices} (reproducible=True): the other ranks would wait for it in a "
+                         "collective; run one forward and backward for each of engine.micro_batch_indices(), "
+                         "then step()")
 
     def step(self) -> bool:
         """Update at the end of an accumulation window; True when the parameters changed."""

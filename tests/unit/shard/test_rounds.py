@@ -49,3 +49,20 @@ def test_step_before_every_micro_batch_ran_is_refused():
             engine.step()
         return True
     assert run_ranks(1, rank) == [True]
+
+
+def test_a_micro_batch_more_than_given_is_refused_before_any_collective():
+    cfg = zerompi.ZeroConfig(stage=3, reproducible=True, micro_batches=4, cpu_threads=1, device="cpu",
+                             abort_on_exception=False)
+
+    def rank(group):
+        engine = zerompi.initialize(nn.Linear(2, 2), cfg, group=group)
+        for _ in engine.micro_batch_indices():
+            engine.backward(engine(torch.ones(1, 2)).sum())
+        with pytest.raises(zerompi.UsageError, match=r"forward of a micro-batch beyond this rank's 2 micro-batches "
+                           r"\[%d, %d\]" % (group.rank, group.rank + 2)):
+            engine(torch.ones(1, 2))  # refused before stage 3 gathers anything
+        with torch.no_grad():
+            engine(torch.ones(1, 2))  # evaluation is not a micro-batch
+        return engine.step()
+    assert run_ranks(2, rank) == [True, True]  # the refused call left nothing behind
