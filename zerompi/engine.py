@@ -90,7 +90,7 @@ class Engine:
         shard = self.groups.shard
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
                               check_finite=cfg.dtype != DType.FP16,  # fp16 overflows are the loss scaler's
-                              compression=Compression.from_policy(cfg.compression), reproducible=cfg.reproducible)
+                              compression=Compression.from_policy(cfg.compression), ordered_rounds=cfg.reproducible)
         self.micro = MicroBatchPlan(cfg.micro_batches, group.size, group.rank) if cfg.reproducible else None
         """reproducible=True: the micro-batches this rank runs and the rounds they make (shard/rounds.py)."""
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
@@ -111,7 +111,7 @@ class Engine:
                          cfg.offload.pin_memory, self._fence)
         self.sharded = ShardedModel(module, placement, self.groups,
                                     ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params,
-                                                 cfg.reproducible),
+                                                 ordered_rounds=cfg.reproducible),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))

@@ -34,6 +34,7 @@ from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
 from zerompi.offload.residency import ShardState
 from zerompi.offload.tiers import TierPlan
+from zerompi.optim.norms import grad_norm_for
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
 
@@ -107,8 +108,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group = group
         self.clip = policy.clip_grad_norm
         self.nonfinite = policy.nonfinite
-        self.exact_norm = policy.deterministic
-        self.replicated = not any(b.plan.shard_optimizer for b in buckets)  # no norm all-reduce
+        self.norm = grad_norm_for(exact=policy.deterministic,
+                                  replicated=not any(b.plan.shard_optimizer for b in buckets))
         self.scaler = LossScaler.from_policy(precision) if precision.scales_loss else None
         groups = []
         for gi, options in enumerate(group_options):
@@ -128,35 +129,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def _norm_from(self, local: float) -> float:
-        """The global norm from this rank's sum of squares."""
-        if not self.replicated:
-            # over the shard group: its shards cover every element once (hsdp replicas would repeat it)
-            local = self.buckets[0].groups.shard.sum_floats([local], what="the global gradient norm")[0]
-        return math.sqrt(local)
-
-    def _exact_norm(self) -> float:
-        """reproducible=True: the norm whatever the world size. Each rank takes the fp64 sum of squares of
-        every chunk of its shards (shards are whole chunks, so a chunk's elements are the same at any N),
-        all ranks gather them, and math.fsum adds them exactly, so neither their order nor the padding's
-        zero chunks matter."""
-        local = torch.cat([b.grads.chunk_sq() for b in self.buckets])
-        group = self.buckets[0].groups.shard
-        every = torch.empty(local.numel() * group.size, dtype=torch.float64)
-        group.all_gather(local, every, kind="control", what="the exact global gradient norm")
-        return math.sqrt(math.fsum(every.tolist()))
-
     def step(self) -> StepResult:
         scale = self.loss_scale
         early, self._early = self._early, {}
         self.store.drain()  # updated during backward: on disk before the next forward reads them
         # 1. one all-reduce of the squared norms gives the global norm of the unscaled gradients;
         #    inf/nan there means a bad gradient on some rank
-        if self.exact_norm:
-            norm = self._exact_norm()
-        else:
-            norm = self._norm_from(sum(early[i] if i in early else b.grads.norm_sq(scale)
-                                       for i, b in enumerate(self.buckets)))
+        norm = self.norm(self.buckets, scale, early)
         if self._skips(norm, len(early)):
             return StepResult(False, norm)
         # 2. clip, as torch.nn.utils.clip_grad_norm_ does

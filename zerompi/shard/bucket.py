@@ -24,7 +24,7 @@ from zerompi.shard.compression import Compression, GradCodes, WeightCodes
 from zerompi.shard.grads import GradShard
 from zerompi.shard.layout import BucketLayout
 from zerompi.shard.stages import StagePlan
-from zerompi.shard.sync import GradSync, OrderedRounds, ParamSync, grad_sync_for, param_sync_for
+from zerompi.shard.sync import GradSync, ParamSync, grad_sync_for, param_sync_for
 
 
 class BucketState(Enum):
@@ -46,7 +46,7 @@ class Placement:
     device: torch.device
     check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
     compression: Compression = Compression()  # quantized collectives (shard/compression.py)
-    reproducible: bool = False  # gradients summed in global micro-batch order (sync.py's OrderedRounds)
+    ordered_rounds: bool = False  # reproducible=True: gradients summed in global micro-batch order (sync.py)
 
 
 class Bucket:
@@ -137,8 +137,8 @@ class Bucket:
         self.grad_codes = None if codec is None else GradCodes(
             codec, self.groups.shard, self.layout.padded_numel, placement.compression.error_feedback,
             placement.device)
-        self.grad_sync = grad_sync_for(plan, self.groups, self.layout, self.grad_codes)
-        self.rounds = OrderedRounds(self.groups.shard, self.layout) if placement.reproducible else None
+        self.grad_sync = grad_sync_for(plan, self.groups, self.layout, self.grad_codes,
+                                       ordered_rounds=placement.ordered_rounds)
 
     def _illegal(self, verb: str, allowed: str) -> ZeroMPIError:
         return ZeroMPIError(f"{self.name}: {verb} in state {self.state.name} (allowed from {allowed})")
@@ -265,7 +265,7 @@ class Bucket:
         if not self.grad_full.is_allocated:
             self.grad_full.alloc()
             self._written.clear()
-        for chunk in self.rounds.round(self._zero_unwritten(), sources, self.name):
+        for chunk in self.grad_sync.round(self._zero_unwritten(), sources, self.name):
             self.grads.write(chunk, accumulate=True)
         self._pending, self._reduced = False, True
         self.grad_full.free()

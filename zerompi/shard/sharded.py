@@ -55,8 +55,8 @@ class ShardOptions:
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
     max_live_params: int | None = None
     """Stage 3: prefetch no more than this many elements, the unit computing included."""
-    reproducible: bool = False
-    """Reduce after each backward, in global micro-batch order (sync.py's OrderedRounds), over
+    ordered_rounds: bool = False
+    """reproducible=True: reduce after each backward, in global micro-batch order (sync.py's OrderedRounds), over
     shards of whole norm chunks (grads.py's NORM_CHUNK)."""
 
 
@@ -91,10 +91,10 @@ class ShardedModel:
         self.materialize = Materializer(module, placement.device, options.param_init,
                                         placement.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
-        self.reproducible = options.reproducible
+        self.ordered_rounds = options.ordered_rounds
         self._round_gathers: list[Bucket] = []  # reproducible=True: the gathers of the round in progress
         self._last_round: list[Bucket] = []     # ... and of the last complete one
-        self._align = NORM_CHUNK if options.reproducible else 1
+        self._align = NORM_CHUNK if options.ordered_rounds else 1
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
@@ -221,7 +221,7 @@ class ShardedModel:
 
     def _gather(self, unit: Unit) -> None:
         for b in unit.buckets:
-            if self.reproducible and b.state is BucketState.SHARDED:
+            if self.ordered_rounds and b.state is BucketState.SHARDED:
                 self._round_gathers.append(b)  # what a round without a micro-batch replays
             b.unshard()
             b.wait_gathered()
@@ -296,7 +296,7 @@ class ShardedModel:
         if backward.updates and self._steps is None:
             raise ZeroMPIError("a backward that updates buckets, with no optimizer registered to update them")
         self.check_requires_grad()
-        self._backward = _Backward(sync=(backward.ends_window or self.plan.shard_grads) and not self.reproducible,
+        self._backward = _Backward(sync=(backward.ends_window or self.plan.shard_grads) and not self.ordered_rounds,
                                    steps=self._steps if backward.updates else None, sources=backward.sources)
         for b in self.buckets:
             b.begin_backward()
@@ -335,9 +335,9 @@ class ShardedModel:
         for b in self.buckets:
             if sync and b.needs_reduce():
                 self._reduce(b)
-            elif self.reproducible:  # every rank's gradient of this round, in global order
+            elif self.ordered_rounds:  # every rank's gradient of this round, in global order
                 b.reduce_round(self._backward.sources)
-        if self.reproducible:
+        if self.ordered_rounds:
             self._last_round, self._round_gathers = self._round_gathers, []
         for b in self._inflight:  # in the order they started, as on every rank
             b.finish_reduce(taken_next=steps)

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from zerompi.comm.group import ProcessGroup, Work
+from zerompi.errors import ZeroMPIError
 from zerompi.offload.tiers import Resident, ShardTier
 from zerompi.shard.compression import GradCodes, WeightCodes
 from zerompi.shard.layout import BucketLayout
@@ -200,8 +201,15 @@ class OrderedRounds:
     round) to its shard. That is the sequential sum one process accumulating every micro-batch
     computes, element by element, at any world size. It moves what one reduce-scatter moves."""
 
+    in_place, per_micro_batch = False, True
+
     def __init__(self, group: ProcessGroup, layout: BucketLayout):
         self.group, self.chunk = group, layout.shard_numel
+
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
+        raise ZeroMPIError(f"{what}: ordered rounds reduce once per round, with round()")
+
+    finish = start
 
     def round(self, full: torch.Tensor, sources: int, what: str) -> list[torch.Tensor]:
         """This rank's chunk of the first ``sources`` ranks' ``full``, in rank order."""
@@ -210,8 +218,11 @@ class OrderedRounds:
         return [recv[r * self.chunk:(r + 1) * self.chunk] for r in range(sources)]
 
 
-def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCodes | None) -> GradSync:
-    """The gradient strategy of a trainable bucket running ``plan``."""
+def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCodes | None, *,
+                  ordered_rounds: bool = False) -> GradSync:
+    """The gradient strategy of a trainable bucket running ``plan`` (``ordered_rounds``: reproducible=True's)."""
+    if ordered_rounds:
+        return OrderedRounds(groups.shard, layout)
     if plan.all_reduce_grads:
         return AllReduce(groups.shard, layout, groups.world.size)
     return ReduceScatter(groups.shard, groups.world.size, plan.shard_grads, codes, groups.replicate)
