@@ -30,7 +30,7 @@ from zerompi.errors import UsageError
 
 __all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier",
            "broadcast", "broadcast_object_list", "get_local_rank", "get_rank", "get_world_group",
-           "get_world_size", "init_distributed", "is_available", "is_initialized"]
+           "get_world_size", "init_distributed", "is_available", "is_initialized", "set_environment"]
 
 
 class ReduceOp(Enum):
@@ -97,7 +97,8 @@ def is_available() -> bool:
 
 def is_initialized() -> bool:
     """Whether ``init_distributed`` (or ``initialize``) has run."""
-    return _info is not None
+    import torch.distributed as dist
+    return _info is not None and dist.is_initialized()
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
@@ -108,18 +109,23 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE`` and ``LOCAL_WORLD_SIZE``, as DeepSpeed's
     MPI discovery does, and give torch.distributed a default process group over MPI (torch_dist.py;
     kept if the script made one itself). The backend, port and rendezvous arguments have nothing to
-    choose here; ``rank`` and ``world_size``, when given, must be MPI's. Runs once; later calls
-    return at once."""
-    global _info
-    if _info is not None:
-        return
+    choose here; ``rank`` and ``world_size``, when given, must be MPI's. Later calls change nothing."""
     for name, given, actual in (("rank", rank, world_rank()), ("world_size", world_size, mpi_world_size())):
         if given not in (-1, actual):
             raise UsageError(f"init_distributed({name}={given}): MPI gives this process {name} {actual}")
+    set_environment()
+    torch_dist.ensure_default_group(_world())
+
+
+def set_environment() -> None:
+    """Collective, once: learn where each rank runs and set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_SIZE`` and ``LOCAL_WORLD_SIZE`` (what DeepSpeed's launcher gives a script before it starts)."""
+    global _info
+    if _info is not None:
+        return
     _info = launch.discover(_world())
     os.environ.update(RANK=str(_info.rank), LOCAL_RANK=str(_info.local_rank), WORLD_SIZE=str(_info.world_size),
                       LOCAL_SIZE=str(_info.local_size), LOCAL_WORLD_SIZE=str(_info.local_size))
-    torch_dist.ensure_default_group(_world())
 
 
 def get_rank(group: Any = None) -> int:
