@@ -165,22 +165,44 @@ class Engine:
         """Backward of this rank's mean micro-batch loss; reduces gradients as they appear."""
         if loss.dim() != 0:
             raise UsageError(f"backward() takes a scalar loss, got shape {tuple(loss.shape)}")
+        factor = self.begin_backward()
+        try:
+            (loss * factor).backward()
+        except BaseException:
+            self.end_backward(ok=False)
+            raise
+        self.end_backward(ok=True)
+
+    def begin_backward(self) -> float:
+        """For a backward run by the caller (``backward`` runs one): enter it and return the factor
+        the loss's gradient must be scaled by (loss scale, accumulation share). ``end_backward`` ends it."""
         if self.micro is not None and self._phase.rounds_done >= len(self.micro.indices):
             self._beyond_micro_batches("backward()")
         backward, factor = self._phase.begin_backward(), self.optimizer.loss_scale / self.config.grad_accum_steps
         if self.micro is not None:  # each micro-batch's share of the mean, and this round's ranks
             factor, backward = self.micro.loss_factor, backward._replace(sources=self.micro.sources(self._phase.rounds_done))
-        self.sharded.begin_backward(backward)
         try:
-            (loss * factor).backward()
-            self.sharded.finish_backward()
+            self.sharded.begin_backward(backward)
         except BaseException:
-            if self.sharded.in_backward:
-                self.sharded.abort_backward()
-            self.optimizer.abandon_backward()
             self._phase.end_backward(ok=False)
             raise
-        self._phase.end_backward(ok=True)
+        return factor
+
+    def end_backward(self, ok: bool) -> None:
+        """After ``begin_backward`` and the autograd backward: reduce what is left (``ok``), or undo
+        the micro-batch (the backward failed)."""
+        if ok:
+            try:
+                self.sharded.finish_backward()
+            except BaseException:
+                self.end_backward(ok=False)
+                raise
+            self._phase.end_backward(ok=True)
+            return
+        if self.sharded.in_backward:
+            self.sharded.abort_backward()
+        self.optimizer.abandon_backward()
+        self._phase.end_backward(ok=False)
 
     def _beyond_micro_batches(self, what: str) -> None:
         raise UsageError(f"{what} of a micro-batch beyond this rank's {len(self.micro.indices)} micro-batches "

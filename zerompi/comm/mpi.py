@@ -144,6 +144,16 @@ class MPIGroup:
         return MPIGroup(self._call(lambda: self.comm.Split(color, key)), cuda_aware=self.cuda_aware, label=label,
                         monitor=self.monitor)
 
+    def create_group(self, ranks: list[int], label: str = "") -> "MPIGroup":
+        """A sub-group of ``ranks`` (this group's ranks, in that order), made by those ranks alone
+        (``MPI_Comm_create_group``: the others need not take part)."""
+        sub = self.comm.Get_group().Incl(list(ranks))
+        try:
+            comm = self._call(lambda: self.comm.Create_group(sub, tag=0))
+        finally:
+            sub.Free()
+        return MPIGroup(comm, cuda_aware=self.cuda_aware, label=label, monitor=self.monitor)
+
     def h5py_comm(self) -> MPI.Comm:
         """The communicator for ``h5py.File(driver="mpio", comm=...)``.
 

@@ -206,6 +206,10 @@ def valid_deepspeed(draw) -> dict:
                                                "progressive_layer_drop"]), max_size=3, unique=True)):
         doc[name] = {"enabled": False}
     if draw(st.booleans()):
+        doc["checkpoint"] = draw(st.fixed_dictionaries({}, optional={
+            "tag_validation": st.sampled_from(["Ignore", "Warn", "Fail"]), "load_universal": st.just(False),
+            "use_node_local_storage": st.just(False), "parallel_write": st.just({"pipeline_stage": False})}))
+    if draw(st.booleans()):
         doc["activation_checkpointing"] = {"partition_activations": draw(st.booleans()),
                                            "number_checkpoints": draw(st.integers(1, 8))}
     if draw(st.booleans()):
@@ -545,7 +549,8 @@ def test_fuzz_in_backward(stage, clip, dtype, nonfinite, accum):
 @settings(max_examples=200, **FUZZ)
 @given(st.one_of(JSON_VALUES, st.dictionaries(st.sampled_from(
     ["zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "gradient_clipping", "gradient_accumulation_steps",
-     "train_batch_size", "aio", "tensorboard", "pipeline", "curriculum_learning", "tensor_parallel"]), JSON_VALUES,
+     "train_batch_size", "aio", "tensorboard", "pipeline", "curriculum_learning", "tensor_parallel", "checkpoint"]),
+     JSON_VALUES,
     max_size=5), st.fixed_dictionaries({}, optional={
          "zero_optimization": st.dictionaries(st.sampled_from(["stage", "reduce_bucket_size"]), SCALARS),
          "gradient_clipping": SCALARS, "gradient_accumulation_steps": SCALARS,

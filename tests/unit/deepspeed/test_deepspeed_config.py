@@ -630,3 +630,18 @@ def test_deepspeed_reads_the_accepted_configs():
                           timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [None] * len(docs)
+
+
+def test_checkpoint_block():
+    from zerompi.errors import ConfigError
+    off = {"tag_validation": "Fail", "load_universal": False, "use_node_local_storage": False,
+           "parallel_write": {"pipeline_stage": False}}
+    with pytest.warns(UserWarning, match="checkpoint.tag_validation"):
+        assert config_from({"checkpoint": off}) == config_from({})
+    for dotted, why in (("load_universal", "universal checkpoint"), ("use_node_local_storage", "one directory"),
+                        ("parallel_write", "pipeline stages")):
+        value = {"pipeline_stage": True} if dotted == "parallel_write" else True
+        with pytest.raises(ConfigError, match=why):
+            config_from({"checkpoint": {dotted: value}})
+    with pytest.raises(ConfigError, match="checkpoint.tag_validationx"):
+        config_from({"checkpoint": {"tag_validationx": "Warn"}})

@@ -192,3 +192,21 @@ def test_exclude_frozen_parameters(tmp_path, stage):
     engine.save_16bit_model(tmp_path, "head.safetensors", exclude_frozen_parameters=True)
     assert sorted(load_file(str(tmp_path / "head.safetensors"))) == ["2.bias", "2.weight"]
     engine.close()
+
+
+def test_initialize_leaves_the_scripts_generator_alone():
+    import zerompi
+    m = model()  # seeds 0
+    torch.manual_seed(1234)
+    torch.rand(2)
+    state = torch.random.get_rng_state()
+    expected = torch.rand(5)
+    torch.random.set_rng_state(state)
+    deepspeed.initialize(model=m, model_parameters=m.parameters(), config=config(), comm=MPI.COMM_SELF,
+                         overrides=LOCAL)
+    assert torch.equal(torch.rand(5), expected)  # DeepSpeed does not reseed either
+    m = model()
+    zerompi.initialize(m, zerompi.ZeroConfig(stage=2, seed=7, **LOCAL), comm=MPI.COMM_SELF)
+    after = torch.rand(5)
+    torch.manual_seed(7 + 0)  # zerompi's own initialize keeps seeding seed + rank
+    assert torch.equal(after, torch.rand(5))

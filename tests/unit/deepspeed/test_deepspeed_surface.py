@@ -95,6 +95,13 @@ def test_comm_on_one_rank():
     dist.all_gather_object(objs, {"a": 1})
     assert objs == [{"a": 1}]
     dist.barrier()
+    # torch.distributed's default group, over the same MPI group
+    assert torch.distributed.get_backend() == "zerompi_mpi" and os.environ["LOCAL_WORLD_SIZE"] == "1"
+    assert (torch.distributed.get_rank(), torch.distributed.get_world_size()) == (0, 1)
+    u = torch.tensor([3, 4])
+    torch.distributed.all_reduce(u, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.barrier()
+    assert u.tolist() == [3, 4] and dist.get_rank(group=torch.distributed.group.WORLD) == 0
     with pytest.raises(UsageError, match="only the world group"):
         dist.all_reduce(t, group=object())
     with pytest.raises(UsageError, match="allowed SUM"):

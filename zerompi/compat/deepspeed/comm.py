@@ -3,8 +3,9 @@
 DeepSpeed's calls run over ``torch.distributed``; here they run over an MPI group of every
 rank of ``MPI_COMM_WORLD``, on a communicator split off for them, so that a script's own
 collectives never interleave with the engine's (which may run on a communication thread).
-The ranks need no rendezvous: ``init_distributed()`` only learns where each rank runs and
-sets DeepSpeed's environment variables; ``initialize`` calls it too. Rank and world size
+The ranks need no rendezvous: ``init_distributed()`` learns where each rank runs, sets
+DeepSpeed's environment variables and makes torch.distributed's default process group, over the
+same MPI group (torch_dist.py); ``initialize`` calls it too. Rank and world size
 answer before it, as MPI knows them from the start.
 
 Collectives take any dtype: each rank's values are gathered and reduced locally in rank
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from zerompi.comm import launch
+from zerompi.compat.deepspeed import torch_dist
 from zerompi.comm.group import ProcessGroup, Work
 from zerompi.comm.mpi import MPIGroup, world_rank
 from zerompi.comm.mpi import world_size as mpi_world_size
@@ -28,7 +30,7 @@ from zerompi.errors import UsageError
 
 __all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier",
            "broadcast", "broadcast_object_list", "get_local_rank", "get_rank", "get_world_group",
-           "get_world_size", "init_distributed", "is_available", "is_initialized"]
+           "get_world_size", "init_distributed", "is_available", "is_initialized", "set_environment"]
 
 
 class ReduceOp(Enum):
@@ -65,7 +67,7 @@ def _ordered(stacked: torch.Tensor, fn) -> torch.Tensor:
 
 
 def _only_world(group: Any) -> None:
-    if group is not None and (_group is None or group is not _group):
+    if group is not None and (_group is None or group is not _group) and not _is_torch_world(group):
         raise UsageError("deepspeed.comm: only the world group (group=None) exists under zerompi, which is "
                          "data parallel only")
 
@@ -79,6 +81,12 @@ def _world(group: Any = None) -> ProcessGroup:
     return _group
 
 
+def _is_torch_world(group: Any) -> bool:
+    """Whether ``group`` is torch.distributed's default group (``dist.group.WORLD``), which runs over ours."""
+    import torch.distributed as dist
+    return dist.is_initialized() and group is dist.group.WORLD
+
+
 def _done(async_op: bool) -> Work | None:
     return Work.done() if async_op else None
 
@@ -89,26 +97,35 @@ def is_available() -> bool:
 
 def is_initialized() -> bool:
     """Whether ``init_distributed`` (or ``initialize``) has run."""
-    return _info is not None
+    import torch.distributed as dist
+    return _info is not None and dist.is_initialized()
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True, timeout: Any = None,
                      init_method: str | None = None, dist_init_required: bool | None = None,
                      config: Any = None, rank: int = -1, world_size: int = -1) -> None:
-    """Collective: learn each rank's place (MPI started and connected the ranks) and set
-    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_SIZE``, as DeepSpeed's MPI discovery
-    does. The backend, port and rendezvous arguments have nothing to choose here; ``rank`` and
-    ``world_size``, when given, must be MPI's. Runs once; later calls return at once."""
-    global _info
-    if _info is not None:
-        return
+    """Collective: learn each rank's place (MPI started and connected the ranks), set
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE`` and ``LOCAL_WORLD_SIZE``, as DeepSpeed's
+    MPI discovery does, and give torch.distributed a default process group over MPI (torch_dist.py;
+    kept if the script made one itself). The backend, port and rendezvous arguments have nothing to
+    choose here; ``rank`` and ``world_size``, when given, must be MPI's. Later calls change nothing."""
     for name, given, actual in (("rank", rank, world_rank()), ("world_size", world_size, mpi_world_size())):
         if given not in (-1, actual):
             raise UsageError(f"init_distributed({name}={given}): MPI gives this process {name} {actual}")
+    set_environment()
+    torch_dist.ensure_default_group(_world())
+
+
+def set_environment() -> None:
+    """Collective, once: learn where each rank runs and set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_SIZE`` and ``LOCAL_WORLD_SIZE`` (what DeepSpeed's launcher gives a script before it starts)."""
+    global _info
+    if _info is not None:
+        return
     _info = launch.discover(_world())
-    os.environ.update(RANK=str(_info.rank), LOCAL_RANK=str(_info.local_rank),
-                      WORLD_SIZE=str(_info.world_size), LOCAL_SIZE=str(_info.local_size))
+    os.environ.update(RANK=str(_info.rank), LOCAL_RANK=str(_info.local_rank), WORLD_SIZE=str(_info.world_size),
+                      LOCAL_SIZE=str(_info.local_size), LOCAL_WORLD_SIZE=str(_info.local_size))
 
 
 def get_rank(group: Any = None) -> int:

@@ -8,6 +8,8 @@ engine (``engine.gradient_checkpointing_enable()``, ``engine.config`` of a trans
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import warnings
 import weakref
@@ -35,6 +37,53 @@ def live_engines() -> list[DeepSpeedEngine]:
     return list(_LIVE)
 
 
+def _tensors(out: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's output (nested tuples, lists, dicts, dataclasses such as
+    transformers' ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, Mapping):
+        for v in out.values():
+            yield from _tensors(v)
+    elif isinstance(out, (list, tuple)):
+        for v in out:
+            yield from _tensors(v)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for f in dataclasses.fields(out):
+            yield from _tensors(getattr(out, f.name))
+
+
+class _Outputs:
+    """One forward's hooked outputs, and which of them a backward has already passed (whose
+    gradients were scaled): an output reached from one of those takes an already scaled gradient."""
+
+    def __init__(self, tensors: dict[int, torch.Tensor]):
+        self.tensors = tensors
+        self._fired: list[Any] = []
+        self._reach: dict[Any, set] = {}
+
+    def _reached_from(self, node: Any) -> set:
+        """The hooked outputs' nodes in ``node``'s graph below it (walked once, only with several outputs)."""
+        if node not in self._reach:
+            wanted = {t.grad_fn for t in self.tensors.values()} - {node}
+            seen, found, todo = set(), set(), [node]
+            while todo and wanted - found:
+                for nxt, _ in todo.pop().next_functions:
+                    if nxt is not None and nxt not in seen:
+                        seen.add(nxt)
+                        if nxt in wanted:
+                            found.add(nxt)
+                        todo.append(nxt)
+            self._reach[node] = found
+        return self._reach[node]
+
+    def scaled_downstream(self, node: Any) -> bool:
+        """Record that ``node``'s output was reached; whether its gradient came scaled through another output."""
+        scaled = len(self.tensors) > 1 and any(node in self._reached_from(f) for f in self._fired)
+        self._fired.append(node)
+        return scaled
+
+
 class DeepSpeedEngine:
     """The DeepSpeed engine methods a training loop uses, answered by a zerompi :class:`Engine`."""
 
@@ -49,12 +98,21 @@ class DeepSpeedEngine:
         self.micro_steps = 0  # step() calls, as DeepSpeed counts them for the accumulation boundary
         self._step_applied = False
         self._no_sync = False
+        self._explicit = False  # inside engine.backward(loss)
+        self._implicit_factor: float | None = None  # inside a loss.backward() the script started
         _LIVE.add(self)
 
     # ---- training ---------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        """The model's forward (floating inputs go to the engine's device and compute dtype)."""
-        return self.engine(*args, **kwargs)
+        """The model's forward (floating inputs go to the engine's device and compute dtype). Its
+        outputs carry gradient hooks, so that ``loss.backward()`` works as ``engine.backward(loss)``."""
+        self._abandon_implicit()
+        out = self.engine(*args, **kwargs)
+        if torch.is_grad_enabled():
+            outputs = _Outputs({id(t): t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None})
+            for t in outputs.tensors.values():
+                t.register_hook(functools.partial(self._output_grad, outputs, t.grad_fn))
+        return out
 
     forward = __call__
 
@@ -63,12 +121,48 @@ class DeepSpeedEngine:
         if retain_graph:
             raise UsageError("backward(retain_graph=True) is not supported: the engine frees gathered "
                              "parameters and reduces gradients as backward runs")
+        self._check_no_sync()
+        self._abandon_implicit()
+        self._explicit = True
+        try:
+            self.engine.backward(loss)
+        finally:
+            self._explicit = False
+        return loss
+
+    def _check_no_sync(self) -> None:
         if self._no_sync:
             raise UsageError("backward() inside no_sync(): zerompi reduces gradients in every backward and "
                              "counts a window's micro-batches by step(); accumulate with the config's "
                              "gradient_accumulation_steps and call step() after each backward instead")
-        self.engine.backward(loss)
-        return loss
+
+    def _output_grad(self, outputs: _Outputs, node: Any, grad: torch.Tensor) -> torch.Tensor:
+        """A forward output's gradient hook. Under ``engine.backward`` nothing to do; in a backward the
+        script started itself (``loss.backward()``), the first output reached enters the engine's
+        backward and queues its end for when autograd finishes, and the output's gradient is scaled
+        as ``engine.backward`` scales the loss (1/accumulation, the fp16 loss scale), as DeepSpeed's
+        output hooks do; but once only along a path: an output computed from another (transformers'
+        ``loss`` from its ``logits``) passes its scaled gradient on, and the other's hook leaves it."""
+        if self._explicit:
+            return grad
+        if self._implicit_factor is None:
+            self._check_no_sync()
+            self._implicit_factor = self.engine.begin_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_implicit)
+        if outputs.scaled_downstream(node):
+            return grad
+        return grad * self._implicit_factor
+
+    def _end_implicit(self) -> None:
+        """Autograd's post-backward callback: reduce what the backward left, as engine.backward does."""
+        self._implicit_factor = None
+        self.engine.end_backward(ok=True)
+
+    def _abandon_implicit(self) -> None:
+        """A ``loss.backward()`` that raised never reached its callback: undo its micro-batch."""
+        if self._implicit_factor is not None:
+            self._implicit_factor = None
+            self.engine.end_backward(ok=False)
 
     def step(self, lr_kwargs: Mapping | None = None) -> None:
         """Call after every backward: updates at the end of each accumulation window."""
@@ -76,6 +170,7 @@ class DeepSpeedEngine:
             raise UsageError(f"step(lr_kwargs={lr_kwargs!r}) is not supported: the scheduler steps by itself")
         if self._no_sync:
             raise UsageError("step() inside no_sync() (DeepSpeed refuses it too)")
+        self._abandon_implicit()
         self._step_applied = self.engine.step()
         self.micro_steps += 1
 

@@ -43,7 +43,7 @@ NO_EFFECT: dict[str, str] = {
     "optimizer.params.torch_adam": "bool", "optimizer.legacy_fusion": "bool", "steps_per_print": "size",
     "wall_clock_breakdown": "bool", "memory_breakdown": "bool", "dump_state": "bool", "prescale_gradients": "bool",
     "zero_allow_untested_optimizer": "bool", "zero_force_ds_cpu_optimizer": "bool",
-    "cuda_visible_devices": "any", "bf16.immediate_grad_update": "bool",
+    "cuda_visible_devices": "any", "bf16.immediate_grad_update": "bool", "checkpoint.tag_validation": "any",
     **{f"zero_optimization.{k}": kind for k, kind in _ZERO_NO_EFFECT.items()},
     **{f"zero_optimization.offload_param.{k}": "size" for k in ("buffer_count", "buffer_size", "max_in_cpu")},
     "zero_optimization.offload_optimizer.buffer_count": "size",
@@ -78,6 +78,8 @@ SCHEMA: dict[str, Any] = {
     # DataLoader initialize builds from training_data=.
     "train_batch_size": None, "train_micro_batch_size_per_gpu": None, "dataloader_drop_last": None,
     "aio": AIO, "activation_checkpointing": ACTIVATION_CHECKPOINTING, **MONITORS,
+    "checkpoint": {"tag_validation": None, "load_universal": None, "use_node_local_storage": None,
+                   "parallel_write": ("pipeline_stage",)},
     **dict.fromkeys(k for k in NO_EFFECT if "." not in k),
 }
 """Keys zerompi reads: None is a leaf, a tuple a block of leaves, a dict a block of blocks. Any
@@ -108,6 +110,11 @@ REQUIRED: dict[str, tuple[bool, str]] = {
     "bf16.check_grad_overflow": (True, "zerompi checks every gradient for NaN/Inf and cannot apply a non-finite "
                                        "step (nonfinite='raise' or 'skip')"),
     "optimizer.params.bias_correction": (True, "torch's Adam and AdamW always correct the moments' bias"),
+    "checkpoint.load_universal": (False, "zerompi loads its own checkpoints at any world size, not DeepSpeed's "
+                                         "universal checkpoint files"),
+    "checkpoint.use_node_local_storage": (False, "zerompi writes each checkpoint to the one directory "
+                                                 "save_checkpoint names, which every rank must reach"),
+    "checkpoint.parallel_write.pipeline_stage": (False, "zerompi has no pipeline stages"),
 }
 """Switches whose only allowed value is what zerompi computes (and why): another value changes the result."""
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -109,6 +110,20 @@ def _scheduler(lr_scheduler: Any, optimizer: Any, cfg: ZeroConfig, schedule):
     return chosen
 
 
+@contextmanager
+def _users_rng() -> Iterator[None]:
+    """Torch's CPU generator, and the CUDA ones where CUDA is up, as they were before: what the
+    engine draws or seeds while it starts does not reach the script."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def _world_size(comm) -> int:
     if comm is not None:
         return comm.Get_size()
@@ -132,6 +147,8 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
     communicator, MPI.COMM_WORLD by default), ``overrides`` (ZeroConfig field values applied on
     top of the translation, which also resolve "auto" values) and ``param_init`` (how modules
     built under ``deepspeed.zero.Init`` are initialised: zerompi.initialize's).
+    Unlike zerompi.initialize, which seeds torch's generator with seed + rank, this leaves the
+    script's generators as they were, as DeepSpeed does.
     """
     if model is None:
         raise UsageError("initialize(model=...) is required")
@@ -160,8 +177,9 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
     text = warning_text(t, cfg.lr, schedule_applied=True)
     if text:
         warnings.warn(text, stacklevel=2)
-    engine = zero_initialize(model, cfg, comm=comm, param_groups=param_groups, param_init=param_init,
-                             lr_scheduler=_scheduler(lr_scheduler, optimizer, cfg, t.schedule))
+    with _users_rng():  # DeepSpeed leaves torch's generators alone; zerompi.initialize seeds seed + rank
+        engine = zero_initialize(model, cfg, comm=comm, param_groups=param_groups, param_init=param_init,
+                                 lr_scheduler=_scheduler(lr_scheduler, optimizer, cfg, t.schedule))
     loader = None
     if training_data is not None:
         loader = client.training_loader(training_data, batch.micro, engine.rank, engine.world_size, collate_fn,

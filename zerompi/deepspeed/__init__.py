@@ -4,6 +4,9 @@ The public name of the zerompi/compat/deepspeed package: this module *is* that p
 and ``zerompi.deepspeed.<sub>`` its submodules (``accelerator``, ``comm``, ``ops.adam``,
 ``zero``, ...), each the very module object under both names, so that state (the comm
 group) and classes (``FusedAdam``) are one, whichever name a script imports.
+
+A package rather than a module so that ``python -m zerompi.deepspeed train.py`` runs: once this
+has run, ``zerompi.deepspeed.__main__`` is found in zerompi/compat/deepspeed/ (runner.py).
 """
 import sys
 

@@ -1,0 +1,12 @@
+"""torch.distributed in a DeepSpeed script under plain mpiexec (workers/ds_torch_dist.py): after
+``deepspeed.init_distributed()`` the default process group is zerompi's MPI backend, with no
+TCP rendezvous, and the collectives scripts call answer as torch documents them, at 2 and 3 ranks."""
+import pytest
+
+from .launcher import run_worker_json
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_distributed_runs_over_mpi(world, tmp_path):
+    r = run_worker_json(world, "ds_torch_dist.py", tmp_path / "out.json")
+    assert r == {"backend": "zerompi_mpi", "world": world, "master": None}

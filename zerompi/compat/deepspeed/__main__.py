@@ -1,0 +1,4 @@
+"""``python -m zerompi.deepspeed train.py [args]``: the runner (runner.py)."""
+from zerompi.compat.deepspeed.runner import main
+
+main()
