@@ -149,8 +149,8 @@ class Engine:
         reproducible=True torch's generator is first seeded for the micro-batch about to run."""
         dtype, device = self.config.torch_dtype, self.device
         if self.micro is not None:
-            if self._phase.rounds_done >= len(self.micro.indices) and torch.is_grad_enabled() and self.module.training:
-                self._beyond_micro_batches("forward")  # stage 3's gathers would wait for the other ranks
+            if torch.is_grad_enabled() and self.module.training:  # a training forward: one of its micro-batches
+                self.micro.check_room(self._phase.rounds_done, "forward")  # before stage 3 gathers anything
             index = self.micro.indices[min(self._phase.rounds_done, len(self.micro.indices) - 1)]
             torch.manual_seed(self.micro.seed(self.config.seed, self._stats.steps, index))
 
@@ -176,8 +176,8 @@ class Engine:
     def begin_backward(self) -> float:
         """For a backward run by the caller (``backward`` runs one): enter it and return the factor
         the loss's gradient must be scaled by (loss scale, accumulation share). ``end_backward`` ends it."""
-        if self.micro is not None and self._phase.rounds_done >= len(self.micro.indices):
-            self._beyond_micro_batches("backward()")
+        if self.micro is not None:
+            self.micro.check_room(self._phase.rounds_done, "backward()")
         backward, factor = self._phase.begin_backward(), self.optimizer.loss_scale / self.config.grad_accum_steps
         if self.micro is not None:  # each micro-batch's share of the mean, and this round's ranks
             factor, backward = self.micro.loss_factor, backward._replace(sources=self.micro.sources(self._phase.rounds_done))
@@ -203,12 +203,6 @@ class Engine:
             self.sharded.abort_backward()
         self.optimizer.abandon_backward()
         self._phase.end_backward(ok=False)
-
-    def _beyond_micro_batches(self, what: str) -> None:
-        raise UsageError(f"{what} of a micro-batch beyond this rank's {len(self.micro.indices)} micro-batches "
-                         f"{self.micro.indices} (reproducible=True): the other ranks would wait for it in a "
-                         "collective; run one forward and backward for each of engine.micro_batch_indices(), "
-                         "then step()")
 
     def step(self) -> bool:
         """Update at the end of an accumulation window; True when the parameters changed."""

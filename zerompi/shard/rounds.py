@@ -15,7 +15,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from zerompi.errors import ConfigError
+from zerompi.errors import ConfigError, UsageError
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,15 @@ class MicroBatchPlan:
     def indices(self) -> list[int]:
         """The global micro-batch indices this rank runs each step, in order."""
         return list(range(self.rank, self.micro_batches, self.world_size))
+
+    def check_room(self, done: int, what: str) -> None:
+        """Raise before ``what`` starts a micro-batch beyond this rank's share (``done`` ran already):
+        the other ranks would wait for it in a collective."""
+        if done >= len(self.indices):
+            raise UsageError(f"{what} of a micro-batch beyond this rank's {len(self.indices)} micro-batches "
+                             f"{self.indices} (reproducible=True): the other ranks would wait for it in a "
+                             "collective; run one forward and backward for each of engine.micro_batch_indices(), "
+                             "then step()")
 
     @property
     def rounds(self) -> int:
