@@ -1,6 +1,6 @@
 """reproducible=True on real ranks (workers/reproducible.py): one SHA-256 of the trained state at every
 world size from 1 to G = 6, including the uneven 4 and 5 (ranks then run different numbers of
-micro-batches), at stages 0-3, fp32 and bf16, offload none, cpu and nvme, with a frozen layer, dropout and
+micro-batches), at stages 0-3, fp32 and bf16, offload none, cpu and nvme, with a frozen layer or LoRA (peft), dropout and
 gradient clipping that bites: parameters, masters and optimizer state after every step; and a checkpoint
 saved at one world size continues bitwise at another."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ def runs(tmp_path_factory):
 
 def test_every_world_size_trains_the_same_bits(runs):
     rows = runs[1]["rows"]
-    assert len(rows) == 18
+    assert len(rows) == 20
     for key, ref in rows.items():
         assert ref["clipped"], key  # the clip coefficient is in play
         steps = {n: tuple(runs[n]["rows"][key]["steps"]) for n in WORLDS}

@@ -1,6 +1,7 @@
 """reproducible=True worker: one SHA-256 of the trained state, the same at every world size.
 
-A small model with dropout and LayerNorm (and, in the "frozen" rows, a frozen first layer) trains
+A small model with dropout and LayerNorm (in the "frozen" rows with a frozen first layer, in the "lora"
+rows as peft's LoRA over a frozen base) trains
 STEPS steps on G = 6 micro-batches per step, whose data comes from (step, global index) alone, with
 gradient clipping that bites. For stages 0-3, fp32/bf16, offload none/cpu (and two NVMe rows), rank
 0 writes the SHA-256 of the parameters, masters, optimizer state and gradient norms after each step. ``--save-after K --ckpt D``
@@ -23,7 +24,7 @@ COMM = MPI.COMM_WORLD
 G, STEPS = 6, 3
 ROWS = [(stage, dtype, offload, frozen) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")
         for offload, frozen in (("none", False), ("none" if stage == 0 else "cpu", True))]  # stage 0: no offload
-ROWS += [(2, "fp32", "nvme", False), (3, "bf16", "nvme", True)]
+ROWS += [(2, "fp32", "nvme", False), (3, "bf16", "nvme", True), (1, "fp32", "none", "lora"), (3, "bf16", "cpu", "lora")]
 SWAP = tempfile.mkdtemp(prefix="zerompi-repro-swap-")
 
 
@@ -31,6 +32,9 @@ def model(frozen: bool) -> nn.Module:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 48), nn.LayerNorm(48), nn.GELU(), nn.Dropout(0.2), nn.Linear(48, 40),
                       nn.Tanh(), nn.Dropout(0.1), nn.Linear(40, 4))
+    if frozen == "lora":  # peft's LoRA on the first and second Linear, with its own dropout; the base frozen
+        import peft
+        return peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["0", "4"]))
     if frozen:
         m[0].requires_grad_(False)
     return m
