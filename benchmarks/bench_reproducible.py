@@ -1,14 +1,13 @@
 """What reproducible=True costs: step time, bytes sent and peak memory per rank against the default mode.
 
-    python benchmarks/bench_reproducible.py [--ranks 2 4] [--micro-batches 4] [--steps 12] [--rounds 3]
+    python benchmarks/bench_reproducible.py [--ranks 2 4] [--micro-batches 4] [--steps 12] [--rounds 2]
 
-Runs the GPT job (jobs/train_gpt.py, jobs/configs/default.toml: 3.3M parameters, stage 3, fp32)
-with the same global batch both ways: the default mode with grad_accum_steps = G / N, and
-``--reproducible --micro-batches G``. Each (ranks, mode) job is its own ``mpiexec``; modes take turns
-within a round and rounds repeat, so drift on the machine falls on both sides. Per job: the median
-training time per step over the records after the first (metrics.jsonl: tokens/s, evaluation
-excluded), bytes sent per step by kind, and the peak RSS of the largest rank (the job's
-RUSAGE_CHILDREN). Results: --out.{md,jsonl}.
+The GPT of jobs/configs/default.toml (3.3M parameters, stage 3, fp32, AdamW, clipping) with the same
+global batch both ways: the default mode with grad_accum_steps = G / N, and reproducible=True with
+micro_batches = G. Time and bytes: workers/reproducible_ab.py runs both modes in one job, each its own
+engine, taking turns step by step (so drift on the machine falls on both alike); --rounds such jobs per
+world size. Memory: the GPT job (jobs/train_gpt.py) once per mode, its own ``mpiexec``, the peak RSS of
+the largest rank (RUSAGE_CHILDREN). Results: --out.{md,jsonl}.
 """
 from __future__ import annotations
 
@@ -76,31 +75,41 @@ def run(ranks: int, mode: str, cfg: Path, g: int, out: Path) -> dict:
                 job_s=time.perf_counter() - t0, load=[load0, os.getloadavg()[0]])
 
 
-def report(rows: list[dict], args, commit: str) -> str:
-    lines = [f"# reproducible=True against the default mode (issue #29)", "",
+def ab(ranks: int, args, out: Path) -> dict:
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(HERE / "workers/reproducible_ab.py"),
+           "--out", str(out), "--steps", str(args.steps), "--g", str(args.micro_batches)]
+    load0 = os.getloadavg()[0]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ROOT), capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}")
+    return dict(json.loads(out.read_text()), load=[load0, os.getloadavg()[0]])
+
+
+def report(rows: list[dict], mem: list[dict], args, commit: str) -> str:
+    lines = ["# reproducible=True against the default mode (issue #29)", "",
              f"`benchmarks/bench_reproducible.py --ranks {' '.join(map(str, args.ranks))} --micro-batches "
              f"{args.micro_batches} --steps {args.steps} --rounds {args.rounds}` at {commit}, "
-             f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} cores. "
-             "The GPT job (default.toml: 3.3M parameters, stage 3, fp32, AdamW, clipping), the same global batch "
-             f"of G = {args.micro_batches} micro-batches of 8 x 128 tokens both ways; modes take turns in each round.",
-             "", "| ranks | mode | step time, s (median of rounds; rounds) | bytes sent per step | peak RSS of the "
-             "largest rank, MiB (median) |", "|---|---|---|---|---|"]
-    ratios = []
+             f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} cores, "
+             f"load average {min(r['load'][0] for r in rows):.1f}-{max(r['load'][1] for r in rows):.1f}. "
+             "The GPT of default.toml (3.3M parameters, stage 3, fp32, AdamW, clipping), the same global batch of "
+             f"G = {args.micro_batches} micro-batches of 8 x 128 tokens both ways. Step times: both modes in one job, "
+             "alternating steps, the slowest rank's time per step; bytes: summed over the ranks.", "",
+             "| ranks | default s/step (median; per round) | reproducible s/step (median; per round) | ratio | "
+             "default max/min step | bytes sent per step, reproducible / default | peak RSS of the largest rank, "
+             "MiB: default, reproducible |", "|---|---|---|---|---|---|---|"]
     for ranks in args.ranks:
-        by_mode = {m: [r for r in rows if r["ranks"] == ranks and r["mode"] == m] for m in MODES}
-        for mode, rs in by_mode.items():
-            times = [r["step_s"] for r in rs]
-            sent = sum(rs[-1]["bytes_per_step"].values())
-            lines.append(f"| {ranks} | {mode} | {statistics.median(times):.3f} ({', '.join(f'{t:.3f}' for t in times)}) "
-                         f"| {sent:,} | {statistics.median(r['peak_rss_mib'] for r in rs):.0f} |")
-        t = {m: statistics.median(r["step_s"] for r in rs) for m, rs in by_mode.items()}
-        b = {m: sum(rs[-1]["bytes_per_step"].values()) for m, rs in by_mode.items()}
-        spread = max(r["step_s"] for r in by_mode["default"]) / min(r["step_s"] for r in by_mode["default"])
-        m = {mode: statistics.median(r["peak_rss_mib"] for r in rs) for mode, rs in by_mode.items()}
-        ratios.append(f"- {ranks} ranks: step time {t['reproducible'] / t['default']:.3f}x the default (the "
-                      f"default rounds' own max/min is {spread:.3f}), bytes sent {b['reproducible'] / b['default']:.3f}x, "
-                      f"peak RSS {m['reproducible'] - m['default']:+.0f} MiB per rank.")
-    return "\n".join(lines + ["", "Ratios (reproducible / default, medians):", *ratios, ""])
+        rs = [r for r in rows if r["ranks"] == ranks]
+        med = {m: statistics.median(t for r in rs for t in r["times"][m]) for m in MODES}
+        per = {m: ", ".join(f"{statistics.median(r['times'][m]):.3f}" for r in rs) for m in MODES}
+        spread = max(t for r in rs for t in r["times"]["default"]) / min(t for r in rs for t in r["times"]["default"])
+        sent = {m: statistics.median(b for r in rs for b in r["bytes_sent"][m]) for m in MODES}
+        rss = {m: next(x["peak_rss_mib"] for x in mem if x["ranks"] == ranks and x["mode"] == m) for m in MODES}
+        lines.append(f"| {ranks} | {med['default']:.3f} ({per['default']}) | {med['reproducible']:.3f} "
+                     f"({per['reproducible']}) | {med['reproducible'] / med['default']:.3f} | {spread:.2f} | "
+                     f"{sent['reproducible'] / sent['default']:.4f} ({sent['reproducible'] / ranks:,.0f} vs "
+                     f"{sent['default'] / ranks:,.0f} per rank) | {rss['default']:.0f}, {rss['reproducible']:.0f} |")
+    return "\n".join(lines + ["", "Ratio: the median step of reproducible=True over the median step of the default "
+                              "mode (inside the default's own step spread: at parity).", ""])
 
 
 def main() -> None:
@@ -108,24 +117,28 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=str(HERE / "results" / "reproducible"))
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    rows = []
+    rows, mem = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cfgs = {n: config(ROOT / "jobs/configs/default.toml", n, args.micro_batches, args.steps, tmp) for n in args.ranks}
         for k in range(args.rounds):
             for ranks in args.ranks:
-                for mode in (MODES if k % 2 == 0 else MODES[::-1]):
-                    row = dict(run(ranks, mode, cfgs[ranks], args.micro_batches, tmp / f"{ranks}-{mode}-{k}"),
-                               round=k, commit=commit)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-    Path(args.out + ".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    Path(args.out + ".md").write_text(report(rows, args, commit))
+                row = dict(ab(ranks, args, tmp / f"ab-{ranks}-{k}.json"), round=k, commit=commit, kind="ab")
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        for ranks in args.ranks:
+            cfg = config(ROOT / "jobs/configs/default.toml", ranks, args.micro_batches, 6, tmp)
+            for mode in MODES:
+                row = dict(run(ranks, mode, cfg, args.micro_batches, tmp / f"{ranks}-{mode}"), commit=commit,
+                           kind="memory")
+                print(json.dumps(row), flush=True)
+                mem.append(row)
+    Path(args.out + ".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + mem))
+    Path(args.out + ".md").write_text(report(rows, mem, args, commit))
     print(Path(args.out + ".md").read_text())
 
 
