@@ -56,14 +56,15 @@ def load_average() -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| ranks | nodes | initialize s | RSS growth MiB | beyond shard MiB | PSS growth MiB | "
+    lines = ["| ranks | nodes | initialize s | initialize CPU s | RSS growth MiB | beyond shard MiB | PSS growth MiB | "
              "private growth MiB | shard KiB | per_rank files | per_node files | index bytes (per_rank / per_node) | "
              "index read ms | save s (per_rank / per_node) | load s (per_rank / per_node) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
         pr, pn = r["layouts"]["per_rank"], r["layouts"]["per_node"]
+        cpu = f"{r['initialize_cpu_s']:.2f}" if "initialize_cpu_s" in r else "-"
         lines.append(
-            f"| {r['world']} | {r['world'] // r['ranks_per_node']} | {r['initialize_s']:.2f} | "
+            f"| {r['world']} | {r['world'] // r['ranks_per_node']} | {r['initialize_s']:.2f} | {cpu} | "
             f"{r['rss_growth_kib'] / 1024:.1f} | {r['rss_beyond_shard_kib'] / 1024:.1f} | "
             f"{r['pss_growth_kib'] / 1024:.1f} | {r['private_growth_kib'] / 1024:.1f} | "
             f"{r['model_state_bytes_per_rank'] / 1024:.0f} | {pr['shard_files']} | {pn['shard_files']} | "
@@ -77,7 +78,12 @@ def main() -> None:
     ap.add_argument("--ranks", default="2,4,8,16,32,64")
     ap.add_argument("--dir", help="scratch directory (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--report", action="store_true", help="only rewrite scale.md from scale.jsonl's last run")
     args = ap.parse_args()
+    if args.report:
+        rows = [json.loads(line) for line in (RESULTS / "scale.jsonl").read_text().splitlines() if line.strip()]
+        report([r for r in rows if r["date"] == rows[-1]["date"]])
+        return
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="zerompi-scale-"))
     scratch.mkdir(parents=True, exist_ok=True)
     stamp = {"commit": commit(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -88,6 +94,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         with (RESULTS / "scale.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
+    report(rows)
+
+
+def report(rows: list[dict]) -> None:
+    """scale.md: this run's table, then the findings kept in scale_notes.md."""
+    stamp = rows[0]
     notes = RESULTS / "scale_notes.md"
     text = [f"# What grows with the number of ranks (commit {stamp['commit']}, {stamp['date']})", "",
             "`python benchmarks/bench_scale.py` (rows also in scale.jsonl). One machine, 2 cores, ranks "
