@@ -24,6 +24,8 @@ SMOKE = {  # node ids under tests/mpi/ that run in the fast tier
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the fast tier: unit tests and a few MPI smoke jobs (pytest -m fast)")
+    config.addinivalue_line("markers", "scale: 16-64 rank jobs (tests/mpi/test_scale.py), skipped unless "
+                                       "ZEROMPI_SCALE_TESTS=1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -281,3 +281,17 @@ def test_kill_while_replacing_a_tag_keeps_it_loadable(tmp_path, saved):
     run_mpi(1, "ckpt.py", "--mode", "save", "--root", str(root), "--out", str(tmp_path / "y.npz"),
             "--before", "1", "--after", "0", "--tag", "fourth")
     assert (root / "second").is_dir() and not list(root.glob(".old-*"))
+
+
+def test_per_node_layout_over_mpi_loads_at_another_world_size(tmp_path):
+    """4 MPI ranks as 2 emulated nodes write 2 node files (MPI_Gather to each node's first rank);
+    3 ranks load them, and the per-rank layout's checkpoint, to the same bits (workers/scale_ckpt.py)."""
+    run_mpi(4, "scale_ckpt.py", "--mode", "save", "--root", str(tmp_path), "--out", str(tmp_path / "a.npz"),
+            "--ranks-per-node", "2")
+    run_mpi(3, "scale_ckpt.py", "--mode", "load", "--root", str(tmp_path), "--out", str(tmp_path / "b.npz"))
+    assert sorted(p.name for p in (tmp_path / "per_node" / "t").iterdir()) == [
+        "index.h5", "node00000.h5", "node00001.h5"]
+    a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
+    for key in a.files:
+        assert np.array_equal(a[key], b[key]), key
+    assert int(b["per_node/steps"]) == int(b["per_rank/steps"]) == 3

@@ -19,9 +19,12 @@ def save_async(engine, root: str | os.PathLike, tag: str | None = None,
     Only per-rank files can be written without MPI: with checkpoint_layout='auto' an asynchronous
     save writes them even where h5py could write the shared file (both load alike); 'shared' is refused.
     """
-    if engine.config.checkpoint_layout == CheckpointLayout.SHARED:
-        raise UsageError("save_checkpoint(async_save=True) writes one file per rank without MPI, and "
-                         "checkpoint_layout='shared' writes collectively through MPI-IO; allowed with "
+    layout = engine.config.checkpoint_layout
+    if layout in (CheckpointLayout.SHARED, CheckpointLayout.PER_NODE):
+        how = "collectively through MPI-IO" if layout == CheckpointLayout.SHARED else \
+            "one file per node from shards gathered over MPI"
+        raise UsageError(f"save_checkpoint(async_save=True) writes one file per rank without MPI, and "
+                         f"checkpoint_layout={layout.value!r} writes {how}; allowed with "
                          "async_save: checkpoint_layout='per_rank' or 'auto'")
     store = store_for(CheckpointLayout.PER_RANK)
     job = begin(engine, root, tag, client_state, store, copy=True, include_frozen=include_frozen)

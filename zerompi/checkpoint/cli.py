@@ -12,7 +12,7 @@ from zerompi.checkpoint.stores import store_named
 from zerompi.checkpoint.durable import verify_file
 
 
-_LAYOUTS = {"per_rank": "one file per rank", "shared": "one shared file"}
+_LAYOUTS = {"per_rank": "one file per rank", "shared": "one shared file", "per_node": "one file per node"}
 
 
 def _tags(root: Path) -> list[str]:
@@ -25,7 +25,7 @@ def _verify(directory: Path, index: CheckpointIndex) -> str:
     try:
         verify_file(directory / schema.INDEX)
         store = store_named(index.layout, directory / schema.INDEX)
-        store.verify(directory, index.world_size, index.save_id, index.version)
+        store.verify(directory, index)
     except CheckpointError as e:
         return f"CORRUPT: {e}"
     except schema.H5_ERRORS as e:

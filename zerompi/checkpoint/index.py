@@ -49,11 +49,13 @@ class CheckpointIndex:
     client_state: Any = None
     replicated: list[str] = field(default_factory=list)      # frozen parameters and buffers, in index.h5
     save_id: str = ""  # written into every file of the save: a file of another save is refused
-    layout: str = "per_rank"  # "per_rank": rankNNNNN.h5 files; "shared": one shards.h5 (shared.py)
+    layout: str = "per_rank"  # "per_rank": rankNNNNN.h5 files; "shared": one shards.h5 (shared.py);
+    # "per_node": nodeNNNNN.h5 files (per_node.py)
     scheduler: Any = None     # the lr scheduler's state_dict (JSON), when the engine had one
     frozen_buckets: list[dict[str, Any]] = field(default_factory=list)  # stage 3's frozen shards, as buckets
     frozen_dtype: str = ""    # their stored dtype (frozen.py): "float32", "float16" or "bfloat16"
     frozen_saved: bool = True  # False: saved with include_frozen=False, no frozen values at all
+    files: list[list[int]] = field(default_factory=list)  # per_node: the writing ranks node file i holds
     version: int = field(default=schema.VERSION, compare=False)  # the files' format (header, not meta)
 
     # ---- layout ----------------------------------------------------------
@@ -115,7 +117,7 @@ class CheckpointIndex:
                     if f.default is MISSING and f.default_factory is MISSING}
         if not isinstance(meta, dict) or not required <= set(meta) <= fields:
             raise CheckpointError(f"{path}: index metadata has unexpected fields")
-        if meta.get("layout", "per_rank") not in ("per_rank", "shared"):
+        if meta.get("layout", "per_rank") not in ("per_rank", "shared", "per_node"):
             raise CheckpointError(f"{path}: unknown shard layout {meta['layout']!r}")
         if meta.get("save_id", "") != save_id:
             raise CheckpointError(f"{path}: the header's save id {save_id!r} differs from the metadata's")

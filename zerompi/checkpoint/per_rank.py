@@ -33,21 +33,25 @@ def write_rank_file(path: Path, rank: int, world_size: int, parts: Iterable[tupl
 
 
 class RankFiles:
-    """Opens the writing ranks' files on demand, checking each header once."""
+    """Opens the writing ranks' files on demand, checking each header once.
+
+    A loading rank touches only the files that hold its shard: at N writers and M loaders each
+    rank opens about N/M + 1 of them, not all N (N stats on every rank were N^2 metadata
+    operations on the filesystem per load)."""
 
     def __init__(self, directory: Path, world_size: int, save_id: str, version: int):
         self.directory, self.world_size = directory, world_size
         self.save_id, self.version = save_id, version
         self._open: dict[int, Any] = {}
-        for r in range(world_size):
-            path = directory / schema.rank_file(r)
-            if not path.exists() and not path.is_symlink():
-                raise CheckpointError(f"{path}: missing rank file (the checkpoint was written by {world_size} ranks)")
-            paths.regular_file(path)
 
     def __call__(self, rank: int):
         if rank not in self._open:
-            f = schema.open_h5(self.directory / schema.rank_file(rank))
+            path = self.directory / schema.rank_file(rank)
+            if not 0 <= rank < self.world_size or (not path.exists() and not path.is_symlink()):
+                raise CheckpointError(f"{path}: missing rank file (the checkpoint was written by "
+                                      f"{self.world_size} ranks)")
+            paths.regular_file(path)
+            f = schema.open_h5(path)
             try:
                 self._check(f, rank)
             except BaseException:

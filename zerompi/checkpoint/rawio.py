@@ -113,17 +113,18 @@ class DataFile:
         """Bytes that went through O_DIRECT (tests, benchmarks)."""
         return self._pages.direct_bytes if self._pages is not None else 0
 
-    def put(self, name: str, data: np.ndarray) -> None:
-        """Dataset ``name`` (1-D) with its checksums (bound to the file's header, written first)."""
+    def put(self, name: str, data: np.ndarray, binding: schema.Binding | None = None) -> None:
+        """Dataset ``name`` (1-D) with its checksums (bound to the file's header, written first,
+        unless ``binding``: a node file holds datasets of several writing ranks)."""
         flat = np.ascontiguousarray(data).reshape(-1)
         if flat.nbytes < SMALL or self.fd is None:
-            schema.write_array(self.h5, name, flat)
+            schema.write_array(self.h5, name, flat, binding)
             return
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # the offset exists now; HDF5 writes no data there
         dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
         ds = self.h5.create_dataset(name, shape=flat.shape, dtype=flat.dtype, dcpl=dcpl)
-        binding, offset = schema.bound_to(self.h5, ds.name), ds.id.get_offset()
+        binding, offset = binding or schema.bound_to(self.h5, ds.name), ds.id.get_offset()
         raw = flat.view(np.uint8)
         step = schema.CRC_BLOCK * flat.itemsize
 

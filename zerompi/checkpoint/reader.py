@@ -60,7 +60,7 @@ def resolve(root: str | os.PathLike, tag: str | None) -> Path:
 def open_shards(directory: Path, index: CheckpointIndex) -> ShardFiles:
     """The shard files of a checkpoint, whatever its layout: ``dataset(rank, name)``."""
     store = store_named(index.layout, directory / schema.INDEX)
-    return store.open(directory, index.world_size, index.save_id, index.version)
+    return store.open(directory, index)
 
 
 def _check_compatible(engine, snap: EngineSnapshot, index: CheckpointIndex, directory: Path) -> None:

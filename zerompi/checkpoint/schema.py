@@ -46,6 +46,11 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.h5"
 
 
+def node_file(number: int) -> str:
+    """The per-node layout's file ``number`` (per_node.py; the index lists the ranks it holds)."""
+    return f"node{number:05d}.h5"
+
+
 def master(bucket: int) -> str:
     """Bucket ``bucket``'s fp32 master shard (in a rank file, or a writer's part of shards.h5)."""
     return f"b{bucket}/master"
@@ -59,6 +64,20 @@ def state(bucket: int, key: str) -> str:
 def frozen(bucket: int) -> str:
     """Frozen bucket ``bucket``'s parameter shard (stage 3), in the compute dtype (frozen.py)."""
     return f"f{bucket}/param"
+def node_dataset(rank: int, name: str) -> str:
+    """Where writer ``rank``'s dataset ``name`` sits in a node file (per_node.py)."""
+    return f"r{rank:05d}/{name}"
+
+
+_NODE_DATASET = re.compile(r"^r([0-9]{5,})/(.+)$")
+
+
+def node_part(path: str) -> tuple[int, str] | None:
+    """(writer rank, dataset name) of a node file's dataset ``path``; None for any other path."""
+    m = _NODE_DATASET.match(path.strip("/"))
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
 def feedback(bucket: int) -> str:
     """This rank's error-feedback residual of bucket ``bucket`` (per-rank data, the bucket's padded size)."""
     return f"b{bucket}/feedback"
@@ -111,9 +130,14 @@ class Binding:
 
 
 def bound_to(f: h5py.File, name: str) -> Binding:
-    """The binding of dataset ``name`` of a file zerompi wrote, from its header (written first)."""
+    """The binding of dataset ``name`` of a file zerompi wrote, from its header (written first); in a
+    node file, ``rNNNNN/NAME`` is writer NNNNN's NAME."""
     rank, version = objects.attr(f, "rank", "int"), objects.attr(f, "version", "int")
-    return Binding(name.strip("/"), save_id_of(f), INDEX_RANK if rank is None else int(rank),
+    name = name.strip("/")
+    part = node_part(name) if objects.attr(f, "kind", "text") == text_attr("node") else None
+    if part is not None:
+        rank, name = part
+    return Binding(name, save_id_of(f), INDEX_RANK if rank is None else int(rank),
                    VERSION if version is None else int(version))
 
 

@@ -6,7 +6,9 @@ whatever the layout, so the reader's arithmetic is the same for all of them:
 
 * :class:`PerRankStore`: one ``rankNNNNN.h5`` per writing rank (any h5py);
 * :class:`SharedStore`: one ``shards.h5`` written collectively through h5py's
-  ``mpio`` driver (needs a parallel h5py to write; any h5py reads it).
+  ``mpio`` driver (needs a parallel h5py to write; any h5py reads it);
+* :class:`PerNodeStore`: one ``nodeNNNNN.h5`` per node, written by the node's
+  first rank from its ranks' gathered datasets (any h5py).
 
 A new store is one class here and one member of ``CheckpointLayout``.
 """
@@ -20,6 +22,8 @@ import numpy as np
 
 from zerompi.checkpoint import schema, shared
 from zerompi.checkpoint.durable import fsync_path
+from zerompi.checkpoint.index import CheckpointIndex
+from zerompi.checkpoint.per_node import NodeFiles, write_nodes
 from zerompi.checkpoint.per_rank import RankFiles, write_rank_file
 from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.config.choices import CheckpointLayout
@@ -44,13 +48,15 @@ class ShardFiles(Protocol):
 class ShardStore(Protocol):
     kind: CheckpointLayout
 
-    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str, options: WriteOptions) -> None:
+    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str,
+              options: WriteOptions) -> list[list[int]] | None:
         """This rank's datasets, durable, checksummed as written, read back from the disk with
-        ``options.verify`` (collective over ``group`` where the layout is)."""
+        ``options.verify`` (collective over ``group`` where the layout is). Returns what the index
+        records of the files (per-node: the ranks each file holds, on ``group``'s rank 0), or None."""
 
-    def open(self, directory: Path, world_size: int, save_id: str, version: int) -> ShardFiles: ...
+    def open(self, directory: Path, index: CheckpointIndex) -> ShardFiles: ...
 
-    def verify(self, directory: Path, world_size: int, save_id: str, version: int) -> None:
+    def verify(self, directory: Path, index: CheckpointIndex) -> None:
         """Re-read every writer's datasets, checking every checksum (``zerompi ckpt inspect``)."""
 
 
@@ -60,11 +66,34 @@ class PerRankStore:
     def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str, options: WriteOptions) -> None:
         write_rank_file(directory / schema.rank_file(group.rank), group.rank, group.size, parts, save_id, options)
 
-    def open(self, directory: Path, world_size: int, save_id: str, version: int) -> ShardFiles:
-        return RankFiles(directory, world_size, save_id, version)
+    def open(self, directory: Path, index: CheckpointIndex) -> ShardFiles:
+        return RankFiles(directory, index.world_size, index.save_id, index.version)
 
-    def verify(self, directory: Path, world_size: int, save_id: str, version: int) -> None:
-        files = RankFiles(directory, world_size, save_id, version)
+    def verify(self, directory: Path, index: CheckpointIndex) -> None:
+        files = RankFiles(directory, index.world_size, index.save_id, index.version)
+        try:
+            files.verify()
+        finally:
+            files.close()
+
+
+class PerNodeStore:
+    """``node``: this rank's node (topology.node_placement), whose first writing rank writes its file."""
+
+    kind = CheckpointLayout.PER_NODE
+
+    def __init__(self, node: int = 0):
+        self.node = node
+
+    def write(self, directory: Path, group: ProcessGroup, parts: Parts, save_id: str,
+              options: WriteOptions) -> list[list[int]] | None:
+        return write_nodes(directory, group, self.node, parts, save_id, options)
+
+    def open(self, directory: Path, index: CheckpointIndex) -> ShardFiles:
+        return NodeFiles(directory, index.world_size, index.save_id, index.version, index.files)
+
+    def verify(self, directory: Path, index: CheckpointIndex) -> None:
+        files = self.open(directory, index)
         try:
             files.verify()
         finally:
@@ -91,23 +120,26 @@ class SharedStore:
         finally:
             files.close()
 
-    def open(self, directory: Path, world_size: int, save_id: str, version: int) -> ShardFiles:
-        return shared.SharedFile(directory, world_size, save_id, version)
+    def open(self, directory: Path, index: CheckpointIndex) -> ShardFiles:
+        return shared.SharedFile(directory, index.world_size, index.save_id, index.version)
 
-    def verify(self, directory: Path, world_size: int, save_id: str, version: int) -> None:
-        files = shared.SharedFile(directory, world_size, save_id, version)
+    def verify(self, directory: Path, index: CheckpointIndex) -> None:
+        files = shared.SharedFile(directory, index.world_size, index.save_id, index.version)
         try:
-            files.verify(range(world_size))
+            files.verify(range(index.world_size))
         finally:
             files.close()
 
 
-_STORES: dict[CheckpointLayout, ShardStore] = {s.kind: s for s in (PerRankStore(), SharedStore())}
+_STORES: dict[CheckpointLayout, ShardStore] = {s.kind: s for s in (PerRankStore(), SharedStore(), PerNodeStore())}
 
 
-def store_for(setting: CheckpointLayout) -> ShardStore:
-    """The store a save writes with: ``checkpoint_layout``, 'auto' resolved by what h5py can do."""
+def store_for(setting: CheckpointLayout, node: int = 0) -> ShardStore:
+    """The store a save writes with: ``checkpoint_layout``, 'auto' resolved by what h5py can do
+    (``node``: this rank's node, for the per-node layout)."""
     setting = CheckpointLayout(setting)
+    if setting == CheckpointLayout.PER_NODE:
+        return PerNodeStore(node)
     if setting == CheckpointLayout.AUTO:
         setting = CheckpointLayout.SHARED if shared.available() else CheckpointLayout.PER_RANK
     elif setting == CheckpointLayout.SHARED and not shared.available():

@@ -14,6 +14,7 @@ An asynchronous save (asynchronous.py) runs steps 1-3 on a thread, after :func:`
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.checkpoint.shards import to_numpy
 from zerompi.checkpoint.snapshot import EngineSnapshot
 from zerompi.checkpoint.stores import ShardStore, store_for
+from zerompi.comm.topology import node_placement
 from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
 
 
@@ -80,8 +82,9 @@ def later_parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool) -> 
 
 
 def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, keys: list[str],
-                  save_id: str, include_frozen: bool) -> None:
-    store.write(directory, group, parts(snap, keys, include_frozen), save_id, WriteOptions.from_policy(snap.config.checkpointing))
+                  save_id: str, include_frozen: bool) -> list[list[int]] | None:
+    return store.write(directory, group, parts(snap, keys, include_frozen), save_id,
+                       WriteOptions.from_policy(snap.config.checkpointing))
 
 
 def _bucket_meta(shards) -> list[dict[str, Any]]:
@@ -160,11 +163,15 @@ def _prepare_root(root: Path, tmp: Path) -> None:
 
 
 def _attempt(fn, *args) -> str | None:
+    return _attempt_for(fn, *args)[1]
+
+
+def _attempt_for(fn, *args) -> tuple[Any, str | None]:
+    """``fn``'s result and None, or None and the failure to agree on."""
     try:
-        fn(*args)
+        return fn(*args), None
     except (OSError, CheckpointError) as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+        return None, f"{type(e).__name__}: {e}"
 
 
 class Job(NamedTuple):
@@ -224,13 +231,16 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
          include_frozen: bool = True) -> str:
     """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag (``include_frozen``:
     see ``Engine.save_checkpoint``)."""
-    job = begin(engine, root, tag, client_state, store_for(engine.config.checkpoint_layout),
+    node = node_placement(engine.info, engine.config.ranks_per_node).node
+    job = begin(engine, root, tag, client_state, store_for(engine.config.checkpoint_layout, node),
                 include_frozen=include_frozen)
     snap = job.snap
-    # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
-    error = _attempt(_write_shards, job.store, snap, snap.shard_group, job.tmp, job.meta["state_keys"],
-                     job.save_id, include_frozen) if snap.writes else None
+    # One file per shard (or per node); with hsdp only the first node's ranks write (the others hold replicas).
+    files, error = _attempt_for(_write_shards, job.store, snap, snap.shard_group, job.tmp, job.meta["state_keys"],
+                                job.save_id, include_frozen) if snap.writes else (None, None)
     all_ranks_ok(engine.group, error, CheckpointError)
+    if files is not None and engine.group.rank == 0:  # per-node: which ranks each file holds
+        job = job._replace(index=dataclasses.replace(job.index, files=files))
     error = _attempt(publish, job) if engine.group.rank == 0 else None
     all_ranks_ok(engine.group, error, CheckpointError)
     return job.tag

@@ -136,6 +136,9 @@ class ProcessGroup(Protocol):
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
                    async_op: bool = False, what: str = "") -> Work: ...
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None: ...
+    def gather(self, t: torch.Tensor, out: torch.Tensor | None, root: int = 0, *, kind: str = "gather",
+               what: str = "") -> None:
+        """Blocking: ``out[r*n:(r+1)*n]`` = rank r's ``t`` on ``root`` (``out`` is None elsewhere)."""
 
     # ---- small control messages ----------------------------------------
     def sum_floats(self, values: list[float], *, kind: str = "control", what: str = "") -> list[float]: ...

@@ -141,6 +141,15 @@ class LocalGroup:
         desc = self._enter(kind, t, what, nbytes if self.rank == root else None)
         t.copy_(self._exchange(desc, t.detach().clone())[root])
 
+    def gather(self, t: torch.Tensor, out: torch.Tensor | None, root: int = 0, *, kind: str = "gather",
+               what: str = "") -> None:
+        mine = out if self.rank == root else None
+        nbytes = shapes.gather_bytes(t, mine, self.size)
+        desc = self._enter(kind, t, what, nbytes if self.rank != root else None)
+        parts = self._exchange(desc, t.detach().clone())
+        if mine is not None:
+            mine.copy_(torch.cat(parts))
+
     # ---- small control messages ----------------------------------------
     def sum_floats(self, values: list[float], *, kind: str = "control", what: str = "") -> list[float]:
         buf = torch.tensor(values, dtype=torch.float64)

@@ -320,6 +320,19 @@ class MPIGroup:
             self._call(lambda: self.comm.Bcast(_raw(x), root=root))
         back()
 
+    def gather(self, t: torch.Tensor, out: torch.Tensor | None, root: int = 0, *, kind: str = "gather",
+               what: str = "") -> None:
+        """Blocking ``MPI_Gather`` of equal parts to ``root`` (a checkpoint's node writer)."""
+        mine = out if self.rank == root else None
+        nbytes = shapes.gather_bytes(t, mine, self.size)
+        if self.rank != root:
+            self._count(kind, nbytes)
+        desc = self._enter(kind, t, what)
+        (x, *o), back = self._stage(t, *([mine] if mine is not None else []))
+        with self._blocked(desc):
+            self._call(lambda: self.comm.Gather(_raw(x), _raw(o[0]) if o else None, root=root))
+        back()
+
     # ---- small control messages ----------------------------------------
     def sum_floats(self, values: list[float], *, kind: str = "control", what: str = "") -> list[float]:
         """Sum a few Python floats over ranks (norms, overflow flags, metrics)."""

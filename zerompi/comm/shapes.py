@@ -57,6 +57,16 @@ def all_to_all_bytes(send: torch.Tensor, recv: torch.Tensor, size: int) -> int:
     return (size - 1) * send.numel() // size * send.element_size()
 
 
+def gather_bytes(t: torch.Tensor, out: torch.Tensor | None, size: int) -> int:
+    """What a non-root rank sends to the root (the root counts nothing: its part stays in place)."""
+    check_flat("gather input", t)
+    if out is not None:
+        check_flat("gather out", out)
+        if t.numel() * size != out.numel() or t.dtype != out.dtype:
+            raise ZeroMPIError(f"gather: input {t.numel()} x {size} ranks != out {out.numel()}")
+    return t.numel() * t.element_size()
+
+
 def broadcast_bytes(t: torch.Tensor, size: int) -> int:
     """What the root sends (the other ranks send nothing and count nothing)."""
     check_flat("broadcast", t)

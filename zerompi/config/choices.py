@@ -169,6 +169,8 @@ class CheckpointLayout(Choice):
     """One HDF5 file per rank plus index.h5."""
     SHARED = "shared"
     """One shards.h5 written collectively through h5py's mpio driver."""
+    PER_NODE = "per_node"
+    """One nodeNNNNN.h5 per node: each node's first rank gathers its node's shards and writes them."""
 
 
 class WeightQuant(Choice):

@@ -156,7 +156,10 @@ class ZeroConfig:
     checkpoint_layout: CheckpointLayout = CheckpointLayout.AUTO
     """'per_rank': save_checkpoint writes one HDF5 file per rank plus index.h5; 'shared': one
     shards.h5 written collectively through h5py's mpio driver (needs h5py built with MPI);
-    'auto': shared when h5py has MPI, else per_rank. Both load at any world size."""
+    'per_node': one nodeNNNNN.h5 per node (nodes from MPI, or ranks_per_node), written by the
+    node's first rank after gathering its node's shards: files per checkpoint divided by the ranks
+    per node, for parallel filesystems whose metadata servers one file per rank overloads;
+    'auto': shared when h5py has MPI, else per_rank. All load at any world size."""
     param_persistence_threshold: int = 0
     """Stage 3: trainable parameters with fewer elements than this stay gathered on every rank
     between uses (their optimizer state and gradients stay sharded, as at stage 2), which saves

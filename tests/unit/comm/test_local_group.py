@@ -34,6 +34,18 @@ def test_local_group_has_every_member_of_the_protocol():
 
 
 @pytest.mark.parametrize("size", SIZES)
+def test_gather_puts_each_rank_s_part_on_the_root_alone(size):
+    def body(g: LocalGroup):
+        root = size - 1
+        out = torch.zeros(3 * size, dtype=torch.uint8) if g.rank == root else None
+        g.gather(torch.full((3,), g.rank, dtype=torch.uint8), out, root)
+        return None if out is None else out.tolist()
+    got = run_ranks(size, body)
+    assert got[:-1] == [None] * (size - 1)
+    assert got[-1] == [r for r in range(size) for _ in range(3)]
+
+
+@pytest.mark.parametrize("size", SIZES)
 def test_collectives_compute_what_mpi_would(size):
     n = 6 * size
 

@@ -26,7 +26,7 @@ CHOICE_FIELDS = [
     ("mpi_progress", Progress, ("none", "test", "thread")),
     ("hierarchy", Hierarchy, ("flat", "hsdp", "hpz")),
     ("nonfinite", NonFinite, ("raise", "skip")),
-    ("checkpoint_layout", CheckpointLayout, ("auto", "per_rank", "shared")),
+    ("checkpoint_layout", CheckpointLayout, ("auto", "per_rank", "shared", "per_node")),
 ]
 # Cross-field rules some values need to be accepted.
 _NEEDS = {"offload_optimizer": dict(stage=3, nvme_path="/tmp"),
