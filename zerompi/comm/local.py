@@ -44,7 +44,7 @@ class _World:
         self.slots: list[Any] = [None] * size
         self.barrier = threading.Barrier(size)
         self.lock = threading.Lock()
-        self.children: dict[tuple[int, int], _World] = {}  # (split number, color) -> sub-world
+        self.children: dict[tuple, _World] = {}  # (split number, color) or (create_group key, number) -> sub-world
 
     def wait(self) -> None:
         try:
@@ -86,6 +86,7 @@ class LocalGroup:
         self.rank, self.size, self.label = rank, world.size, label
         self.monitor = monitor if monitor is not None else Monitor(Agreement(debug=debug))
         self._splits = 0
+        self._created: dict[tuple, int] = {}  # create_group calls per rank list
 
     @property
     def bytes_sent(self) -> dict[str, int]:
@@ -176,6 +177,15 @@ class LocalGroup:
         with self._world.lock:
             world = self._world.children.setdefault((number, color), _World(len(members)))
         return LocalGroup(world, [r for _, r in members].index(self.rank), label=label, monitor=self.monitor)
+
+    def create_group(self, ranks: list[int], label: str = "") -> "LocalGroup":
+        """A sub-group of ``ranks`` (in that order), made by those ranks alone, as MPI_Comm_create_group:
+        the n-th such call with the same ranks makes the same sub-world on each of them."""
+        key = ("create", tuple(ranks))
+        number = self._created[key] = self._created.get(key, -1) + 1
+        with self._world.lock:
+            world = self._world.children.setdefault((key, number), _World(len(ranks)))
+        return LocalGroup(world, list(ranks).index(self.rank), label=label, monitor=self.monitor)
 
     def split_shared(self) -> "LocalGroup":
         return self.split(0, self.rank, "node")  # every thread shares this process's memory

@@ -190,3 +190,14 @@ def test_engine_parity_with_single_process_pytorch(stage, world):
     alts = common.reference_orders(lambda: common.tiny_gpt(0), cfg, batches, world)
     row = dict(dtype="fp32", **common.compare(runs[0], ref, alts))
     tolerance.check_parity(row)
+
+
+def test_create_group_is_made_by_its_members_alone():
+    def rank(group):
+        if group.rank == 1:
+            return None  # not a member: takes no part
+        sub = group.create_group([2, 0], label="pair")
+        t = torch.tensor([float(group.rank)])
+        sub.all_reduce(t)
+        return sub.rank, sub.size, t.item()
+    assert run_ranks(3, rank) == [(1, 2, 2.0), None, (0, 2, 2.0)]

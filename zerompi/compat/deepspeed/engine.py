@@ -8,7 +8,6 @@ engine (``engine.gradient_checkpointing_enable()``, ``engine.config`` of a trans
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import warnings
@@ -23,6 +22,7 @@ from torch import nn
 
 from zerompi.checkpoint import safetensors, schema
 from zerompi.compat.deepspeed.batch import Batch
+from zerompi.compat.deepspeed.outputs import Outputs, tensors_of
 from zerompi.config import DType
 from zerompi.engine import Engine
 from zerompi.errors import UsageError, all_ranks_ok
@@ -35,53 +35,6 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()  # open engines, for zero.GatheredPar
 def live_engines() -> list[DeepSpeedEngine]:
     """The engines built and not yet closed in this process."""
     return list(_LIVE)
-
-
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a forward's output (nested tuples, lists, dicts, dataclasses such as
-    transformers' ModelOutput)."""
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, Mapping):
-        for v in out.values():
-            yield from _tensors(v)
-    elif isinstance(out, (list, tuple)):
-        for v in out:
-            yield from _tensors(v)
-    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
-        for f in dataclasses.fields(out):
-            yield from _tensors(getattr(out, f.name))
-
-
-class _Outputs:
-    """One forward's hooked outputs, and which of them a backward has already passed (whose
-    gradients were scaled): an output reached from one of those takes an already scaled gradient."""
-
-    def __init__(self, tensors: dict[int, torch.Tensor]):
-        self.tensors = tensors
-        self._fired: list[Any] = []
-        self._reach: dict[Any, set] = {}
-
-    def _reached_from(self, node: Any) -> set:
-        """The hooked outputs' nodes in ``node``'s graph below it (walked once, only with several outputs)."""
-        if node not in self._reach:
-            wanted = {t.grad_fn for t in self.tensors.values()} - {node}
-            seen, found, todo = set(), set(), [node]
-            while todo and wanted - found:
-                for nxt, _ in todo.pop().next_functions:
-                    if nxt is not None and nxt not in seen:
-                        seen.add(nxt)
-                        if nxt in wanted:
-                            found.add(nxt)
-                        todo.append(nxt)
-            self._reach[node] = found
-        return self._reach[node]
-
-    def scaled_downstream(self, node: Any) -> bool:
-        """Record that ``node``'s output was reached; whether its gradient came scaled through another output."""
-        scaled = len(self.tensors) > 1 and any(node in self._reached_from(f) for f in self._fired)
-        self._fired.append(node)
-        return scaled
 
 
 class DeepSpeedEngine:
@@ -109,7 +62,7 @@ class DeepSpeedEngine:
         self._abandon_implicit()
         out = self.engine(*args, **kwargs)
         if torch.is_grad_enabled():
-            outputs = _Outputs({id(t): t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None})
+            outputs = Outputs({id(t): t for t in tensors_of(out) if t.requires_grad and t.grad_fn is not None})
             for t in outputs.tensors.values():
                 t.register_hook(functools.partial(self._output_grad, outputs, t.grad_fn))
         return out
@@ -136,7 +89,7 @@ class DeepSpeedEngine:
                              "counts a window's micro-batches by step(); accumulate with the config's "
                              "gradient_accumulation_steps and call step() after each backward instead")
 
-    def _output_grad(self, outputs: _Outputs, node: Any, grad: torch.Tensor) -> torch.Tensor:
+    def _output_grad(self, outputs: Outputs, node: Any, grad: torch.Tensor) -> torch.Tensor:
         """A forward output's gradient hook. Under ``engine.backward`` nothing to do; in a backward the
         script started itself (``loss.backward()``), the first output reached enters the engine's
         backward and queues its end for when autograd finishes, and the output's gradient is scaled
