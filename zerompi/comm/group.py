@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from zerompi.comm.watchdog import HangPolicy
 
 Blocked = Callable[[], AbstractContextManager]  # the watchdog's "this rank waits in ..." bookkeeping
 
@@ -152,7 +155,8 @@ class ProcessGroup(Protocol):
     def h5py_comm(self) -> Any: ...
 
     # ---- hang protection and progress -----------------------------------
-    def start_watchdog(self, timeout: float) -> None: ...
+    def start_watchdog(self, policy: HangPolicy) -> None: ...
     def stop_watchdog(self) -> None: ...
+    def step_done(self) -> None: ...
     def start_comm_thread(self) -> None: ...
     def stop_comm_thread(self) -> None: ...
