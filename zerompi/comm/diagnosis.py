@@ -6,6 +6,7 @@ files a dead job left) both call :func:`diagnose` and :func:`format_report`.
 The culprit is found at the first event number where the ranks' events differ (a rank that has
 not issued that event yet counts as one more kind of event, "not reached"):
 
+0. ranks that raised an uncaught exception (guard.py asks for the report) are the culprits;
 1. ranks outside the largest group of agreeing ranks diverged (a majority decides);
 2. on a tie (two ranks, or two equal camps), the ranks not waiting in a collective (in user code)
    are the culprits; failing that, the ranks whose event there differs from the one at the same
@@ -111,6 +112,9 @@ def _off_pattern(record: dict[str, Any], index: int) -> bool:
 
 def _culprits(records: dict[int, dict[str, Any]], missing: list[int],
               div: Divergence | None) -> tuple[list[int], str]:
+    failed = sorted(r for r, rec in records.items() if rec.get("error"))
+    if failed:
+        return failed, "raised an exception"
     if div is None:
         if missing:
             return missing, "every rank that answered is at the same collective; the missing ranks are not"
@@ -150,6 +154,8 @@ def where(record: dict[str, Any]) -> str:
     """What the rank is doing: the collective it waits in, or user code."""
     last = record["events"][-1] if record["events"] else None
     at = f"after event #{last[0]} ({describe_event(last)})" if last else "before its first collective"
+    if record.get("error"):
+        return f"raised {record['error']}, {at}, step {record['steps']}"
     if record["waiting"] is not None:
         return f"waiting {record['waited']:.1f} s in {record['waiting']} [event #{record['count'] - 1}]"
     return f"not in a collective: in user code, {at}, step {record['steps']}"

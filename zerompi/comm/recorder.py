@@ -100,17 +100,20 @@ class Recorder:
 
 
 def _is_library(filename: str) -> bool:
-    return filename.startswith(_PACKAGE) or any(part in filename for part in _LIBRARY_PARTS)
+    return (filename.startswith(_PACKAGE) or filename.startswith("<frozen")
+            or any(part in filename for part in _LIBRARY_PARTS))
 
 
 def user_stack(thread: int, limit: int = STACK_FRAMES) -> list[str]:
-    """The innermost ``limit`` frames of ``thread`` outside zerompi, torch and the standard thread
-    machinery, outermost first, as ``file:line in function: source``; then the innermost library
-    frame, if the thread is inside one (``[in zerompi] ...``). Empty if the thread has ended."""
+    """The innermost ``limit`` frames of ``thread`` outside zerompi, torch, mpi4py and the standard
+    thread machinery, outermost first, as ``file:line in function: source``; then the innermost
+    library frame, if the thread is inside one (``[in library] ...``). Empty if the thread has ended."""
     frame = sys._current_frames().get(thread)
-    if frame is None:
-        return []
-    frames = traceback.extract_stack(frame)
+    return [] if frame is None else user_frames(traceback.extract_stack(frame), limit)
+
+
+def user_frames(frames: traceback.StackSummary, limit: int = STACK_FRAMES) -> list[str]:
+    """:func:`user_stack` of a stack already extracted (e.g. an exception's traceback)."""
     user = [f for f in frames if not _is_library(f.filename)]
     lines = [f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in user[-limit:]]
     if frames and _is_library(frames[-1].filename):

@@ -87,6 +87,7 @@ class Watchdog:
         self.waiting: tuple[str, float] | None = None  # (what, time.monotonic() when it started)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._job: _Job | None = None
 
     @contextmanager
     def blocked(self, what: str, group: str = "", event: Event | None = None) -> Iterator[None]:
@@ -111,12 +112,23 @@ class Watchdog:
               recorder: Recorder, channel: Channel | None = None) -> None:
         """Start checking (once per process: later calls change nothing)."""
         if self._thread is None and policy.active:
-            job = _Job(policy, rank, size, abort, recorder, channel)
-            self._thread = threading.Thread(target=self._watch, args=(job,), daemon=True, name="zerompi-watchdog")
+            self._job = _Job(policy, rank, size, abort, recorder, channel)
+            self._thread = threading.Thread(target=self._watch, args=(self._job,), daemon=True,
+                                            name="zerompi-watchdog")
             self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def report_failure(self, error: str, stack: list[str]) -> bool:
+        """An uncaught exception ends this rank: send the hang report's request naming it (rank 0
+        then reports and aborts the job). False, having done nothing, when there is no side channel
+        or a report is already under way; the caller aborts as before."""
+        job = self._job
+        if job is None or job.channel is None or not job.claim():
+            return False
+        job.run(self, f"rank {job.rank} raised {error}", announce=True, extra={"error": error, "stack": stack})
+        return True
 
     def _watch(self, job: "_Job") -> None:
         while True:
@@ -125,9 +137,17 @@ class Watchdog:
                 return
             late = self.overdue(deadline, time.monotonic()) if deadline is not None else None
             asked = job.channel.poll(TAG_REQUEST) if job.channel is not None else []
-            if late is not None or asked:
-                job.diagnose(self, late, deadline, asked)
-                return
+            if (late is None and not asked) or not job.claim():
+                continue
+            if late is not None:
+                trigger = f"rank {job.rank} waited {late.waited:.1f} s in {late.what} ({job.limit(deadline)})"
+                job.say(f"zerompi watchdog: rank {job.rank} of {job.size} has waited {late.waited:.0f} s in "
+                        f"{late.what} ({job.limit(deadline)}); "
+                        + ("gathering the hang report, then aborting the job\n" if job.channel is not None
+                           else "aborting the job\n"))
+            job.run(self, trigger if late is not None else str(asked[0][1]), announce=late is not None)
+            job.end(ABORT_CODE)
+            return
 
 
 class _Job:
@@ -137,36 +157,41 @@ class _Job:
                  recorder: Recorder, channel: Channel | None):
         self.policy, self.rank, self.size, self.abort = policy, rank, size, abort
         self.recorder, self.channel = recorder, channel
+        self._claimed = threading.Lock()
 
-    def _say(self, text: str) -> None:
+    def claim(self) -> bool:
+        """True the first time only: one report per process, from whichever thread gets here first."""
+        return self._claimed.acquire(blocking=False)
+
+    def limit(self, deadline: float | None) -> str:
+        if self.policy.timeout is not None:
+            return f"collective_timeout={self.policy.timeout:g} s"
+        return f"deadline {deadline:g} s: hang_floor={self.policy.floor:g} s or {FACTOR:g} median steps"
+
+    @staticmethod
+    def say(text: str) -> None:
         os.write(2, text.encode(errors="replace"))
 
-    def diagnose(self, watchdog: Watchdog, late: Overdue | None, deadline: float | None,
-                 asked: list[tuple[int, Any]]) -> None:
-        if late is not None:
-            limit = (f"collective_timeout={self.policy.timeout:g} s" if self.policy.timeout is not None
-                     else f"deadline {deadline:g} s: hang_floor={self.policy.floor:g} s or {FACTOR:g} median steps")
-            trigger = f"rank {self.rank} waited {late.waited:.1f} s in {late.what} ({limit})"
-            self._say(f"zerompi watchdog: rank {self.rank} of {self.size} has waited {late.waited:.0f} s in "
-                      f"{late.what} ({limit}); aborting the job\n")
-            if self.channel is not None:
-                for r in range(self.size):
-                    if r != self.rank:
-                        self.channel.post(r, TAG_REQUEST, trigger)
-        else:
-            trigger = str(asked[0][1])
+    def run(self, watchdog: Watchdog, trigger: str, *, announce: bool, extra: dict[str, Any] | None = None) -> None:
+        """Write this rank's record and hand it to rank 0; on rank 0, gather, report and abort the
+        job (HANG_CODE). Returns where no report could be made: the caller aborts alone."""
+        if announce and self.channel is not None:
+            for r in range(self.size):
+                if r != self.rank:
+                    self.channel.post(r, TAG_REQUEST, trigger)
         record = self.recorder.snapshot(self.rank, self.size, watchdog.waiting, trigger)
+        record.update(extra or {})
         where = self._write(record)
         if self.channel is None:
-            self._end(ABORT_CODE)
-        elif self.rank != 0:
+            return
+        if self.rank != 0:
             self.channel.post(0, TAG_RECORD, record)
             self._linger(GATHER_WAIT + ABORT_AFTER)
-            self._say(f"zerompi watchdog: rank {self.rank} of {self.size}: rank 0 made no hang report; "
-                      f"this rank's record: {where}\n")
-            self._end(ABORT_CODE)
-        else:
-            self._report(record, trigger, where)
+            self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: rank 0 made no hang report; "
+                     f"this rank's record: {where}\n")
+            return
+        self._report(record, trigger, where)
+        self.end(HANG_CODE)
 
     def _write(self, record: dict[str, Any]) -> str:
         """Write this rank's record; returns the directory, or why it could not be written."""
@@ -187,25 +212,24 @@ class _Job:
             time.sleep(0.05)
 
     def _report(self, own: dict[str, Any], trigger: str, where: str) -> None:
+        """Gather the other ranks' records for at most GATHER_WAIT seconds; print and save the report."""
         records = {0: own}
         end = time.monotonic() + GATHER_WAIT
         while len(records) < self.size and time.monotonic() < end:
             records.update((src, rec) for src, rec in self.channel.poll(TAG_RECORD))
             self.channel.flush()
             time.sleep(0.05)
-        report = diagnosis.diagnose(records, self.size)
-        text = diagnosis.format_report(report, directory=where if os.path.isdir(where) else None, trigger=trigger)
-        if where != self.policy.directory:
-            text += f"records: {where}\n"
-        self._say(text)
-        if os.path.isdir(where):
+        written = where == self.policy.directory
+        text = diagnosis.format_report(diagnosis.diagnose(records, self.size), trigger=trigger,
+                                       directory=where if written else None)
+        self.say(text if written else text + f"records: {where}\n")
+        if written:
             try:
                 with open(os.path.join(where, diagnosis.REPORT_NAME), "w") as f:
                     f.write(text)
             except OSError:
                 pass  # the report is on stderr already
-        self._end(HANG_CODE)
 
-    def _end(self, code: int) -> None:
+    def end(self, code: int) -> None:
         time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills us
         self.abort(code)
