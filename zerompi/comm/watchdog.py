@@ -112,7 +112,7 @@ class Watchdog:
               recorder: Recorder, channel: Channel | None = None) -> None:
         """Start checking (once per process: later calls change nothing)."""
         if self._thread is None and policy.active:
-            self._job = _Job(policy, rank, size, abort, recorder, channel)
+            self._job = _Job(policy, rank, size, abort, recorder, channel, self._stop)
             self._thread = threading.Thread(target=self._watch, args=(self._job,), daemon=True,
                                             name="zerompi-watchdog")
             self._thread.start()
@@ -146,7 +146,8 @@ class Watchdog:
                         + ("gathering the hang report, then aborting the job\n" if job.channel is not None
                            else "aborting the job\n"))
             job.run(self, trigger if late is not None else str(asked[0][1]), announce=late is not None)
-            job.end(ABORT_CODE)
+            if not self._stop.is_set():
+                job.end(ABORT_CODE)
             return
 
 
@@ -154,9 +155,9 @@ class _Job:
     """What the watchdog thread needs to diagnose: the policy, this rank, the recorder, the channel."""
 
     def __init__(self, policy: HangPolicy, rank: int, size: int, abort: Callable[[int], None],
-                 recorder: Recorder, channel: Channel | None):
+                 recorder: Recorder, channel: Channel | None, stopped: threading.Event):
         self.policy, self.rank, self.size, self.abort = policy, rank, size, abort
-        self.recorder, self.channel = recorder, channel
+        self.recorder, self.channel, self.stopped = recorder, channel, stopped
         self._claimed = threading.Lock()
 
     def claim(self) -> bool:
@@ -186,7 +187,8 @@ class _Job:
             return
         if self.rank != 0:
             self.channel.post(0, TAG_RECORD, record)
-            self._linger(GATHER_WAIT + ABORT_AFTER)
+            if self._linger(GATHER_WAIT + ABORT_AFTER):
+                return
             self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: rank 0 made no hang report; "
                      f"this rank's record: {where}\n")
             return
@@ -204,12 +206,15 @@ class _Job:
         except OSError as e:
             return f"not written ({directory}: {e.strerror or e})"
 
-    def _linger(self, seconds: float) -> None:
-        """Keep the posted messages moving (a rank in user code makes no other MPI call) for ``seconds``."""
+    def _linger(self, seconds: float) -> bool:
+        """Keep the posted messages moving (a rank in user code makes no other MPI call) for ``seconds``;
+        True if the watchdog was stopped meanwhile."""
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self.channel.flush()
-            time.sleep(0.05)
+            if self.stopped.wait(0.05):
+                return True
+        return False
 
     def _report(self, own: dict[str, Any], trigger: str, where: str) -> None:
         """Gather the other ranks' records for at most GATHER_WAIT seconds; print and save the report."""
