@@ -36,7 +36,8 @@ def abort_on_uncaught_exception(group) -> None:
                      f"{kind.__name__}: {value}\n{text}zerompi: aborting all ranks\n").encode())
         watchdog = getattr(getattr(group, "monitor", None), "watchdog", None)
         if watchdog is not None:  # rank 0 adds the hang report and aborts the job (watchdog.py)
-            watchdog.report_failure(f"{kind.__name__}: {value}", user_frames(traceback.extract_tb(tb)))
+            first_line = next(iter(str(value).splitlines()), "")
+            watchdog.report_failure(f"{kind.__name__}: {first_line}", user_frames(traceback.extract_tb(tb)))
         time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills the job
         group.abort(1)
 

@@ -1,6 +1,7 @@
 """Hang worker: the last rank (--culprit) misbehaves at step --at; the hang report must name it.
 
-Stage 3, one tiny bucket per module, hang_floor=--floor seconds, records in --dir. Before the
+Stage 3, one tiny bucket per module, hang_floor=--floor seconds, records in --records (default
+--dir). Before the
 fault the culprit writes the wall time to DIR/fault.time. Faults (--fault):
 
 extra_microbatch  one forward/backward more before step()
@@ -99,6 +100,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fault", required=True)
     p.add_argument("--dir", required=True)
+    p.add_argument("--records", default=None, help="hang_dir (default: --dir)")
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--floor", type=float, default=2.0)
@@ -106,7 +108,7 @@ def main():
     args = p.parse_args()
     bucket = 1e-3 if args.fault == "bucket_size" and RANK == args.culprit else 1e-4
     cfg = zerompi.ZeroConfig(stage=3, bucket_mb=bucket, optimizer="sgd", lr=0.1, hang_floor=args.floor,
-                             hang_dir=args.dir)
+                             hang_dir=args.records or args.dir)
     model = Net()
     engine = zerompi.initialize(model, cfg)
     for i in range(args.steps):
