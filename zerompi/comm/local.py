@@ -190,10 +190,11 @@ class LocalGroup:
 
     # ---- hang protection and progress -----------------------------------
     def start_watchdog(self, policy: HangPolicy) -> None:
-        """A rank waiting past ``policy``'s deadline breaks the rendezvous: every rank raises. There is no
-        side channel: the rank writes its record (if ``policy.directory``) and gives the per-rank message."""
-        self.monitor.watchdog.start(policy, self.rank, self.size, lambda code: self._world.abort(),
-                                    self.monitor.recorder)
+        """A rank waiting longer than ``collective_timeout`` breaks the rendezvous: every rank raises.
+        In-process ranks have no automatic deadline (``run_ranks`` bounds a test's time) and no side
+        channel: the rank writes its record (if ``policy.directory``) and gives the per-rank message."""
+        self.monitor.watchdog.start(policy._replace(floor=None), self.rank, self.size,
+                                    lambda code: self._world.abort(), self.monitor.recorder)
 
     def step_done(self) -> None:
         """An optimizer step ended (its duration sets the watchdog's default deadline)."""
