@@ -110,6 +110,8 @@ def main():
     cfg = zerompi.ZeroConfig(stage=3, bucket_mb=bucket, optimizer="sgd", lr=0.1, hang_floor=args.floor,
                              hang_dir=args.records or args.dir)
     model = Net()
+    if args.fault == "bucket_size" and RANK == args.culprit:
+        mark_fault(args.dir)  # its buckets differ from the start
     engine = zerompi.initialize(model, cfg)
     for i in range(args.steps):
         culprit = RANK == args.culprit and i == args.at
