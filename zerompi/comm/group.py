@@ -116,7 +116,7 @@ class ProcessGroup(Protocol):
     """The ranks one collective runs over, and the verbs zerompi uses on them.
 
     Every group of a process shares its byte counters, its debug sequence, the
-    watchdog and the communication thread; ``split``/``split_shared`` make
+    hang recorder, the watchdog and the communication thread; ``split``/``split_shared`` make
     sub-groups that keep sharing them.
     """
 

@@ -1,9 +1,10 @@
 """What every process group of one process shares, one concern per part.
 
 A sub-group (``split``, ``split_shared``) counts into the same totals, numbers
-its collectives in the same sequence, records them in the same ring, is watched by the same watchdog and
-queues on the same communication thread as its parent, so :class:`Monitor`
-is made once per process and handed to each group.
+its collectives in the same sequence, records them in the same ring, is
+watched by the same watchdog and queues on the same communication thread as
+its parent, so :class:`Monitor` is made once per process and handed to each
+group.
 """
 from __future__ import annotations
 
