@@ -127,7 +127,8 @@ def report(_args) -> None:
                 "steps with the ring on and off in alternating rounds. *estimated*: events per step x the time of "
                 "one recorded event / the step time; *measured*: the difference of the median step times, which "
                 "on this shared machine is noise of a few percent either way.", "",
-                "| ranks | steps | events per step | ns per event | step on (ms) | step off (ms) | estimated | measured |",
+                "| ranks | steps | events per step | ns per event | step on (ms) | step off (ms) | estimated "
+                "| measured |",
                 "|---|---|---|---|---|---|---|---|"]
         out += [f"| {r['ranks']} | {r['steps']} | {r['events_per_step']:g} | {r['begin_ns']} | {r['step_ms_on']} | "
                 f"{r['step_ms_off']} | {r['estimated_pct']} % | {r['measured_pct']} % |" for r in costs]

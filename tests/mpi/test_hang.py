@@ -33,7 +33,7 @@ class Job:
 
     def section(self, rank: int) -> str:
         """The culprit block of the report for ``rank`` (its line and stack)."""
-        m = re.search(rf"^culprit: .*?\n((?:  .*\n)*?)(?:first divergence|every rank)", self.err, re.M)
+        m = re.search(r"^culprit: .*?\n((?:  .*\n)*?)(?:first divergence|every rank)", self.err, re.M)
         assert m, self.err[-4000:]
         block = m.group(1)
         start = block.index(f"  rank {rank}: ")

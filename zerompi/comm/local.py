@@ -154,7 +154,8 @@ class LocalGroup:
         return copy.deepcopy(self._exchange(Entered("an exchange of metadata (allgather_object)", event), obj))
 
     def barrier(self) -> None:
-        with self.monitor.watchdog.blocked("a barrier", self.label, self.monitor.recorder.begin("barrier", self.label, "", 0)):
+        event = self.monitor.recorder.begin("barrier", self.label, "", 0)
+        with self.monitor.watchdog.blocked("a barrier", self.label, event):
             self._world.wait()
 
     def abort(self, code: int = 1) -> None:
