@@ -90,6 +90,14 @@ def test_diagnose_reads_the_records_a_dead_job_left(tmp_path, capsys):
     assert out == (tmp_path / "report.txt").read_text().split("records: ")[0]
 
 
+@pytest.mark.parametrize("close", (True, False), ids=("closed", "left-open"))
+def test_a_healthy_job_ends_normally_and_leaves_no_records(tmp_path, close):
+    """The watchdog thread polls MPI; left running at exit it must stop before MPI is finalised."""
+    job = Job(3, "none", tmp_path, "--steps", "8", *(() if close else ("--no-close",)))
+    assert job.rc == 0 and "no hang" in job.out, job.err[-4000:]
+    assert "zerompi" not in job.err and not list(tmp_path.glob("rank-*.json"))
+
+
 def test_sigkill_ends_the_job_through_the_launcher(tmp_path):
     """MPICH's mpiexec ends the job when a rank dies: no hang to diagnose (sigstop stands in for a
     killed rank under a launcher that leaves the others waiting)."""

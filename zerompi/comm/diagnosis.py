@@ -157,7 +157,9 @@ def where(record: dict[str, Any]) -> str:
     if record.get("error"):
         return f"raised {record['error']}, {at}, step {record['steps']}"
     if record["waiting"] is not None:
-        return f"waiting {record['waited']:.1f} s in {record['waiting']} [event #{record['count'] - 1}]"
+        event = record.get("waiting_event")
+        return f"waiting {record['waited']:.1f} s in {record['waiting']}" + \
+            ("" if event is None else f" [event #{event}]")
     return f"not in a collective: in user code, {at}, step {record['steps']}"
 
 

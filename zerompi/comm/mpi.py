@@ -130,11 +130,14 @@ class SideChannel:
         self._sent: list[MPI.Request] = []
 
     def post(self, dest: int, tag: int, obj: Any) -> None:
-        self._sent.append(self.comm.isend(obj, dest=dest, tag=tag))
+        if not MPI.Is_finalized():
+            self._sent.append(self.comm.isend(obj, dest=dest, tag=tag))
 
     def poll(self, tag: int) -> list[tuple[int, Any]]:
         """The messages with ``tag`` that have arrived, as ``(source, object)``."""
-        arrived = []
+        arrived: list[tuple[int, Any]] = []
+        if MPI.Is_finalized():
+            return arrived
         status = MPI.Status()
         while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
             source = status.Get_source()
@@ -143,6 +146,8 @@ class SideChannel:
 
     def flush(self) -> bool:
         """Drive the posted messages; True when all have left."""
+        if MPI.Is_finalized():
+            return True
         self._sent = [r for r in self._sent if not r.Test()]
         return not self._sent
 

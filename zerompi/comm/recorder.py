@@ -81,10 +81,10 @@ class Recorder:
             return None
         return statistics.median(times[1:] if len(times) > 2 else times)
 
-    def snapshot(self, rank: int, size: int, waiting: tuple[str, float] | None, reason: str) -> dict[str, Any]:
+    def snapshot(self, rank: int, size: int, waiting: tuple | None, reason: str) -> dict[str, Any]:
         """This rank's record: the ring, what it waits in (if anything) and the training thread's stack.
 
-        ``waiting`` is the watchdog's ``(what, since)``; times become ages in seconds before now, so
+        ``waiting`` is the watchdog's ``(what, since, event number or None)``; times become ages in seconds before now, so
         records of different processes compare without a common clock."""
         now = time.monotonic()
         events = [[e.index, e.kind, e.group, e.what, e.nbytes, round(now - e.start, 3),
@@ -95,6 +95,7 @@ class Recorder:
             "median_step": self.median_step(), "count": self.count, "events": events,
             "waiting": None if waiting is None else waiting[0],
             "waited": None if waiting is None else round(now - waiting[1], 3),
+            "waiting_event": None if waiting is None or len(waiting) < 3 else waiting[2],
             "stack": user_stack(self.thread),
         }
 

@@ -21,6 +21,7 @@ its record and is not aborted by rank 0 within ``GATHER_WAIT + ABORT_AFTER`` abo
 """
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 import threading
@@ -84,7 +85,8 @@ class Watchdog:
     """What this process is blocked in, since when; and the thread that diagnoses and aborts."""
 
     def __init__(self) -> None:
-        self.waiting: tuple[str, float] | None = None  # (what, time.monotonic() when it started)
+        # (what, time.monotonic() when it started, the recorder's event number or None)
+        self.waiting: tuple[str, float, int | None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None
@@ -93,7 +95,8 @@ class Watchdog:
     def blocked(self, what: str, group: str = "", event: Event | None = None) -> Iterator[None]:
         """Record that this rank waits in ``what`` (on the group labelled ``group``, "" for one
         spanning the job) for the duration of the block; ``event`` (recorder.py) ends with it."""
-        self.waiting = (what + (f" (group {group})" if group else ""), time.monotonic())
+        self.waiting = (what + (f" (group {group})" if group else ""), time.monotonic(),
+                        None if event is None else event.index)
         try:
             yield
         finally:
@@ -116,9 +119,14 @@ class Watchdog:
             self._thread = threading.Thread(target=self._watch, args=(self._job,), daemon=True,
                                             name="zerompi-watchdog")
             self._thread.start()
+            atexit.register(self.stop)  # before MPI is finalised at exit: no MPI call from the thread after it
 
     def stop(self) -> None:
+        """Stop checking; waits (at most a second) for the thread to leave any MPI call it is in."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            thread.join(timeout=1.0)
 
     def report_failure(self, error: str, stack: list[str]) -> bool:
         """An uncaught exception ends this rank: send the hang report's request naming it (rank 0

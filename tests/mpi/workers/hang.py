@@ -18,6 +18,7 @@ branch            data-dependent control flow: its batch takes the branch withou
 step_early        calls step() without backward, while the others are in backward
 bucket_size       built with another bucket size (fails at initialisation or the first step)
 oom               a tensor too large for memory in its forward (the allocator raises)
+none              no fault: the job must end normally
 """
 import argparse
 import os
@@ -105,6 +106,7 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--floor", type=float, default=2.0)
     p.add_argument("--culprit", type=int, default=WORLD - 1)
+    p.add_argument("--no-close", action="store_true", help="leave the engine open at exit")
     args = p.parse_args()
     bucket = 1e-3 if args.fault == "bucket_size" and RANK == args.culprit else 1e-4
     cfg = zerompi.ZeroConfig(stage=3, bucket_mb=bucket, optimizer="sgd", lr=0.1, hang_floor=args.floor,
@@ -121,7 +123,8 @@ def main():
     COMM.Barrier()
     if RANK == 0:
         print("no hang", flush=True)
-    engine.close()
+    if not args.no_close:
+        engine.close()
 
 
 if __name__ == "__main__":
