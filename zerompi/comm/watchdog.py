@@ -153,8 +153,8 @@ class Watchdog:
                         f"{late.what} ({job.limit(deadline)}); "
                         + ("gathering the hang report, then aborting the job\n" if job.channel is not None
                            else "aborting the job\n"))
-            job.run(self, trigger if late is not None else str(asked[0][1]), announce=late is not None)
-            if not self._stop.is_set():
+            ended = job.run(self, trigger if late is not None else str(asked[0][1]), announce=late is not None)
+            if not ended and not self._stop.is_set():
                 job.end(ABORT_CODE)
             return
 
@@ -181,9 +181,9 @@ class _Job:
     def say(text: str) -> None:
         os.write(2, text.encode(errors="replace"))
 
-    def run(self, watchdog: Watchdog, trigger: str, *, announce: bool, extra: dict[str, Any] | None = None) -> None:
+    def run(self, watchdog: Watchdog, trigger: str, *, announce: bool, extra: dict[str, Any] | None = None) -> bool:
         """Write this rank's record and hand it to rank 0; on rank 0, gather, report and abort the
-        job (HANG_CODE). Returns where no report could be made: the caller aborts alone."""
+        job (HANG_CODE): True. False where this rank made no report: the caller aborts alone."""
         if announce and self.channel is not None:
             for r in range(self.size):
                 if r != self.rank:
@@ -192,16 +192,16 @@ class _Job:
         record.update(extra or {})
         where = self._write(record)
         if self.channel is None:
-            return
+            return False
         if self.rank != 0:
             self.channel.post(0, TAG_RECORD, record)
-            if self._linger(GATHER_WAIT + ABORT_AFTER):
-                return
-            self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: rank 0 made no hang report; "
-                     f"this rank's record: {where}\n")
-            return
+            if not self._linger(GATHER_WAIT + ABORT_AFTER):
+                self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: rank 0 made no hang report; "
+                         f"this rank's record: {where}\n")
+            return False
         self._report(record, trigger, where)
         self.end(HANG_CODE)
+        return True
 
     def _write(self, record: dict[str, Any]) -> str:
         """Write this rank's record; returns the directory, or why it could not be written."""
