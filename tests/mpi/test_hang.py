@@ -48,7 +48,7 @@ CASES = [
     ("skip_module", 3, "waiting", "in train_step"),
     ("skip_module", 2, "waiting", "in train_step"),
     ("loader_sleep", 2, "not in a collective: in user code", "in load_batch: time.sleep(600)"),
-    ("busy_loop", 4, "not in a collective: in user code", "hang.py:79 in train_step: spin()"),
+    ("busy_loop", 4, "not in a collective: in user code", "in train_step: spin()"),
     ("sigstop", 2, "missing", None),
     ("raise", 3, "raised RuntimeError: boom in user code", "in train_step: raise RuntimeError"),
     ("user_barrier", 4, "not in a collective: in user code", "in train_step: USER.Barrier()"),
