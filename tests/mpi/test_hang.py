@@ -72,6 +72,14 @@ def test_hang_report_names_the_culprit(tmp_path, fault, n, where, frame):
     assert job.ended - job.fault < NAMED_WITHIN, (job.ended - job.fault, job.err[-3000:])
 
 
+@pytest.mark.parametrize("fault,where", [("loader_sleep", "not in a collective"), ("extra_microbatch", "waiting")])
+def test_hang_report_with_the_communication_thread_and_prefetch(tmp_path, fault, where):
+    """mpi_progress='thread' runs every collective on another thread; the report is the same."""
+    job = Job(2, fault, tmp_path, "--progress", "thread")
+    assert job.rc == HANG_CODE and "\nculprit: rank(s) 1 (" in job.err, job.err[-6000:]
+    assert where in job.section(1)
+
+
 def test_skipped_module_first_divergence_names_both_modules(tmp_path):
     job = Job(3, "skip_module", tmp_path)
     div = job.err[job.err.index("first divergence"):job.err.index("every rank:")]

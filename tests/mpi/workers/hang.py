@@ -107,10 +107,12 @@ def main():
     p.add_argument("--floor", type=float, default=2.0)
     p.add_argument("--culprit", type=int, default=WORLD - 1)
     p.add_argument("--no-close", action="store_true", help="leave the engine open at exit")
+    p.add_argument("--progress", default="none", help="mpi_progress")
     args = p.parse_args()
     bucket = 1e-3 if args.fault == "bucket_size" and RANK == args.culprit else 1e-4
     cfg = zerompi.ZeroConfig(stage=3, bucket_mb=bucket, optimizer="sgd", lr=0.1, hang_floor=args.floor,
-                             hang_dir=args.records or args.dir)
+                             hang_dir=args.records or args.dir, mpi_progress=args.progress,
+                             overlap_grad_reduce=args.progress != "none", prefetch_units=int(args.progress != "none"))
     model = Net()
     if args.fault == "bucket_size" and RANK == args.culprit:
         mark_fault(args.dir)  # its buckets differ from the start
