@@ -83,7 +83,7 @@ def test_hang_report_with_the_communication_thread_and_prefetch(tmp_path, fault,
 def test_skipped_module_first_divergence_names_both_modules(tmp_path):
     job = Job(3, "skip_module", tmp_path)
     div = job.err[job.err.index("first divergence"):job.err.index("every rank:")]
-    assert "rank(s) 0, 1: all_gather of 288 B for bucket 1 [mid.weight ...] of module 'mid'" in div, div
+    assert "rank(s) 0-1: all_gather of 288 B for bucket 1 [mid.weight ...] of module 'mid'" in div, div
     assert "rank(s) 2: all_gather of 288 B for bucket 2 [fc2.weight ...] of module 'fc2'" in div, div
 
 

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 RECORD_GLOB = "rank-*.json"
 REPORT_NAME = "report.txt"
 NOT_REACHED = ("not reached",)
+DETAILED = 4      # culprits shown with their whole stack
+STATE_FRAMES = 3  # innermost frames that, with its state, group a rank with others in "every rank"
 
 
 class Divergence(NamedTuple):
@@ -150,47 +152,68 @@ def describe_event(event: list | tuple) -> str:
     return f"{kind}{'@' + group if group else ''} of {nbytes} B" + (f" for {what}" if what else "")
 
 
-def where(record: dict[str, Any]) -> str:
-    """What the rank is doing: the collective it waits in, or user code."""
+def where(record: dict[str, Any], *, timed: bool = True) -> str:
+    """What the rank is doing: the collective it waits in (for how long, if ``timed``), its
+    exception, or user code."""
     last = record["events"][-1] if record["events"] else None
     at = f"after event #{last[0]} ({describe_event(last)})" if last else "before its first collective"
     if record.get("error"):
         return f"raised {record['error']}, {at}, step {record['steps']}"
     if record["waiting"] is not None:
         event = record.get("waiting_event")
-        return f"waiting {record['waited']:.1f} s in {record['waiting']}" + \
+        return (f"waiting {record['waited']:.1f} s in " if timed else "waiting in ") + record["waiting"] + \
             ("" if event is None else f" [event #{event}]")
     return f"not in a collective: in user code, {at}, step {record['steps']}"
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``0-5, 7, 9-10``: ranks in ascending runs."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 def _camp_text(sig: tuple) -> str:
     return "not reached (has not issued it)" if sig == NOT_REACHED else describe_event(sig)
 
 
+def _states(report: Report) -> dict[tuple, list[int]]:
+    """Ranks grouped by what they do and the innermost frames of their stacks (missing ranks too)."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for r in range(report.size):
+        rec = report.records.get(r)
+        key = ("missing", ()) if rec is None else (where(rec, timed=False), tuple(rec["stack"][-STATE_FRAMES:]))
+        groups[key].append(r)
+    return groups
+
+
 def format_report(report: Report, *, directory: str | None = None, trigger: str = "") -> str:
-    ranks = lambda rs: ", ".join(map(str, rs)) or "none"  # noqa: E731
     lines = [f"zerompi hang report: {report.size} ranks, {len(report.records)} answered"
              + (f"; {trigger}" if trigger else "")]
-    lines.append(f"culprit: rank(s) {ranks(report.culprits)} ({report.reason})")
-    for r in report.culprits:
+    lines.append(f"culprit: rank(s) {rank_list(report.culprits)} ({report.reason})")
+    for r in report.culprits[:DETAILED]:
         rec = report.records.get(r)
         if rec is None:
             lines.append(f"  rank {r}: missing (no record: killed, or stuck where it cannot answer)")
             continue
         lines.append(f"  rank {r}: {where(rec)}")
         lines.extend(f"    {frame}" for frame in rec["stack"])
+    if len(report.culprits) > DETAILED:
+        lines.append(f"  ... {len(report.culprits) - DETAILED} more culprit rank(s): see below")
     div = report.divergence
     if div is not None:
         lines.append(f"first divergence: event #{div.index}")
-        lines.extend(f"  rank(s) {ranks(rs)}: {_camp_text(sig)}" for sig, rs in div.camps.items())
+        lines.extend(f"  rank(s) {rank_list(rs)}: {_camp_text(sig)}" for sig, rs in div.camps.items())
     lines.append("every rank:")
-    for r in range(report.size):
-        rec = report.records.get(r)
-        if rec is None:
-            lines.append(f"  rank {r}: missing")
-            continue
-        lines.append(f"  rank {r} ({rec['host']} pid {rec['pid']}): {where(rec)}")
-        lines.extend(f"    {frame}" for frame in rec["stack"][-3:])
+    for (state, frames), ranks in sorted(_states(report).items(), key=lambda kv: kv[1][0]):
+        rec = report.records.get(ranks[0]) if len(ranks) == 1 else None
+        host = f" ({rec['host']} pid {rec['pid']})" if rec is not None else ""
+        lines.append(f"  rank(s) {rank_list(ranks)}{host}: {state}")
+        lines.extend(f"    {frame}" for frame in frames)
     if directory:
         lines.append(f"records: {directory} (`zerompi diagnose {directory}` prints this report again)")
     return "\n".join(lines) + "\n"

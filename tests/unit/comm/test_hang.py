@@ -146,6 +146,16 @@ def test_no_culprit_when_every_rank_is_in_the_same_collective():
     assert report.culprits == [] and "no rank diverged" in report.reason
 
 
+def test_the_report_groups_ranks_in_the_same_state():
+    recs = {r: record(r, 16, STEP) for r in range(15)} | {15: record(15, 16, STEP[:3], waiting=False)}
+    for r in range(15):
+        recs[r]["stack"] = ["train.py:9 in loop: loss = engine(x)"]
+    text = diagnosis.format_report(diagnosis.diagnose(recs, 16))
+    assert "culprit: rank(s) 15 (" in text and "rank(s) 0-14: all_reduce of 8 B for norm" in text
+    assert text.count("  rank(s) 0-14: waiting in all_reduce for norm") == 1, text
+    assert diagnosis.rank_list([7, 0, 1, 2, 5, 9, 10]) == "0-2, 5, 7, 9-10"
+
+
 # ---- files and the command --------------------------------------------------------------------
 
 def test_diagnose_command_prints_the_report_from_the_files(tmp_path, capsys):
@@ -154,7 +164,7 @@ def test_diagnose_command_prints_the_report_from_the_files(tmp_path, capsys):
     (tmp_path / "rank-00005.json").write_text("{not json")  # skipped
     assert main(["diagnose", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "3 ranks, 2 answered" in out and "rank 2: missing" in out and "culprit: rank(s) 1, 2" in out
+    assert "3 ranks, 2 answered" in out and "rank 2: missing" in out and "culprit: rank(s) 1-2" in out
 
 
 def test_diagnose_command_without_records_is_a_clear_error(tmp_path, capsys):
