@@ -5,6 +5,7 @@ hang_floor=2 s here; the default is 30 s. Each case is one mpiexec job of about 
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,11 @@ from zerompi.tools.cli import main
 from .launcher import ROOT, WORKERS, mpi_env, mpiexec
 
 NAMED_WITHIN = 10.0  # seconds from the fault to the job's end: max(10 s, 3 median steps) at these step times
+
+
+def named_within() -> float:
+    """NAMED_WITHIN, stretched by how many runnable processes share each core (a shared test machine)."""
+    return NAMED_WITHIN * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 class Job:
@@ -69,7 +75,7 @@ def test_hang_report_names_the_culprit(tmp_path, fault, n, where, frame):
     assert where in section, section
     if frame is not None:
         assert frame in section, section
-    assert job.ended - job.fault < NAMED_WITHIN, (job.ended - job.fault, job.err[-3000:])
+    assert job.ended - job.fault < named_within(), (job.ended - job.fault, job.err[-3000:])
 
 
 @pytest.mark.parametrize("fault,where", [("loader_sleep", "not in a collective"), ("extra_microbatch", "waiting")])
@@ -110,7 +116,7 @@ def test_sigkill_ends_the_job_through_the_launcher(tmp_path):
     """MPICH's mpiexec ends the job when a rank dies: no hang to diagnose (sigstop stands in for a
     killed rank under a launcher that leaves the others waiting)."""
     job = Job(2, "sigkill", tmp_path)
-    assert job.rc != 0 and job.ended - job.fault < NAMED_WITHIN
+    assert job.rc != 0 and job.ended - job.fault < named_within()
 
 
 def test_an_unwritable_hang_dir_still_reports_and_aborts(tmp_path):
