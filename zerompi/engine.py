@@ -24,6 +24,7 @@ from zerompi.comm import guard, launch
 from zerompi.comm.group import ProcessGroup
 from zerompi.comm.mpi import MPIGroup
 from zerompi.comm.topology import build_groups
+from zerompi.comm.watchdog import HangPolicy
 from zerompi.errors import UsageError, ZeroMPIError, all_ranks_ok
 from zerompi.log import get_logger, set_rank
 from zerompi.offload.fence import ShardFence
@@ -226,6 +227,7 @@ class Engine:
                 self.lr_scheduler.step()
         else:
             self._stats.skipped_steps += 1
+        self.group.step_done()
         return result.stepped
 
     def get_lr(self) -> list[float]:
@@ -387,8 +389,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
         raise UsageError("initialize: pass comm (an MPI communicator) or group, not both")
     if reliability.abort_on_exception:
         guard.abort_on_uncaught_exception(group)
-    if reliability.collective_timeout is not None:
-        group.start_watchdog(reliability.collective_timeout)
+    group.start_watchdog(HangPolicy(reliability.collective_timeout, reliability.hang_floor, reliability.hang_dir))
     if cfg.overlap.progress == Progress.THREAD:
         group.start_comm_thread()
     return Engine(model, cfg, group, param_groups, param_init, lr_scheduler)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from zerompi.comm.watchdog import HangPolicy
 
 Blocked = Callable[[], AbstractContextManager]  # the watchdog's "this rank waits in ..." bookkeeping
 
@@ -113,7 +116,7 @@ class ProcessGroup(Protocol):
     """The ranks one collective runs over, and the verbs zerompi uses on them.
 
     Every group of a process shares its byte counters, its debug sequence, the
-    watchdog and the communication thread; ``split``/``split_shared`` make
+    hang recorder, the watchdog and the communication thread; ``split``/``split_shared`` make
     sub-groups that keep sharing them.
     """
 
@@ -156,7 +159,10 @@ class ProcessGroup(Protocol):
     def h5py_comm(self) -> Any: ...
 
     # ---- hang protection and progress -----------------------------------
-    def start_watchdog(self, timeout: float) -> None: ...
+    def start_watchdog(self, policy: HangPolicy) -> None:
+        """Collective: start the hang watchdog (watchdog.py) of this process's groups."""
     def stop_watchdog(self) -> None: ...
+    def step_done(self) -> None:
+        """An optimizer step ended: the running median step time sets the default hang deadline."""
     def start_comm_thread(self) -> None: ...
     def stop_comm_thread(self) -> None: ...

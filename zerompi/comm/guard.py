@@ -1,5 +1,8 @@
 """One failing rank ends the job: an uncaught exception is printed once and aborts MPI.
 
+With the watchdog's side channel (watchdog.py), the rank first asks for the hang report, which
+names it as the culprit with its exception and stack; rank 0 prints it and aborts the job.
+
 Without this, the other ranks wait forever in their next collective, burning
 the allocation until walltime. ``python -m mpi4py script.py`` does the same
 for the whole script; this hook covers jobs started as ``python script.py``.
@@ -11,6 +14,7 @@ import sys
 import time
 import traceback
 
+from zerompi.comm.recorder import user_frames
 from zerompi.comm.watchdog import ABORT_GRACE
 
 _installed = False
@@ -30,6 +34,10 @@ def abort_on_uncaught_exception(group) -> None:
         sys.stderr.flush()
         os.write(2, (f"zerompi: rank {group.rank} of {group.size} failed with an uncaught "
                      f"{kind.__name__}: {value}\n{text}zerompi: aborting all ranks\n").encode())
+        watchdog = getattr(getattr(group, "monitor", None), "watchdog", None)
+        if watchdog is not None:  # rank 0 adds the hang report and aborts the job (watchdog.py)
+            first_line = next(iter(str(value).splitlines()), "")
+            watchdog.report_failure(f"{kind.__name__}: {first_line}", user_frames(traceback.extract_tb(tb)))
         time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills the job
         group.abort(1)
 

@@ -28,7 +28,8 @@ import torch
 
 from zerompi.comm import shapes
 from zerompi.comm.group import Work
-from zerompi.comm.monitor import Agreement, Monitor
+from zerompi.comm.monitor import Agreement, Entered, Monitor
+from zerompi.comm.watchdog import HangPolicy
 from zerompi.errors import ZeroMPIError
 
 
@@ -92,18 +93,18 @@ class LocalGroup:
     def bytes_sent(self) -> dict[str, int]:
         return self.monitor.counters.bytes_sent
 
-    def _exchange(self, desc: str, value: Any) -> list[Any]:
-        with self.monitor.watchdog.blocked(desc, self.label):
+    def _exchange(self, desc: str | Entered, value: Any) -> list[Any]:
+        what, event = (desc, None) if isinstance(desc, str) else desc
+        with self.monitor.watchdog.blocked(what, self.label, event):
             return self._world.exchange(self.rank, value)
 
-    def _enter(self, kind: str, t: torch.Tensor, what: str, nbytes: int | None) -> str:
+    def _enter(self, kind: str, t: torch.Tensor, what: str, nbytes: int | None) -> Entered:
         if nbytes is not None:  # None: this rank sends nothing (a broadcast's receivers)
             self.monitor.counters.add(kind, self.label, nbytes)
-        agreement = self.monitor.agreement
-        desc = agreement.describe(kind, t, what)
-        if agreement.debug:
-            agreement.check(self._exchange(f"the debug check before {desc}", desc))
-        return desc
+        entered = self.monitor.enter(kind, t, what, self.label)
+        if self.monitor.agreement.debug:
+            self.monitor.agreement.check(self._exchange(f"the debug check before {entered.desc}", entered.desc))
+        return entered
 
     def _mine(self, t: torch.Tensor) -> slice:
         n = t.numel() // self.size
@@ -159,10 +160,12 @@ class LocalGroup:
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Each rank gets its own copies, as unpickling MPI's messages would give it."""
-        return copy.deepcopy(self._exchange("an exchange of metadata (allgather_object)", obj))
+        event = self.monitor.recorder.begin("allgather_object", self.label, "metadata", 0)
+        return copy.deepcopy(self._exchange(Entered("an exchange of metadata (allgather_object)", event), obj))
 
     def barrier(self) -> None:
-        with self.monitor.watchdog.blocked("a barrier", self.label):
+        event = self.monitor.recorder.begin("barrier", self.label, "", 0)
+        with self.monitor.watchdog.blocked("a barrier", self.label, event):
             self._world.wait()
 
     def abort(self, code: int = 1) -> None:
@@ -206,9 +209,16 @@ class LocalGroup:
                            "checkpoint layout needs an MPI group")
 
     # ---- hang protection and progress -----------------------------------
-    def start_watchdog(self, timeout: float) -> None:
-        """A rank waiting longer than ``timeout`` breaks the rendezvous: every rank raises."""
-        self.monitor.watchdog.start(timeout, self.rank, self.size, lambda code: self._world.abort())
+    def start_watchdog(self, policy: HangPolicy) -> None:
+        """A rank waiting longer than ``collective_timeout`` breaks the rendezvous: every rank raises.
+        In-process ranks have no automatic deadline (``run_ranks`` bounds a test's time) and no side
+        channel: the rank writes its record (if ``policy.directory``) and gives the per-rank message."""
+        self.monitor.watchdog.start(policy._replace(floor=None), self.rank, self.size,
+                                    lambda code: self._world.abort(), self.monitor.recorder)
+
+    def step_done(self) -> None:
+        """An optimizer step ended (its duration sets the watchdog's default deadline)."""
+        self.monitor.recorder.step_done()
 
     def stop_watchdog(self) -> None:
         self.monitor.watchdog.stop()

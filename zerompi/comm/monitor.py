@@ -1,17 +1,20 @@
 """What every process group of one process shares, one concern per part.
 
 A sub-group (``split``, ``split_shared``) counts into the same totals, numbers
-its collectives in the same sequence, is watched by the same watchdog and
-queues on the same communication thread as its parent, so :class:`Monitor`
-is made once per process and handed to each group.
+its collectives in the same sequence, records them in the same ring, is
+watched by the same watchdog and queues on the same communication thread as
+its parent, so :class:`Monitor` is made once per process and handed to each
+group.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from zerompi.comm.recorder import Event, Recorder
 from zerompi.comm.thread import CommThread
 from zerompi.comm.watchdog import Watchdog
 from zerompi.errors import ZeroMPIError
@@ -64,6 +67,13 @@ class Agreement:
                                           f"flow, or a module skipped on some ranks): {lines}")
 
 
+class Entered(NamedTuple):
+    """A collective as issued: its description (for messages and the debug check) and its recorded event."""
+
+    desc: str
+    event: Event
+
+
 @dataclass
 class Monitor:
     """The parts shared by all groups of a process."""
@@ -71,4 +81,10 @@ class Monitor:
     agreement: Agreement = field(default_factory=Agreement)
     counters: Counters = field(default_factory=Counters)
     watchdog: Watchdog = field(default_factory=Watchdog)
+    recorder: Recorder = field(default_factory=Recorder)  # the ring of recent collectives (hang reports)
     comm_thread: CommThread | None = None  # mpi_progress="thread": every collective runs on it
+
+    def enter(self, kind: str, t: torch.Tensor, what: str, label: str) -> Entered:
+        """Number the next collective and append it to the recorder's ring."""
+        desc = self.agreement.describe(kind, t, what)
+        return Entered(desc, self.recorder.begin(kind, label, what, t.numel() * t.element_size()))

@@ -28,8 +28,10 @@ from mpi4py import MPI
 from zerompi.comm import shapes
 from zerompi.comm.cuda_aware import Probes
 from zerompi.comm.group import FutureWork, RequestWork, Work
-from zerompi.comm.monitor import Agreement, Monitor
+from zerompi.comm.monitor import Agreement, Entered, Monitor
+from zerompi.comm.recorder import Event
 from zerompi.comm.thread import CommThread
+from zerompi.comm.watchdog import HangPolicy, default_directory
 from zerompi.errors import ZeroMPIError
 
 _MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi.h
@@ -113,6 +115,43 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype in shapes.HALF_DTYPES else t
 
 
+_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
+
+
+class SideChannel:
+    """Pickled point-to-point messages on a duplicate communicator, for the hang report only.
+
+    Used from the watchdog thread while the training thread may sit in a collective (hence
+    ``MPI_THREAD_MULTIPLE``); nothing here ever waits on another rank.
+    """
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm
+        self._sent: list[MPI.Request] = []
+
+    def post(self, dest: int, tag: int, obj: Any) -> None:
+        if not MPI.Is_finalized():
+            self._sent.append(self.comm.isend(obj, dest=dest, tag=tag))
+
+    def poll(self, tag: int) -> list[tuple[int, Any]]:
+        """The messages with ``tag`` that have arrived, as ``(source, object)``."""
+        arrived: list[tuple[int, Any]] = []
+        if MPI.Is_finalized():
+            return arrived
+        status = MPI.Status()
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+            source = status.Get_source()
+            arrived.append((source, self.comm.recv(source=source, tag=tag)))
+        return arrived
+
+    def flush(self) -> bool:
+        """Drive the posted messages; True when all have left."""
+        if MPI.Is_finalized():
+            return True
+        self._sent = [r for r in self._sent if not r.Test()]
+        return not self._sent
+
+
 class MPIGroup:
     """A :class:`~zerompi.comm.group.ProcessGroup` over an MPI communicator.
 
@@ -167,9 +206,27 @@ class MPIGroup:
         self.comm.Free()
 
     # ---- hang protection --------------------------------------------------
-    def start_watchdog(self, timeout: float) -> None:
-        """Abort the job when this rank waits longer than ``timeout`` seconds in one collective."""
-        self.monitor.watchdog.start(timeout, self.rank, self.size, self.comm.Abort)
+    def start_watchdog(self, policy: HangPolicy) -> None:
+        """Collective: diagnose and abort when this rank waits past ``policy``'s deadline (watchdog.py).
+
+        The side channel is a duplicate communicator (so the report never depends on the stuck
+        collective); without ``MPI_THREAD_MULTIPLE`` there is none and a rank aborts alone, as the
+        watchdog did before. With no ``hang_dir`` the records go under a temporary directory named
+        after the batch job, else after rank 0's host and process id."""
+        if not policy.active or self.size == 1:
+            return
+        channel = SideChannel(self._call(self.comm.Dup)) if thread_support_error() is None else None
+        if policy.directory is None:
+            job = next((os.environ[k] for k in _JOB_VARIABLES if os.environ.get(k)), None)
+            if job is None:
+                local = f"{MPI.Get_processor_name()}-{os.getpid()}"
+                job = channel.comm.bcast(local, root=0) if channel is not None else local
+            policy = policy._replace(directory=default_directory(job))
+        self.monitor.watchdog.start(policy, self.rank, self.size, self.comm.Abort, self.monitor.recorder, channel)
+
+    def step_done(self) -> None:
+        """An optimizer step ended (its duration sets the watchdog's default deadline)."""
+        self.monitor.recorder.step_done()
 
     def stop_watchdog(self) -> None:
         self.monitor.watchdog.stop()
@@ -192,10 +249,10 @@ class MPIGroup:
         thread = self.monitor.comm_thread
         return fn() if thread is None else thread.run(fn)
 
-    def _issue(self, desc: str, blocking: Callable[[], Any], start: Callable[[], MPI.Request],
+    def _issue(self, entered: Entered, blocking: Callable[[], Any], start: Callable[[], MPI.Request],
                finish: Callable[[], Any], async_op: bool) -> Work:
         """One collective: blocking, non-blocking (``start``), or on the communication thread."""
-        blocked = lambda: self._blocked(desc)  # noqa: E731
+        blocked = lambda: self._blocked(entered.desc, entered.event)  # noqa: E731
         if async_op:
             thread = self.monitor.comm_thread
             if thread is not None:
@@ -205,19 +262,18 @@ class MPIGroup:
             self._call(blocking)
         return Work.done(finish())
 
-    def _blocked(self, what: str) -> AbstractContextManager:
-        """The watchdog's record that this rank waits in ``what`` (naming the group)."""
-        return self.monitor.watchdog.blocked(what, self.label)
+    def _blocked(self, what: str, event: Event | None = None) -> AbstractContextManager:
+        """The watchdog's record that this rank waits in ``what`` (naming the group); ``event`` ends with it."""
+        return self.monitor.watchdog.blocked(what, self.label, event)
 
-    def _enter(self, kind: str, t: torch.Tensor, what: str) -> str:
-        """Number the collective; in debug mode every rank must be at the same one. Returns its description."""
-        agreement = self.monitor.agreement
-        desc = agreement.describe(kind, t, what)
-        if agreement.debug:
-            with self._blocked(f"the debug check before {desc}"):
-                descs = self._call(lambda: self.comm.allgather(desc))
-            agreement.check(descs)
-        return desc
+    def _enter(self, kind: str, t: torch.Tensor, what: str) -> Entered:
+        """Number and record the collective; in debug mode every rank must be at the same one."""
+        entered = self.monitor.enter(kind, t, what, self.label)
+        if self.monitor.agreement.debug:
+            with self._blocked(f"the debug check before {entered.desc}"):
+                descs = self._call(lambda: self.comm.allgather(entered.desc))
+            self.monitor.agreement.check(descs)
+        return entered
 
     # ---- topology -------------------------------------------------------
     def split_shared(self) -> "MPIGroup":
@@ -256,14 +312,14 @@ class MPIGroup:
                    async_op: bool = False, what: str = "") -> Work:
         """``out[r*S:(r+1)*S] = shard of rank r``; ``shard`` may be ``None`` for in place."""
         self._count(kind, shapes.all_gather_bytes(shard, out, self.size))
-        desc = self._enter(kind, out, what)
+        entered = self._enter(kind, out, what)
         if shard is None:
             (o,), back = self._stage(out)
             send = MPI.IN_PLACE
         else:
             (s, o), back = self._stage(shard, out)
             send = _raw(s)
-        return self._issue(desc, lambda: self.comm.Allgather(send, _raw(o)),
+        return self._issue(entered, lambda: self.comm.Allgather(send, _raw(o)),
                            lambda: self.comm.Iallgather(send, _raw(o)), back, async_op)
 
     def reduce_scatter(self, full: torch.Tensor, *, kind: str = "reduce_scatter",
@@ -275,11 +331,11 @@ class MPIGroup:
         """
         self._count(kind, shapes.reduce_scatter_bytes(full, self.size))
         n = full.numel() // self.size
-        desc = self._enter(kind, full, what)
+        entered = self._enter(kind, full, what)
         if full.dtype in shapes.SUM_DTYPES:
             out = torch.empty(n, dtype=full.dtype, device=full.device)
             (f, o), back = self._stage(full, out)
-            return self._issue(desc, lambda: self.comm.Reduce_scatter_block(f, o, op=MPI.SUM),
+            return self._issue(entered, lambda: self.comm.Reduce_scatter_block(f, o, op=MPI.SUM),
                                lambda: self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM),
                                lambda: (back(), out.float())[1], async_op)
         recv = torch.empty_like(full)
@@ -288,25 +344,25 @@ class MPIGroup:
         def finish() -> torch.Tensor:
             back()
             return recv.view(self.size, n).float().sum(dim=0)
-        return self._issue(desc, lambda: self.comm.Alltoall(_raw(f), _raw(r)),
+        return self._issue(entered, lambda: self.comm.Alltoall(_raw(f), _raw(r)),
                            lambda: self.comm.Ialltoall(_raw(f), _raw(r)), finish, async_op)
 
     def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
                    what: str = "") -> Work:
         """In-place sum of an fp32/fp64 tensor over ranks."""
         self._count(kind, shapes.all_reduce_bytes(t, self.size))
-        desc = self._enter(kind, t, what)
+        entered = self._enter(kind, t, what)
         (x,), back = self._stage(t)
-        return self._issue(desc, lambda: self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
+        return self._issue(entered, lambda: self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
                            lambda: self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back, async_op)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
                    async_op: bool = False, what: str = "") -> Work:
         """``recv[r*n:(r+1)*n]`` = chunk ``rank`` of rank r's ``send`` (the bytes of any dtype, moved as they are)."""
         self._count(kind, shapes.all_to_all_bytes(send, recv, self.size))
-        desc = self._enter(kind, send, what)
+        entered = self._enter(kind, send, what)
         (s, r), back = self._stage(send, recv)
-        return self._issue(desc, lambda: self.comm.Alltoall(_raw(s), _raw(r)),
+        return self._issue(entered, lambda: self.comm.Alltoall(_raw(s), _raw(r)),
                            lambda: self.comm.Ialltoall(_raw(s), _raw(r)), back, async_op)
 
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:
@@ -314,9 +370,9 @@ class MPIGroup:
         nbytes = shapes.broadcast_bytes(t, self.size)
         if self.rank == root:
             self._count(kind, nbytes)
-        desc = self._enter(kind, t, what)
+        entered = self._enter(kind, t, what)
         (x,), back = self._stage(t)
-        with self._blocked(desc):
+        with self._blocked(*entered):
             self._call(lambda: self.comm.Bcast(_raw(x), root=root))
         back()
 
@@ -342,11 +398,12 @@ class MPIGroup:
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank (metadata only, never tensors)."""
-        with self._blocked("an exchange of metadata (allgather_object)"):
+        event = self.monitor.recorder.begin("allgather_object", self.label, "metadata", 0)
+        with self._blocked("an exchange of metadata (allgather_object)", event):
             return self._call(lambda: self.comm.allgather(obj))
 
     def barrier(self) -> None:
-        with self._blocked("a barrier"):
+        with self._blocked("a barrier", self.monitor.recorder.begin("barrier", self.label, "", 0)):
             self._call(self.comm.Barrier)
 
     def abort(self, code: int = 1) -> None:

@@ -1,21 +1,44 @@
-"""Hang protection: abort the job when this rank has waited too long in one collective.
+"""Hang protection: when a collective is overdue, name the culprit rank, then abort the job.
 
-A rank stuck in a collective (a peer died, or took another code path) would
-otherwise hold the whole allocation until walltime. Every blocking wait of
-every group of the process goes through :meth:`Watchdog.blocked`; a daemon
-thread checks it a few times per timeout and, when overdue, prints what the
-rank waits in and calls ``abort`` (``MPI_Abort`` in production).
+A rank stuck in a collective (a peer died, took another code path, or is stuck in user code)
+would otherwise hold the whole allocation until walltime. Every blocking wait of every group of
+the process goes through :meth:`Watchdog.blocked`; a daemon thread checks it a few times per
+deadline. The deadline is ``collective_timeout`` when set, else ``max(hang_floor, FACTOR x the
+running median step time)`` (recorder.py), so no configuration is needed.
+
+When a wait is overdue, this rank prints what it waits in (the per-rank message) and asks every
+rank, over a side channel that does not depend on the stuck collective (point-to-point messages
+on a duplicate communicator, mpi.py), for its record: the ring of its last collectives and the
+stack of its training thread. Every rank's watchdog thread polls that channel, so a rank in user
+code answers too. Each rank writes its record to ``hang_dir`` (for ``zerompi diagnose``); rank 0
+gathers the records for at most :data:`GATHER_WAIT` seconds, prints one report (diagnosis.py)
+naming the culprit and calls ``abort(HANG_CODE)``.
+
+Degraded paths never wait longer than that: with no side channel (an in-process group, MPI
+without ``MPI_THREAD_MULTIPLE``) a rank aborts with :data:`ABORT_CODE` after its message, as
+before; a directory that cannot be written is named in the report and skipped; a rank that sent
+its record and is not aborted by rank 0 within ``GATHER_WAIT + ABORT_AFTER`` aborts by itself.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
+
+from zerompi.comm import diagnosis
+from zerompi.comm.recorder import Event, Recorder
 
 ABORT_GRACE = 0.5  # seconds between printing why the job aborts and MPI_Abort
-ABORT_CODE = 3     # the exit code a watchdog abort gives the job
+ABORT_CODE = 3     # exit code of a watchdog abort without a report (per-rank message only)
+HANG_CODE = 4      # exit code of a watchdog abort after rank 0's hang report
+FACTOR = 3.0       # default deadline: this many median step times (at least hang_floor)
+GATHER_WAIT = 3.0  # seconds rank 0 waits for the other ranks' records
+ABORT_AFTER = 3.0  # further seconds a rank that sent its record waits for rank 0 to abort the job
+TAG_REQUEST, TAG_RECORD = 1, 2
 
 
 class Overdue(NamedTuple):
@@ -25,23 +48,61 @@ class Overdue(NamedTuple):
     waited: float
 
 
+class HangPolicy(NamedTuple):
+    """When a wait is overdue, and where records go."""
+
+    timeout: float | None     # collective_timeout: a fixed deadline, overriding the automatic one
+    floor: float | None       # hang_floor: the automatic deadline's minimum; None turns it off
+    directory: str | None     # hang_dir: where each rank writes its record on abort
+
+    def deadline(self, median_step: float | None) -> float | None:
+        """Seconds a wait may last, given the running median step time (None: no deadline)."""
+        if self.timeout is not None:
+            return self.timeout
+        if self.floor is None:
+            return None
+        return self.floor if median_step is None else max(self.floor, FACTOR * median_step)
+
+    @property
+    def active(self) -> bool:
+        return self.timeout is not None or self.floor is not None
+
+
+class Channel(Protocol):
+    """Small point-to-point messages that do not depend on any collective (mpi.SideChannel)."""
+
+    def post(self, dest: int, tag: int, obj: Any) -> None: ...
+    def poll(self, tag: int) -> list[tuple[int, Any]]: ...
+    def flush(self) -> bool: ...
+
+
+def default_directory(job: str) -> str:
+    """Where records go when ``hang_dir`` is not set: a temporary directory named after the job."""
+    return os.path.join(tempfile.gettempdir(), f"zerompi-hang-{job}")
+
+
 class Watchdog:
-    """What this process is blocked in, since when; and the thread that aborts when it is too long."""
+    """What this process is blocked in, since when; and the thread that diagnoses and aborts."""
 
     def __init__(self) -> None:
-        self.waiting: tuple[str, float] | None = None  # (what, time.monotonic() when it started)
+        # (what, time.monotonic() when it started, the recorder's event number or None)
+        self.waiting: tuple[str, float, int | None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._job: _Job | None = None
 
     @contextmanager
-    def blocked(self, what: str, group: str = "") -> Iterator[None]:
+    def blocked(self, what: str, group: str = "", event: Event | None = None) -> Iterator[None]:
         """Record that this rank waits in ``what`` (on the group labelled ``group``, "" for one
-        spanning the job) for the duration of the block."""
-        self.waiting = (what + (f" (group {group})" if group else ""), time.monotonic())
+        spanning the job) for the duration of the block; ``event`` (recorder.py) ends with it."""
+        self.waiting = (what + (f" (group {group})" if group else ""), time.monotonic(),
+                        None if event is None else event.index)
         try:
             yield
         finally:
             self.waiting = None
+            if event is not None:
+                event.end = time.monotonic()
 
     def overdue(self, timeout: float, now: float) -> Overdue | None:
         """The wait that has lasted longer than ``timeout`` seconds at ``now``, if any."""
@@ -50,23 +111,138 @@ class Watchdog:
             return Overdue(waiting[0], now - waiting[1])
         return None
 
-    def start(self, timeout: float, rank: int, size: int, abort: Callable[[int], None]) -> None:
+    def start(self, policy: HangPolicy, rank: int, size: int, abort: Callable[[int], None],
+              recorder: Recorder, channel: Channel | None = None) -> None:
         """Start checking (once per process: later calls change nothing)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, args=(timeout, rank, size, abort),
-                                            daemon=True, name="zerompi-watchdog")
+        if self._thread is None and policy.active:
+            self._job = _Job(policy, rank, size, abort, recorder, channel, self._stop)
+            self._thread = threading.Thread(target=self._watch, args=(self._job,), daemon=True,
+                                            name="zerompi-watchdog")
             self._thread.start()
+            atexit.register(self.stop)  # before MPI is finalised at exit: no MPI call from the thread after it
 
     def stop(self) -> None:
+        """Stop checking; waits (at most a second) for the thread to leave any MPI call it is in."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            thread.join(timeout=1.0)
 
-    def _watch(self, timeout: float, rank: int, size: int, abort: Callable[[int], None]) -> None:
-        while not self._stop.wait(min(1.0, timeout / 4)):
-            late = self.overdue(timeout, time.monotonic())
-            if late is not None:
-                report = (f"zerompi watchdog: rank {rank} of {size} has waited {late.waited:.0f} s in "
-                          f"{late.what} (collective_timeout={timeout:g} s); aborting the job\n")
-                os.write(2, report.encode())
-                time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills us
-                abort(ABORT_CODE)
+    def report_failure(self, error: str, stack: list[str]) -> bool:
+        """An uncaught exception ends this rank: send the hang report's request naming it (rank 0
+        then reports and aborts the job). False, having done nothing, when there is no side channel
+        or a report is already under way; the caller aborts as before."""
+        job = self._job
+        if job is None or job.channel is None or not job.claim():
+            return False
+        job.run(self, f"rank {job.rank} raised {error}", announce=True, extra={"error": error, "stack": stack})
+        return True
+
+    def _watch(self, job: "_Job") -> None:
+        while True:
+            deadline = job.policy.deadline(job.recorder.median_step())
+            if self._stop.wait(min(1.0, (deadline or 4.0) / 4)):
                 return
+            late = self.overdue(deadline, time.monotonic()) if deadline is not None else None
+            asked = job.channel.poll(TAG_REQUEST) if job.channel is not None else []
+            if (late is None and not asked) or not job.claim():
+                continue
+            if late is not None:
+                trigger = f"rank {job.rank} waited {late.waited:.1f} s in {late.what} ({job.limit(deadline)})"
+                job.say(f"zerompi watchdog: rank {job.rank} of {job.size} has waited {late.waited:.0f} s in "
+                        f"{late.what} ({job.limit(deadline)}); "
+                        + ("gathering the hang report, then aborting the job\n" if job.channel is not None
+                           else "aborting the job\n"))
+            ended = job.run(self, trigger if late is not None else str(asked[0][1]), announce=late is not None)
+            if not ended and not self._stop.is_set():
+                job.end(ABORT_CODE)
+            return
+
+
+class _Job:
+    """What the watchdog thread needs to diagnose: the policy, this rank, the recorder, the channel."""
+
+    def __init__(self, policy: HangPolicy, rank: int, size: int, abort: Callable[[int], None],
+                 recorder: Recorder, channel: Channel | None, stopped: threading.Event):
+        self.policy, self.rank, self.size, self.abort = policy, rank, size, abort
+        self.recorder, self.channel, self.stopped = recorder, channel, stopped
+        self._claimed = threading.Lock()
+
+    def claim(self) -> bool:
+        """True the first time only: one report per process, from whichever thread gets here first."""
+        return self._claimed.acquire(blocking=False)
+
+    def limit(self, deadline: float | None) -> str:
+        if self.policy.timeout is not None:
+            return f"collective_timeout={self.policy.timeout:g} s"
+        return f"deadline {deadline:g} s: hang_floor={self.policy.floor:g} s or {FACTOR:g} median steps"
+
+    @staticmethod
+    def say(text: str) -> None:
+        os.write(2, text.encode(errors="replace"))
+
+    def run(self, watchdog: Watchdog, trigger: str, *, announce: bool, extra: dict[str, Any] | None = None) -> bool:
+        """Write this rank's record and hand it to rank 0; on rank 0, gather, report and abort the
+        job (HANG_CODE): True. False where this rank made no report: the caller aborts alone."""
+        if announce and self.channel is not None:
+            for r in range(self.size):
+                if r != self.rank:
+                    self.channel.post(r, TAG_REQUEST, trigger)
+        record = self.recorder.snapshot(self.rank, self.size, watchdog.waiting, trigger)
+        record.update(extra or {})
+        where = self._write(record)
+        if self.channel is None:
+            return False
+        if self.rank != 0:
+            self.channel.post(0, TAG_RECORD, record)
+            if not self._linger(GATHER_WAIT + ABORT_AFTER):
+                self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: rank 0 made no hang report; "
+                         f"this rank's record: {where}\n")
+            return False
+        self._report(record, trigger, where)
+        self.end(HANG_CODE)
+        return True
+
+    def _write(self, record: dict[str, Any]) -> str:
+        """Write this rank's record; returns the directory, or why it could not be written."""
+        directory = self.policy.directory
+        if directory is None:
+            return "not written (no hang_dir)"
+        try:
+            diagnosis.write_record(directory, record)
+            return directory
+        except OSError as e:
+            return f"not written ({directory}: {e.strerror or e})"
+
+    def _linger(self, seconds: float) -> bool:
+        """Keep the posted messages moving (a rank in user code makes no other MPI call) for ``seconds``;
+        True if the watchdog was stopped meanwhile."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.channel.flush()
+            if self.stopped.wait(0.05):
+                return True
+        return False
+
+    def _report(self, own: dict[str, Any], trigger: str, where: str) -> None:
+        """Gather the other ranks' records for at most GATHER_WAIT seconds; print and save the report."""
+        records = {0: own}
+        end = time.monotonic() + GATHER_WAIT
+        while len(records) < self.size and time.monotonic() < end:
+            records.update((src, rec) for src, rec in self.channel.poll(TAG_RECORD))
+            self.channel.flush()
+            time.sleep(0.05)
+        written = where == self.policy.directory
+        text = diagnosis.format_report(diagnosis.diagnose(records, self.size), trigger=trigger,
+                                       directory=where if written else None)
+        self.say(text if written else text + f"records: {where}\n")
+        if written:
+            try:
+                with open(os.path.join(where, diagnosis.REPORT_NAME), "w") as f:
+                    f.write(text)
+            except OSError:
+                pass  # the report is on stderr already
+
+    def end(self, code: int) -> None:
+        time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills us
+        self.abort(code)

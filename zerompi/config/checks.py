@@ -221,6 +221,8 @@ CHECKS: dict[str, Check] = {
     "debug_collectives": boolean,
     "collective_timeout": lambda k, v: optional(k, v, lambda k, v: real(k, v, gt=0), "no watchdog"),
     "abort_on_exception": boolean,
+    "hang_floor": lambda k, v: optional(k, v, lambda k, v: real(k, v, gt=0), "no automatic hang deadline"),
+    "hang_dir": lambda k, v: optional(k, v, path, "a temporary directory per job"),
     "checkpoint_layout": _of(CheckpointLayout),
     "param_persistence_threshold": lambda k, v: integer(k, v, 0),
     "max_live_params": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "no bound"),

@@ -177,9 +177,13 @@ class ReliabilityPolicy:
     debug_collectives: bool
     """Check before every collective that all ranks are at the same one."""
     collective_timeout: float | None
-    """Seconds a rank may wait in one collective before the watchdog aborts; None: no watchdog."""
+    """Seconds a rank may wait in one collective before the watchdog aborts; overrides hang_floor."""
     abort_on_exception: bool
     """An uncaught exception on one rank calls MPI_Abort instead of hanging the others."""
+    hang_floor: float | None
+    """Least seconds of the automatic hang deadline (max with 3 median steps); None: off."""
+    hang_dir: str | None
+    """Where ranks write their records on a hang abort; None: a temporary directory per job."""
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,17 @@ class ZeroConfig:
     when the environment sets ZEROMPI_DEBUG=1."""
     collective_timeout: float | None = None
     """Seconds a rank may wait in one collective before the watchdog reports what it was
-    waiting on and aborts the job; None disables the watchdog."""
+    waiting on, gathers the hang report and aborts the job; overrides the automatic deadline
+    of hang_floor."""
+    hang_floor: float | None = 30.0
+    """The automatic hang deadline: a rank waiting in one collective longer than
+    max(hang_floor, 3 x the running median step time) starts the hang report (rank 0 names the
+    culprit rank, its collective and stack) and the job aborts with exit code 4. Seconds; None
+    turns the automatic deadline off (collective_timeout still applies)."""
+    hang_dir: str | None = None
+    """Directory where each rank writes its record (last collectives, stack) when a hang is
+    diagnosed, for ``zerompi diagnose DIR``; None: a temporary directory named after the job.
+    Use a shared directory to read every rank's record from one node."""
     abort_on_exception: bool = True
     """Install a sys.excepthook that prints an uncaught exception once and calls MPI_Abort,
     so one failing rank ends the job instead of hanging the others."""
@@ -314,7 +324,7 @@ class ZeroConfig:
     def reliability(self) -> ReliabilityPolicy:
         """Collective checks, watchdog and abort."""
         return ReliabilityPolicy(self.debug_collectives, self.collective_timeout,
-                                 self.abort_on_exception)
+                                 self.abort_on_exception, self.hang_floor, self.hang_dir)
 
     @property
     def compression(self) -> CompressionPolicy:

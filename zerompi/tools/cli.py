@@ -12,7 +12,7 @@ import sys
 from zerompi.errors import ZeroMPIError
 
 # module -> subcommand it registers (imported lazily so `zerompi --help` stays fast)
-TOOLS = ("zerompi.checkpoint.cli", "zerompi.tools.estimate", "zerompi.tools.plot")
+TOOLS = ("zerompi.checkpoint.cli", "zerompi.tools.estimate", "zerompi.tools.plot", "zerompi.tools.diagnose")
 
 
 def main(argv: list[str] | None = None) -> int:

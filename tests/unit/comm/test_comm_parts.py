@@ -21,7 +21,8 @@ import zerompi
 from zerompi.comm.group import FutureWork, ProcessGroup, RequestWork, Work
 from zerompi.comm.monitor import Agreement, CollectiveMismatchError, Counters, Monitor
 from zerompi.comm.mpi import MPIGroup, thread_support_error
-from zerompi.comm.watchdog import ABORT_CODE, Overdue, Watchdog
+from zerompi.comm.recorder import Recorder
+from zerompi.comm.watchdog import ABORT_CODE, HangPolicy, Overdue, Watchdog
 
 
 class Request:
@@ -152,7 +153,7 @@ def test_watchdog_aborts_a_long_wait_through_the_injected_abort(capfd):
         codes.append(code)
         aborted.set()
     with w.blocked("a barrier", "intra"):  # a sub-group's label is named in the report
-        w.start(0.2, 1, 4, abort)
+        w.start(HangPolicy(0.2, None, None), 1, 4, abort, Recorder())
         assert aborted.wait(10)
     w.stop()
     assert codes == [ABORT_CODE]
@@ -164,7 +165,7 @@ def test_watchdog_aborts_a_long_wait_through_the_injected_abort(capfd):
 def test_watchdog_leaves_short_waits_alone():
     w = Watchdog()
     codes: list[int] = []
-    w.start(0.4, 0, 2, codes.append)
+    w.start(HangPolicy(0.4, None, None), 0, 2, codes.append, Recorder())
     for _ in range(5):
         with w.blocked("a short wait"):
             time.sleep(0.05)

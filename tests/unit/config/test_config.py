@@ -44,7 +44,7 @@ def test_field_order_matches_spec():
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
         "nvme_verify", "return_freed_memory", "overlap_grad_reduce", "optimizer_in_backward", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
-        "collective_timeout", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
+        "collective_timeout", "hang_floor", "hang_dir", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
         "quantize_weights", "quantize_grads", "quant_block", "reproducible", "micro_batches", "grad_error_feedback",
         "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy"]
 
@@ -53,7 +53,8 @@ def test_field_order_matches_spec():
     ("nonfinite", "ignore"), ("nonfinite", 1), ("debug_collectives", 1), ("debug_collectives", "yes"),
     ("collective_timeout", 0), ("collective_timeout", -1.0), ("collective_timeout", float("nan")),
     ("collective_timeout", "10"), ("abort_on_exception", None), ("hierarchy", "2d"),
-    ("ranks_per_node", 0), ("ranks_per_node", 1.5)])
+    ("ranks_per_node", 0), ("ranks_per_node", 1.5), ("hang_floor", 0), ("hang_floor", -3.0),
+    ("hang_floor", float("inf")), ("hang_floor", "30"), ("hang_dir", ""), ("hang_dir", 3)])
 def test_reliability_fields_reject_bad_values(key, value):
     with pytest.raises(ConfigError, match=key):
         ZeroConfig(**{key: value})

@@ -142,12 +142,14 @@ def test_offload_policy():
 def test_overlap_topology_reliability_policies():
     cfg = ZeroConfig(overlap_grad_reduce=True, prefetch_units=2, mpi_progress="thread", hierarchy="hpz",
                      ranks_per_node=4, nonfinite="skip", debug_collectives=True, collective_timeout=30,
-                     abort_on_exception=False)
+                     abort_on_exception=False, hang_floor=5, hang_dir="/tmp/records")
     assert cfg.overlap == OverlapPolicy(True, 2, Progress.THREAD, UpdateSchedule.AFTER_BACKWARD)
     assert ZeroConfig(stage=2, optimizer_in_backward=True).overlap.update is UpdateSchedule.IN_BACKWARD
     assert cfg.topology == TopologyPolicy(Hierarchy.HPZ, 4) and not cfg.topology.is_flat
     assert ZeroConfig().topology.is_flat
-    assert cfg.reliability == ReliabilityPolicy(True, 30.0, False) and cfg.optimization.nonfinite is NonFinite.SKIP
+    assert cfg.reliability == ReliabilityPolicy(True, 30.0, False, 5.0, "/tmp/records")
+    assert ZeroConfig().reliability.hang_floor == 30.0 and ZeroConfig().reliability.hang_dir is None
+    assert cfg.optimization.nonfinite is NonFinite.SKIP
 
 
 @pytest.mark.parametrize("group", ["precision", "offload", "overlap", "topology", "reliability"])

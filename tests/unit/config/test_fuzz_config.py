@@ -92,7 +92,9 @@ _KNOWN_VALID = {
     # needs stage 2-3, no clipping, no fp16, nonfinite='raise': test_fuzz_in_backward
     "optimizer_in_backward": st.just(False), "nonfinite": st.sampled_from(["raise", "skip"]),
     "debug_collectives": st.booleans(), "collective_timeout": st.one_of(st.none(), _POS),
-    "abort_on_exception": st.booleans(), "checkpoint_layout": st.sampled_from(["auto", "per_rank", "per_node"]),
+    "abort_on_exception": st.booleans(), "hang_floor": st.one_of(st.none(), _POS),
+    "hang_dir": st.one_of(st.none(), TEXT.filter(bool)),
+    "checkpoint_layout": st.sampled_from(["auto", "per_rank", "per_node"]),
     # a decaying schedule needs total_steps > warmup_steps and min_lr <= lr: test_fuzz_decaying_schedules
     "param_persistence_threshold": st.just(0), "max_live_params": st.one_of(st.none(), st.integers(1, 10**12)),
     "lr_schedule": st.just("constant"), "warmup_steps": st.integers(0, 10**4),

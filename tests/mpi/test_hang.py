@@ -1,0 +1,129 @@
+"""A hang names its culprit: one rank misbehaves (workers/hang.py), rank 0's report names it, its
+collective and its stack, and the job ends with exit code 4 within 10 s of the fault.
+
+hang_floor=2 s here; the default is 30 s. Each case is one mpiexec job of about 10 s.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zerompi.comm.watchdog import HANG_CODE
+from zerompi.tools.cli import main
+
+from .launcher import ROOT, WORKERS, mpi_env, mpiexec
+
+NAMED_WITHIN = 10.0  # seconds from the fault to the job's end: max(10 s, 3 median steps) at these step times
+
+
+def named_within() -> float:
+    """NAMED_WITHIN, stretched by how many runnable processes share each core (a shared test machine)."""
+    return NAMED_WITHIN * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+class Job:
+    def __init__(self, n: int, fault: str, directory: Path, *extra: str):
+        cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKERS / "hang.py"),
+               "--fault", fault, "--dir", str(directory), *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=180)
+        self.ended = time.time()
+        self.rc, self.err, self.out = proc.returncode, proc.stderr, proc.stdout
+        fault_time = directory / "fault.time"
+        self.fault = float(fault_time.read_text()) if fault_time.exists() else None
+
+    def section(self, rank: int) -> str:
+        """The culprit block of the report for ``rank`` (its line and stack)."""
+        m = re.search(r"^culprit: .*?\n((?:  .*\n)*?)(?:first divergence|every rank)", self.err, re.M)
+        assert m, self.err[-4000:]
+        block = m.group(1)
+        start = block.index(f"  rank {rank}: ")
+        nxt = re.search(r"^  rank \d+: ", block[start + 3:], re.M)
+        return block[start:start + 3 + nxt.start()] if nxt else block[start:]
+
+
+# fault, ranks, what the culprit's line says, a frame of its stack (None: no stack, a missing rank)
+CASES = [
+    ("extra_microbatch", 3, "waiting", "in train_step: engine.backward(engine(load_batch"),
+    ("extra_microbatch", 2, "waiting", "in train_step: engine.backward(engine(load_batch"),
+    ("skip_module", 3, "waiting", "in train_step"),
+    ("skip_module", 2, "waiting", "in train_step"),
+    ("loader_sleep", 2, "not in a collective: in user code", "in load_batch: time.sleep(600)"),
+    ("busy_loop", 4, "not in a collective: in user code", "in train_step: spin()"),
+    ("sigstop", 2, "missing", None),
+    ("raise", 3, "raised RuntimeError: boom in user code", "in train_step: raise RuntimeError"),
+    ("user_barrier", 4, "not in a collective: in user code", "in train_step: USER.Barrier()"),
+    ("branch", 3, "waiting", "in train_step"),
+    ("step_early", 2, "raised UsageError: step() called before backward()", "in train_step: return engine.step()"),
+    ("bucket_size", 2, "raised Exception", "in main: engine = zerompi.initialize(model, cfg)"),
+    ("oom", 4, "raised RuntimeError", "in forward: torch.empty(2**62"),
+]
+
+
+@pytest.mark.parametrize("fault,n,where,frame", CASES, ids=[f"{c[0]}-np{c[1]}" for c in CASES])
+def test_hang_report_names_the_culprit(tmp_path, fault, n, where, frame):
+    job = Job(n, fault, tmp_path)
+    culprit = n - 1
+    assert job.rc == HANG_CODE, (job.rc, job.err[-6000:])
+    assert f"\nculprit: rank(s) {culprit} (" in job.err, job.err[-6000:]
+    section = job.section(culprit)
+    assert where in section, section
+    if frame is not None:
+        assert frame in section, section
+    assert job.ended - job.fault < named_within(), (job.ended - job.fault, job.err[-3000:])
+
+
+@pytest.mark.parametrize("fault,where", [("loader_sleep", "not in a collective"), ("extra_microbatch", "waiting")])
+def test_hang_report_with_the_communication_thread_and_prefetch(tmp_path, fault, where):
+    """mpi_progress='thread' runs every collective on another thread; the report is the same."""
+    job = Job(2, fault, tmp_path, "--progress", "thread")
+    assert job.rc == HANG_CODE and "\nculprit: rank(s) 1 (" in job.err, job.err[-6000:]
+    assert where in job.section(1)
+
+
+def test_skipped_module_first_divergence_names_both_modules(tmp_path):
+    job = Job(3, "skip_module", tmp_path)
+    div = job.err[job.err.index("first divergence"):job.err.index("every rank:")]
+    assert "rank(s) 0-1: all_gather of 288 B for bucket 1 [mid.weight ...] of module 'mid'" in div, div
+    assert "rank(s) 2: all_gather of 288 B for bucket 2 [fc2.weight ...] of module 'fc2'" in div, div
+
+
+def test_diagnose_reads_the_records_a_dead_job_left(tmp_path, capsys):
+    job = Job(2, "loader_sleep", tmp_path)
+    assert job.rc == HANG_CODE
+    assert sorted(p.name for p in tmp_path.glob("rank-*.json")) == ["rank-00000.json", "rank-00001.json"]
+    assert main(["diagnose", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    report = job.err[job.err.index("zerompi hang report"):job.err.index("records: ")]
+    assert out == report
+    assert out == (tmp_path / "report.txt").read_text().split("records: ")[0]
+
+
+@pytest.mark.parametrize("close", (True, False), ids=("closed", "left-open"))
+def test_a_healthy_job_ends_normally_and_leaves_no_records(tmp_path, close):
+    """The watchdog thread polls MPI; left running at exit it must stop before MPI is finalised."""
+    job = Job(3, "none", tmp_path, "--steps", "8", *(() if close else ("--no-close",)))
+    assert job.rc == 0 and "no hang" in job.out, job.err[-4000:]
+    assert "zerompi" not in job.err and not list(tmp_path.glob("rank-*.json"))
+
+
+def test_sigkill_ends_the_job_through_the_launcher(tmp_path):
+    """MPICH's mpiexec ends the job when a rank dies: no hang to diagnose (sigstop stands in for a
+    killed rank under a launcher that leaves the others waiting)."""
+    job = Job(2, "sigkill", tmp_path)
+    assert job.rc != 0 and job.ended - job.fault < named_within()
+
+
+def test_an_unwritable_hang_dir_still_reports_and_aborts(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    (tmp_path / "d").mkdir()
+    cmd_dir = blocker / "records"  # under a regular file: cannot be created
+    job = Job(2, "loader_sleep", tmp_path / "d", "--records", str(cmd_dir))
+    assert job.rc == HANG_CODE and "\nculprit: rank(s) 1 (" in job.err, job.err[-4000:]
+    assert f"records: not written ({cmd_dir}" in job.err

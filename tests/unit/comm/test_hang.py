@@ -1,0 +1,252 @@
+"""The hang recorder, the report and its divergence finding, and the watchdog's exchange, without MPI."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from zerompi.comm import diagnosis
+from zerompi.comm.local import run_ranks
+from zerompi.comm.recorder import RING, Recorder, user_stack
+from zerompi.comm.watchdog import ABORT_CODE, FACTOR, HANG_CODE, HangPolicy, Watchdog
+from zerompi.tools.cli import main
+
+# ---- the recorder -----------------------------------------------------------------------------
+
+
+def test_ring_keeps_the_last_events_numbered_in_issue_order():
+    rec = Recorder(size=4)
+    for i in range(10):
+        rec.begin("all_gather", "", f"bucket {i}", 8 * i)
+    assert rec.count == 10 and [e.index for e in rec.events] == [6, 7, 8, 9]
+    assert [e.what for e in rec.events] == ["bucket 6", "bucket 7", "bucket 8", "bucket 9"]
+    assert Recorder().events.maxlen == RING
+
+
+def test_median_step_leaves_out_the_warm_up_step():
+    rec = Recorder()
+    assert rec.median_step() is None
+    rec._step_times.extend([10.0, 0.1])
+    assert rec.median_step() == pytest.approx(5.05)  # two steps: both count
+    rec._step_times.extend([0.2, 0.3])
+    assert rec.median_step() == pytest.approx(0.2)   # the 10 s first step is left out
+
+
+def test_deadline_is_the_timeout_else_the_floor_or_a_few_median_steps():
+    assert HangPolicy(5.0, 30.0, None).deadline(100.0) == 5.0
+    assert HangPolicy(None, 30.0, None).deadline(None) == 30.0
+    assert HangPolicy(None, 30.0, None).deadline(1.0) == 30.0
+    assert HangPolicy(None, 30.0, None).deadline(20.0) == FACTOR * 20.0
+    assert HangPolicy(None, None, None).deadline(20.0) is None and not HangPolicy(None, None, None).active
+
+
+def test_every_group_of_a_process_records_into_one_ring():
+    def body(group):
+        sub = group.split(group.rank % 2, group.rank, "intra")
+        group.all_reduce(torch.ones(3))
+        sub.all_gather(torch.ones(2), torch.empty(2 * sub.size), what="bucket 1")
+        group.barrier()
+        group.allgather_object({"x": 1})
+        return group.monitor.recorder.snapshot(group.rank, group.size, None, "test")
+    records = run_ranks(4, body)
+    for record in records:
+        kinds = [(e[1], e[2], e[3], e[4]) for e in record["events"]]
+        assert kinds[-4:] == [("all_reduce", "", "", 12), ("all_gather", "intra", "bucket 1", 16),
+                              ("barrier", "", "", 0), ("allgather_object", "", "metadata", 0)]
+        assert all(e[6] is not None for e in record["events"])  # every one ended
+        assert record["waiting"] is None and record["count"] == len(record["events"])
+    assert diagnosis.find_divergence({r: rec for r, rec in enumerate(records)}) is None
+
+
+def test_user_stack_keeps_the_callers_frames_and_names_the_library_frame():
+    stacks = []
+
+    def user_function():
+        stacks.append(user_stack(threading.get_ident()))
+    user_function()
+    assert any("in user_function: stacks.append" in line for line in stacks[0])
+    assert all("zerompi/comm" not in line for line in stacks[0][:-1])
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+def record(rank, size, sigs, *, waiting=True, step_of=None, first=0, error=None):
+    """A rank's record with events ``sigs`` (kind, what) numbered from ``first``; ``step_of[i]``
+    is the step of event i (default 0)."""
+    events = [[first + i, kind, "", what, 8, 1.0, None if waiting and i == len(sigs) - 1 else 0.5,
+               (step_of or {}).get(first + i, 0)] for i, (kind, what) in enumerate(sigs)]
+    rec = {"rank": rank, "size": size, "host": "h", "pid": 100 + rank, "steps": 0, "count": first + len(sigs),
+           "events": events, "waiting": f"{sigs[-1][0]} for {sigs[-1][1]}" if waiting else None,
+           "waited": 3.0 if waiting else None, "stack": [f"train.py:{rank} in loop: x"], "reason": "t"}
+    if error:
+        rec["error"] = error
+    return rec
+
+
+STEP = [("all_gather", "a"), ("all_gather", "b"), ("reduce_scatter", "b"), ("all_reduce", "norm")]
+
+
+def test_a_rank_behind_in_user_code_is_named_by_the_majority():
+    recs = {0: record(0, 3, STEP), 1: record(1, 3, STEP), 2: record(2, 3, STEP[:3], waiting=False)}
+    report = diagnosis.diagnose(recs, 3)
+    assert report.culprits == [2] and report.divergence.index == 3
+    assert report.divergence.camps == {("all_reduce", "", "norm", 8): [0, 1], diagnosis.NOT_REACHED: [2]}
+    text = diagnosis.format_report(report, directory="/d")
+    assert "culprit: rank(s) 2" in text and "not in a collective: in user code" in text
+    assert "train.py:2 in loop" in text and "zerompi diagnose /d" in text
+
+
+def test_two_ranks_tie_broken_by_the_one_in_user_code():
+    report = diagnosis.diagnose({0: record(0, 2, STEP), 1: record(1, 2, STEP[:3], waiting=False)}, 2)
+    assert report.culprits == [1] and "not in a collective" in report.reason
+
+
+def test_two_ranks_tie_broken_by_the_step_pattern():
+    """Rank 1 runs one micro-batch more: where rank 0 reduces the norm, it gathers again."""
+    steps = {i: i // 4 for i in range(8)}
+    good = STEP + STEP
+    extra = STEP + STEP[:3] + [("all_gather", "a")]
+    report = diagnosis.diagnose({0: record(0, 2, good, step_of=steps), 1: record(1, 2, extra, step_of=steps)}, 2)
+    assert report.divergence.index == 7 and report.culprits == [1]
+    assert "previous step" in report.reason
+
+
+def test_a_different_collective_on_one_rank_is_the_first_divergence():
+    skipped = [STEP[0], STEP[2], STEP[3]]  # skipped module b's gather
+    recs = {r: record(r, 4, STEP) for r in range(3)} | {3: record(3, 4, skipped)}
+    report = diagnosis.diagnose(recs, 4)
+    assert report.divergence.index == 1 and report.culprits == [3]
+    assert report.divergence.camps[("reduce_scatter", "", "b", 8)] == [3]
+
+
+def test_rings_that_start_at_different_events_are_compared_where_both_hold_them():
+    recs = {0: record(0, 2, STEP[1:], first=1), 1: record(1, 2, STEP[2:3], first=2, waiting=False)}
+    report = diagnosis.diagnose(recs, 2)
+    assert report.divergence.index == 3 and report.culprits == [1]
+
+
+def test_missing_ranks_are_culprits_when_the_others_agree():
+    report = diagnosis.diagnose({0: record(0, 3, STEP), 1: record(1, 3, STEP)}, 3)
+    assert report.missing == [2] and report.culprits == [2] and report.divergence is None
+    assert "rank 2: missing" in diagnosis.format_report(report)
+
+
+def test_a_rank_that_raised_is_the_culprit():
+    recs = {0: record(0, 2, STEP), 1: record(1, 2, STEP[:2], waiting=False, error="RuntimeError: boom")}
+    report = diagnosis.diagnose(recs, 2)
+    assert report.culprits == [1] and "raised RuntimeError: boom" in diagnosis.format_report(report)
+
+
+def test_no_culprit_when_every_rank_is_in_the_same_collective():
+    report = diagnosis.diagnose({r: record(r, 2, STEP) for r in range(2)}, 2)
+    assert report.culprits == [] and "no rank diverged" in report.reason
+
+
+def test_the_report_groups_ranks_in_the_same_state():
+    recs = {r: record(r, 16, STEP) for r in range(15)} | {15: record(15, 16, STEP[:3], waiting=False)}
+    for r in range(15):
+        recs[r]["stack"] = ["train.py:9 in loop: loss = engine(x)"]
+    text = diagnosis.format_report(diagnosis.diagnose(recs, 16))
+    assert "culprit: rank(s) 15 (" in text and "rank(s) 0-14: all_reduce of 8 B for norm" in text
+    assert text.count("  rank(s) 0-14: waiting in all_reduce for norm") == 1, text
+    assert diagnosis.rank_list([7, 0, 1, 2, 5, 9, 10]) == "0-2, 5, 7, 9-10"
+
+
+# ---- files and the command --------------------------------------------------------------------
+
+def test_diagnose_command_prints_the_report_from_the_files(tmp_path, capsys):
+    for r, rec in {0: record(0, 3, STEP), 1: record(1, 3, STEP[:3], waiting=False)}.items():
+        diagnosis.write_record(tmp_path, rec)
+    (tmp_path / "rank-00005.json").write_text("{not json")  # skipped
+    assert main(["diagnose", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "3 ranks, 2 answered" in out and "rank 2: missing" in out and "culprit: rank(s) 1-2" in out
+
+
+def test_diagnose_command_without_records_is_a_clear_error(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path)]) == 2
+    assert "no readable rank record" in capsys.readouterr().err
+
+
+# ---- the watchdog's exchange --------------------------------------------------------------------
+
+class Hub:
+    """In-process side channels between watchdogs of one test (what mpi.SideChannel does over MPI)."""
+
+    def __init__(self):
+        self.boxes: dict[tuple[int, int], list] = {}
+        self.lock = threading.Lock()
+
+    def channel(self, rank):
+        hub = self
+
+        class Channel:
+            def post(self, dest, tag, obj):
+                with hub.lock:
+                    hub.boxes.setdefault((dest, tag), []).append((rank, json.loads(json.dumps(obj))))
+
+            def poll(self, tag):
+                with hub.lock:
+                    return hub.boxes.pop((rank, tag), [])
+
+            def flush(self):
+                return True
+        return Channel()
+
+
+def test_an_overdue_rank_gets_a_report_naming_the_rank_in_user_code(tmp_path, capfd):
+    hub, codes, done = Hub(), {}, threading.Event()
+    policy = HangPolicy(None, 0.3, str(tmp_path))
+    dogs = [Watchdog(), Watchdog()]
+
+    def abort(rank):
+        def f(code):
+            codes[rank] = code
+            done.set()
+        return f
+    recorders = [Recorder(), Recorder()]
+    for r in range(2):
+        recorders[r].begin("all_gather", "", "bucket 0", 8).end = time.monotonic()
+    recorders[0].begin("all_gather", "", "bucket 1", 8)  # rank 1 never issues it
+    dogs[1].start(policy, 1, 2, abort(1), recorders[1], hub.channel(1))
+    with dogs[0].blocked("all_gather for bucket 1"):
+        dogs[0].start(policy, 0, 2, abort(0), recorders[0], hub.channel(0))
+        assert done.wait(20)
+    for d in dogs:
+        d.stop()
+    assert codes == {0: HANG_CODE}
+    err = capfd.readouterr().err
+    assert "zerompi hang report: 2 ranks, 2 answered" in err and "culprit: rank(s) 1" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["rank-00000.json", "rank-00001.json", "report.txt"]
+
+
+def test_an_unwritable_directory_degrades_to_the_per_rank_message(tmp_path, capfd):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    codes, done = [], threading.Event()
+    w = Watchdog()
+    with w.blocked("a barrier"):
+        w.start(HangPolicy(None, 0.2, str(blocker / "records")), 1, 4,
+                lambda code: (codes.append(code), done.set()), Recorder())
+        assert done.wait(10)
+    w.stop()
+    assert codes == [ABORT_CODE]
+    assert "zerompi watchdog: rank 1 of 4 has waited" in capfd.readouterr().err
+
+
+def test_a_rank_whose_report_never_comes_aborts_by_itself(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
+    monkeypatch.setattr("zerompi.comm.watchdog.ABORT_AFTER", 0.2)
+    hub, codes, done = Hub(), [], threading.Event()
+    w = Watchdog()
+    with w.blocked("a barrier"):  # rank 1 of 2; rank 0 never answers
+        w.start(HangPolicy(None, 0.2, str(tmp_path)), 1, 2, lambda code: (codes.append(code), done.set()),
+                Recorder(), hub.channel(1))
+        assert done.wait(10)
+    w.stop()
+    assert codes == [ABORT_CODE] and "rank 0 made no hang report" in capfd.readouterr().err
+    assert (tmp_path / "rank-00001.json").exists()

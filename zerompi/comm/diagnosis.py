@@ -1,0 +1,219 @@
+"""From the ranks' records (recorder.py) to one hang report: who is where, who diverged, where first.
+
+Pure: no MPI, no clock. The watchdog (live, on rank 0) and ``zerompi diagnose DIR`` (from the
+files a dead job left) both call :func:`diagnose` and :func:`format_report`.
+
+The culprit is found at the first event number where the ranks' events differ (a rank that has
+not issued that event yet counts as one more kind of event, "not reached"):
+
+0. ranks that raised an uncaught exception (guard.py asks for the report) are the culprits;
+1. ranks outside the largest group of agreeing ranks diverged (a majority decides);
+2. on a tie (two ranks, or two equal camps), the ranks not waiting in a collective (in user code)
+   are the culprits; failing that, the ranks whose event there differs from the one at the same
+   position of their previous step (one extra micro-batch, a skipped module);
+3. if every present rank agrees on every event, the ranks with no record (killed, or stuck where
+   their watchdog thread cannot answer) are the culprits.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+RECORD_GLOB = "rank-*.json"
+REPORT_NAME = "report.txt"
+NOT_REACHED = ("not reached",)
+DETAILED = 4      # culprits shown with their whole stack
+STATE_FRAMES = 3  # innermost frames that, with its state, group a rank with others in "every rank"
+
+
+class Divergence(NamedTuple):
+    """The first event number where ranks differ, and which ranks issued what there."""
+
+    index: int
+    camps: dict[tuple, list[int]]  # event signature (or NOT_REACHED) -> ranks
+
+
+class Report(NamedTuple):
+    size: int
+    records: dict[int, dict[str, Any]]  # rank -> record (recorder.Recorder.snapshot)
+    missing: list[int]
+    divergence: Divergence | None
+    culprits: list[int]
+    reason: str                         # why these ranks are the culprits
+
+
+def record_path(directory: str | os.PathLike, rank: int) -> Path:
+    return Path(directory) / f"rank-{rank:05d}.json"
+
+
+def write_record(directory: str | os.PathLike, record: dict[str, Any]) -> Path:
+    """Write one rank's record atomically (a reader never sees half a file); OSError if it cannot."""
+    os.makedirs(directory, exist_ok=True)
+    path = record_path(directory, record["rank"])
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+    return path
+
+
+def load_records(directory: str | os.PathLike) -> tuple[dict[int, dict[str, Any]], int]:
+    """The records in ``directory`` and the job's size they name; unreadable files are skipped."""
+    records: dict[int, dict[str, Any]] = {}
+    for path in sorted(Path(directory).glob(RECORD_GLOB)):
+        try:
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    size = max((int(r.get("size", 0)) for r in records.values()), default=0)
+    return records, size
+
+
+def _signature(event: list) -> tuple:
+    return (event[1], event[2], event[3], event[4])  # kind, group, what, bytes
+
+
+def _by_index(record: dict[str, Any]) -> dict[int, list]:
+    return {e[0]: e for e in record["events"]}
+
+
+def find_divergence(records: dict[int, dict[str, Any]]) -> Divergence | None:
+    """The first event number at which the present ranks' events differ, if any."""
+    if len(records) < 2:
+        return None
+    rings = {r: _by_index(rec) for r, rec in records.items()}
+    counts = {r: rec["count"] for r, rec in records.items()}
+    first = max((min(ring) if ring else counts[r]) for r, ring in rings.items())  # all rings hold this on
+    for i in range(first, max(counts.values())):
+        camps: dict[tuple, list[int]] = defaultdict(list)
+        for r in sorted(rings):
+            camps[_signature(rings[r][i]) if i < counts[r] else NOT_REACHED].append(r)
+        if len(camps) > 1:
+            return Divergence(i, dict(camps))
+    return None
+
+
+def _off_pattern(record: dict[str, Any], index: int) -> bool:
+    """True when the rank's event ``index`` differs from the event at the same position of its
+    previous step, or lies past that step's end (False when it has no event there, or no
+    previous step is in the ring)."""
+    ring = _by_index(record)
+    if index not in ring:
+        return False
+    step = ring[index][7]
+    this = [e for e in record["events"] if e[7] == step]
+    before = [e for e in record["events"] if e[7] == step - 1]
+    pos = index - this[0][0]
+    if not before:
+        return False
+    return pos >= len(before) or _signature(ring[index]) != _signature(before[pos])
+
+
+def _culprits(records: dict[int, dict[str, Any]], missing: list[int],
+              div: Divergence | None) -> tuple[list[int], str]:
+    failed = sorted(r for r, rec in records.items() if rec.get("error"))
+    if failed:
+        return failed, "raised an exception"
+    if div is None:
+        if missing:
+            return missing, "every rank that answered is at the same collective; the missing ranks are not"
+        return [], "every rank is at the same collective: no rank diverged (a slow collective or network)"
+    sizes = sorted((len(r) for r in div.camps.values()), reverse=True)
+    if sizes[0] > sizes[1]:
+        major = max(div.camps.values(), key=len)
+        return sorted(r for r in records if r not in major), f"the other {len(major)} rank(s) agree at this event"
+    idle = sorted(r for r in records if records[r]["waiting"] is None)
+    if idle and len(idle) < len(records):
+        return idle, "not in a collective while the others wait in one"
+    odd = sorted(r for r in records if _off_pattern(records[r], div.index))
+    if odd and len(odd) < len(records):
+        return odd, "its event here differs from the same point of its previous step"
+    return sorted(records), "no majority: the ranks disagree and none stands out"
+
+
+def diagnose(records: dict[int, dict[str, Any]], size: int) -> Report:
+    """Compare the records of a job of ``size`` ranks (some may be missing)."""
+    missing = [r for r in range(size) if r not in records]
+    div = find_divergence(records)
+    culprits, reason = _culprits(records, missing, div)
+    if div is not None and missing:
+        reason += "; ranks with no record are missing"
+        culprits = sorted(set(culprits) | set(missing))
+    return Report(size, records, missing, div, culprits, reason)
+
+
+# ---- text -------------------------------------------------------------------------------------
+def describe_event(event: list | tuple) -> str:
+    """``all_gather@intra of 4096 B for bucket 3 (module 'mid')`` from an event or a signature."""
+    kind, group, what, nbytes = event[-4:] if len(event) == 4 else _signature(event)
+    return f"{kind}{'@' + group if group else ''} of {nbytes} B" + (f" for {what}" if what else "")
+
+
+def where(record: dict[str, Any], *, timed: bool = True) -> str:
+    """What the rank is doing: the collective it waits in (for how long, if ``timed``), its
+    exception, or user code."""
+    last = record["events"][-1] if record["events"] else None
+    at = f"after event #{last[0]} ({describe_event(last)})" if last else "before its first collective"
+    if record.get("error"):
+        return f"raised {record['error']}, {at}, step {record['steps']}"
+    if record["waiting"] is not None:
+        event = record.get("waiting_event")
+        return (f"waiting {record['waited']:.1f} s in " if timed else "waiting in ") + record["waiting"] + \
+            ("" if event is None else f" [event #{event}]")
+    return f"not in a collective: in user code, {at}, step {record['steps']}"
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``0-5, 7, 9-10``: ranks in ascending runs."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def _camp_text(sig: tuple) -> str:
+    return "not reached (has not issued it)" if sig == NOT_REACHED else describe_event(sig)
+
+
+def _states(report: Report) -> dict[tuple, list[int]]:
+    """Ranks grouped by what they do and the innermost frames of their stacks (missing ranks too)."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for r in range(report.size):
+        rec = report.records.get(r)
+        key = ("missing", ()) if rec is None else (where(rec, timed=False), tuple(rec["stack"][-STATE_FRAMES:]))
+        groups[key].append(r)
+    return groups
+
+
+def format_report(report: Report, *, directory: str | None = None, trigger: str = "") -> str:
+    lines = [f"zerompi hang report: {report.size} ranks, {len(report.records)} answered"
+             + (f"; {trigger}" if trigger else "")]
+    lines.append(f"culprit: rank(s) {rank_list(report.culprits)} ({report.reason})")
+    for r in report.culprits[:DETAILED]:
+        rec = report.records.get(r)
+        if rec is None:
+            lines.append(f"  rank {r}: missing (no record: killed, or stuck where it cannot answer)")
+            continue
+        lines.append(f"  rank {r}: {where(rec)}")
+        lines.extend(f"    {frame}" for frame in rec["stack"])
+    if len(report.culprits) > DETAILED:
+        lines.append(f"  ... {len(report.culprits) - DETAILED} more culprit rank(s): see below")
+    div = report.divergence
+    if div is not None:
+        lines.append(f"first divergence: event #{div.index}")
+        lines.extend(f"  rank(s) {rank_list(rs)}: {_camp_text(sig)}" for sig, rs in div.camps.items())
+    lines.append("every rank:")
+    for (state, frames), ranks in sorted(_states(report).items(), key=lambda kv: kv[1][0]):
+        rec = report.records.get(ranks[0]) if len(ranks) == 1 else None
+        host = f" ({rec['host']} pid {rec['pid']})" if rec is not None else ""
+        lines.append(f"  rank(s) {rank_list(ranks)}{host}: {state}")
+        lines.extend(f"    {frame}" for frame in frames)
+    if directory:
+        lines.append(f"records: {directory} (`zerompi diagnose {directory}` prints this report again)")
+    return "\n".join(lines) + "\n"
