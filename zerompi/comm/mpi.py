@@ -17,7 +17,6 @@ they are staged through pinned host buffers.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from contextlib import AbstractContextManager
 from typing import Any, Callable
@@ -25,7 +24,7 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from zerompi.comm import shapes
+from zerompi.comm import libmpi, shapes
 from zerompi.comm.cuda_aware import Probes
 from zerompi.comm.group import FutureWork, RequestWork, Work
 from zerompi.comm.monitor import Agreement, Entered, Monitor
@@ -34,7 +33,6 @@ from zerompi.comm.thread import CommThread
 from zerompi.comm.watchdog import HangPolicy, default_directory
 from zerompi.errors import ZeroMPIError
 
-_MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi.h
 
 
 def world_rank() -> int:
@@ -60,7 +58,8 @@ def thread_support_error() -> str | None:
 
 def cuda_probes() -> Probes:
     """Ask the MPI library, three ways, whether it takes CUDA device buffers (cuda_aware.py weighs it)."""
-    return Probes(memory_alloc_kinds(), _mpix_cuda_support(), _mpix_gpu_cuda_support(), torch.cuda.is_available())
+    return Probes(memory_alloc_kinds(), libmpi.mpix_cuda_support(), libmpi.mpix_gpu_cuda_support(),
+                  torch.cuda.is_available())
 
 
 def memory_alloc_kinds() -> str | None:
@@ -72,42 +71,6 @@ def memory_alloc_kinds() -> str | None:
         return value if value is not None else MPI.INFO_ENV.Get("mpi_memory_alloc_kinds")
     except MPI.Exception:  # an MPI older than the key may refuse the query: no answer
         return None
-
-
-def _mpi_function(name: str, restype: Any, *argtypes: Any) -> Any:
-    """``name`` from the MPI library mpi4py loaded, or None where that library lacks it.
-
-    mpi4py loads libmpi with RTLD_LOCAL, so ``CDLL(None)`` cannot see it: find it in
-    /proc/self/maps and reopen it with RTLD_NOLOAD (never loading a second MPI).
-    """
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = dict.fromkeys(f[5].strip() for f in (line.split(maxsplit=5) for line in maps) if len(f) == 6)
-    except OSError:  # no /proc (not Linux): not reported
-        return None
-    for path in (p for p in paths if os.path.basename(p).startswith("libmpi")):
-        try:
-            fn = getattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), name)
-        except (OSError, AttributeError):
-            continue
-        fn.restype, fn.argtypes = restype, list(argtypes)
-        return fn
-    return None
-
-
-def _mpix_cuda_support() -> bool | None:
-    """Open MPI's (and MPICH's) ``int MPIX_Query_cuda_support(void)``."""
-    query = _mpi_function("MPIX_Query_cuda_support", ctypes.c_int)
-    return None if query is None else bool(query())
-
-
-def _mpix_gpu_cuda_support() -> bool | None:
-    """MPICH's ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)``; None if absent or failing."""
-    query = _mpi_function("MPIX_GPU_query_support", ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
-    flag = ctypes.c_int(0)
-    if query is None or query(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag)) != MPI.SUCCESS:
-        return None
-    return bool(flag.value)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

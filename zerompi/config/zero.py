@@ -151,7 +151,7 @@ class ZeroConfig:
     """Seconds a rank may wait in one collective before the watchdog reports what it was
     waiting on, gathers the hang report and aborts the job; overrides the automatic deadline
     of hang_floor."""
-    hang_floor: float | None = 30.0
+    hang_floor: float | None = 60.0
     """The automatic hang deadline: a rank waiting in one collective longer than
     max(hang_floor, 3 x the running median step time) starts the hang report (rank 0 names the
     culprit rank, its collective and stack) and the job aborts with exit code 4. Seconds; None

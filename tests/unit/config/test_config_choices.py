@@ -148,7 +148,7 @@ def test_overlap_topology_reliability_policies():
     assert cfg.topology == TopologyPolicy(Hierarchy.HPZ, 4) and not cfg.topology.is_flat
     assert ZeroConfig().topology.is_flat
     assert cfg.reliability == ReliabilityPolicy(True, 30.0, False, 5.0, "/tmp/records")
-    assert ZeroConfig().reliability.hang_floor == 30.0 and ZeroConfig().reliability.hang_dir is None
+    assert ZeroConfig().reliability.hang_floor == 60.0 and ZeroConfig().reliability.hang_dir is None
     assert cfg.optimization.nonfinite is NonFinite.SKIP
 
 
