@@ -254,6 +254,20 @@ def valid_deepspeed(draw) -> dict:
                        ("train_micro_batch_size_per_gpu", st.one_of(st.integers(1, 64), _AUTO))):
         if draw(st.booleans()):
             doc[key] = draw(strat)
+    # The dtype keys: accepted as the compute dtype (any of DeepSpeed's names for it) or null.
+    compute = precision if precision in ("bf16", "fp16") else "fp32"
+    names = {"fp32": ["fp32", "float32", "FP32"], "bf16": ["bf16", "bfloat16", "BF16"], "fp16": ["fp16", "half", "float16"]}
+    same = st.one_of(st.none(), st.sampled_from(names[compute]))
+    if draw(st.booleans()):
+        doc["communication_data_type"] = draw(same)
+    if draw(st.booleans()):
+        doc["data_types"] = draw(st.fixed_dictionaries({}, optional={
+            "grad_accum_dtype": same, "param_dtype": same, "buffer_dtype": st.none(),
+            "keep_in_fp32_modules": st.none()}))
+    if draw(st.booleans()):
+        doc["compile"] = draw(st.fixed_dictionaries({}, optional={
+            "deepcompile": st.just(False), "offload_activation": st.booleans(), "free_activation": st.booleans(),
+            "double_buffer": st.booleans(), "sync_before_reduce": st.booleans()}))
     return doc
 
 

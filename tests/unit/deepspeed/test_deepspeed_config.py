@@ -645,3 +645,39 @@ def test_checkpoint_block():
             config_from({"checkpoint": {dotted: value}})
     with pytest.raises(ConfigError, match="checkpoint.tag_validationx"):
         config_from({"checkpoint": {"tag_validationx": "Warn"}})
+
+
+def test_dtype_keys_accept_the_compute_dtype_only():
+    """communication_data_type and data_types: the compute dtype (DeepSpeed's default, and what zerompi
+    reduces and accumulates in) is accepted under any of DeepSpeed's names; another dtype is refused
+    with the key and the reason; buffer_dtype and keep_in_fp32_modules only as null."""
+    from zerompi.errors import ConfigError
+    bf16 = {"bf16": {"enabled": True}}
+    for extra, base in (({"communication_data_type": "fp32"}, {}), ({"communication_data_type": None}, {}),
+                        ({"communication_data_type": "BF16"}, bf16),
+                        ({"data_types": {"grad_accum_dtype": "bfloat16", "param_dtype": "bf16",
+                                         "buffer_dtype": None, "keep_in_fp32_modules": None}}, bf16),
+                        ({"data_types": {"grad_accum_dtype": "fp32"}}, {})):
+        assert config_from({**base, **extra}) == config_from(base)
+    for extra, base, key, why in (
+            ({"communication_data_type": "fp32"}, bf16, "communication_data_type", "summed in fp32"),
+            ({"communication_data_type": "bf16"}, {}, "communication_data_type", "compute dtype"),
+            ({"data_types": {"grad_accum_dtype": "fp32"}}, bf16, "data_types.grad_accum_dtype", "micro-batches"),
+            ({"data_types": {"param_dtype": "fp16"}}, bf16, "data_types.param_dtype", "asserts the same"),
+            ({"data_types": {"buffer_dtype": "fp32"}}, {}, "data_types.buffer_dtype", "allowed: null"),
+            ({"data_types": {"keep_in_fp32_modules": "auto"}}, {}, "data_types.keep_in_fp32_modules", "fp32"),
+            ({"communication_data_type": "int8"}, {}, "communication_data_type", "not a dtype")):
+        with pytest.raises(ConfigError, match=why) as err:
+            config_from({**base, **extra})
+        assert key in str(err.value)
+
+
+def test_compile_block_off_is_accepted():
+    from zerompi.errors import ConfigError
+    with pytest.warns(UserWarning, match="compile.offload_activation"):
+        assert config_from({"compile": {"deepcompile": False, "offload_activation": True}}) == config_from({})
+    assert config_from({"compile": {}}) == config_from({})
+    with pytest.raises(ConfigError, match="compile.deepcompile.*DeepCompile"):
+        config_from({"compile": {"deepcompile": True}})
+    with pytest.raises(ConfigError, match="compile.nonsense"):
+        config_from({"compile": {"nonsense": 1}})

@@ -19,7 +19,7 @@ Importing this package registers DeepSpeed JSON as a config dialect (config/dial
 """
 from importlib import metadata
 
-from zerompi.compat.deepspeed import accelerator, checkpointing, comm, ops, utils, zero
+from zerompi.compat.deepspeed import accelerator, checkpointing, comm, moe, ops, utils, zero
 from zerompi.compat.deepspeed.comm import init_distributed
 from zerompi.compat.deepspeed.config import DeepSpeedDialect, config_from, looks_like_deepspeed, translate_config
 from zerompi.compat.deepspeed.engine import DeepSpeedEngine
@@ -37,5 +37,5 @@ except metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = f"{DEEPSPEED_API}+zerompi"
 
 __all__ = ["DEEPSPEED_API", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm",
-           "config_from", "init_distributed", "initialize", "looks_like_deepspeed", "ops", "scheduler_factory",
+           "config_from", "init_distributed", "initialize", "looks_like_deepspeed", "moe", "ops", "scheduler_factory",
            "translate_config", "utils", "zero", "__version__"]

@@ -23,7 +23,8 @@ from zerompi.config.checks import CHECKS, boolean, integer, listing, real, rejec
 from zerompi.config.choices import DType
 from zerompi.compat.deepspeed.auto import is_auto, resolve_auto
 from zerompi.compat.deepspeed.batch import BatchKeys, read_batch_keys
-from zerompi.compat.deepspeed.keys import ADAM_PARAMS, MONITORS, NO_EFFECT, REQUIRED, SGD_PARAMS
+from zerompi.compat.deepspeed.keys import (ADAM_PARAMS, COMPILE, COMPILE_OFF, COMPUTE_DTYPE_KEYS, DTYPES, MONITORS,
+                                          NO_EFFECT, NULL_ONLY, REQUIRED, SGD_PARAMS)
 from zerompi.compat.deepspeed.schedule import DeepSpeedSchedule, read_schedule
 from zerompi.compat.deepspeed.screen import get as _ds_get, respell, respelled, screen
 from zerompi.compat.deepspeed.swap import read_swap, whole
@@ -91,6 +92,30 @@ def _ds_precision(d: Mapping, kwargs: dict[str, Any]) -> None:
         found, value = _ds_get(d, dotted)
         if found and boolean(dotted, value) != allowed:
             raise ConfigError(f"{dotted}={value} is not supported: {why}; allowed: {str(allowed).lower()}")
+    _ds_dtypes(d, "bf16" if bf16 else "fp16" if fp16 else "fp32")
+
+
+def _ds_dtypes(d: Mapping, compute: str) -> None:
+    """``communication_data_type`` and ``data_types``: each dtype must be the compute dtype, the
+    buffer keys null; ``compile.deepcompile`` must be false."""
+    for dotted, why in COMPUTE_DTYPE_KEYS.items():
+        found, value = _ds_get(d, dotted)
+        if not found or value is None:
+            continue
+        named = DTYPES.get(value.lower()) if isinstance(value, str) else None
+        if named is None:
+            raise ConfigError(f"{dotted}={value!r} is not a dtype DeepSpeed reads; allowed: fp32, bf16, fp16")
+        if named != compute:
+            raise ConfigError(f"{dotted}={value!r} is not supported with {compute} training: {why}; "
+                              f"allowed: {compute!r} (or null)")
+    for dotted, why in NULL_ONLY.items():
+        found, value = _ds_get(d, dotted)
+        if found and value is not None:
+            raise ConfigError(f"{dotted}={value!r} is not supported: {why}; allowed: null")
+    dotted, why = COMPILE_OFF
+    found, value = _ds_get(d, dotted)
+    if found and boolean(dotted, value):
+        raise ConfigError(f"{dotted}={value} is not supported: {why}; allowed: false")
 
 
 def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
@@ -128,6 +153,7 @@ def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
             elif kind != "any" and not is_auto(value):
                 real(dotted, value, ge=0) if kind == "size" else _ratio(dotted, value)
             present.append(dotted)
+    present += [f"compile.{k}" for k in COMPILE if k != "deepcompile" and _ds_get(d, f"compile.{k}")[0]]
     for name in MONITORS:
         found, value = _ds_get(d, f"{name}.enabled")
         if found and boolean(f"{name}.enabled", value):

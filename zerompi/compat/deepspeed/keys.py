@@ -18,6 +18,36 @@ ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"
 SGD_PARAMS = ("lr", "momentum", "weight_decay")
 ACTIVATION_CHECKPOINTING = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
                             "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
+DATA_TYPES = ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")
+COMPILE = ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+           "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
+           "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
+           "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes")
+"""DeepSpeed 0.19.8's ``compile`` block: DeepCompile's switch and the options of its passes, read only when
+``deepcompile`` is true (``engine.compile()`` is what compiles; the block alone compiles nothing)."""
+DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+          "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+          "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
+"""The dtype names DeepSpeed 0.19.8 reads in ``communication_data_type`` and ``data_types`` (lower case)."""
+COMPUTE_DTYPE_KEYS: dict[str, str] = {
+    "communication_data_type": "zerompi reduces the gradients in the compute dtype (bf16 and fp16 gradients go on "
+                               "the wire as they are and are summed in fp32, then stored in the compute dtype)",
+    "data_types.grad_accum_dtype": "zerompi accumulates gradients over micro-batches in the compute dtype",
+    "data_types.param_dtype": "the parameters are computed in the dtype bf16/fp16 enable (DeepSpeed asserts the "
+                              "same)",
+}
+"""Dtype keys whose only allowed value is the compute dtype (bf16 or fp16 when enabled, else fp32): that is
+DeepSpeed's default for each and what zerompi computes; another dtype is other arithmetic."""
+NULL_ONLY: dict[str, str] = {
+    "data_types.buffer_dtype": "zerompi leaves buffers in the dtype the model gives them and cannot recast them",
+    "data_types.keep_in_fp32_modules": "zerompi casts every parameter of the model to the compute dtype and has no "
+                                       "list of modules kept in fp32",
+}
+"""Keys zerompi accepts only as null (DeepSpeed's "not set")."""
+COMPILE_OFF = ("compile.deepcompile", "DeepCompile's compiler passes (activation freeing and offload, prefetch "
+               "scheduling) are DeepSpeed's own and zerompi does not implement them")
+"""compile.deepcompile: false (the default) is accepted, with the pass options then unread (warned); true is refused."""
+
 MONITORS: dict[str, tuple[str, ...]] = {
     "tensorboard": ("enabled", "output_path", "job_name"),
     "wandb": ("enabled", "group", "team", "project"),
@@ -80,6 +110,7 @@ SCHEMA: dict[str, Any] = {
     "aio": AIO, "activation_checkpointing": ACTIVATION_CHECKPOINTING, **MONITORS,
     "checkpoint": {"tag_validation": None, "load_universal": None, "use_node_local_storage": None,
                    "parallel_write": ("pipeline_stage",)},
+    "communication_data_type": None, "data_types": DATA_TYPES, "compile": COMPILE,
     **dict.fromkeys(k for k in NO_EFFECT if "." not in k),
 }
 """Keys zerompi reads: None is a leaf, a tuple a block of leaves, a dict a block of blocks. Any
