@@ -13,7 +13,10 @@ degrading quietly where it is used. Where torch lacks one, the public fallback i
 - an LR scheduler's first ``step()`` warns unless its optimizer's ``step`` carries
   ``_wrapped_by_lr_sched`` and set ``_opt_called``, which only the scheduler's constructor
   arranges: ``track_scheduler_steps`` does it for a scheduler moved onto another optimizer
-  (compat/deepspeed/client.py); without it that first step warns, nothing else changes.
+  (compat/deepspeed/client.py); without it that first step warns, nothing else changes;
+- ``_create_work_from_future`` turns a finished Future into the ``Work`` a process group written in
+  Python returns (compat/deepspeed/torch_dist.py, the default group DeepSpeed scripts get); torch
+  has no public constructor for it.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["can_move_storage", "move_storage", "track_scheduler_steps", "use_count_of", "tree_flatten", "tree_map",
+__all__ = ["can_move_storage", "create_work_from_future", "move_storage", "track_scheduler_steps", "use_count_of", "tree_flatten", "tree_map",
            "tree_unflatten"]
 
 
@@ -59,3 +62,9 @@ def track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:
         return func.__get__(opt, opt.__class__)(*args, **kwargs)
     wrapper._wrapped_by_lr_sched = True
     optimizer.step = wrapper
+
+
+def create_work_from_future(future):
+    """torch.distributed's ``Work`` completed by ``future`` (c10d's private constructor)."""
+    from torch._C._distributed_c10d import _create_work_from_future
+    return _create_work_from_future(future)

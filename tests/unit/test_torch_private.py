@@ -67,3 +67,10 @@ def test_a_scheduler_moved_to_another_optimizer_steps_without_warning():
         second.step()
         scheduler.step()
     assert second.param_groups[0]["lr"] == 0.5 and first.param_groups[0]["lr"] == 1.0
+
+
+def test_work_from_a_finished_future():
+    fut = torch.futures.Future()
+    fut.set_result([torch.ones(1)])
+    work = torch_private.create_work_from_future(fut)
+    assert work.wait() and work.is_completed()

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from zerompi.comm.group import ProcessGroup as ZeroGroup
 from zerompi.errors import UsageError
+from zerompi.torch_private import create_work_from_future
 
 __all__ = ["BACKEND", "MPIProcessGroup", "ensure_default_group"]
 
@@ -60,7 +60,7 @@ def _op_name(opts: Any) -> str:
 def _finished(result: Any = None) -> dist.Work:
     fut: Future = Future()
     fut.set_result(result)
-    return _create_work_from_future(fut)
+    return create_work_from_future(fut)
 
 
 class MPIProcessGroup(dist.ProcessGroup):
