@@ -10,3 +10,9 @@ from .launcher import run_worker_json
 def test_torch_distributed_runs_over_mpi(world, tmp_path):
     r = run_worker_json(world, "ds_torch_dist.py", tmp_path / "out.json")
     assert r == {"backend": "zerompi_mpi", "world": world, "master": None}
+
+
+def test_ranks_naming_different_checkpoint_directories_write_one_checkpoint_into_rank_0s(tmp_path):
+    r = run_worker_json(2, "ds_save_place.py", tmp_path / "out.json", "--root", str(tmp_path / "ckpt"))
+    assert r["dirs"] == ["run-0"] and r["same"], r
+    assert len(r["warned"]) == 1 and "run-1/t1" in r["warned"][0] and "run-0/t0" in r["warned"][0], r

@@ -264,9 +264,22 @@ class DeepSpeedEngine:
             raise UsageError("save_checkpoint(save_latest=False) is not supported: zerompi always points "
                              "'latest' at the new checkpoint")
         tag = tag if tag is not None else f"global_step{self.global_steps}"
+        save_dir, tag = self._agreed_place(save_dir, tag)
         self.engine.save_checkpoint(save_dir, tag, client_state if client_state is not None else {},
                                     include_frozen=not exclude_frozen_parameters, async_save=async_save)
         return True
+
+    def _agreed_place(self, save_dir, tag: str) -> tuple[str, str]:
+        """Rank 0's directory and tag. DeepSpeed writes each rank's files under the directory that rank
+        names, so a script may name one per rank (e.g. from the clock, a second apart); a zerompi
+        checkpoint is one directory that every rank writes into, so the ranks take rank 0's, and say so."""
+        places = self.engine.group.allgather_object((str(save_dir), str(tag)))
+        if len(set(places)) > 1 and self.engine.rank == 0:
+            others = sorted({f"{d}/{t}" for d, t in places[1:] if (d, t) != places[0]})
+            warnings.warn(f"save_checkpoint: the ranks named different places ({', '.join(others[:3])}"
+                          f"{' ...' if len(others) > 3 else ''}); every rank writes into rank 0's, "
+                          f"{places[0][0]}/{places[0][1]}", stacklevel=3)
+        return places[0]
 
     def wait_checkpoint(self) -> None:
         """Collective: wait for an asynchronous save (zerompi's Engine.wait_checkpoint)."""
