@@ -681,3 +681,19 @@ def test_compile_block_off_is_accepted():
         config_from({"compile": {"deepcompile": True}})
     with pytest.raises(ConfigError, match="compile.nonsense"):
         config_from({"compile": {"nonsense": 1}})
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_hf_bf16_templates_with_the_old_spellings(stage):
+    """transformers' ds_config_zero{2,3}_bf16.json shapes: "bfloat16" (the old name of "bf16") and, at stage 3,
+    stage3_gather_fp16_weights_on_model_save (the old name of ..._16bit_...); with bf16 filled in as the
+    Trainer does, they run bf16."""
+    base = HF_ZERO2 if stage == 2 else HF_ZERO3
+    doc = {k: v for k, v in base.items() if k not in ("fp16", "bf16")}
+    doc["bfloat16"] = {"enabled": True}
+    zero = dict(base["zero_optimization"])
+    if stage == 3:
+        zero["stage3_gather_fp16_weights_on_model_save"] = zero.pop("stage3_gather_16bit_weights_on_model_save")
+    doc["zero_optimization"] = zero
+    cfg, _ = from_deepspeed(doc)
+    assert int(cfg.stage) == stage and cfg.dtype.value == "bf16" and cfg.offload_optimizer.value == "cpu"
