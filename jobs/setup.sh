@@ -23,6 +23,9 @@ fi
 # DeepSpeed (a test extra, for the comparisons with it): build the CPU ops its runs load, once, into
 # torch's extension cache, so that the tests do not spend minutes compiling them.
 if DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import deepspeed" >/dev/null 2>&1; then
+    # A build killed midway leaves its lock file behind, and the next build waits on it forever:
+    # a lock untouched for 10 minutes belongs to no running build.
+    find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -mmin +10 -delete 2>/dev/null || true
     DS_ACCELERATOR=cpu "$VENV/bin/python" -c "
 from deepspeed.accelerator import get_accelerator
 for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
