@@ -221,10 +221,10 @@ def publish(job: Job) -> None:
 
 
 def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: Any = None, *,
-         include_frozen: bool = True) -> str:
+         include_frozen: bool = True, layout=None) -> str:
     """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag (``include_frozen``:
-    see ``Engine.save_checkpoint``)."""
-    job = begin(engine, root, tag, client_state, store_for(engine.config.checkpoint_layout),
+    see ``Engine.save_checkpoint``; ``layout``: a CheckpointLayout instead of the config's)."""
+    job = begin(engine, root, tag, client_state, store_for(layout or engine.config.checkpoint_layout),
                 include_frozen=include_frozen)
     snap = job.snap
     # One file per shard; with hsdp only the first node's ranks write (the other nodes hold replicas).
