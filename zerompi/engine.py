@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerompi import offload
+from zerompi import offload, recovery
 from zerompi.checkpoint.background import BackgroundSave
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
 from zerompi.checkpoint.stores import store_for
@@ -358,6 +358,9 @@ class Engine:
             self.swapper.close()
 
 
+recovery.guard(Engine)  # forward, backward, step, save/load: recover from a lost rank (fault_tolerance)
+
+
 def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
                param_groups: list[dict[str, Any]] | None = None,
                param_init: deferred.ParamInit | None = None,
@@ -392,4 +395,6 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     group.start_watchdog(HangPolicy(reliability.collective_timeout, reliability.hang_floor, reliability.hang_dir))
     if cfg.overlap.progress == Progress.THREAD:
         group.start_comm_thread()
-    return Engine(model, cfg, group, param_groups, param_init, lr_scheduler)
+    spare = recovery.prepare(cfg, group, model, param_groups)  # fault_tolerance: a lost rank is survived
+    engine = Engine(model, cfg, group, param_groups, param_init, lr_scheduler)
+    return recovery.attach(engine, spare, param_init, lr_scheduler)

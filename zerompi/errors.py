@@ -28,6 +28,22 @@ class ModelMismatchError(ZeroMPIError):
     """Ranks were given models that differ in names, shapes, dtypes or values."""
 
 
+class RankLost(ZeroMPIError):
+    """A rank of the job died (an MPI error of class ERR_PROC_FAILED or ERR_REVOKED) while this one
+    communicated with it. Only raised with ``fault_tolerance=True``, and only inside zerompi: the
+    engine recovers from it and raises :class:`Recovered` instead."""
+
+
+class Recovered(ZeroMPIError):
+    """``fault_tolerance=True``: a rank was lost, the survivors rebuilt the engine over themselves and
+    reloaded the last recovery checkpoint. Training goes on from ``engine.stats.steps`` (the step of
+    that checkpoint, which may be earlier than the step that failed); ``report`` says what happened."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
+
+
 def all_ranks_ok(group, error: str | None, kind: type[ZeroMPIError] = ZeroMPIError) -> None:
     """Raise ``kind`` on every rank if ``error`` is set on any rank.
 

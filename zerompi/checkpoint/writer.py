@@ -228,11 +228,11 @@ def publish(job: Job) -> None:
 
 
 def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: Any = None, *,
-         include_frozen: bool = True) -> str:
+         include_frozen: bool = True, layout=None) -> str:
     """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag (``include_frozen``:
-    see ``Engine.save_checkpoint``)."""
+    see ``Engine.save_checkpoint``; ``layout``: a CheckpointLayout instead of the config's)."""
     node = node_placement(engine.info, engine.config.ranks_per_node).node
-    job = begin(engine, root, tag, client_state, store_for(engine.config.checkpoint_layout, node),
+    job = begin(engine, root, tag, client_state, store_for(layout or engine.config.checkpoint_layout, node),
                 include_frozen=include_frozen)
     snap = job.snap
     # One file per shard (or per node); with hsdp only the first node's ranks write (the others hold replicas).

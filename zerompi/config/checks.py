@@ -240,6 +240,10 @@ CHECKS: dict[str, Check] = {
     "checkpoint_direct_io": boolean,
     "checkpoint_align_kib": align_kib,
     "checkpoint_async_copy": boolean,
+    "fault_tolerance": boolean,
+    "recovery_every": lambda k, v: integer(k, v, 1),
+    "recovery_dir": lambda k, v: optional(k, v, path, "a temporary directory"),
+    "min_ranks": lambda k, v: integer(k, v, 1),
 }
 """One checker per ZeroConfig field, called as ``check(key, value)`` -> normalised value."""
 
@@ -257,6 +261,19 @@ def check_offload(cfg: Any) -> None:
                           f"gathered, which only stage 3 shards; stage={cfg.stage}; allowed: 0, or stage 3")
     if Offload.NVME in (cfg.offload_optimizer, cfg.offload_params) and cfg.nvme_path is None:
         raise ConfigError("nvme_path=None: offloading to 'nvme' needs a directory for the swap files")
+
+
+def check_fault_tolerance(cfg: Any) -> None:
+    """What surviving a lost rank needs of the rest of the config (comm/ulfm.py, recovery.py)."""
+    if not cfg.fault_tolerance:
+        return
+    if not cfg.reproducible:
+        raise ConfigError("fault_tolerance=True needs reproducible=True (with micro_batches), so that the "
+                          "survivors run the same global batch; allowed: reproducible=True, or "
+                          "fault_tolerance=False")
+    if cfg.checkpoint_layout == CheckpointLayout.SHARED:
+        raise ConfigError("fault_tolerance=True with checkpoint_layout='shared': a collective HDF5 write "
+                          "cannot survive a lost rank; allowed: 'per_rank' or 'auto'")
 
 
 def check_schedule(cfg: Any) -> None:

@@ -242,6 +242,19 @@ class ZeroConfig:
     waits for it); True, a copy in host memory taken first (one more copy of this rank's master and
     optimizer state until the save ends; steps wait only for the copy). Under NVMe offload the save
     reads the swap file instead, one bucket at a time, either way."""
+    fault_tolerance: bool = False
+    """Survive the death of ranks without a relaunch (ULFM; Open MPI started with ``--with-ft ulfm``):
+    the survivors shrink the job, rebuild the engine over themselves, reload the last recovery
+    checkpoint and raise ``zerompi.Recovered``, after which the training loop goes on from
+    ``engine.stats.steps``. Needs reproducible=True (the global batch is re-dealt over the survivors)
+    and the per-rank checkpoint layout. See the README's "Surviving a lost rank"."""
+    recovery_every: int = 1
+    """fault_tolerance: steps between recovery checkpoints (>= 1); a failure replays at most this many."""
+    recovery_dir: str | None = None
+    """fault_tolerance: where recovery checkpoints go (every rank must read every rank's files: a shared
+    filesystem across nodes); None: a fresh directory under the system's temporary directory, named by rank 0."""
+    min_ranks: int = 1
+    """fault_tolerance: the fewest ranks training goes on with; fewer survivors abort the job, >= 1."""
 
     def __post_init__(self) -> None:
         # Field order, so the first problem reported is the first field's; the
@@ -254,6 +267,7 @@ class ZeroConfig:
         checks.check_quantization(self)
         checks.check_in_backward(self)
         check_reproducible(self)
+        checks.check_fault_tolerance(self)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ZeroConfig):

@@ -106,6 +106,9 @@ _KNOWN_VALID = {
     "reproducible": st.just(False), "micro_batches": st.just(None),
     "checkpoint_verify": st.booleans(), "checkpoint_direct_io": st.booleans(), "checkpoint_align_kib": st.sampled_from([1 << k for k in range(2, 21)]),
     "checkpoint_async_copy": st.booleans(),
+    # needs reproducible=True and not the shared layout: test_fuzz_fault_tolerance
+    "fault_tolerance": st.just(False), "recovery_every": st.integers(1, 10**6),
+    "recovery_dir": st.one_of(st.none(), TEXT.filter(bool)), "min_ranks": st.integers(1, 10**6),
 }
 
 
@@ -539,6 +542,26 @@ def test_fuzz_reproducible(stage, micro, dtype, threads, accum, hierarchy, quant
     # the error names a wrong setting (another check may name one first: offload or quantization at stage 0)
     named = [k for k, bad in wrong.items() if bad] + (["stage=0"] if stage == 0 else [])
     assert any(k in str(e.value) for k in named), (named, str(e.value))
+
+
+@settings(max_examples=60, **FUZZ)
+@given(st.booleans(), st.sampled_from(["auto", "per_rank", "shared"]), st.integers(-2, 4), st.integers(-2, 4),
+       st.one_of(st.none(), st.just(""), st.just("/tmp/recovery")))
+def test_fuzz_fault_tolerance(reproducible, layout, every, least, directory):
+    doc = dict(fault_tolerance=True, checkpoint_layout=layout, recovery_every=every, min_ranks=least,
+               recovery_dir=directory)
+    if reproducible:
+        doc.update(reproducible=True, micro_batches=4, cpu_threads=1)
+    wrong = {"recovery_every": every < 1, "recovery_dir": directory == "", "min_ranks": least < 1,
+             "reproducible=True": not reproducible, "checkpoint_layout": layout == "shared"}
+    if not any(wrong.values()):
+        cfg = judge("from_dict/fault_tolerance", lambda: ZeroConfig.from_dict(doc))
+        assert cfg is not None and cfg.fault_tolerance
+        return
+    with pytest.raises(ConfigError) as e:
+        ZeroConfig.from_dict(doc)
+    first = next(k for k, bad in wrong.items() if bad)  # fields first, in field order; then the cross-field rules
+    assert first in str(e.value), (first, str(e.value))
 
 
 def test_micro_batches_needs_reproducible():

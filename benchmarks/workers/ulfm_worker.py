@@ -1,0 +1,52 @@
+"""One timed training run for bench_ulfm.py: an MLP at stage 3, reproducible=True, with or without
+fault_tolerance, optionally with world rank --kill-rank SIGKILLing itself at the start of step --kill-step.
+Rank 0 of the final group prints one JSON line: per-step wall times, the recovery reports, the world size."""
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import zerompi
+
+p = argparse.ArgumentParser()
+p.add_argument("--ft", default="off")
+p.add_argument("--every", type=int, default=1)
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--width", type=int, default=512)
+p.add_argument("--micro-batches", type=int, default=8)
+p.add_argument("--kill-rank", type=int, default=-1)
+p.add_argument("--kill-step", type=int, default=-1)
+a = p.parse_args()
+torch.manual_seed(0)
+w = a.width
+model = nn.Sequential(nn.Linear(64, w), nn.GELU(), nn.Linear(w, w), nn.GELU(), nn.Linear(w, w), nn.GELU(),
+                      nn.Linear(w, 16))
+cfg = zerompi.ZeroConfig(stage=3, reproducible=True, micro_batches=a.micro_batches, cpu_threads=1, device="cpu",
+                         bucket_mb=1.0, checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",
+                         recovery_every=a.every)
+engine = zerompi.initialize(model, cfg)
+params = sum(q.numel() for q in model.parameters())
+times, reports = {}, []
+while engine.stats.steps < a.steps:
+    step = engine.stats.steps
+    try:
+        start = time.perf_counter()
+        if step == a.kill_step and MPI.COMM_WORLD.Get_rank() == a.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for i in engine.micro_batch_indices():
+            g = torch.Generator().manual_seed(1000 * step + i)
+            x, y = torch.randn(32, 64, generator=g), torch.randn(32, 16, generator=g)
+            engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        times[step] = time.perf_counter() - start  # a replayed step keeps its last time
+    except zerompi.Recovered as r:
+        reports.append(dict(r.report.__dict__))
+if engine.rank == 0:
+    print(json.dumps(dict(ft=a.ft, every=a.every, params=params, world=engine.world_size,
+                          times=[times[s] for s in sorted(times)], reports=reports)), flush=True)
+engine.close()

@@ -1,0 +1,144 @@
+"""fault_tolerance=True worker: train with reproducible=True while chosen ranks SIGKILL themselves.
+
+``--kill RANK:PHASE:STEP`` (repeatable, comma-separated) makes world rank RANK kill itself with
+SIGKILL in PHASE (forward, backward, step or save) of optimizer step STEP (0-based): mid-forward
+(between two layers), mid-backward (from a gradient hook), inside the optimizer's step, or while
+writing its shard file of the checkpoint the loop saves after step ``--save-at``. The survivors
+recover (zerompi.Recovered) and finish; rank 0 of the final group writes the SHA-256 of the
+parameters, fp32 masters and optimizer state, the final world size and the recovery reports.
+``--ft off`` trains the same without fault tolerance (the failure-free reference).
+"""
+import argparse
+import hashlib
+import os
+import signal
+import tempfile
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import zerompi
+import zerompi.checkpoint.writer as writer
+from zerompi.optim.optimizer import ZeroOptimizer
+from common import write_json
+
+G, STEPS = 6, 4
+WORLD_RANK = MPI.COMM_WORLD.Get_rank()
+
+
+class Now:
+    step, phase = 0, ""
+    kills: set = set()
+
+
+def maybe_die(phase: str) -> None:
+    if (WORLD_RANK, phase, Now.step) in Now.kills:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 48), nn.LayerNorm(48), nn.GELU(), nn.Dropout(0.2))
+        self.b = nn.Sequential(nn.Linear(48, 40), nn.Tanh(), nn.Dropout(0.1), nn.Linear(40, 4))
+
+    def forward(self, x):
+        h = self.a(x)
+        if Now.phase == "forward":
+            maybe_die("forward")
+        if h.requires_grad:
+            h.register_hook(lambda g: maybe_die("backward") if Now.phase == "backward" else None)
+        return self.b(h)
+
+
+_step, _write = ZeroOptimizer.step, writer._write_shards
+
+
+def _dying_step(self, *a, **k):
+    maybe_die("step")
+    return _step(self, *a, **k)
+
+
+def _dying_write(*a, **k):
+    if Now.phase == "save":
+        maybe_die("save")
+    return _write(*a, **k)
+
+
+ZeroOptimizer.step, writer._write_shards = _dying_step, _dying_write
+
+
+def batch(step: int, index: int):
+    g = torch.Generator().manual_seed(1000 * step + index)
+    return torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+
+
+def digest(engine) -> str:
+    h = hashlib.sha256()
+    for name, t in engine.full_state_dict().items():
+        h.update(name.encode())
+        h.update(t.float().contiguous().numpy().tobytes())
+    for i, bucket in enumerate(engine.sharded.buckets):
+        with engine.optimizer.shard_state(i) as st:
+            tensors = {"master": st.master, **{k: v for k, v in st.state.items() if isinstance(v, torch.Tensor)}}
+            for key, t in sorted(tensors.items()):
+                if t.numel() != st.master.numel():
+                    h.update(f"{key}={t.item()!r}".encode())
+                    continue
+                full = np.concatenate(engine.group.allgather_object(t.detach().float().cpu().numpy()))
+                for slot in bucket.layout.slots:
+                    h.update(f"{slot.fqn}/{key}".encode())
+                    h.update(full[slot.offset:slot.offset + slot.numel].tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--ft", default="on")
+    p.add_argument("--kill", default="")
+    p.add_argument("--save-at", type=int, default=2)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--recovery-every", type=int, default=1)
+    p.add_argument("--min-ranks", type=int, default=1)
+    a = p.parse_args()
+    Now.kills = {(int(r), ph, int(s)) for r, ph, s in (k.split(":") for k in a.kill.split(",") if k)}
+    torch.manual_seed(0)
+    cfg = zerompi.ZeroConfig(stage=a.stage, lr=3e-2, weight_decay=0.1, clip_grad_norm=0.05, reproducible=True,
+                             micro_batches=G, cpu_threads=1, device="cpu", bucket_mb=700 * 4 / 2**20,
+                             checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",
+                             recovery_every=a.recovery_every, min_ranks=a.min_ranks)
+    engine = zerompi.initialize(Net(), cfg)
+    ckpt = engine.group.allgather_object(tempfile.mkdtemp(prefix="zerompi-ulfm-") if engine.rank == 0 else None)[0]
+    reports, started = [], time.perf_counter()
+    while engine.stats.steps < a.steps:
+        try:
+            Now.step = engine.stats.steps
+            for i in engine.micro_batch_indices():
+                x, y = batch(Now.step, i)
+                Now.phase = "forward"
+                out = engine(x)
+                Now.phase = "backward"
+                engine.backward(((out - y) ** 2).mean())
+            Now.phase = "step"
+            engine.step()
+            if engine.stats.steps == a.save_at:
+                Now.phase = "save"
+                engine.save_checkpoint(ckpt, tag="user")
+            Now.phase = ""
+        except zerompi.Recovered as r:
+            reports.append(dict(r.report.__dict__))
+    seconds = time.perf_counter() - started
+    out = dict(digest=digest(engine), world=engine.world_size, reports=reports, seconds=seconds,
+               steps=engine.stats.steps, indices=engine.micro_batch_indices())
+    engine.close()
+    if engine.rank == 0:
+        write_json(a.out, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The engine side of ``fault_tolerance=True``: recovery checkpoints, and the rebuild after a lost rank.
+
+Recovery source: the last *recovery checkpoint* plus a replay of the steps since.
+Every ``recovery_every`` optimizer steps (and once at ``initialize``) the engine saves
+itself, per-rank layout, under ``recovery_dir``; the last two are kept. When a rank
+dies, whatever engine verb of a survivor notices it (forward, backward, step, a save
+or load) turns the MPI error into :class:`RankLost`, and :meth:`FaultTolerance.recover`:
+
+1. revokes every communicator of the engine (peers still inside one leave it too);
+2. shrinks the engine's communicator to the survivors (ULFM agrees on who failed);
+3. tears the old engine down without communicating, and rebuilds it in place
+   (``Engine.__init__`` on the same object) over the survivors, from a copy of the
+   model taken at ``initialize``, with the same param groups and schedulers;
+4. loads the newest recovery checkpoint every survivor saw completed (checkpoints
+   reshard N -> M, bitwise), logs what it did, and raises :class:`Recovered`.
+
+The loop then goes on from ``engine.stats.steps``; ``micro_batch_indices()`` deals the
+same ``micro_batches`` over the survivors, so the global batch is unchanged and, with
+``reproducible=True`` (required), the replayed steps give the bits of the steps lost.
+A failure during the recovery itself starts it again over the ranks left.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from zerompi.checkpoint.writer import save
+from zerompi.comm import ulfm
+from zerompi.comm.mpi import MPIGroup
+from zerompi.config import CheckpointLayout, Progress
+from zerompi.errors import Recovered, UsageError, ZeroMPIError
+from zerompi.log import get_logger
+
+logger = get_logger(__name__)
+
+_VERBS = {"__call__": "forward", "backward": "backward", "step": "step", "save_checkpoint": "save_checkpoint",
+          "load_checkpoint": "load_checkpoint", "all_reduce_mean": "all_reduce_mean"}
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What one recovery did (also logged by the new rank 0)."""
+
+    lost: tuple[int, ...]          # ranks of the engine's group before the failure that are gone
+    lost_world: tuple[int, ...]    # the same processes' ranks in MPI_COMM_WORLD
+    during: str                    # the verb that noticed: forward, backward, step, save_checkpoint, ...
+    at_step: int                   # optimizer steps completed when it was noticed
+    ranks_before: int
+    ranks_after: int
+    source: str                    # the recovery checkpoint loaded
+    resumed_at: int                # its step: the loop goes on from here
+    seconds: float                 # from the error to the rebuilt, reloaded engine
+
+    def describe(self) -> str:
+        ranks = ", ".join(f"{r} (world rank {w})" for r, w in zip(self.lost, self.lost_world))
+        return (f"lost rank(s) {ranks} during {self.during} after step {self.at_step}; "
+                f"{self.ranks_before} -> {self.ranks_after} ranks; reloaded {self.source} (step {self.resumed_at}, "
+                f"{self.at_step - self.resumed_at} step(s) to replay) in {self.seconds:.3f} s")
+
+
+def guard(engine_class: type) -> None:
+    """Wrap the engine's verbs in :func:`guarded`, and ``close`` so that it removes the recovery checkpoints."""
+    for name in _VERBS:
+        setattr(engine_class, name, guarded(getattr(engine_class, name)))
+    close = engine_class.close
+
+    @functools.wraps(close)
+    def closing(engine) -> None:
+        close(engine)
+        ft = engine.__dict__.get("_fault_tolerance")
+        if ft is not None and engine.group.rank == 0:
+            ft.close()
+    engine_class.close = closing
+
+
+def guarded(verb: Callable) -> Callable:
+    """An engine verb that, under fault tolerance, recovers from a lost rank and raises Recovered."""
+    during = _VERBS[verb.__name__]
+
+    @functools.wraps(verb)
+    def run(engine, *args, **kwargs):
+        ft = engine.__dict__.get("_fault_tolerance")
+        if ft is None:
+            return verb(engine, *args, **kwargs)
+        try:
+            out = verb(engine, *args, **kwargs)
+            if during == "step":
+                ft.after_step(engine)
+            return out
+        except Recovered:
+            raise
+        except BaseException as e:
+            lost = ulfm.rank_lost(e, _groups(engine))
+            if lost is None:
+                raise
+            ft.recover(engine, during, lost)  # raises Recovered
+    return run
+
+
+class FaultTolerance:
+    """Recovery checkpoints of one engine and its rebuild after a lost rank (module docstring)."""
+
+    def __init__(self, engine, spare: Any, param_init, lr_scheduler, directory: Path):
+        self.spare = spare  # (model, param_groups) as given to initialize, deep-copied together
+        self.param_init, self.lr_scheduler = param_init, lr_scheduler
+        self.directory = directory
+        self.saved: list[int] = []  # steps of the recovery checkpoints this rank saw completed
+        self.reports: list[RecoveryReport] = []
+        self.save(engine)
+
+    @staticmethod
+    def tag(step: int) -> str:
+        return f"step{step:08d}"
+
+    # ---- recovery checkpoints --------------------------------------------
+    def after_step(self, engine) -> None:
+        steps = engine.stats.steps
+        if steps % engine.config.recovery_every == 0 and (not self.saved or steps > self.saved[-1]):
+            self.save(engine)
+
+    def save(self, engine) -> None:
+        """Collective: a recovery checkpoint of the engine now; the one before the last stays (a survivor
+        may not have seen the last one complete), older ones are removed."""
+        engine.wait_checkpoint()
+        steps = engine.stats.steps
+        save(engine, self.directory, self.tag(steps), layout=CheckpointLayout.PER_RANK)
+        self.saved = [*self.saved[-1:], steps]
+        if engine.group.rank == 0:
+            for old in self.directory.glob("step*"):
+                if old.name < self.tag(self.saved[0]):
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        """Rank 0 removes the recovery checkpoints (after the job's last collective)."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # ---- recovery ---------------------------------------------------------
+    def recover(self, engine, during: str, error: BaseException) -> None:
+        start, at_step, before = time.monotonic(), engine.stats.steps, engine.group.size
+        group: MPIGroup = engine.group
+        logger.warning("rank %d of %d: a rank was lost during %s after step %d (%s); recovering",
+                       group.rank, group.size, during, at_step, error)
+        lost, lost_world = [], []
+        _teardown(engine)
+        while True:
+            ulfm.revoke(_groups(engine))
+            survivors, gone, gone_world = ulfm.shrink(group)
+            lost += gone
+            lost_world += gone_world
+            if survivors.size < engine.config.min_ranks:
+                raise ZeroMPIError(f"fault_tolerance: {survivors.size} rank(s) left after losing world rank(s) "
+                                   f"{lost_world}, fewer than min_ranks={engine.config.min_ranks}: giving up")
+            try:
+                step = self._rebuild(engine, survivors)
+                break
+            except BaseException as e:
+                again = ulfm.rank_lost(e, [survivors])
+                if again is None:
+                    raise
+                logger.warning("another rank was lost during the recovery (%s); recovering again", again)
+                _teardown(engine)
+                group = survivors
+        report = RecoveryReport(tuple(lost), tuple(lost_world), during, at_step, before, engine.group.size,
+                                str(self.directory / self.tag(step)), step, time.monotonic() - start)
+        self.reports.append(report)
+        if engine.group.rank == 0:
+            logger.warning("fault_tolerance: %s", report.describe())
+        raise Recovered(report.describe(), report)
+
+    def _rebuild(self, engine, survivors: MPIGroup) -> int:
+        """Collective over the survivors: the engine rebuilt over them and its state reloaded; returns
+        the step of the recovery checkpoint loaded."""
+        step = min(survivors.allgather_object(self.saved[-1]))
+        module, param_groups = copy.deepcopy(self.spare)
+        cfg = engine.config
+        reliability = cfg.reliability
+        if reliability.collective_timeout is not None:
+            survivors.start_watchdog(reliability.collective_timeout)
+        if cfg.overlap.progress == Progress.THREAD:
+            survivors.start_comm_thread()
+        type(engine).__init__(engine, module, cfg, survivors, param_groups, self.param_init, self.lr_scheduler)
+        engine.load_checkpoint(self.directory, self.tag(step))
+        self.saved = [step]
+        return step
+
+
+def attach(engine, spare: Any, param_init, lr_scheduler):
+    """Collective, at initialize with ``spare`` (from :func:`prepare`): agree on the recovery directory and
+    save the first recovery checkpoint. Returns the engine."""
+    if spare is None:
+        return engine
+    cfg = engine.config
+    name = engine.group.allgather_object(uuid.uuid4().hex[:12] if engine.group.rank == 0 else None)[0]
+    if cfg.recovery_dir is not None:
+        directory = Path(cfg.recovery_dir) / f"job-{name}"
+    else:
+        base = engine.group.allgather_object(tempfile.gettempdir() if engine.group.rank == 0 else None)[0]
+        directory = Path(base) / f"zerompi-recovery-{name}"
+    engine._fault_tolerance = FaultTolerance(engine, spare, param_init, lr_scheduler, directory)
+    return engine
+
+
+def prepare(cfg, group, model, param_groups) -> Any:
+    """Before the engine is built, with ``fault_tolerance`` (else None): refuse where ULFM is missing (on
+    every rank: the reason is the same) and keep a copy of the model and its param groups to rebuild from."""
+    if not cfg.fault_tolerance:
+        return None
+    if not isinstance(group, MPIGroup):
+        raise UsageError("fault_tolerance=True needs an MPI communicator (comm=), not another process group")
+    problem = ulfm.support_error()
+    if problem is not None:
+        raise ZeroMPIError(f"fault_tolerance=True cannot survive a lost rank here: {problem}")
+    ulfm.prepare(group)
+    return copy.deepcopy((model, param_groups))
+
+
+def _groups(engine) -> list[Any]:
+    groups = engine.__dict__.get("groups")
+    found = [engine.group]
+    if groups is not None:
+        found += [g for g in (groups.world, groups.shard, groups.gather, groups.replicate, groups.secondary) if g]
+    return found
+
+
+def _teardown(engine) -> None:
+    """Stop what the engine runs, without a collective (peers are gone): hooks, watchdog, comm thread."""
+    engine.__dict__["_saving"] = None  # an asynchronous save in flight is abandoned
+    for stop in (lambda: engine.sharded.remove_hooks(), engine.group.stop_watchdog, engine.group.stop_comm_thread,
+                 lambda: engine.optimizer.close(), lambda: engine.swapper is not None and engine.swapper.close()):
+        try:
+            stop()
+        except Exception as e:  # noqa: BLE001 - a broken engine is being dropped
+            logger.debug("fault_tolerance: teardown: %s", e)
