@@ -213,8 +213,9 @@ class ZeroConfig:
     """Train bitwise the same model at any world size N in 1..micro_batches: the micro-batches'
     gradients are summed in the order of their global index, whatever rank ran them, and every
     rank runs the micro-batches ``engine.micro_batch_indices()`` gives it (round robin). Stages
-    2-3, flat groups, fp32 or bf16, explicit ``cpu_threads``; config/reproducible.py lists what
-    else it needs. See the README's "Reproducible at any world size"."""
+    0-3 (0 and 1 run stage 2's gradient path), flat groups, fp32 or bf16, explicit ``cpu_threads``;
+    config/reproducible.py lists what else it needs. See the README's "Reproducible at any world
+    size"."""
     micro_batches: int | None = None
     """With reproducible=True: micro-batches per optimizer step over all ranks (the global batch);
     at least the world size. The gradient is their mean."""
