@@ -346,9 +346,9 @@ class MPIGroup:
         nbytes = shapes.gather_bytes(t, mine, self.size)
         if self.rank != root:
             self._count(kind, nbytes)
-        desc = self._enter(kind, t, what)
+        entered = self._enter(kind, t, what)
         (x, *o), back = self._stage(t, *([mine] if mine is not None else []))
-        with self._blocked(desc):
+        with self._blocked(*entered):
             self._call(lambda: self.comm.Gather(_raw(x), _raw(o[0]) if o else None, root=root))
         back()
 

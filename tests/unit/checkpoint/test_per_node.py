@@ -6,6 +6,8 @@ rank's part is bound to that rank, and a file the index does not describe is ref
 """
 from __future__ import annotations
 
+import copy
+
 import h5py
 import numpy as np
 import pytest
@@ -20,9 +22,18 @@ from zerompi.comm.local import run_ranks
 from zerompi.errors import CheckpointError, UsageError
 
 
-def _model() -> torch.nn.Module:
+def _build() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+
+
+_TEMPLATE = _build()
+
+
+def _model() -> torch.nn.Module:
+    """A copy of one model built up front: thread ranks share torch's global generator, so building
+    it in each rank's thread would race with the others' draws (and differ between runs)."""
+    return copy.deepcopy(_TEMPLATE)
 
 
 def _config(**kw) -> ZeroConfig:
