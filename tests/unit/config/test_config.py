@@ -46,7 +46,8 @@ def test_field_order_matches_spec():
         "nvme_verify", "return_freed_memory", "overlap_grad_reduce", "optimizer_in_backward", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
         "collective_timeout", "hang_floor", "hang_dir", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
         "quantize_weights", "quantize_grads", "quant_block", "reproducible", "micro_batches", "grad_error_feedback",
-        "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy"]
+        "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy",
+        "fault_tolerance", "recovery_every", "recovery_dir", "min_ranks"]
 
 
 @pytest.mark.parametrize("key,value", [
