@@ -7,7 +7,8 @@
 Run under any MPI launcher: ``mpiexec -n 4 python -m mpi4py train.py``.
 """
 from zerompi.config import ZeroConfig
-from zerompi.engine import Engine, Stats, initialize
+from zerompi.engine import Engine, Stats
+from zerompi.entry import initialize
 from zerompi import compat  # noqa: E402,F401  registers the DeepSpeed config dialect that ZeroConfig.from_file reads
 from zerompi.errors import CheckpointError, ConfigError, ModelMismatchError, Recovered, UsageError, ZeroMPIError
 

@@ -22,7 +22,6 @@ A failure during the recovery itself starts it again over the ranks left.
 from __future__ import annotations
 
 import copy
-import functools
 import shutil
 import tempfile
 import time
@@ -35,14 +34,11 @@ from zerompi.checkpoint.writer import save
 from zerompi.comm import ulfm
 from zerompi.comm.mpi import MPIGroup
 from zerompi.config import CheckpointLayout, Progress
+from zerompi.engine import Engine
 from zerompi.errors import Recovered, UsageError, ZeroMPIError
 from zerompi.log import get_logger
 
 logger = get_logger(__name__)
-
-_VERBS = {"__call__": "forward", "backward": "backward", "step": "step", "save_checkpoint": "save_checkpoint",
-          "load_checkpoint": "load_checkpoint", "all_reduce_mean": "all_reduce_mean"}
-
 
 @dataclass(frozen=True)
 class RecoveryReport:
@@ -65,43 +61,39 @@ class RecoveryReport:
                 f"{self.at_step - self.resumed_at} step(s) to replay) in {self.seconds:.3f} s")
 
 
-def guard(engine_class: type) -> None:
-    """Wrap the engine's verbs in :func:`guarded`, and ``close`` so that it removes the recovery checkpoints."""
-    for name in _VERBS:
-        setattr(engine_class, name, guarded(getattr(engine_class, name)))
-    close = engine_class.close
+class ResilientEngine(Engine):
+    """The engine ``initialize`` builds with ``fault_tolerance=True``: its verbs (forward, backward, step,
+    save/load, ``all_reduce_mean``) turn a lost rank into a rebuild over the survivors and
+    :class:`Recovered`; ``close`` also removes the recovery checkpoints."""
 
-    @functools.wraps(close)
-    def closing(engine) -> None:
-        close(engine)
-        ft = engine.__dict__.get("_fault_tolerance")
-        if ft is not None and engine.group.rank == 0:
-            ft.close()
-    engine_class.close = closing
+    def __init__(self, module, cfg, group, param_groups=None, param_init=None, lr_scheduler=None):
+        spare = _prepare(cfg, group, module, param_groups)
+        super().__init__(module, cfg, group, param_groups, param_init, lr_scheduler)
+        self.recovery = FaultTolerance(self, spare, param_init, lr_scheduler, _directory(self))
+        """Recovery checkpoints, and the rebuild after a lost rank (kept across rebuilds)."""
 
+    def __call__(self, *args, **kwargs):
+        return self.recovery.run(self, "forward", super().__call__, *args, **kwargs)
 
-def guarded(verb: Callable) -> Callable:
-    """An engine verb that, under fault tolerance, recovers from a lost rank and raises Recovered."""
-    during = _VERBS[verb.__name__]
+    def backward(self, loss) -> None:
+        return self.recovery.run(self, "backward", super().backward, loss)
 
-    @functools.wraps(verb)
-    def run(engine, *args, **kwargs):
-        ft = engine.__dict__.get("_fault_tolerance")
-        if ft is None:
-            return verb(engine, *args, **kwargs)
-        try:
-            out = verb(engine, *args, **kwargs)
-            if during == "step":
-                ft.after_step(engine)
-            return out
-        except Recovered:
-            raise
-        except BaseException as e:
-            lost = ulfm.rank_lost(e, _groups(engine))
-            if lost is None:
-                raise
-            ft.recover(engine, during, lost)  # raises Recovered
-    return run
+    def step(self) -> bool:
+        return self.recovery.run(self, "step", super().step)
+
+    def save_checkpoint(self, *args, **kwargs) -> str:
+        return self.recovery.run(self, "save_checkpoint", super().save_checkpoint, *args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs) -> Any:
+        return self.recovery.run(self, "load_checkpoint", super().load_checkpoint, *args, **kwargs)
+
+    def all_reduce_mean(self, value: float) -> float:
+        return self.recovery.run(self, "all_reduce_mean", super().all_reduce_mean, value)
+
+    def close(self) -> None:
+        super().close()
+        if self.group.rank == 0:  # after the job's last collective
+            self.recovery.close()
 
 
 class FaultTolerance:
@@ -118,6 +110,22 @@ class FaultTolerance:
     @staticmethod
     def tag(step: int) -> str:
         return f"step{step:08d}"
+
+    # ---- the engine's verbs -------------------------------------------------
+    def run(self, engine, during: str, verb: Callable, *args, **kwargs):
+        """``verb(*args, **kwargs)``; a lost rank noticed inside it is recovered from (raises Recovered)."""
+        try:
+            out = verb(*args, **kwargs)
+        except Recovered:
+            raise
+        except BaseException as e:
+            lost = ulfm.rank_lost(e, _groups(engine))
+            if lost is None:
+                raise
+            self.recover(engine, during, lost)  # raises Recovered
+        if during == "step":
+            self.after_step(engine)
+        return out
 
     # ---- recovery checkpoints --------------------------------------------
     def after_step(self, engine) -> None:
@@ -185,33 +193,26 @@ class FaultTolerance:
             survivors.start_watchdog(reliability.collective_timeout)
         if cfg.overlap.progress == Progress.THREAD:
             survivors.start_comm_thread()
-        type(engine).__init__(engine, module, cfg, survivors, param_groups, self.param_init, self.lr_scheduler)
+        Engine.__init__(engine, module, cfg, survivors, param_groups, self.param_init, self.lr_scheduler)
         engine.load_checkpoint(self.directory, self.tag(step))
         self.saved = [step]
         return step
 
 
-def attach(engine, spare: Any, param_init, lr_scheduler):
-    """Collective, at initialize with ``spare`` (from :func:`prepare`): agree on the recovery directory and
-    save the first recovery checkpoint. Returns the engine."""
-    if spare is None:
-        return engine
-    cfg = engine.config
-    name = engine.group.allgather_object(uuid.uuid4().hex[:12] if engine.group.rank == 0 else None)[0]
+def _directory(engine) -> Path:
+    """Collective: the recovery directory every rank agrees on (a fresh name under ``recovery_dir``,
+    else under rank 0's temporary directory)."""
+    cfg, group = engine.config, engine.group
+    name = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     if cfg.recovery_dir is not None:
-        directory = Path(cfg.recovery_dir) / f"job-{name}"
-    else:
-        base = engine.group.allgather_object(tempfile.gettempdir() if engine.group.rank == 0 else None)[0]
-        directory = Path(base) / f"zerompi-recovery-{name}"
-    engine._fault_tolerance = FaultTolerance(engine, spare, param_init, lr_scheduler, directory)
-    return engine
+        return Path(cfg.recovery_dir) / f"job-{name}"
+    base = group.allgather_object(tempfile.gettempdir() if group.rank == 0 else None)[0]
+    return Path(base) / f"zerompi-recovery-{name}"
 
 
-def prepare(cfg, group, model, param_groups) -> Any:
-    """Before the engine is built, with ``fault_tolerance`` (else None): refuse where ULFM is missing (on
-    every rank: the reason is the same) and keep a copy of the model and its param groups to rebuild from."""
-    if not cfg.fault_tolerance:
-        return None
+def _prepare(cfg, group, model, param_groups) -> Any:
+    """Before the engine is built: refuse where ULFM is missing (on every rank: the reason is the same)
+    and keep a copy of the model and its param groups to rebuild from."""
     if not isinstance(group, MPIGroup):
         raise UsageError("fault_tolerance=True needs an MPI communicator (comm=), not another process group")
     problem = ulfm.support_error()

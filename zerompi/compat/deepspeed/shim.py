@@ -42,7 +42,7 @@ from zerompi.compat.deepspeed.lr_schedules import scheduler_factory
 from zerompi.config import Schedule, ZeroConfig
 from zerompi.config.checks import boolean
 from zerompi.config.files import read_document
-from zerompi.engine import initialize as zero_initialize
+from zerompi.entry import initialize as zero_initialize
 from zerompi.errors import UsageError
 
 __all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize"]
