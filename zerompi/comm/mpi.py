@@ -135,6 +135,22 @@ class MPIGroup:
         self.label = label
         self.monitor = monitor if monitor is not None else Monitor(Agreement(
             debug=debug or os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")))
+        self.metadata_comm: MPI.Comm | None = None
+        """Where ``allgather_object`` runs once :meth:`separate_metadata` made it (else ``comm``)."""
+
+    def separate_metadata(self) -> None:
+        """Collective: exchange metadata (``allgather_object``) on a duplicate communicator of its own.
+
+        A rank that alone starts a metadata exchange (a ``save_checkpoint`` on one rank) then waits in a
+        collective its peers never enter, where the watchdog names it, instead of meeting their data
+        collective, which MPI may abort as a size mismatch ("Message truncated") before any report."""
+        if self.metadata_comm is None:
+            self.metadata_comm = self._call(self.comm.Dup)
+
+    @property
+    def communicators(self) -> tuple[MPI.Comm, ...]:
+        """The group's communicators: its own, and the metadata one if separate (for ULFM's revoke)."""
+        return (self.comm,) if self.metadata_comm is None else (self.comm, self.metadata_comm)
 
     @property
     def bytes_sent(self) -> dict[str, int]:
@@ -363,7 +379,8 @@ class MPIGroup:
         """Gather a small picklable object from every rank (metadata only, never tensors)."""
         event = self.monitor.recorder.begin("allgather_object", self.label, "metadata", 0)
         with self._blocked("an exchange of metadata (allgather_object)", event):
-            return self._call(lambda: self.comm.allgather(obj))
+            comm = self.metadata_comm if self.metadata_comm is not None else self.comm
+            return self._call(lambda: comm.allgather(obj))
 
     def barrier(self) -> None:
         with self._blocked("a barrier", self.monitor.recorder.begin("barrier", self.label, "", 0)):

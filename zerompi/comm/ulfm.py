@@ -9,8 +9,9 @@ every rank still waiting in one of them leaves it with an error too, and
 agrees on the failed set: every survivor gets the same new communicator).
 
 ULFM is part of Open MPI 5 when ``mpiexec --with-ft ulfm`` started the job (it sets
-``OMPI_MCA_mpi_ft_enable=1``); :func:`support_error` says why it is missing anywhere
-else. MPICH implements the same calls, but the PyPI wheel asserts at start-up with
+``OMPI_MCA_mpi_ft_enable=1``), with ``--mca async_mpi_finalize 1`` so that the end of
+the job does not wait for the lost rank; :func:`support_error` says why it is missing
+anywhere else. MPICH implements the same calls, but the PyPI wheel asserts at start-up with
 its fault tolerance switched on, so it is refused here rather than half-supported.
 mpi4py itself is imported by mpi.py alone; this module takes its handle from there.
 """
@@ -26,18 +27,28 @@ from zerompi.errors import RankLost
 
 FT_ENV = "OMPI_MCA_mpi_ft_enable"
 """Set to 1 by Open MPI's ``mpiexec --with-ft ulfm`` (or ``--mca mpi_ft_enable 1``)."""
-LAUNCH_HINT = "start the job with Open MPI 5's mpiexec --with-ft ulfm (jobs/mpirun.sh passes it)"
+ASYNC_FINALIZE_ENV = "OMPI_MCA_async_mpi_finalize"
+"""Set to 1 by ``--mca async_mpi_finalize 1``: MPI_Finalize skips its PMIx fence over every process the job
+started, which after a lost rank can wait for it forever (seen in about one job in five here, Open MPI
+5.0.11: the survivors spin in ompi_mpi_finalize once training is over)."""
+LAUNCH_FLAGS = "--with-ft ulfm --mca async_mpi_finalize 1"
+LAUNCH_HINT = f"start the job with Open MPI 5's mpiexec {LAUNCH_FLAGS} (jobs/mpirun.sh passes them)"
+_ON = ("1", "true", "yes", "on", "enabled")
 
 _LOST_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                       if hasattr(MPI, name))
 
 
-def support_error(environ=os.environ) -> str | None:
-    """Why this MPI cannot survive a lost rank, or None when it can."""
-    library = MPI.Get_library_version().strip().splitlines()[0]
+def support_error(environ=os.environ, library: str | None = None) -> str | None:
+    """Why this MPI (``library``: its version line, default the running one's) cannot survive a lost
+    rank, or None when it can."""
+    library = library or MPI.Get_library_version().strip().splitlines()[0]
     if "Open MPI" in library:
-        if environ.get(FT_ENV, "").strip().lower() not in ("1", "true", "yes", "on", "enabled"):
+        if environ.get(FT_ENV, "").strip().lower() not in _ON:
             return f"{library} runs without fault tolerance ({FT_ENV} is not set): {LAUNCH_HINT}"
+        if environ.get(ASYNC_FINALIZE_ENV, "").strip().lower() not in _ON:
+            return (f"{library}'s MPI_Finalize can wait forever for a lost rank ({ASYNC_FINALIZE_ENV} is not "
+                    f"set): {LAUNCH_HINT}")
         if not _LOST_CLASSES or mpi_function("MPIX_Comm_shrink", ctypes.c_int) is None:
             return f"{library} has no MPIX_Comm_shrink (built without ULFM): {LAUNCH_HINT}"
         return None
@@ -49,7 +60,8 @@ def support_error(environ=os.environ) -> str | None:
 
 def prepare(group: MPIGroup) -> None:
     """Errors on the group's communicator come back as exceptions instead of aborting the job."""
-    group.comm.Set_errhandler(MPI.ERRORS_RETURN)
+    for comm in group.communicators:
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
 
 
 def rank_lost(error: BaseException | None, groups: Iterable[object] = ()) -> RankLost | None:
@@ -78,7 +90,7 @@ def _failures(groups: Iterable[object]) -> str | None:
         if not isinstance(g, MPIGroup):
             continue
         try:
-            if g.comm.Is_revoked():
+            if any(c.Is_revoked() for c in g.communicators):
                 return f"the {g.label or 'job'} communicator is revoked"
             failed = g.comm.Get_failed()
             try:
@@ -96,12 +108,13 @@ def revoke(groups: Iterable[object]) -> None:
     of them get ``ERR_REVOKED`` and join the recovery."""
     done = set()
     for g in groups:
-        if isinstance(g, MPIGroup) and id(g.comm) not in done:
-            done.add(id(g.comm))
-            try:
-                g.comm.Revoke()
-            except MPI.Exception:  # already revoked, or freed: nothing left to tell
-                pass
+        for comm in g.communicators if isinstance(g, MPIGroup) else ():
+            if id(comm) not in done:
+                done.add(id(comm))
+                try:
+                    comm.Revoke()
+                except MPI.Exception:  # already revoked, or freed: nothing left to tell
+                    pass
 
 
 def shrink(group: MPIGroup) -> tuple[MPIGroup, list[int], list[int]]:
@@ -118,4 +131,6 @@ def shrink(group: MPIGroup) -> tuple[MPIGroup, list[int], list[int]]:
         for g in (old, new, world):
             g.Free()
     survivors = MPIGroup(comm, cuda_aware=group.cuda_aware, debug=group.monitor.agreement.debug)
+    survivors.separate_metadata()
+    prepare(survivors)
     return survivors, lost, in_world

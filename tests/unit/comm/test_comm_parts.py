@@ -236,3 +236,18 @@ def test_shared_checkpoint_writer_gets_the_communicator_only_for_h5py(monkeypatc
     with pytest.raises(CheckpointError, match="rank 0: cannot create it through the mpio driver"):
         shared.SharedWriter(tmp_path / shared.SHARED, g, "save-1")
     assert opened == [("mpio", g.h5py_comm())]
+
+
+def test_ulfm_support_names_the_missing_launch_flag():
+    """fault_tolerance's refusal says which of mpiexec's flags is missing, for each MPI."""
+    from zerompi.comm import ulfm
+    ompi = "Open MPI v5.0.11, package: Open MPI"
+    missing_ft = ulfm.support_error({}, ompi)
+    assert "OMPI_MCA_mpi_ft_enable is not set" in missing_ft and ulfm.LAUNCH_FLAGS in missing_ft
+    missing_finalize = ulfm.support_error({"OMPI_MCA_mpi_ft_enable": "1"}, ompi)
+    assert "MPI_Finalize can wait forever" in missing_finalize and "async_mpi_finalize 1" in missing_finalize
+    both = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_async_mpi_finalize": "true"}
+    assert ulfm.support_error(both, ompi) in (None, f"{ompi} has no MPIX_Comm_shrink (built without ULFM): "
+                                                    f"{ulfm.LAUNCH_HINT}")
+    assert "MPICH's fault tolerance" in ulfm.support_error(both, "MPICH Version: 5.0.2")
+    assert "offers no ULFM" in ulfm.support_error(both, "Intel(R) MPI Library 2021")

@@ -274,3 +274,19 @@ def test_no_debug_check_without_debug():
     g = MPIGroup(comm)
     g.all_reduce(torch.zeros(6))
     assert comm.calls == ["Allreduce"]
+
+
+def test_metadata_on_its_own_communicator():
+    """separate_metadata: allgather_object runs on a duplicate, so a lone metadata exchange can never
+    match a peer's data collective (the watchdog names it instead)."""
+    group = MPIGroup(MPI.COMM_SELF.Dup())
+    assert group.communicators == (group.comm,)
+    group.separate_metadata()
+    meta = group.metadata_comm
+    assert group.communicators == (group.comm, meta)
+    assert MPI.Comm.Compare(group.comm, meta) == MPI.CONGRUENT  # same ranks, another context
+    assert group.allgather_object({"a": 1}) == [{"a": 1}]
+    group.separate_metadata()  # once only
+    assert group.metadata_comm is meta
+    meta.Free()
+    group.free()
