@@ -696,3 +696,13 @@ def test_hf_bf16_templates_with_the_old_spellings(stage):
     doc["zero_optimization"] = zero
     cfg, _ = from_deepspeed(doc)
     assert int(cfg.stage) == stage and cfg.dtype.value == "bf16" and cfg.offload_optimizer.value == "cpu"
+
+
+@pytest.mark.parametrize("name", ["reduce_bucket_size", "allgather_bucket_size"])
+def test_zero_bucket_size_is_a_bucket_per_parameter(name):
+    """0 (older zero3 templates): DeepSpeed reduces before every parameter, so each one has a bucket of its own;
+    a one-element bucket gives that here. Negative sizes stay refused."""
+    cfg = config_from({"zero_optimization": {"stage": 3, name: 0}})
+    assert cfg.bucket_numel(4) == 1 and cfg.bucket_numel(2) == 2
+    with pytest.raises(ConfigError, match=rf"zero_optimization.{name}=-1 is not a finite number >= 0"):
+        config_from({"zero_optimization": {"stage": 3, name: -1}})

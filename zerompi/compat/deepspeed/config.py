@@ -65,11 +65,13 @@ def looks_like_deepspeed(doc: Mapping[str, Any]) -> bool:
 def _ds_zero(d: Mapping, kwargs: dict[str, Any]) -> None:
     # Sizes are in elements; zerompi counts them as fp32 (4 bytes). reduce wins
     # over allgather because it sizes the gradient buckets bucket_mb describes.
+    # 0 (older templates) is DeepSpeed's "flush before every parameter": one parameter
+    # per bucket, which a one-element bucket_mb gives (a larger parameter fills its own).
     for name in ("allgather_bucket_size", "reduce_bucket_size"):
         found, value = _ds_get(d, f"zero_optimization.{name}")
         if found:
             key = f"zero_optimization.{name}"
-            mb = real(key, value, gt=0) * 4 / 2**20
+            mb = max(real(key, value, ge=0), 1) * 4 / 2**20
             if not (math.isfinite(mb) and mb > 0):  # representable as elements, not as MiB
                 raise ConfigError(f"{key}={value!r} is not a bucket size zerompi can use "
                                   "(elements, > 0 and below about 1e300)")
