@@ -7,33 +7,12 @@ records its version, and the end of the run lists what ran (tests/conftest.py).
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
 RAN: dict[str, str] = {}
 MISSING: dict[str, str] = {}
-SHARED = "ZEROMPI_COMPONENTS_FILE"
-"""Under pytest-xdist the workers append what they record to this file, and the controller's summary
-reads it (tests/conftest.py sets it)."""
-
-
-def _share(kind: str, name: str, text: str) -> None:
-    path = os.environ.get(SHARED)
-    if path and os.environ.get("PYTEST_XDIST_WORKER"):
-        with open(path, "a") as f:
-            f.write(json.dumps([kind, name, text]) + "\n")
-
-
-def gather_shared() -> None:
-    """The controller: add what the workers recorded."""
-    path = os.environ.get(SHARED)
-    if path and os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                kind, name, text = json.loads(line)
-                (RAN if kind == "ran" else MISSING)[name] = text
 
 
 def in_ci() -> bool:
@@ -43,7 +22,6 @@ def in_ci() -> bool:
 def unavailable(component: str, reason: str):
     """Fail under CI, skip elsewhere: ``component`` could not be had, because ``reason``."""
     MISSING[component] = reason
-    _share("missing", component, reason)
     if in_ci():
         pytest.fail(f"{component} is required when CI is set, and could not be set up: {reason}", pytrace=False)
     pytest.skip(f"{component} not available: {reason}", allow_module_level=True)
@@ -51,7 +29,6 @@ def unavailable(component: str, reason: str):
 
 def ran(component: str, version: str) -> None:
     RAN[component] = " ".join(version.split())
-    _share("ran", component, RAN[component])
 
 
 def summary_lines() -> list[str]:

@@ -7,13 +7,11 @@ a resume across world sizes and stages, and a failing rank ending the job. The f
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from .components import SHARED, gather_shared, in_ci, summary_lines
+from .components import in_ci, summary_lines
 
 HERE = Path(__file__).parent
 
@@ -25,10 +23,6 @@ SMOKE = {  # node ids under tests/mpi/ that run in the fast tier
 
 
 def pytest_configure(config):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without xdist)
-        fd, path = tempfile.mkstemp(prefix="zerompi-components-", suffix=".jsonl")
-        os.close(fd)
-        os.environ[SHARED] = path
     config.addinivalue_line("markers", "fast: the fast tier: unit tests and a few MPI smoke jobs (pytest -m fast)")
     config.addinivalue_line("markers", "scale: 16-64 rank jobs (tests/mpi/test_scale.py), skipped unless "
                                        "ZEROMPI_SCALE_TESTS=1")
@@ -52,7 +46,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    gather_shared()
     lines = summary_lines()
     if lines or in_ci():
         terminalreporter.section("real components")

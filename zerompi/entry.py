@@ -45,8 +45,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     reliability = cfg.reliability
     if group is None:
         group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi),
-                         debug=reliability.debug_collectives)
-        group.separate_metadata()
+                         debug=reliability.debug_collectives, separate_metadata=True)
     elif comm is not None:
         raise UsageError("initialize: pass comm (an MPI communicator) or group, not both")
     if reliability.abort_on_exception:

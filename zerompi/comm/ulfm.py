@@ -130,7 +130,7 @@ def shrink(group: MPIGroup) -> tuple[MPIGroup, list[int], list[int]]:
     finally:
         for g in (old, new, world):
             g.Free()
-    survivors = MPIGroup(comm, cuda_aware=group.cuda_aware, debug=group.monitor.agreement.debug)
-    survivors.separate_metadata()
+    survivors = MPIGroup(comm, cuda_aware=group.cuda_aware, debug=group.monitor.agreement.debug,
+                         separate_metadata=group.metadata_comm is not None)
     prepare(survivors)
     return survivors, lost, in_world

@@ -279,14 +279,13 @@ def test_no_debug_check_without_debug():
 def test_metadata_on_its_own_communicator():
     """separate_metadata: allgather_object runs on a duplicate, so a lone metadata exchange can never
     match a peer's data collective (the watchdog names it instead)."""
-    group = MPIGroup(MPI.COMM_SELF.Dup())
-    assert group.communicators == (group.comm,)
-    group.separate_metadata()
+    plain = MPIGroup(MPI.COMM_SELF.Dup())
+    assert plain.communicators == (plain.comm,) and plain.metadata_comm is None
+    group = MPIGroup(MPI.COMM_SELF.Dup(), separate_metadata=True)
     meta = group.metadata_comm
     assert group.communicators == (group.comm, meta)
     assert MPI.Comm.Compare(group.comm, meta) == MPI.CONGRUENT  # same ranks, another context
     assert group.allgather_object({"a": 1}) == [{"a": 1}]
-    group.separate_metadata()  # once only
-    assert group.metadata_comm is meta
-    meta.Free()
-    group.free()
+    for g in (plain, group):
+        for comm in g.communicators:
+            comm.Free()
