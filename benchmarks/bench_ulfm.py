@@ -5,16 +5,20 @@
 Each job is its own ``mpiexec --with-ft ulfm`` of benchmarks/workers/ulfm_worker.py (an MLP at
 stage 3, reproducible=True, G = 8): fault_tolerance off; on with a recovery checkpoint every step
 (recovery_every=1) and every 10 steps; and on with rank 1 SIGKILLed at the start of step steps/2,
-whose recovery time (error to reloaded engine, as logged) is reported. Step time: the median over
-the steps after the first. Modes take turns within a round, rounds repeat. Results: --out.{md,jsonl}.
+whose recovery is timed twice: error to reloaded engine (as logged), and the kill (the wall time the
+killed rank wrote first) to the end of the first step the survivors complete after it. Step time: the
+median over the steps after the first. Modes take turns within a round, rounds repeat. Results:
+--out.{md,jsonl}.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -48,31 +52,42 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ulfm"))
     a = p.parse_args()
     venv, common = Path(a.venv), ["--steps", str(a.steps), "--width", str(a.width)]
+    load = os.getloadavg()[0]
     step_times: dict[str, list[float]] = {m: [] for m in MODES}
-    recoveries, rows = [], []
+    recoveries, to_step, rows = [], [], []
     for _ in range(a.rounds):
         for mode, args in MODES.items():
             r = run(venv, a.ranks, args + common)
             step_times[mode].append(statistics.median(r["times"][1:]))
             rows.append(dict(mode=mode, **r))
-        r = run(venv, a.ranks, MODES["on, every step"] + common + ["--kill-rank", "1", "--kill-step",
-                                                                    str(a.steps // 2)])
+        with tempfile.TemporaryDirectory() as d:
+            killed = Path(d) / "kill.time"
+            r = run(venv, a.ranks, MODES["on, every step"] + common + ["--kill-rank", "1", "--kill-step",
+                                                                        str(a.steps // 2), "--kill-time", str(killed)])
+            to_step.append(r["first_done"] - float(killed.read_text()))
         recoveries += [rep["seconds"] for rep in r["reports"]]
         rows.append(dict(mode="on, rank 1 killed", **r))
     with open(a.out + ".jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     off = statistics.median(step_times["off"])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     lines = [f"# fault_tolerance: step time and recovery ({a.ranks} ranks, Open MPI --with-ft ulfm, CPU)", "",
-             f"MLP of {rows[0]['params']:,} parameters, stage 3, reproducible=True, G = 8, {a.steps} steps, "
-             f"{a.rounds} rounds; medians of per-job medians.", "",
-             "| fault_tolerance | step time (ms) | vs off |", "|---|---|---|"]
+             f"`python benchmarks/bench_ulfm.py --ranks {a.ranks} --steps {a.steps} --rounds {a.rounds}` at {commit}, "
+             f"load average {load:.2f} before and {os.getloadavg()[0]:.2f} after, 2 cores. "
+             f"MLP of {rows[0]['params']:,} parameters, stage 3, reproducible=True, G = 8; each job's median "
+             "step (after its first), then the median and range of those over the rounds.", "",
+             "| fault_tolerance | step time (ms) | range over rounds (ms) | vs off |", "|---|---|---|---|"]
     for mode in MODES:
         t = statistics.median(step_times[mode])
-        lines.append(f"| {mode} | {t * 1e3:.1f} | {t / off:.2f}x |")
+        lines.append(f"| {mode} | {t * 1e3:.1f} | {min(step_times[mode]) * 1e3:.1f}-"
+                     f"{max(step_times[mode]) * 1e3:.1f} | {t / off:.2f}x |")
     lines += ["", f"Recovery after rank 1 was SIGKILLed ({a.ranks} -> {a.ranks - 1} ranks), error to reloaded "
               f"engine: median {statistics.median(recoveries):.3f} s over {len(recoveries)} runs "
-              f"(min {min(recoveries):.3f} s, max {max(recoveries):.3f} s)."]
+              f"(min {min(recoveries):.3f} s, max {max(recoveries):.3f} s); the kill to the end of the first step "
+              f"done after it: median {statistics.median(to_step):.3f} s (min {min(to_step):.3f} s, max "
+              f"{max(to_step):.3f} s)."]
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -1,6 +1,7 @@
 """One timed training run for bench_ulfm.py: an MLP at stage 3, reproducible=True, with or without
-fault_tolerance, optionally with world rank --kill-rank SIGKILLing itself at the start of step --kill-step.
-Rank 0 of the final group prints one JSON line: per-step wall times, the recovery reports, the world size."""
+fault_tolerance, optionally with world rank --kill-rank SIGKILLing itself at the start of step --kill-step
+(after writing the wall time to --kill-time). Rank 0 of the final group prints one JSON line: per-step wall
+times, the recovery reports, the world size, and the wall time the first step after a recovery ended."""
 import argparse
 import json
 import os
@@ -21,6 +22,7 @@ p.add_argument("--width", type=int, default=512)
 p.add_argument("--micro-batches", type=int, default=8)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-step", type=int, default=-1)
+p.add_argument("--kill-time", default=None, help="file the killed rank writes its wall time to first")
 a = p.parse_args()
 torch.manual_seed(0)
 w = a.width
@@ -31,12 +33,15 @@ cfg = zerompi.ZeroConfig(stage=3, reproducible=True, micro_batches=a.micro_batch
                          recovery_every=a.every)
 engine = zerompi.initialize(model, cfg)
 params = sum(q.numel() for q in model.parameters())
-times, reports = {}, []
+times, reports, first_done = {}, [], None
 while engine.stats.steps < a.steps:
     step = engine.stats.steps
     try:
         start = time.perf_counter()
         if step == a.kill_step and MPI.COMM_WORLD.Get_rank() == a.kill_rank:
+            if a.kill_time:
+                with open(a.kill_time, "w") as f:
+                    f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         for i in engine.micro_batch_indices():
             g = torch.Generator().manual_seed(1000 * step + i)
@@ -44,9 +49,12 @@ while engine.stats.steps < a.steps:
             engine.backward(((engine(x) - y) ** 2).mean())
         engine.step()
         times[step] = time.perf_counter() - start  # a replayed step keeps its last time
+        if reports and first_done is None:
+            first_done = time.time()  # the first step done after the recovery
     except zerompi.Recovered as r:
         reports.append(dict(r.report.__dict__))
 if engine.rank == 0:
     print(json.dumps(dict(ft=a.ft, every=a.every, params=params, world=engine.world_size,
-                          times=[times[s] for s in sorted(times)], reports=reports)), flush=True)
+                          times=[times[s] for s in sorted(times)], reports=reports, first_done=first_done)),
+          flush=True)
 engine.close()

