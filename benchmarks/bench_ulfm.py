@@ -33,7 +33,7 @@ MODES = {"off": ["--ft", "off"], "on, every step": ["--ft", "on", "--every", "1"
 
 def run(venv: Path, ranks: int, args: list[str]) -> dict:
     cmd = [str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1",
-           "--mca", "btl", "tcp,self", "--oversubscribe",
+           "--mca", "btl", "self,sm", "--oversubscribe",
            "-n", str(ranks), str(venv / "bin" / "python"), str(HERE / "workers" / "ulfm_worker.py"), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ROOT), capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -73,7 +73,7 @@ def main() -> None:
     off = statistics.median(step_times["off"])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    lines = [f"# fault_tolerance: step time and recovery ({a.ranks} ranks, Open MPI --with-ft ulfm, CPU)", "",
+    lines = [f"# fault_tolerance: step time and recovery ({a.ranks} ranks, Open MPI --with-ft ulfm, btl self,sm, CPU)", "",
              f"`python benchmarks/bench_ulfm.py --ranks {a.ranks} --steps {a.steps} --rounds {a.rounds}` at {commit}, "
              f"load average {load:.2f} before and {os.getloadavg()[0]:.2f} after, 2 cores. "
              f"MLP of {rows[0]['params']:,} parameters, stage 3, reproducible=True, G = 8; each job's median "
