@@ -678,10 +678,16 @@ def test_c1_huge_int_is_a_config_error(tmp, call):
         call(tmp)
 
 
-@pytest.mark.parametrize("value", [1e-320, 1e308])
+@pytest.mark.parametrize("value", [1e308, -1e-320, float("nan")])
 def test_c2_deepspeed_bucket_size_error_names_the_deepspeed_key(value):
     with pytest.raises(ConfigError, match=r"zero_optimization\.reduce_bucket_size"):
         config_from({"zero_optimization": {"reduce_bucket_size": value}})
+
+
+@pytest.mark.parametrize("value", [0, 1e-320, 0.5])
+def test_c2_deepspeed_bucket_below_one_element_is_a_bucket_per_parameter(value):
+    """DeepSpeed takes int(size): below one element it flushes before every parameter."""
+    assert config_from({"zero_optimization": {"reduce_bucket_size": value}}).bucket_numel(4) == 1
 
 
 @pytest.mark.parametrize("name,text", [("deep.json", "[" * 100000 + "]" * 100000),
