@@ -50,8 +50,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ulfm"))
+    p.add_argument("--recovery-dir", default=None, help="recovery_dir of the fault-tolerant jobs (default: tmp)")
     a = p.parse_args()
     venv, common = Path(a.venv), ["--steps", str(a.steps), "--width", str(a.width)]
+    if a.recovery_dir:
+        common += ["--recovery-dir", a.recovery_dir]
     load, rows = os.getloadavg()[0], []
     for _ in range(a.rounds):
         for mode, args in MODES.items():
@@ -63,8 +66,9 @@ def main() -> None:
             rows.append(dict(mode="on, rank 1 killed", to_step=r["first_done"] - float(killed.read_text()), **r))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    run_line = (f"`python benchmarks/bench_ulfm.py --ranks {a.ranks} --steps {a.steps} --rounds {a.rounds}` at "
-                f"{commit}, load average {load:.2f} before and {os.getloadavg()[0]:.2f} after, 2 cores.")
+    where = f" --recovery-dir {a.recovery_dir}" if a.recovery_dir else ""
+    run_line = (f"`python benchmarks/bench_ulfm.py --ranks {a.ranks} --steps {a.steps} --rounds {a.rounds}{where}` "
+                f"at {commit}, load average {load:.2f} before and {os.getloadavg()[0]:.2f} after, 2 cores.")
     with open(a.out + ".jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps({**row, "run": run_line}) + "\n")

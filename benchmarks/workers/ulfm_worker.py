@@ -23,6 +23,7 @@ p.add_argument("--micro-batches", type=int, default=8)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-step", type=int, default=-1)
 p.add_argument("--kill-time", default=None, help="file the killed rank writes its wall time to first")
+p.add_argument("--recovery-dir", default=None)
 a = p.parse_args()
 torch.manual_seed(0)
 w = a.width
@@ -30,7 +31,7 @@ model = nn.Sequential(nn.Linear(64, w), nn.GELU(), nn.Linear(w, w), nn.GELU(), n
                       nn.Linear(w, 16))
 cfg = zerompi.ZeroConfig(stage=3, reproducible=True, micro_batches=a.micro_batches, cpu_threads=1, device="cpu",
                          bucket_mb=1.0, checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",
-                         recovery_every=a.every)
+                         recovery_every=a.every, recovery_dir=a.recovery_dir)
 engine = zerompi.initialize(model, cfg)
 params = sum(q.numel() for q in model.parameters())
 times, reports, first_done = {}, [], None
