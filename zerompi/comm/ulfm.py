@@ -29,7 +29,7 @@ FT_ENV = "OMPI_MCA_mpi_ft_enable"
 """Set to 1 by Open MPI's ``mpiexec --with-ft ulfm`` (or ``--mca mpi_ft_enable 1``)."""
 ASYNC_FINALIZE_ENV = "OMPI_MCA_async_mpi_finalize"
 """Set to 1 by ``--mca async_mpi_finalize 1``: MPI_Finalize skips its PMIx fence over every process the job
-started, which after a lost rank can wait for it forever (seen in about one job in five here, Open MPI
+started, which after a lost rank can wait for it forever (seen in 4 of 25 jobs here, Open MPI
 5.0.11: the survivors spin in ompi_mpi_finalize once training is over)."""
 LAUNCH_FLAGS = "--with-ft ulfm --mca async_mpi_finalize 1"
 LAUNCH_HINT = f"start the job with Open MPI 5's mpiexec {LAUNCH_FLAGS} (jobs/mpirun.sh passes them)"
