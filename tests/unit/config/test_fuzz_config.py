@@ -266,7 +266,7 @@ def valid_deepspeed(draw) -> dict:
     if draw(st.booleans()):
         doc["data_types"] = draw(st.fixed_dictionaries({}, optional={
             "grad_accum_dtype": same, "param_dtype": same, "buffer_dtype": st.none(),
-            "keep_in_fp32_modules": st.none()}))
+            "keep_in_fp32_modules": st.sampled_from([None, "auto", []])}))
     if draw(st.booleans()):
         doc["compile"] = draw(st.fixed_dictionaries({}, optional={
             "deepcompile": st.just(False), "offload_activation": st.booleans(), "free_activation": st.booleans(),

@@ -649,14 +649,16 @@ def test_checkpoint_block():
 def test_dtype_keys_accept_the_compute_dtype_only():
     """communication_data_type and data_types: the compute dtype (DeepSpeed's default, and what zerompi
     reduces and accumulates in) is accepted under any of DeepSpeed's names; another dtype is refused
-    with the key and the reason; buffer_dtype and keep_in_fp32_modules only as null."""
+    with the key and the reason; buffer_dtype only as null, keep_in_fp32_modules as null, "auto" or []."""
     from zerompi.errors import ConfigError
     bf16 = {"bf16": {"enabled": True}}
     for extra, base in (({"communication_data_type": "fp32"}, {}), ({"communication_data_type": None}, {}),
                         ({"communication_data_type": "BF16"}, bf16),
                         ({"data_types": {"grad_accum_dtype": "bfloat16", "param_dtype": "bf16",
                                          "buffer_dtype": None, "keep_in_fp32_modules": None}}, bf16),
-                        ({"data_types": {"grad_accum_dtype": "fp32"}}, {})):
+                        ({"data_types": {"grad_accum_dtype": "fp32"}}, {}),
+                        ({"data_types": {"keep_in_fp32_modules": "auto"}}, bf16),  # DeepSpeed's default
+                        ({"data_types": {"keep_in_fp32_modules": []}}, {})):
         assert config_from({**base, **extra}) == config_from(base)
     for extra, base, key, why in (
             ({"communication_data_type": "fp32"}, bf16, "communication_data_type", "summed in fp32"),
@@ -664,7 +666,8 @@ def test_dtype_keys_accept_the_compute_dtype_only():
             ({"data_types": {"grad_accum_dtype": "fp32"}}, bf16, "data_types.grad_accum_dtype", "micro-batches"),
             ({"data_types": {"param_dtype": "fp16"}}, bf16, "data_types.param_dtype", "asserts the same"),
             ({"data_types": {"buffer_dtype": "fp32"}}, {}, "data_types.buffer_dtype", "allowed: null"),
-            ({"data_types": {"keep_in_fp32_modules": "auto"}}, {}, "data_types.keep_in_fp32_modules", "fp32"),
+            ({"data_types": {"keep_in_fp32_modules": ["rotary"]}}, {}, "data_types.keep_in_fp32_modules", "upcasts"),
+            ({"data_types": {"keep_in_fp32_modules": "AUTO"}}, {}, "data_types.keep_in_fp32_modules", "allowed"),
             ({"communication_data_type": "int8"}, {}, "communication_data_type", "not a dtype")):
         with pytest.raises(ConfigError, match=why) as err:
             config_from({**base, **extra})

@@ -24,7 +24,7 @@ from zerompi.config.choices import DType
 from zerompi.compat.deepspeed.auto import is_auto, resolve_auto
 from zerompi.compat.deepspeed.batch import BatchKeys, read_batch_keys
 from zerompi.compat.deepspeed.keys import (ADAM_PARAMS, COMPILE, COMPILE_OFF, COMPUTE_DTYPE_KEYS, DTYPES, MONITORS,
-                                          NO_EFFECT, NULL_ONLY, REQUIRED, SGD_PARAMS)
+                                          KEEP_IN_FP32, NO_EFFECT, NULL_ONLY, REQUIRED, SGD_PARAMS)
 from zerompi.compat.deepspeed.schedule import DeepSpeedSchedule, read_schedule
 from zerompi.compat.deepspeed.screen import get as _ds_get, respell, respelled, screen
 from zerompi.compat.deepspeed.swap import read_swap, whole
@@ -114,6 +114,10 @@ def _ds_dtypes(d: Mapping, compute: str) -> None:
         found, value = _ds_get(d, dotted)
         if found and value is not None:
             raise ConfigError(f"{dotted}={value!r} is not supported: {why}; allowed: null")
+    dotted, allowed, why = KEEP_IN_FP32
+    found, value = _ds_get(d, dotted)
+    if found and not any(type(value) is type(a) and value == a for a in allowed):
+        raise ConfigError(f"{dotted}={value!r} is not supported: {why}; allowed: \"auto\", [] or null")
     dotted, why = COMPILE_OFF
     found, value = _ds_get(d, dotted)
     if found and boolean(dotted, value):

@@ -40,10 +40,14 @@ COMPUTE_DTYPE_KEYS: dict[str, str] = {
 DeepSpeed's default for each and what zerompi computes; another dtype is other arithmetic."""
 NULL_ONLY: dict[str, str] = {
     "data_types.buffer_dtype": "zerompi leaves buffers in the dtype the model gives them and cannot recast them",
-    "data_types.keep_in_fp32_modules": "zerompi casts every parameter of the model to the compute dtype and has no "
-                                       "list of modules kept in fp32",
 }
 """Keys zerompi accepts only as null (DeepSpeed's "not set")."""
+KEEP_IN_FP32 = ("data_types.keep_in_fp32_modules", (None, "auto", []),
+                "zerompi never casts buffers, so each keeps the dtype the model gives it (DeepSpeed's default "
+                "\"auto\" also upcasts the buffers of a transformers model's _keep_in_fp32_modules_strict that "
+                "arrive below fp32; zerompi does not), and has no list of modules whose buffers it upcasts")
+"""data_types.keep_in_fp32_modules: DeepSpeed's default ("auto", also written out by templates), [] and null are
+accepted, a list of module patterns is refused."""
 COMPILE_OFF = ("compile.deepcompile", "DeepCompile's compiler passes (activation freeing and offload, prefetch "
                "scheduling) are DeepSpeed's own and zerompi does not implement them")
 """compile.deepcompile: false (the default) is accepted, with the pass options then unread (warned); true is refused."""
