@@ -33,6 +33,7 @@ from typing import Any, Callable
 from zerompi.checkpoint.writer import save
 from zerompi.comm import ulfm
 from zerompi.comm.mpi import MPIGroup
+from zerompi.comm.watchdog import HangPolicy
 from zerompi.config import CheckpointLayout, Progress
 from zerompi.engine import Engine
 from zerompi.errors import Recovered, UsageError, ZeroMPIError
@@ -188,9 +189,9 @@ class FaultTolerance:
         step = min(survivors.allgather_object(self.saved[-1]))
         module, param_groups = copy.deepcopy(self.spare)
         cfg = engine.config
-        reliability = cfg.reliability
-        if reliability.collective_timeout is not None:
-            survivors.start_watchdog(reliability.collective_timeout)
+        reliability = cfg.reliability  # the survivors are watched as initialize watched the job
+        survivors.start_watchdog(HangPolicy(reliability.collective_timeout, reliability.hang_floor,
+                                            reliability.hang_dir))
         if cfg.overlap.progress == Progress.THREAD:
             survivors.start_comm_thread()
         Engine.__init__(engine, module, cfg, survivors, param_groups, self.param_init, self.lr_scheduler)

@@ -19,7 +19,7 @@ from .launcher import ROOT, WORKERS, mpi_env
 from .openmpi_venv import openmpi_venv
 
 # The default suite runs the cases marked True (a kill in the step, in a save, of rank 0, of two ranks at once,
-# at stage 3, and one at stage 1); ZEROMPI_ULFM_TESTS=1 runs every case. A job used to hang at its exit after a
+# with a fixed collective_timeout, at stage 3, and one at stage 1); ZEROMPI_ULFM_TESTS=1 runs every case. A job used to hang at its exit after a
 # recovery now and then (MPI_Finalize's fence waited for the lost rank): --mca async_mpi_finalize 1 ends that.
 EVERY_CASE = os.environ.get("ZEROMPI_ULFM_TESTS") == "1"
 TIMEOUT = float(os.environ.get("ZEROMPI_TEST_TIMEOUT", 150))  # a job takes about 6 s
@@ -63,6 +63,8 @@ CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, i
     "replay": (3, "1:step:2", ("--recovery-every", "3"), 3, False),  # recovers from step 0, replays two steps
     "stage1": (1, "2:backward:1", (), 3, True),
     "stage2": (2, "1:step:2", (), 3, False),
+    # the survivors' watchdog restarts with the job's fixed deadline (a float once crashed the rebuild)
+    "collective-timeout": (3, "2:step:1", ("--collective-timeout", "120"), 3, True),
 }
 
 

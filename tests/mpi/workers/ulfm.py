@@ -86,13 +86,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--recovery-every", type=int, default=1)
     p.add_argument("--min-ranks", type=int, default=1)
+    p.add_argument("--collective-timeout", type=float, default=None)
     a = p.parse_args()
     Now.kills = {(int(r), ph, int(s)) for r, ph, s in (k.split(":") for k in a.kill.split(",") if k)}
     torch.manual_seed(0)
     cfg = zerompi.ZeroConfig(stage=a.stage, lr=3e-2, weight_decay=0.1, clip_grad_norm=0.05, reproducible=True,
                              micro_batches=G, cpu_threads=1, device="cpu", bucket_mb=700 * 4 / 2**20,
                              checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",
-                             recovery_every=a.recovery_every, min_ranks=a.min_ranks)
+                             recovery_every=a.recovery_every, min_ranks=a.min_ranks,
+                             collective_timeout=a.collective_timeout)
     engine = zerompi.initialize(Net(), cfg)
     ckpt = engine.group.allgather_object(tempfile.mkdtemp(prefix="zerompi-ulfm-") if engine.rank == 0 else None)[0]
     reports, started = [], time.perf_counter()
