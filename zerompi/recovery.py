@@ -41,6 +41,7 @@ from zerompi.log import get_logger
 
 logger = get_logger(__name__)
 
+
 @dataclass(frozen=True)
 class RecoveryReport:
     """What one recovery did (also logged by the new rank 0)."""
@@ -80,7 +81,13 @@ class ResilientEngine(Engine):
         return self.recovery.run(self, "backward", super().backward, loss)
 
     def step(self) -> bool:
-        return self.recovery.run(self, "step", super().step)
+        return self.recovery.run(self, "step", self._step_and_save)
+
+    def _step_and_save(self) -> bool:
+        """The step, then the recovery checkpoint it is due: a rank lost in either is recovered from."""
+        stepped = super().step()
+        self.recovery.after_step(self)
+        return stepped
 
     def save_checkpoint(self, *args, **kwargs) -> str:
         return self.recovery.run(self, "save_checkpoint", super().save_checkpoint, *args, **kwargs)
@@ -124,8 +131,6 @@ class FaultTolerance:
             if lost is None:
                 raise
             self.recover(engine, during, lost)  # raises Recovered
-        if during == "step":
-            self.after_step(engine)
         return out
 
     # ---- recovery checkpoints --------------------------------------------

@@ -57,6 +57,7 @@ CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, i
     "backward": (3, "2:backward:1", (), 3, False),
     "step": (3, "1:step:2", (), 3, True),
     "save": (3, "3:save:1", (), 3, True),  # in its shard file's write of the checkpoint saved after step 2
+    "recovery-save": (3, "2:recovery_save:1", (), 3, False),  # writing the recovery checkpoint after step 2
     "rank0": (3, "0:step:1", (), 3, True),
     "two-at-once": (3, "1:backward:1,2:backward:1", (), 2, True),
     "one-then-another": (3, "2:forward:1,0:step:3", (), 2, False),

@@ -1,9 +1,10 @@
 """fault_tolerance=True worker: train with reproducible=True while chosen ranks SIGKILL themselves.
 
 ``--kill RANK:PHASE:STEP`` (repeatable, comma-separated) makes world rank RANK kill itself with
-SIGKILL in PHASE (forward, backward, step or save) of optimizer step STEP (0-based): mid-forward
-(between two layers), mid-backward (from a gradient hook), inside the optimizer's step, or while
-writing its shard file of the checkpoint the loop saves after step ``--save-at``. The survivors
+SIGKILL in PHASE (forward, backward, step, recovery_save or save) of optimizer step STEP (0-based):
+mid-forward (between two layers), mid-backward (from a gradient hook), inside the optimizer's step,
+while writing its shard file of the recovery checkpoint step() saves, or of the checkpoint the loop
+saves after step ``--save-at``. The survivors
 recover (zerompi.Recovered) and finish; rank 0 of the final group writes the SHA-256 of the
 parameters, fp32 masters and optimizer state, the final world size and the recovery reports.
 ``--ft off`` trains the same without fault tolerance (the failure-free reference).
@@ -63,6 +64,8 @@ def _dying_step(self, *a, **k):
 def _dying_write(*a, **k):
     if Now.phase == "save":
         maybe_die("save")
+    elif Now.phase == "step":  # the recovery checkpoint step() saves after the update
+        maybe_die("recovery_save")
     return _write(*a, **k)
 
 
