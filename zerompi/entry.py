@@ -10,12 +10,12 @@ from zerompi.checkpoint.stores import store_for
 from zerompi.comm import guard, launch
 from zerompi.comm.group import ProcessGroup
 from zerompi.comm.mpi import MPIGroup
-from zerompi.comm.watchdog import HangPolicy
-from zerompi.config import Progress, ZeroConfig
+from zerompi.config import ZeroConfig
 from zerompi.engine import Engine
 from zerompi.errors import UsageError
 from zerompi.optim import schedules
 from zerompi.recovery import ResilientEngine
+from zerompi.services import start_services
 from zerompi.shard import deferred
 
 
@@ -50,8 +50,6 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
         raise UsageError("initialize: pass comm (an MPI communicator) or group, not both")
     if reliability.abort_on_exception:
         guard.abort_on_uncaught_exception(group)
-    group.start_watchdog(HangPolicy(reliability.collective_timeout, reliability.hang_floor, reliability.hang_dir))
-    if cfg.overlap.progress == Progress.THREAD:
-        group.start_comm_thread()
+    start_services(group, cfg)
     kind = ResilientEngine if cfg.fault_tolerance else Engine  # fault_tolerance: a lost rank is survived
     return kind(model, cfg, group, param_groups, param_init, lr_scheduler)

@@ -33,11 +33,11 @@ from typing import Any, Callable
 from zerompi.checkpoint.writer import save
 from zerompi.comm import ulfm
 from zerompi.comm.mpi import MPIGroup
-from zerompi.comm.watchdog import HangPolicy
-from zerompi.config import CheckpointLayout, Progress
+from zerompi.config import CheckpointLayout
 from zerompi.engine import Engine
 from zerompi.errors import Recovered, UsageError, ZeroMPIError
 from zerompi.log import get_logger
+from zerompi.services import start_services
 
 logger = get_logger(__name__)
 
@@ -194,11 +194,7 @@ class FaultTolerance:
         step = min(survivors.allgather_object(self.saved[-1]))
         module, param_groups = copy.deepcopy(self.spare)
         cfg = engine.config
-        reliability = cfg.reliability  # the survivors are watched as initialize watched the job
-        survivors.start_watchdog(HangPolicy(reliability.collective_timeout, reliability.hang_floor,
-                                            reliability.hang_dir))
-        if cfg.overlap.progress == Progress.THREAD:
-            survivors.start_comm_thread()
+        start_services(survivors, cfg)  # watched and progressed as initialize did the job's group
         Engine.__init__(engine, module, cfg, survivors, param_groups, self.param_init, self.lr_scheduler)
         engine.load_checkpoint(self.directory, self.tag(step))
         self.saved = [step]
