@@ -116,7 +116,7 @@ def _ds_dtypes(d: Mapping, compute: str) -> None:
             raise ConfigError(f"{dotted}={value!r} is not supported: {why}; allowed: null")
     dotted, allowed, why = KEEP_IN_FP32
     found, value = _ds_get(d, dotted)
-    if found and not any(type(value) is type(a) and value == a for a in allowed):
+    if found and value not in allowed:
         raise ConfigError(f"{dotted}={value!r} is not supported: {why}; allowed: \"auto\", [] or null")
     dotted, why = COMPILE_OFF
     found, value = _ds_get(d, dotted)
