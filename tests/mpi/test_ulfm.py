@@ -36,7 +36,10 @@ def job(venv, tmp_path, n: int, *args: str, launch=FLAGS) -> tuple[subprocess.Co
     out = tmp_path / f"ulfm-{abs(hash(args))}.json"
     cmd = [str(venv / "bin" / "mpiexec"), *launch, "--mca", "btl", BTL, "--oversubscribe", "-n", str(n),
            str(venv / "bin" / "python"), "-m", "mpi4py", str(WORKERS / "ulfm.py"), "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    for _ in range(3):  # Open MPI's launcher now and then fails to start its PMIx server before any rank runs
+        proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
+        if "PMIx server's listener thread failed to start" not in proc.stderr:
+            break
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
