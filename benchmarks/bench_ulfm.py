@@ -3,12 +3,13 @@
     python benchmarks/bench_ulfm.py [--ranks 4] [--steps 20] [--rounds 3] [--width 512]
 
 Each job is its own ``mpiexec --with-ft ulfm`` of benchmarks/workers/ulfm_worker.py (an MLP at
-stage 3, reproducible=True, G = 8): fault_tolerance off; on with a recovery checkpoint every step
-(recovery_every=1) and every 10 steps; and on with rank 1 SIGKILLed at the start of step steps/2,
+stage 3, reproducible=True, G = 8): fault_tolerance off; on with recovery points in memory every step,
+on disk every step and every 10 steps; and on (memory, every step) with rank 1 SIGKILLed at the start of step steps/2,
 whose recovery is timed twice: error to reloaded engine (as logged), and the kill (the wall time the
 killed rank wrote first) to the end of the first step the survivors complete after it. Step time: the
-median over the steps after the first. Modes take turns within a round, rounds repeat. Results:
---out.{md,jsonl}.
+median over the steps after the first. Memory: the peak RSS of the largest rank, and the bytes of one
+recovery point held in memory (own + buddy's copy). Modes take turns within a round, rounds repeat.
+Results: --out.{md,jsonl}.
 """
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ sys.path[:0] = [str(ROOT)]
 
 from zerompi.tools.mpirun import mpi_env  # noqa: E402
 
-MODES = {"off": ["--ft", "off"], "on, every step": ["--ft", "on", "--every", "1"],
-         "on, every 10 steps": ["--ft", "on", "--every", "10"]}
+MODES = {"off": ["--ft", "off"],
+         "memory, every step": ["--ft", "on", "--every", "1", "--source", "memory"],
+         "disk, every step": ["--ft", "on", "--every", "1", "--source", "disk"],
+         "disk, every 10 steps": ["--ft", "on", "--every", "10", "--source", "disk"]}
 
 
 def run(venv: Path, ranks: int, args: list[str]) -> dict:
@@ -61,7 +64,7 @@ def main() -> None:
             rows.append(dict(mode=mode, **run(venv, a.ranks, args + common)))
         with tempfile.TemporaryDirectory() as d:
             killed = Path(d) / "kill.time"
-            r = run(venv, a.ranks, MODES["on, every step"] + common + ["--kill-rank", "1", "--kill-step",
+            r = run(venv, a.ranks, MODES["memory, every step"] + common + ["--kill-rank", "1", "--kill-step",
                                                                         str(a.steps // 2), "--kill-time", str(killed)])
             rows.append(dict(mode="on, rank 1 killed", to_step=r["first_done"] - float(killed.read_text()), **r))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -89,10 +92,14 @@ def report(rows: list[dict], ranks: int, run_line: str) -> str:
              "CPU)", "", f"{run_line} MLP of {rows[0]['params']:,} parameters, stage 3, reproducible=True, G = 8. "
              "Per job, the median and the mean of its steps after the first; the table shows the median over the "
              "rounds and the range.", "",
-             "| fault_tolerance | median step (ms) | vs off | mean step (ms) | vs off |", "|---|---|---|---|---|"]
+             "| fault_tolerance | median step (ms) | vs off | mean step (ms) | vs off | peak RSS (MiB) | "
+             "point in memory (MiB) |", "|---|---|---|---|---|---|---|"]
     for mode in MODES:
+        rss = statistics.median(r["peak_rss"] for r in rows if r["mode"] == mode) / 2**20
+        held = statistics.median(r["replica_bytes"] for r in rows if r["mode"] == mode) / 2**20
         lines.append(f"| {mode} | {spread(medians[mode])} | {statistics.median(medians[mode]) / off_median:.2f}x | "
-                     f"{spread(means[mode])} | {statistics.median(means[mode]) / off_mean:.2f}x |")
+                     f"{spread(means[mode])} | {statistics.median(means[mode]) / off_mean:.2f}x | {rss:.0f} | "
+                     f"{held:.2f} |")
     killed = [r for r in rows if r["mode"] == "on, rank 1 killed"]
     recoveries = [rep["seconds"] for r in killed for rep in r["reports"]]
     to_step = [r["to_step"] for r in killed]

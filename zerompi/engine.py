@@ -78,7 +78,7 @@ class Engine:
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
         membership, options = optimizer_groups(module, param_groups)
-        plan = plan_for(cfg.stage, ordered_rounds=cfg.reproducible)
+        plan = plan_for(cfg.stage, rounds=cfg.rounds.dealt)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
                                  plan, cfg.param_persistence_threshold, group_of))
@@ -88,9 +88,9 @@ class Engine:
         shard = self.groups.shard
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
                               check_finite=cfg.dtype != DType.FP16,  # fp16 overflows are the loss scaler's
-                              compression=Compression.from_policy(cfg.compression), ordered_rounds=cfg.reproducible)
-        self.micro = MicroBatchPlan(cfg.micro_batches, group.size, group.rank) if cfg.reproducible else None
-        """reproducible=True: the micro-batches this rank runs and the rounds they make (shard/rounds.py)."""
+                              compression=Compression.from_policy(cfg.compression), rounds=cfg.rounds)
+        self.micro = MicroBatchPlan(cfg.micro_batches, group.size, group.rank) if cfg.rounds.dealt else None
+        """micro_batches: the micro-batches this rank runs and the rounds they make (shard/rounds.py)."""
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         # Swapped parameter shards are read ahead even when gathers are not prefetched: three units,
         # which on the capacity benchmark's disk hid most reads that one unit ahead left exposed.
@@ -109,7 +109,7 @@ class Engine:
                          cfg.offload.pin_memory, self._fence)
         self.sharded = ShardedModel(module, placement, self.groups,
                                     ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params,
-                                                 ordered_rounds=cfg.reproducible),
+                                                 rounds=cfg.rounds),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
@@ -136,15 +136,15 @@ class Engine:
 
     # ---- training ---------------------------------------------------------
     def micro_batch_indices(self) -> list[int]:
-        """reproducible=True: the global micro-batch indices (in 0..micro_batches-1) this rank runs each
+        """micro_batches: the global micro-batch indices (in 0..micro_batches-1) this rank runs each
         step, in order: call forward and backward once for each, on that micro-batch's data."""
         if self.micro is None:
-            raise UsageError("micro_batch_indices() belongs to reproducible=True (with micro_batches)")
+            raise UsageError("micro_batch_indices() belongs to a global batch dealt in micro_batches, which is None")
         return self.micro.indices
 
     def __call__(self, *args, **kwargs):
         """Forward: floating inputs are moved to the device and cast to the compute dtype. With
-        reproducible=True torch's generator is first seeded for the micro-batch about to run."""
+        micro_batches torch's generator is first seeded for the micro-batch about to run (its global index)."""
         dtype, device = self.config.torch_dtype, self.device
         if self.micro is not None:
             if torch.is_grad_enabled() and self.module.training:  # a training forward: one of its micro-batches
@@ -206,7 +206,7 @@ class Engine:
         """Update at the end of an accumulation window; True when the parameters changed."""
         if self.micro is not None and self._phase.rounds_done not in (0, len(self.micro.indices)):
             raise UsageError(f"step() after {self._phase.rounds_done} of this rank's {len(self.micro.indices)} "
-                             f"micro-batches {self.micro.indices} (reproducible=True): run forward and backward "
+                             f"micro-batches {self.micro.indices} (micro_batches={self.config.micro_batches}): run forward and backward "
                              "once for each of engine.micro_batch_indices() before step()")
         if not self._phase.begin_step():
             return False

@@ -5,6 +5,7 @@ times, the recovery reports, the world size, and the wall time the first step af
 import argparse
 import json
 import os
+import resource
 import signal
 import time
 
@@ -24,6 +25,7 @@ p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-step", type=int, default=-1)
 p.add_argument("--kill-time", default=None, help="file the killed rank writes its wall time to first")
 p.add_argument("--recovery-dir", default=None)
+p.add_argument("--source", default="memory", help="recovery_source")
 a = p.parse_args()
 torch.manual_seed(0)
 w = a.width
@@ -31,7 +33,7 @@ model = nn.Sequential(nn.Linear(64, w), nn.GELU(), nn.Linear(w, w), nn.GELU(), n
                       nn.Linear(w, 16))
 cfg = zerompi.ZeroConfig(stage=3, reproducible=True, micro_batches=a.micro_batches, cpu_threads=1, device="cpu",
                          bucket_mb=1.0, checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",
-                         recovery_every=a.every, recovery_dir=a.recovery_dir)
+                         recovery_every=a.every, recovery_dir=a.recovery_dir, recovery_source=a.source)
 engine = zerompi.initialize(model, cfg)
 params = sum(q.numel() for q in model.parameters())
 times, reports, first_done = {}, [], None
@@ -54,8 +56,12 @@ while engine.stats.steps < a.steps:
             first_done = time.time()  # the first step done after the recovery
     except zerompi.Recovered as r:
         reports.append(dict(r.report.__dict__))
+points = getattr(getattr(engine, "recovery", None), "points", None)
+held = [p.own.numel() + p.held.numel() for p in getattr(points, "points", [])[-1:]]  # one point, own + copy
+peak = engine.group.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+replicas = engine.group.allgather_object(held[0] if held else 0)
 if engine.rank == 0:
-    print(json.dumps(dict(ft=a.ft, every=a.every, params=params, world=engine.world_size,
-                          times=[times[s] for s in sorted(times)], reports=reports, first_done=first_done)),
-          flush=True)
+    print(json.dumps(dict(ft=a.ft, every=a.every, source=a.source, params=params, world=engine.world_size,
+                          times=[times[s] for s in sorted(times)], reports=reports, first_done=first_done,
+                          peak_rss=max(peak), replica_bytes=max(replicas))), flush=True)
 engine.close()

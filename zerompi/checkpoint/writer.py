@@ -92,7 +92,7 @@ def _bucket_meta(shards) -> list[dict[str, Any]]:
              "slots": [[slot.fqn, slot.offset, slot.numel] for slot in s.layout.slots]} for s in shards]
 
 
-def _index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict, save_id: str,
+def build_index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict, save_id: str,
            kind: str, include_frozen: bool) -> CheckpointIndex:
     m = engine.module
     replicated = list(snap.replicated_frozen if include_frozen else ()) + [n for n, _ in m.named_buffers()]
@@ -114,7 +114,7 @@ def replicated_tensors(engine, index: CheckpointIndex, copy: bool) -> dict[str, 
     return {n: tensors[n].detach().clone() if copy else tensors[n] for n in index.replicated}
 
 
-def _write_index(tensors: dict[str, torch.Tensor], path: Path, index: CheckpointIndex) -> None:
+def write_index(tensors: dict[str, torch.Tensor], path: Path, index: CheckpointIndex) -> None:
     with schema.open_h5(path, "w") as f:
         index.write(f)
         for name in index.replicated:
@@ -211,7 +211,7 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
     meta = optimizer_meta(snap)
     index, replicated = None, {}
     if group.rank == 0:
-        index = _index(engine, snap, tag, client_state, meta, nonce, store.kind.value, include_frozen)
+        index = build_index(engine, snap, tag, client_state, meta, nonce, store.kind.value, include_frozen)
         if copy:  # written on the save's thread: client_state and the scheduler's state_dict may share
             # dicts and lists that training changes in place (a data position, a scheduler's history)
             index = deepcopy(index)
@@ -222,7 +222,7 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
 def publish(job: Job) -> None:
     """Rank 0, once every shard is written: index.h5 (written, read back), then the directory and
     ``latest`` into place."""
-    _write_index(job.replicated, job.tmp / schema.INDEX, job.index)
+    write_index(job.replicated, job.tmp / schema.INDEX, job.index)
     verify_file(job.tmp / schema.INDEX)
     _publish(job.root, job.tmp, job.tag)
 

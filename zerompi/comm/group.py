@@ -142,6 +142,9 @@ class ProcessGroup(Protocol):
     def gather(self, t: torch.Tensor, out: torch.Tensor | None, root: int = 0, *, kind: str = "gather",
                what: str = "") -> None:
         """Blocking: ``out[r*n:(r+1)*n]`` = rank r's ``t`` on ``root`` (``out`` is None elsewhere)."""
+    def shift(self, t: torch.Tensor, offset: int, *, kind: str = "shift", what: str = "") -> torch.Tensor:
+        """Blocking, every rank: send ``t`` (any length) to rank ``rank + offset`` (mod size); return what
+        rank ``rank - offset`` sent (a copy of a buddy's state: recovery's in-memory replicas)."""
 
     # ---- small control messages ----------------------------------------
     def sum_floats(self, values: list[float], *, kind: str = "control", what: str = "") -> list[float]: ...

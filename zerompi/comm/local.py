@@ -132,6 +132,10 @@ class LocalGroup:
         t.copy_(_rank_order_sum(self._exchange(desc, t.detach().clone())))
         return Work.done()
 
+    def shift(self, t: torch.Tensor, offset: int, *, kind: str = "shift", what: str = "") -> torch.Tensor:
+        desc = self._enter(kind, t, what, shapes.shift_bytes(t, offset, self.size))
+        return self._exchange(desc, t.detach().clone())[(self.rank - offset) % self.size]
+
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
                    async_op: bool = False, what: str = "") -> Work:
         desc = self._enter(kind, send, what, shapes.all_to_all_bytes(send, recv, self.size))

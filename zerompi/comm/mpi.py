@@ -363,6 +363,20 @@ class MPIGroup:
             self._call(lambda: self.comm.Gather(_raw(x), _raw(o[0]) if o else None, root=root))
         back()
 
+    def shift(self, t: torch.Tensor, offset: int, *, kind: str = "shift", what: str = "") -> torch.Tensor:
+        """``MPI_Sendrecv`` of the length, then of the data, with the ranks ``offset`` away (group.py)."""
+        dest, source = (self.rank + offset) % self.size, (self.rank - offset) % self.size
+        self._count(kind, shapes.shift_bytes(t, offset, self.size))
+        entered = self._enter(kind, t, what)
+        (x,), _ = self._stage(t)
+        length = torch.tensor([x.numel()], dtype=torch.int64)
+        received = torch.empty(1, dtype=torch.int64)
+        with self._blocked(*entered):
+            self._call(lambda: self.comm.Sendrecv(length, dest, 0, received, source, 0))
+            out = torch.empty(int(received[0]), dtype=x.dtype)
+            self._call(lambda: self.comm.Sendrecv(_raw(x), dest, 1, _raw(out), source, 1))
+        return out.to(t.device)
+
     # ---- small control messages ----------------------------------------
     def sum_floats(self, values: list[float], *, kind: str = "control", what: str = "") -> list[float]:
         """Sum a few Python floats over ranks (norms, overflow flags, metrics)."""

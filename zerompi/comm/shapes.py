@@ -71,3 +71,9 @@ def broadcast_bytes(t: torch.Tensor, size: int) -> int:
     """What the root sends (the other ranks send nothing and count nothing)."""
     check_flat("broadcast", t)
     return (size - 1) * t.numel() * t.element_size()
+
+
+def shift_bytes(t: torch.Tensor, offset: int, size: int) -> int:
+    """A shift sends the whole tensor to one other rank (nothing when it lands on the sender)."""
+    check_flat("shift", t)
+    return 0 if offset % size == 0 else t.numel() * t.element_size()

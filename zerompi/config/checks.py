@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
-                                    Offload, Progress, Schedule, Stage, WeightQuant)
+                                    Offload, Progress, RecoverySource, Schedule, Stage, WeightQuant)
 from zerompi.errors import ConfigError
 
 E = TypeVar("E", bound=Enum)
@@ -242,6 +242,7 @@ CHECKS: dict[str, Check] = {
     "checkpoint_async_copy": boolean,
     "fault_tolerance": boolean,
     "recovery_every": lambda k, v: integer(k, v, 1),
+    "recovery_source": _of(RecoverySource),
     "recovery_dir": lambda k, v: optional(k, v, path, "a temporary directory"),
     "min_ranks": lambda k, v: integer(k, v, 1),
 }
@@ -267,13 +268,17 @@ def check_fault_tolerance(cfg: Any) -> None:
     """What surviving a lost rank needs of the rest of the config (comm/ulfm.py, recovery.py)."""
     if not cfg.fault_tolerance:
         return
-    if not cfg.reproducible:
-        raise ConfigError("fault_tolerance=True needs reproducible=True (with micro_batches), so that the "
-                          "survivors run the same global batch; allowed: reproducible=True, or "
-                          "fault_tolerance=False")
+    if cfg.micro_batches is None:
+        raise ConfigError("fault_tolerance=True needs micro_batches (the global batch, dealt over whichever ranks "
+                          "are left), so that the survivors run the same global batch; allowed: an int >= the "
+                          "number of ranks (with reproducible=True the recovered run is bitwise the failure-free "
+                          "one), or fault_tolerance=False")
     if cfg.checkpoint_layout == CheckpointLayout.SHARED:
         raise ConfigError("fault_tolerance=True with checkpoint_layout='shared': a collective HDF5 write "
                           "cannot survive a lost rank; allowed: 'per_rank' or 'auto'")
+    if cfg.recovery_source == RecoverySource.MEMORY and Offload.NVME in (cfg.offload_optimizer, cfg.offload_params):
+        raise ConfigError("recovery_source='memory' with offload to 'nvme' would hold two copies of what the swap "
+                          "file keeps out of memory; allowed: recovery_source='disk', or offload 'cpu' or 'none'")
 
 
 def check_schedule(cfg: Any) -> None:

@@ -173,6 +173,17 @@ class CheckpointLayout(Choice):
     """One nodeNNNNN.h5 per node: each node's first rank gathers its node's shards and writes them."""
 
 
+class RecoverySource(Choice):
+    """Where ``fault_tolerance`` takes a lost rank's state from (``recovery_source``)."""
+
+    MEMORY = "memory"
+    """Each rank keeps its recovery checkpoint in memory and a copy in its buddy's, the rank half the job
+    away (on another node when ranks fill nodes in order); nothing is written until a rank is lost. A rank
+    lost together with its buddy cannot be recovered."""
+    DISK = "disk"
+    """Per-rank checkpoint files under ``recovery_dir``, fsynced: any set of lost ranks is recovered."""
+
+
 class WeightQuant(Choice):
     """How parameter all-gathers are compressed (``quantize_weights``)."""
 
@@ -201,3 +212,21 @@ class GradQuant(Choice):
     def bits(self) -> int | None:
         """Bits per code, or None when nothing is quantized."""
         return {GradQuant.NONE: None, GradQuant.INT8: 8, GradQuant.INT4: 4}[self]
+
+
+class Rounds(Choice):
+    """How a step's gradients are gathered (derived from ``micro_batches`` and ``reproducible``, not a key)."""
+
+    WINDOW = "window"
+    """Each rank runs ``grad_accum_steps`` micro-batches of its own and the window's sum is reduced."""
+    SUMMED = "summed"
+    """``micro_batches`` dealt round robin over the ranks; each round (the k-th backward of every rank)
+    is reduce-scattered and added to the shard: the same micro-batches at any world size, summed in an
+    order that depends on it."""
+    ORDERED = "ordered"
+    """As SUMMED, and every micro-batch's gradient is added in global index order (reproducible=True)."""
+
+    @property
+    def dealt(self) -> bool:
+        """The global batch is dealt in micro-batches (shard/rounds.py's MicroBatchPlan)."""
+        return self is not Rounds.WINDOW

@@ -1,7 +1,10 @@
-"""What ``reproducible=True`` needs of the rest of the config, checked once.
+"""What ``micro_batches`` and ``reproducible=True`` need of the rest of the config, checked once.
 
-The mode promises parameters and optimizer state bitwise equal at every world size N in
-1..micro_batches. A setting whose arithmetic depends on N, or that this mode does not run yet,
+``micro_batches`` deals a global batch of G micro-batches over the ranks, in rounds
+(shard/rounds.py): the same micro-batches at any world size, which is what lets the
+survivors of a lost rank train the same global batch. ``reproducible=True`` adds
+the promise of parameters and optimizer state bitwise equal at every world size N in
+1..micro_batches. A setting the rounds do not run, or whose arithmetic depends on N,
 is refused here, named, with what is allowed instead.
 """
 from __future__ import annotations
@@ -15,14 +18,20 @@ _KERNEL_KEYS = ("fused", "foreach")
 
 
 def check_reproducible(cfg: Any) -> None:
-    if not cfg.reproducible:
-        if cfg.micro_batches is not None:
-            raise ConfigError(f"micro_batches={cfg.micro_batches!r} sets the global batch of reproducible=True, "
-                              "which is off; allowed: None, or reproducible=True")
-        return
-    if cfg.micro_batches is None:
+    if cfg.reproducible and cfg.micro_batches is None:
         raise ConfigError("reproducible=True needs micro_batches, the number of micro-batches per step over all "
                           "ranks (the global batch); allowed: an int >= 1")
+    if cfg.micro_batches is None:
+        return
+    mode = "reproducible=True" if cfg.reproducible else f"micro_batches={cfg.micro_batches}"
+    refused = _dealt_refusals(cfg) + (_bitwise_refusals(cfg) if cfg.reproducible else [])
+    if refused:
+        raise ConfigError(f"{mode} cannot keep its guarantee with: " + "; ".join(
+            f"{what} ({why}; allowed: {allowed})" for what, why, allowed in refused))
+
+
+def _dealt_refusals(cfg: Any) -> list[tuple[str, str, str]]:
+    """What the rounds of a dealt global batch do not run (either mode)."""
     refused = []
     if cfg.grad_accum_steps != 1:
         refused.append((f"grad_accum_steps={cfg.grad_accum_steps}", "micro_batches and the world size set how "
@@ -30,7 +39,7 @@ def check_reproducible(cfg: Any) -> None:
     if cfg.dtype == DType.FP16:
         refused.append(("dtype='fp16'", "its loss scaling is not covered yet", "'fp32' or 'bf16'"))
     if cfg.hierarchy != Hierarchy.FLAT:
-        refused.append((f"hierarchy={cfg.hierarchy.value!r}", "a two-level sum depends on the node layout", "'flat'"))
+        refused.append((f"hierarchy={cfg.hierarchy.value!r}", "the rounds reduce over one flat group", "'flat'"))
     for key in ("quantize_weights", "quantize_grads"):
         if getattr(cfg, key).bits is not None:
             refused.append((f"{key}={getattr(cfg, key).value!r}", "quantizing a rank's gradient or shard depends "
@@ -40,6 +49,12 @@ def check_reproducible(cfg: Any) -> None:
                         "gathers of its last round, which prefetching makes differ from round to round", "0"))
     if cfg.optimizer_in_backward:
         refused.append(("optimizer_in_backward=True", "the update waits for every micro-batch", "False"))
+    return refused
+
+
+def _bitwise_refusals(cfg: Any) -> list[tuple[str, str, str]]:
+    """What would make reproducible=True's bits depend on the world size or the node layout."""
+    refused = []
     if cfg.cpu_threads is None:
         refused.append(("cpu_threads=None", "the default gives each rank its share of the cores, so the kernels' "
                         "threads (and their summation order) would change with the ranks per node", "an int >= 1"))
@@ -47,6 +62,4 @@ def check_reproducible(cfg: Any) -> None:
     if kernels:
         refused.append((f"optimizer_kwargs {kernels}", "a fused or multi-tensor kernel treats a shard's last "
                         "elements apart, where shard boundaries fall with the world size", "leave them unset"))
-    if refused:
-        raise ConfigError("reproducible=True cannot keep its guarantee with: " + "; ".join(
-            f"{what} ({why}; allowed: {allowed})" for what, why, allowed in refused))
+    return refused

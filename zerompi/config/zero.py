@@ -22,7 +22,8 @@ import torch
 
 from zerompi.config import checks, dialects
 from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
-                                    Offload, Progress, Schedule, Stage, UpdateSchedule, WeightQuant)
+                                    Offload, Progress, RecoverySource, Rounds, Schedule, Stage, UpdateSchedule,
+                                    WeightQuant)
 from zerompi.config.files import read_document
 from zerompi.config.reproducible import check_reproducible
 from zerompi.config.policies import (CheckpointPolicy, CompressionPolicy, LrSchedulePolicy, OffloadPolicy, OptimizerPolicy,
@@ -217,8 +218,8 @@ class ZeroConfig:
     config/reproducible.py lists what else it needs. See the README's "Reproducible at any world
     size"."""
     micro_batches: int | None = None
-    """With reproducible=True: micro-batches per optimizer step over all ranks (the global batch);
-    at least the world size. The gradient is their mean."""
+    """Micro-batches per step over all ranks (the global batch, >= the world size), dealt round robin
+    (``engine.micro_batch_indices()``); the gradient is their mean. None: ``grad_accum_steps`` per rank."""
     grad_error_feedback: bool = False
     """With quantize_grads: each rank keeps what quantisation dropped from its local gradient (an fp32
     residual as large as the gradient buckets, 4 bytes per parameter per rank, in memory whatever is
@@ -244,16 +245,17 @@ class ZeroConfig:
     optimizer state until the save ends; steps wait only for the copy). Under NVMe offload the save
     reads the swap file instead, one bucket at a time, either way."""
     fault_tolerance: bool = False
-    """Survive the death of ranks without a relaunch (ULFM; Open MPI started with ``--with-ft ulfm``):
-    the survivors shrink the job, rebuild the engine over themselves, reload the last recovery
-    checkpoint and raise ``zerompi.Recovered``, after which the training loop goes on from
-    ``engine.stats.steps``. Needs reproducible=True (the global batch is re-dealt over the survivors)
-    and the per-rank checkpoint layout. See the README's "Surviving a lost rank"."""
+    """Survive lost ranks without a relaunch (ULFM, Open MPI's ``--with-ft ulfm``): the survivors shrink, rebuild,
+    reload the last recovery checkpoint and raise ``zerompi.Recovered``; the loop goes on from ``engine.stats.steps``.
+    Needs micro_batches (re-dealt over the survivors; with reproducible=True the bits of the failure-free run).
+    See the README's "Surviving a lost rank"."""
     recovery_every: int = 1
     """fault_tolerance: steps between recovery checkpoints (>= 1); a failure replays at most this many."""
+    recovery_source: RecoverySource = RecoverySource.MEMORY
+    """fault_tolerance: 'memory', recovery checkpoints in memory with a copy on a buddy rank; 'disk', files."""
     recovery_dir: str | None = None
-    """fault_tolerance: where recovery checkpoints go (every rank must read every rank's files: a shared
-    filesystem across nodes); None: a fresh directory under the system's temporary directory, named by rank 0."""
+    """fault_tolerance: where recovery files go (every rank must read every rank's: a shared filesystem across
+    nodes); None: a fresh directory under rank 0's temporary directory. 'memory' writes there only to recover."""
     min_ranks: int = 1
     """fault_tolerance: the fewest ranks training goes on with; fewer survivors abort the job, >= 1."""
 
@@ -282,6 +284,11 @@ class ZeroConfig:
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         """The torch.optim.Optimizer subclass that ``optimizer`` names."""
         return checks.optimizer_class("optimizer", self.optimizer)
+
+    @property
+    def rounds(self) -> Rounds:
+        """How a step's gradients are gathered: from ``micro_batches`` and ``reproducible``."""
+        return Rounds.WINDOW if self.micro_batches is None else Rounds.ORDERED if self.reproducible else Rounds.SUMMED
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -17,6 +17,7 @@ import torch
 
 from zerompi.blockio.aligned import aligned_clone
 from zerompi.comm.group import Work
+from zerompi.config.choices import Rounds
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.offload.tiers import Resident, ShardTier, TierPlan
 from zerompi.shard.buffer import FlatBuffer
@@ -46,7 +47,7 @@ class Placement:
     device: torch.device
     check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
     compression: Compression = Compression()  # quantized collectives (shard/compression.py)
-    ordered_rounds: bool = False  # reproducible=True: gradients summed in global micro-batch order (sync.py)
+    rounds: Rounds = Rounds.WINDOW  # micro_batches: reduced round by round (sync.py's SummedRounds, OrderedRounds)
 
 
 class Bucket:
@@ -138,7 +139,7 @@ class Bucket:
             codec, self.groups.shard, self.layout.padded_numel, placement.compression.error_feedback,
             placement.device)
         self.grad_sync = grad_sync_for(plan, self.groups, self.layout, self.grad_codes,
-                                       ordered_rounds=placement.ordered_rounds)
+                                       rounds=placement.rounds)
 
     def _illegal(self, verb: str, allowed: str) -> ZeroMPIError:
         return ZeroMPIError(f"{self.name}: {verb} in state {self.state.name} (allowed from {allowed})")
@@ -259,9 +260,9 @@ class Bucket:
             self.finish_reduce(taken_next=taken_next)
 
     def reduce_round(self, sources: int) -> None:
-        """reproducible=True, after each backward (and for each round this rank ran no micro-batch in,
-        with nothing written): add the first ``sources`` ranks' gradients of this round to the shard
-        this rank owns, in rank order (sync.py's OrderedRounds)."""
+        """micro_batches, after each backward (and for each round this rank ran no micro-batch in,
+        with nothing written): add this round's gradients to the shard this rank owns (sync.py's
+        SummedRounds; reproducible=True: the first ``sources`` ranks' ones, in rank order, OrderedRounds)."""
         if not self.grad_full.is_allocated:
             self.grad_full.alloc()
             self._written.clear()

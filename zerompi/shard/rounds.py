@@ -1,10 +1,11 @@
-"""reproducible=True's global batch: which micro-batches each rank runs, and the rounds they make.
+"""A global batch dealt in ``micro_batches``: which micro-batches each rank runs, and the rounds they make.
 
 ``micro_batches`` (G) micro-batches per optimizer step are dealt round robin over the N ranks:
 rank r runs the global indices r, r+N, r+2N, ... (N need not divide G: the first G mod N ranks
 run one more). Round k is the k-th backward on every rank, so it holds the indices kN..kN+N-1
 in rank order, which is what lets each shard owner add the gradients in global index order
-(sync.py's OrderedRounds). A rank with one micro-batch fewer joins the last round with nothing.
+(sync.py's OrderedRounds, reproducible=True) or sum each round as it comes (SummedRounds). A rank
+with one micro-batch fewer joins the last round with nothing.
 
 Each micro-batch also draws the same random numbers at any N: the generator is seeded from
 (seed, step, global index) before its forward.
@@ -39,7 +40,7 @@ class MicroBatchPlan:
         the other ranks would wait for it in a collective."""
         if done >= len(self.indices):
             raise UsageError(f"{what} of a micro-batch beyond this rank's {len(self.indices)} micro-batches "
-                             f"{self.indices} (reproducible=True): the other ranks would wait for it in a "
+                             f"{self.indices} (micro_batches={self.micro_batches}): the other ranks would wait for it in a "
                              "collective; run one forward and backward for each of engine.micro_batch_indices(), "
                              "then step()")
 

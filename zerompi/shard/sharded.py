@@ -21,7 +21,7 @@ from torch import nn
 
 from zerompi.blockio.memory import trim_heap
 from zerompi.comm.topology import Groups
-from zerompi.config.choices import Progress
+from zerompi.config.choices import Progress, Rounds
 from zerompi.config.policies import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
@@ -55,9 +55,9 @@ class ShardOptions:
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
     max_live_params: int | None = None
     """Stage 3: prefetch no more than this many elements, the unit computing included."""
-    ordered_rounds: bool = False
-    """reproducible=True: reduce after each backward, in global micro-batch order (sync.py's OrderedRounds), over
-    shards of whole norm chunks (grads.py's NORM_CHUNK)."""
+    rounds: Rounds = Rounds.WINDOW
+    """micro_batches: reduce after each backward, round by round (sync.py's SummedRounds); reproducible=True
+    (ORDERED): in global micro-batch order (OrderedRounds), over shards of whole norm chunks (grads.py's NORM_CHUNK)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class _Backward:
 
     sync: bool  # its gradients are reduced (the window ends, or stages 2-3)
     steps: BackwardSteps | None = None  # updates the buckets as their gradients land (the window ends)
-    sources: int = 0  # reproducible=True: ranks with a micro-batch in this round
+    sources: int = 0  # micro_batches: ranks with a micro-batch in this round
     stepped: set[int] = field(default_factory=set)  # id() of the buckets it updated
 
 
@@ -91,10 +91,10 @@ class ShardedModel:
         self.materialize = Materializer(module, placement.device, options.param_init,
                                         placement.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
-        self.ordered_rounds = options.ordered_rounds
-        self._round_gathers: list[Bucket] = []  # reproducible=True: the gathers of the round in progress
+        self.rounds = options.rounds
+        self._round_gathers: list[Bucket] = []  # micro_batches: the gathers of the round in progress
         self._last_round: list[Bucket] = []     # ... and of the last complete one
-        self._align = NORM_CHUNK if options.ordered_rounds else 1
+        self._align = NORM_CHUNK if options.rounds is Rounds.ORDERED else 1
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
@@ -221,7 +221,7 @@ class ShardedModel:
 
     def _gather(self, unit: Unit) -> None:
         for b in unit.buckets:
-            if self.ordered_rounds and b.state is BucketState.SHARDED:
+            if self.rounds.dealt and b.state is BucketState.SHARDED:
                 self._round_gathers.append(b)  # what a round without a micro-batch replays
             b.unshard()
             b.wait_gathered()
@@ -296,13 +296,13 @@ class ShardedModel:
         if backward.updates and self._steps is None:
             raise ZeroMPIError("a backward that updates buckets, with no optimizer registered to update them")
         self.check_requires_grad()
-        self._backward = _Backward(sync=(backward.ends_window or self.plan.shard_grads) and not self.ordered_rounds,
+        self._backward = _Backward(sync=(backward.ends_window or self.plan.shard_grads) and not self.rounds.dealt,
                                    steps=self._steps if backward.updates else None, sources=backward.sources)
         for b in self.buckets:
             b.begin_backward()
 
     def empty_round(self, sources: int) -> None:
-        """reproducible=True: a round this rank ran no micro-batch in (its share of the batch is one
+        """micro_batches: a round this rank ran no micro-batch in (its share of the batch is one
         smaller): it still takes its part in the collectives the others' forward and backward run (stage
         3's gathers, the same ones, in the same order, as its own last round: nothing is prefetched in this
         mode) and in every bucket's all-to-all, contributing nothing."""
@@ -335,9 +335,9 @@ class ShardedModel:
         for b in self.buckets:
             if sync and b.needs_reduce():
                 self._reduce(b)
-            elif self.ordered_rounds:  # every rank's gradient of this round, in global order
+            elif self.rounds.dealt:  # every rank's gradient of this round
                 b.reduce_round(self._backward.sources)
-        if self.ordered_rounds:
+        if self.rounds.dealt:
             self._last_round, self._round_gathers = self._round_gathers, []
         for b in self._inflight:  # in the order they started, as on every rank
             b.finish_reduce(taken_next=steps)

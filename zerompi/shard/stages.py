@@ -73,9 +73,9 @@ FROZEN = StagePlan(3, shard_optimizer=True, shard_grads=False, shard_params=True
 the compute dtype, with no gradient, master or optimizer state (stages 0-2 keep them replicated)."""
 
 
-def plan_for(stage: int, *, ordered_rounds: bool = False) -> StagePlan:
-    """The table row of ``stage`` (0-3; the config has validated it). ``ordered_rounds``
-    (reproducible=True): every micro-batch's gradient goes to its shard's owner, to be added there in
-    global order, which is stage 2's gradient path; so stages 0 and 1 run stage 2's row (parameters
-    stay whole on every rank, as at stages 0-1; gradients and optimizer state are sharded)."""
-    return PLANS[max(int(stage), 2) if ordered_rounds else int(stage)]
+def plan_for(stage: int, *, rounds: bool = False) -> StagePlan:
+    """The table row of ``stage`` (0-3; the config has validated it). With ``rounds`` (micro_batches
+    dealt over the ranks) every round's gradient goes to its shard's owner after each backward, which
+    is stage 2's gradient path; so stages 0 and 1 run stage 2's row (parameters stay whole on every
+    rank, as at stages 0-1; gradients and optimizer state are sharded)."""
+    return PLANS[max(int(stage), 2) if rounds else int(stage)]

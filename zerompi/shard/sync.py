@@ -17,6 +17,8 @@ Gradients (:class:`GradSync`):
   - ``AllReduce``: stage 0, a reduce-scatter and an all-gather, so replicas stay bitwise equal.
   - ``ReduceScatter``: stages 1-3 (stage 1 once per window, stages 2-3 every micro-batch), over
     quantized codes when the bucket has them, then across nodes under HSDP.
+  - ``SummedRounds`` / ``OrderedRounds``: a global batch dealt in ``micro_batches``, reduced round by
+    round (reproducible=True: each micro-batch added in global index order).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Protocol
 import torch
 
 from zerompi.comm.group import ProcessGroup, Work
+from zerompi.config.choices import Rounds
 from zerompi.errors import ZeroMPIError
 from zerompi.offload.tiers import Resident, ShardTier
 from zerompi.shard.compression import GradCodes, WeightCodes
@@ -218,11 +221,33 @@ class OrderedRounds:
         return [recv[r * self.chunk:(r + 1) * self.chunk] for r in range(sources)]
 
 
+class SummedRounds:
+    """micro_batches without reproducible=True: each round's gradients (zeros from a rank that ran no
+    micro-batch in it) are reduce-scattered, and the owner adds the sum to its shard. The micro-batches
+    are the same at any world size; the order their gradients are summed in is MPI's and the rounds'."""
+
+    in_place, per_micro_batch = False, True
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
+        raise ZeroMPIError(f"{what}: rounds reduce once per round, with round()")
+
+    finish = start
+
+    def round(self, full: torch.Tensor, sources: int, what: str) -> list[torch.Tensor]:
+        """This rank's chunk of the round's sum (each loss already scaled by 1/micro_batches)."""
+        return [self.group.reduce_scatter(full, what=what).wait()]
+
+
 def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCodes | None, *,
-                  ordered_rounds: bool = False) -> GradSync:
-    """The gradient strategy of a trainable bucket running ``plan`` (``ordered_rounds``: reproducible=True's)."""
-    if ordered_rounds:
+                  rounds: Rounds = Rounds.WINDOW) -> GradSync:
+    """The gradient strategy of a trainable bucket running ``plan`` (``rounds``: the config's)."""
+    if rounds is Rounds.ORDERED:
         return OrderedRounds(groups.shard, layout)
+    if rounds is Rounds.SUMMED:
+        return SummedRounds(groups.shard)
     if plan.all_reduce_grads:
         return AllReduce(groups.shard, layout, groups.world.size)
     return ReduceScatter(groups.shard, groups.world.size, plan.shard_grads, codes, groups.replicate)

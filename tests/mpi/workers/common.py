@@ -273,25 +273,33 @@ def slow_capture(engine, seconds: float) -> None:
     engine.optimizer.fenced_state = slow
 
 
-def state_digest(engine, extra: bytes = b"") -> str:
-    """SHA-256 of the parameters, the fp32 masters and the optimizer state, gathered whole over the
+def state_items(engine):
+    """(label, data) of the parameters, the fp32 masters and the optimizer state, gathered whole over the
     engine's group and cut per parameter (so shard padding, which moves with the world size, is left
-    out), then ``extra``: the same at any world size when the training is."""
-    h = hashlib.sha256()
+    out); data is a float array, or the text of a scalar (Adam's step: the same on every rank)."""
     for name, t in engine.full_state_dict().items():
-        h.update(name.encode())
-        h.update(t.float().contiguous().numpy().tobytes())
+        yield name, t.float().contiguous().numpy()
     for i, bucket in enumerate(engine.sharded.buckets):
         with engine.optimizer.shard_state(i) as st:
             tensors = {"master": st.master, **{k: v for k, v in st.state.items() if isinstance(v, torch.Tensor)}}
             for key, t in sorted(tensors.items()):
-                if t.numel() != st.master.numel():  # a scalar (Adam's step): the same on every rank
-                    h.update(f"{key}={t.item()!r}".encode())
+                if t.numel() != st.master.numel():
+                    yield key, f"{key}={t.item()!r}"
                     continue
                 full = np.concatenate(engine.group.allgather_object(t.detach().float().cpu().numpy()))  # rank order
                 for slot in bucket.layout.slots:
-                    h.update(f"{slot.fqn}/{key}".encode())
-                    h.update(full[slot.offset:slot.offset + slot.numel].tobytes())
+                    yield f"{slot.fqn}/{key}", full[slot.offset:slot.offset + slot.numel]
+
+
+def state_digest(engine, extra: bytes = b"") -> str:
+    """SHA-256 of :func:`state_items`, then ``extra``: the same at any world size when the training is."""
+    h = hashlib.sha256()
+    for label, data in state_items(engine):
+        if isinstance(data, str):
+            h.update(data.encode())
+            continue
+        h.update(label.encode())
+        h.update(data.tobytes())
     h.update(extra)
     return h.hexdigest()
 

@@ -1,13 +1,15 @@
-"""fault_tolerance=True worker: train with reproducible=True while chosen ranks SIGKILL themselves.
+"""fault_tolerance=True worker: train G micro-batches a step while chosen ranks SIGKILL themselves.
 
 ``--kill RANK:PHASE:STEP`` (repeatable, comma-separated) makes world rank RANK kill itself with
 SIGKILL in PHASE (forward, backward, step, recovery_save or save) of optimizer step STEP (0-based):
 mid-forward (between two layers), mid-backward (from a gradient hook), inside the optimizer's step,
-while writing its shard file of the recovery checkpoint step() saves, or of the checkpoint the loop
-saves after step ``--save-at``. The survivors
+while taking the recovery point step() keeps (in memory, or its shard file with ``--source disk``), or
+while writing its shard file of the checkpoint the loop saves after step ``--save-at``. The survivors
 recover (zerompi.Recovered) and finish; rank 0 of the final group writes the SHA-256 of the
 parameters, fp32 masters and optimizer state, the final world size and the recovery reports.
-``--ft off`` trains the same without fault tolerance (the failure-free reference).
+``--ft off`` trains the same without fault tolerance (the failure-free reference). ``--reproducible off``
+trains without reproducible=True (summed in MPI's order) and writes the state itself too, to be judged
+against the failure-free run within summation-order noise.
 """
 import argparse
 import os
@@ -20,9 +22,10 @@ from mpi4py import MPI
 from torch import nn
 
 import zerompi
+import zerompi.checkpoint.replica as replica
 import zerompi.checkpoint.writer as writer
 from zerompi.optim.optimizer import ZeroOptimizer
-from common import state_digest, write_json
+from common import state_digest, state_items, write_json
 
 G, STEPS = 6, 4
 WORLD_RANK = MPI.COMM_WORLD.Get_rank()
@@ -53,7 +56,7 @@ class Net(nn.Module):
         return self.b(h)
 
 
-_step, _write = ZeroOptimizer.step, writer._write_shards
+_step, _write, _take = ZeroOptimizer.step, writer._write_shards, replica.take
 
 
 def _dying_step(self, *a, **k):
@@ -69,7 +72,13 @@ def _dying_write(*a, **k):
     return _write(*a, **k)
 
 
-ZeroOptimizer.step, writer._write_shards = _dying_step, _dying_write
+def _dying_take(*a, **k):
+    if Now.phase == "step":  # the recovery point step() takes in memory after the update
+        maybe_die("recovery_save")
+    return _take(*a, **k)
+
+
+ZeroOptimizer.step, writer._write_shards, replica.take = _dying_step, _dying_write, _dying_take
 
 
 def batch(step: int, index: int):
@@ -90,13 +99,16 @@ def main() -> None:
     p.add_argument("--recovery-every", type=int, default=1)
     p.add_argument("--min-ranks", type=int, default=1)
     p.add_argument("--collective-timeout", type=float, default=None)
+    p.add_argument("--reproducible", default="on")
+    p.add_argument("--source", default="memory", help="recovery_source")
     a = p.parse_args()
     Now.kills = {(int(r), ph, int(s)) for r, ph, s in (k.split(":") for k in a.kill.split(",") if k)}
     torch.manual_seed(0)
-    cfg = zerompi.ZeroConfig(stage=a.stage, lr=3e-2, weight_decay=0.1, clip_grad_norm=0.05, reproducible=True,
+    cfg = zerompi.ZeroConfig(stage=a.stage, lr=3e-2, weight_decay=0.1, clip_grad_norm=0.05,
+                             reproducible=a.reproducible == "on",
                              micro_batches=G, cpu_threads=1, device="cpu", bucket_mb=700 * 4 / 2**20,
                              checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",
-                             recovery_every=a.recovery_every, min_ranks=a.min_ranks,
+                             recovery_every=a.recovery_every, min_ranks=a.min_ranks, recovery_source=a.source,
                              collective_timeout=a.collective_timeout)
     engine = zerompi.initialize(Net(), cfg)
     ckpt = engine.group.allgather_object(tempfile.mkdtemp(prefix="zerompi-ulfm-") if engine.rank == 0 else None)[0]
@@ -121,6 +133,8 @@ def main() -> None:
     seconds = time.perf_counter() - started
     out = dict(digest=state_digest(engine), world=engine.world_size, reports=reports, seconds=seconds,
                steps=engine.stats.steps, indices=engine.micro_batch_indices())
+    if a.reproducible == "off":
+        out["state"] = {label: data.tolist() for label, data in state_items(engine) if not isinstance(data, str)}
     engine.close()
     if engine.rank == 0:
         write_json(a.out, out)

@@ -47,7 +47,7 @@ def test_field_order_matches_spec():
         "collective_timeout", "hang_floor", "hang_dir", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
         "quantize_weights", "quantize_grads", "quant_block", "reproducible", "micro_batches", "grad_error_feedback",
         "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy",
-        "fault_tolerance", "recovery_every", "recovery_dir", "min_ranks"]
+        "fault_tolerance", "recovery_every", "recovery_source", "recovery_dir", "min_ranks"]
 
 
 @pytest.mark.parametrize("key,value", [
@@ -187,6 +187,7 @@ BAD_VALUES = [
     ("return_freed_memory", [1, "yes", None]),
     ("checkpoint_align_kib", [0, 2, 6, 1000, 1 << 21, 4.0, True]),
     ("checkpoint_async_copy", [0, "no"]),
+    ("recovery_source", ["ram", "Memory", 1, None]),
 ]
 
 

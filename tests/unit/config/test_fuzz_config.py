@@ -46,6 +46,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from zerompi.compat.deepspeed import config_from
 from zerompi.config import ZeroConfig  # noqa: E402
+from zerompi.config.choices import Rounds  # noqa: E402
 from zerompi.compat.deepspeed.config import looks_like_deepspeed  # noqa: E402
 from zerompi.errors import ConfigError  # noqa: E402
 
@@ -545,15 +546,21 @@ def test_fuzz_reproducible(stage, micro, dtype, threads, accum, hierarchy, quant
 
 
 @settings(max_examples=60, **FUZZ)
-@given(st.booleans(), st.sampled_from(["auto", "per_rank", "shared"]), st.integers(-2, 4), st.integers(-2, 4),
-       st.one_of(st.none(), st.just(""), st.just("/tmp/recovery")))
-def test_fuzz_fault_tolerance(reproducible, layout, every, least, directory):
+@given(st.sampled_from(["none", "micro_batches", "reproducible"]), st.sampled_from(["auto", "per_rank", "shared"]),
+       st.integers(-2, 4), st.integers(-2, 4), st.one_of(st.none(), st.just(""), st.just("/tmp/recovery")),
+       st.sampled_from(["memory", "disk", "buddy", 0]), st.sampled_from(["none", "cpu", "nvme"]))
+def test_fuzz_fault_tolerance(batch, layout, every, least, directory, source, offload):
     doc = dict(fault_tolerance=True, checkpoint_layout=layout, recovery_every=every, min_ranks=least,
-               recovery_dir=directory)
-    if reproducible:
-        doc.update(reproducible=True, micro_batches=4, cpu_threads=1)
-    wrong = {"recovery_every": every < 1, "recovery_dir": directory == "", "min_ranks": least < 1,
-             "reproducible=True": not reproducible, "checkpoint_layout": layout == "shared"}
+               recovery_dir=directory, recovery_source=source, stage=3, offload_optimizer=offload,
+               nvme_path="/tmp/swap")
+    if batch != "none":
+        doc.update(micro_batches=4)
+    if batch == "reproducible":
+        doc.update(reproducible=True, cpu_threads=1)
+    wrong = {"recovery_every": every < 1, "recovery_source": source not in ("memory", "disk"),
+             "recovery_dir": directory == "", "min_ranks": least < 1, "micro_batches": batch == "none",
+             "checkpoint_layout": layout == "shared",
+             "recovery_source='memory'": source == "memory" and offload == "nvme"}
     if not any(wrong.values()):
         cfg = judge("from_dict/fault_tolerance", lambda: ZeroConfig.from_dict(doc))
         assert cfg is not None and cfg.fault_tolerance
@@ -564,9 +571,15 @@ def test_fuzz_fault_tolerance(reproducible, layout, every, least, directory):
     assert first in str(e.value), (first, str(e.value))
 
 
-def test_micro_batches_needs_reproducible():
-    with pytest.raises(ConfigError, match="micro_batches=4 sets the global batch of reproducible=True"):
-        ZeroConfig(micro_batches=4)
+def test_micro_batches_deal_the_batch_with_or_without_reproducible():
+    assert ZeroConfig(micro_batches=4).rounds == Rounds.SUMMED
+    assert ZeroConfig(micro_batches=4, reproducible=True, cpu_threads=1).rounds == Rounds.ORDERED
+    assert ZeroConfig().rounds == Rounds.WINDOW
+    ZeroConfig(micro_batches=4, optimizer_kwargs={"foreach": True})  # kernels change only the bits
+    with pytest.raises(ConfigError, match=r"micro_batches=4 cannot keep its guarantee with: grad_accum_steps=2"):
+        ZeroConfig(micro_batches=4, grad_accum_steps=2)
+    with pytest.raises(ConfigError, match="reproducible=True needs micro_batches"):
+        ZeroConfig(reproducible=True, cpu_threads=1)
 
 
 @settings(max_examples=100, **FUZZ)

@@ -1,6 +1,8 @@
 """reproducible=True's deal of micro-batches over ranks (shard/rounds.py), and its refusals."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -66,3 +68,80 @@ def test_a_micro_batch_more_than_given_is_refused_before_any_collective():
             engine(torch.ones(1, 2))  # evaluation is not a micro-batch
         return engine.step()
     assert run_ranks(2, rank) == [True, True]  # the refused call left nothing behind
+
+
+# ---- micro_batches without reproducible=True: the same global batch, summed in MPI's order -------------
+
+G, STEPS = 6, 3
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)  # no dropout: thread ranks share torch's generator
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _batch(step: int, index: int):
+    g = torch.Generator().manual_seed(1000 * step + index)
+    return torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+
+
+def _reference(order, optimizer: str) -> dict[str, torch.Tensor]:
+    """One process, ``optimizer`` on the mean of the G micro-batch losses; each micro-batch's gradient is summed
+    into the step's in ``order(grads)``: the global index order, or another one (order noise)."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1) if optimizer == "adamw" else \
+        torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for step in range(STEPS):
+        grads = []
+        for i in range(G):
+            model.zero_grad()
+            x, y = _batch(step, i)
+            (((model(x) - y) ** 2).mean() / G).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *order(grads)):
+            p.grad = _sequential(gs)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sequential(gs):
+    out = gs[0].clone()
+    for g in gs[1:]:
+        out += g
+    return out
+
+
+def _rounds_of(n: int):
+    """The engine's order at n ranks: each round's gradients summed (pairwise, as MPI may), then the rounds."""
+    def order(grads):
+        rounds = [grads[k:k + n] for k in range(0, G, n)]
+        return [[_sequential(list(reversed(gs))) for gs in zip(*r)] for r in rounds]
+    return order
+
+
+@pytest.mark.parametrize("n,stage,optimizer", [(2, 1, "adamw"), (3, 3, "sgd"), (4, 2, "adamw"), (4, 3, "sgd")])
+def test_summed_rounds_match_one_process_within_order_noise(n, stage, optimizer):
+    """SGD sees a gradient's scale, which Adam's normalisation hides; 4 ranks deal G = 6 unevenly."""
+    from tests.mpi.tolerance import tensor_failures
+
+    ref = _reference(lambda g: g, optimizer)
+    alts = [_reference(order, optimizer) for order in (lambda g: list(reversed(g)), _rounds_of(2), _rounds_of(4))]
+    scale = {k: v.abs().max().item() for k, v in ref.items()}
+    noise = {k: max((a[k] - ref[k]).abs().max().item() for a in alts) / scale[k] for k in ref}
+    hyper = dict(lr=3e-2, weight_decay=0.1) if optimizer == "adamw" else dict(lr=0.2, momentum=0.9, weight_decay=0.0)
+    cfg = zerompi.ZeroConfig(stage=stage, optimizer=optimizer, **hyper, micro_batches=G,
+                             cpu_threads=1, device="cpu", bucket_mb=300 * 4 / 2**20, abort_on_exception=False)
+    net = _net()
+
+    def rank(group):
+        engine = zerompi.initialize(copy.deepcopy(net), cfg, group=group)
+        for step in range(STEPS):
+            for i in engine.micro_batch_indices():
+                x, y = _batch(step, i)
+                engine.backward(((engine(x) - y) ** 2).mean())
+            assert engine.step()
+        return engine.full_state_dict()
+    got = run_ranks(n, rank)[0]
+    err = {k: (got[k] - ref[k]).abs().max().item() / scale[k] for k in ref}
+    assert not tensor_failures(err, noise), (err, noise)
+    assert max(err.values()) > 0 or n == 1  # summed in MPI's order: not the bits of one process

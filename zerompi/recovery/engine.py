@@ -1,8 +1,8 @@
-"""The engine side of ``fault_tolerance=True``: recovery checkpoints, and the rebuild after a lost rank.
+"""The engine side of ``fault_tolerance=True``: recovery points, and the rebuild after a lost rank.
 
-Recovery source: the last *recovery checkpoint* plus a replay of the steps since.
-Every ``recovery_every`` optimizer steps (and once at ``initialize``) the engine saves
-itself, per-rank layout, under ``recovery_dir``; the last two are kept. When a rank
+Recovery source: the last *recovery point* plus a replay of the steps since.
+Every ``recovery_every`` optimizer steps (and once at ``initialize``) the engine's state
+is kept, in memory with a copy on a buddy rank or as files (sources.py). When a rank
 dies, whatever engine verb of a survivor notices it (forward, backward, step, a save
 or load) turns the MPI error into :class:`RankLost`, and :meth:`FaultTolerance.recover`:
 
@@ -11,18 +11,19 @@ or load) turns the MPI error into :class:`RankLost`, and :meth:`FaultTolerance.r
 3. tears the old engine down without communicating, and rebuilds it in place
    (``Engine.__init__`` on the same object) over the survivors, from a copy of the
    model taken at ``initialize``, with the same param groups and schedulers;
-4. loads the newest recovery checkpoint every survivor saw completed (checkpoints
-   reshard N -> M, bitwise), logs what it did, and raises :class:`Recovered`.
+4. loads the newest recovery point every survivor holds (as a per-rank checkpoint:
+   checkpoints reshard N -> M, bitwise), takes a new point over the survivors, logs
+   what it did, and raises :class:`Recovered`.
 
 The loop then goes on from ``engine.stats.steps``; ``micro_batch_indices()`` deals the
 same ``micro_batches`` over the survivors, so the global batch is unchanged and, with
-``reproducible=True`` (required), the replayed steps give the bits of the steps lost.
+``reproducible=True``, the replayed steps give the bits of the steps lost (without it, the
+same micro-batches summed in the survivors' order).
 A failure during the recovery itself starts it again over the ranks left.
 """
 from __future__ import annotations
 
 import copy
-import shutil
 import tempfile
 import time
 import uuid
@@ -30,13 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from zerompi.checkpoint.writer import save
 from zerompi.comm import ulfm
 from zerompi.comm.mpi import MPIGroup
-from zerompi.config import CheckpointLayout
+from zerompi.checkpoint.rawio import WriteOptions
+from zerompi.config.choices import RecoverySource
 from zerompi.engine import Engine
 from zerompi.errors import Recovered, UsageError, ZeroMPIError
 from zerompi.log import get_logger
+from zerompi.recovery.sources import points_for
 from zerompi.services import start_services
 
 logger = get_logger(__name__)
@@ -78,7 +80,8 @@ class ResilientEngine(Engine):
         return self.recovery.run(self, "forward", super().__call__, *args, **kwargs)
 
     def backward(self, loss) -> None:
-        return self.recovery.run(self, "backward", super().backward, loss)
+        self.recovery.run(self, "backward", super().backward, loss)
+        self.recovery.points.settled()  # its round's reduction ran on every rank: the last point is whole
 
     def step(self) -> bool:
         return self.recovery.run(self, "step", self._step_and_save)
@@ -111,13 +114,10 @@ class FaultTolerance:
         self.spare = spare  # (model, param_groups) as given to initialize, deep-copied together
         self.param_init, self.lr_scheduler = param_init, lr_scheduler
         self.directory = directory
-        self.saved: list[int] = []  # steps of the recovery checkpoints this rank saw completed
+        self.points = points_for(engine.config.recovery_source, directory,
+                                 WriteOptions.from_policy(engine.config.checkpointing))
         self.reports: list[RecoveryReport] = []
-        self.save(engine)
-
-    @staticmethod
-    def tag(step: int) -> str:
-        return f"step{step:08d}"
+        self.points.save(engine)
 
     # ---- the engine's verbs -------------------------------------------------
     def run(self, engine, during: str, verb: Callable, *args, **kwargs):
@@ -133,27 +133,15 @@ class FaultTolerance:
             self.recover(engine, during, lost)  # raises Recovered
         return out
 
-    # ---- recovery checkpoints --------------------------------------------
+    # ---- recovery points --------------------------------------------------
     def after_step(self, engine) -> None:
         steps = engine.stats.steps
-        if steps % engine.config.recovery_every == 0 and (not self.saved or steps > self.saved[-1]):
-            self.save(engine)
-
-    def save(self, engine) -> None:
-        """Collective: a recovery checkpoint of the engine now; the one before the last stays (a survivor
-        may not have seen the last one complete), older ones are removed."""
-        engine.wait_checkpoint()
-        steps = engine.stats.steps
-        save(engine, self.directory, self.tag(steps), layout=CheckpointLayout.PER_RANK)
-        self.saved = [*self.saved[-1:], steps]
-        if engine.group.rank == 0:
-            for old in self.directory.glob("step*"):
-                if old.name < self.tag(self.saved[0]):
-                    shutil.rmtree(old, ignore_errors=True)
+        if steps % engine.config.recovery_every == 0 and steps > self.points.newest()[0]:
+            self.points.save(engine)
 
     def close(self) -> None:
-        """Rank 0 removes the recovery checkpoints (after the job's last collective)."""
-        shutil.rmtree(self.directory, ignore_errors=True)
+        """Rank 0 removes the recovery files (after the job's last collective)."""
+        self.points.close()
 
     # ---- recovery ---------------------------------------------------------
     def recover(self, engine, during: str, error: BaseException) -> None:
@@ -172,7 +160,7 @@ class FaultTolerance:
                 raise ZeroMPIError(f"fault_tolerance: {survivors.size} rank(s) left after losing world rank(s) "
                                    f"{lost_world}, fewer than min_ranks={engine.config.min_ranks}: giving up")
             try:
-                step = self._rebuild(engine, survivors)
+                step, source = self._rebuild(engine, survivors)
                 break
             except BaseException as e:
                 again = ulfm.rank_lost(e, [survivors])
@@ -182,23 +170,26 @@ class FaultTolerance:
                 _teardown(engine)
                 group = survivors
         report = RecoveryReport(tuple(lost), tuple(lost_world), during, at_step, before, engine.group.size,
-                                str(self.directory / self.tag(step)), step, time.monotonic() - start)
+                                source, step, time.monotonic() - start)
         self.reports.append(report)
         if engine.group.rank == 0:
             logger.warning("fault_tolerance: %s", report.describe())
         raise Recovered(report.describe(), report)
 
-    def _rebuild(self, engine, survivors: MPIGroup) -> int:
-        """Collective over the survivors: the engine rebuilt over them and its state reloaded; returns
-        the step of the recovery checkpoint loaded."""
-        step = min(survivors.allgather_object(self.saved[-1]))
+    def _rebuild(self, engine, survivors: MPIGroup) -> tuple[int, str]:
+        """Collective over the survivors: the engine rebuilt over them, its state reloaded and a new point
+        taken; returns the step reloaded and where it came from."""
+        key = min(survivors.allgather_object(self.points.newest()))
+        root, tag = self.points.restore(key, survivors)
         module, param_groups = copy.deepcopy(self.spare)
         cfg = engine.config
         start_services(survivors, cfg)  # watched and progressed as initialize did the job's group
         Engine.__init__(engine, module, cfg, survivors, param_groups, self.param_init, self.lr_scheduler)
-        engine.load_checkpoint(self.directory, self.tag(step))
-        self.saved = [step]
-        return step
+        engine.load_checkpoint(root, tag)
+        self.points.resume(engine)
+        where = f"{root / tag}" if cfg.recovery_source == RecoverySource.DISK else \
+            f"the recovery point in memory (written to {root / tag} to load)"
+        return key[0], where
 
 
 def _directory(engine) -> Path:

@@ -1,0 +1,100 @@
+"""recovery_source='memory': a rank's recovery point packed in memory, copied to its buddy, and written
+out as the per-rank checkpoint a save would have made (checkpoint/replica.py, recovery/sources.py)."""
+from __future__ import annotations
+
+import copy
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import zerompi
+from zerompi.checkpoint import replica, schema
+from zerompi.checkpoint.rawio import WriteOptions
+from zerompi.comm.local import run_ranks
+from zerompi.errors import CheckpointError, ZeroMPIError
+from zerompi.recovery.sources import MemoryPoints, buddy_offset
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+
+
+CFG = zerompi.ZeroConfig(stage=3, dtype="bf16", optimizer="adamw", lr=1e-2, micro_batches=6, cpu_threads=1,
+                         device="cpu", bucket_mb=120 * 4 / 2**20, checkpoint_layout="per_rank",
+                         lr_schedule="warmup_cosine", warmup_steps=1, total_steps=10, abort_on_exception=False)
+
+
+def _train(engine, steps: int) -> None:
+    for step in range(steps):
+        for i in engine.micro_batch_indices():
+            g = torch.Generator().manual_seed(100 * step + i)
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+            engine.backward(((engine(x).float() - y) ** 2).mean())
+        engine.step()
+
+
+def _datasets(path) -> dict[str, np.ndarray]:
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def test_a_buddys_copy_writes_the_files_a_save_writes(tmp_path):
+    """Each rank writes the copy it holds (its left neighbour's, half the job away) as that rank's file, and
+    rank 0's holder the index: the same datasets as save_checkpoint's, and a 2-rank job loads them to the
+    same state."""
+    net, n = _net(), 4
+
+    def rank(group):
+        engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
+        _train(engine, 2)
+        engine.save_checkpoint(tmp_path / "saved", tag="step00000002")
+        own = replica.take(engine, "the-save")
+        held = group.shift(own, buddy_offset(n))
+        got = replica.unpack(held)
+        assert (got.step, got.rank, got.world_size) == (2, (group.rank - 2) % n, n)
+        (tmp_path / "memory" / "step00000002").mkdir(parents=True, exist_ok=True)
+        replica.write(got, tmp_path / "memory" / "step00000002", WriteOptions())
+        return engine.full_state_dict()
+    state = run_ranks(n, rank)[0]
+    for r in range(n):
+        saved = _datasets(tmp_path / "saved" / "step00000002" / schema.rank_file(r))
+        written = _datasets(tmp_path / "memory" / "step00000002" / schema.rank_file(r))
+        assert saved.keys() == written.keys() and all(np.array_equal(saved[k], written[k]) for k in saved), r
+
+    def load(group):
+        engine = zerompi.initialize(_net(), CFG, group=group)
+        engine.load_checkpoint(tmp_path / "memory", "step00000002")
+        return engine.full_state_dict(), engine.stats.steps, engine.get_lr()
+    loaded, steps, lr = run_ranks(2, load)[0]
+    assert steps == 2 and all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_a_damaged_replica_is_named():
+    cut = torch.zeros(5, dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match="a recovery replica of 5 bytes cannot be read"):
+        replica.unpack(cut)
+
+
+def test_memory_points_name_a_rank_lost_with_its_buddy(tmp_path):
+    """At 4 ranks ranks 1 and 3 hold each other's copies: losing both leaves nothing to recover them from."""
+    net = _net()
+
+    def rank(group):
+        engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
+        points = MemoryPoints(tmp_path / "points", WriteOptions())
+        points.save(engine)
+        return points
+    points = run_ranks(4, rank)
+    survivors = [points[0], points[2]]  # ranks 1 and 3 lost
+
+    def restore(group):
+        with pytest.raises(ZeroMPIError, match=r"rank\(s\) 1 \(whose copy rank 3 held\), 3 \(whose copy rank 1 held\) were lost together"):
+            survivors[group.rank].restore(survivors[group.rank].newest(), group)
+        return True
+    assert run_ranks(2, restore) == [True, True]

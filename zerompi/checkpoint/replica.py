@@ -1,0 +1,108 @@
+"""A checkpoint held in memory: fault_tolerance's ``recovery_source='memory'``.
+
+:func:`take` copies this rank's datasets, exactly those a per-rank save would write
+(entries.py), into one byte tensor: a JSON header (names, dtypes, shapes, offsets; on
+rank 0 also the index and the tensors it holds whole), then the data. That tensor is
+what MPI hands to a buddy rank (the group's ``shift``), and what stays in memory.
+Nothing is written until a rank is lost; then :func:`write` turns a replica into the
+files the per-rank save would have written for its rank (rank 0's adds ``index.h5``),
+so the ordinary loader reads it, resharding N -> M. No pickle: the header is JSON and
+the data raw bytes, as in a checkpoint file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from copy import deepcopy
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from zerompi.checkpoint import schema
+from zerompi.checkpoint.index import CheckpointIndex
+from zerompi.checkpoint.per_rank import write_rank_file
+from zerompi.checkpoint.rawio import WriteOptions
+from zerompi.checkpoint.writer import build_index, optimizer_meta, parts, replicated_tensors, write_index
+from zerompi.config.choices import CheckpointLayout
+from zerompi.errors import CheckpointError, UsageError
+
+_LENGTH = 8  # bytes of the header's length, little-endian, before the header
+
+
+class Replica(NamedTuple):
+    """One rank's state at ``step``, unpacked from its bytes (views of them, nothing copied)."""
+
+    step: int
+    rank: int          # in the group that took it
+    world_size: int
+    save_id: str
+    parts: list[tuple[str, np.ndarray]]
+    index: CheckpointIndex | None          # rank 0's
+    replicated: dict[str, torch.Tensor]    # rank 0's: frozen parameters and buffers held whole
+
+
+def take(engine, save_id: str) -> torch.Tensor:
+    """This rank's replica of ``engine`` now (between steps), packed: one copy of its shard state."""
+    snap = engine.snapshot()
+    if not snap.between_steps:
+        raise UsageError("a recovery replica in the middle of a gradient-accumulation window: take it after step()")
+    meta = optimizer_meta(snap)
+    data = list(parts(snap, meta["state_keys"], True))  # views of memory-resident state (NVMe is refused)
+    header: dict[str, Any] = dict(step=snap.counters.steps, rank=snap.shard_group.rank,
+                                  world_size=snap.shard_group.size, save_id=save_id, index=None)
+    blobs = [(name, np.ascontiguousarray(a).reshape(-1).view(np.uint8), a.dtype.str, list(a.shape)) for name, a in data]
+    if engine.group.rank == 0:
+        tag = schema.check_tag(f"step{snap.counters.steps:08d}")
+        index = build_index(engine, snap, tag, None, meta, save_id, CheckpointLayout.PER_RANK.value, True)
+        header["index"] = dataclasses.asdict(deepcopy(index))
+        for name, t in replicated_tensors(engine, index, copy=False).items():
+            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            blobs.append((f"replicated/{name}", raw, str(t.dtype).removeprefix("torch."), list(t.shape)))
+    offset, table = 0, []
+    for name, raw, dtype, shape in blobs:
+        table.append([name, dtype, shape, offset, raw.nbytes])
+        offset += raw.nbytes
+    header["blobs"] = table
+    text = json.dumps(header).encode()
+    out = torch.empty(_LENGTH + len(text) + offset, dtype=torch.uint8)
+    buf = out.numpy()
+    buf[:_LENGTH] = np.frombuffer(len(text).to_bytes(_LENGTH, "little"), np.uint8)
+    buf[_LENGTH:_LENGTH + len(text)] = np.frombuffer(text, np.uint8)
+    base = _LENGTH + len(text)
+    for (_, raw, _, _), (_, _, _, start, nbytes) in zip(blobs, table):
+        buf[base + start:base + start + nbytes] = raw
+    return out
+
+
+def unpack(packed: torch.Tensor) -> Replica:
+    """The replica ``take`` packed (checked to be whole: a truncated or foreign buffer is refused)."""
+    buf = packed.numpy()
+    try:
+        length = int.from_bytes(buf[:_LENGTH].tobytes(), "little")
+        header = json.loads(buf[_LENGTH:_LENGTH + length].tobytes())
+        base = _LENGTH + length
+        arrays, replicated = [], {}
+        for name, dtype, shape, start, nbytes in header["blobs"]:
+            if base + start + nbytes > buf.size:
+                raise ValueError(f"blob {name!r} ends past the buffer")
+            raw = buf[base + start:base + start + nbytes]
+            if name.startswith("replicated/"):
+                t = torch.from_numpy(raw.copy()).view(getattr(torch, dtype)).reshape(shape)
+                replicated[name.removeprefix("replicated/")] = t
+            else:
+                arrays.append((name, raw.view(np.dtype(dtype)).reshape(shape)))
+        index = CheckpointIndex(**header["index"]) if header["index"] is not None else None
+        return Replica(header["step"], header["rank"], header["world_size"], header["save_id"], arrays, index,
+                       replicated)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"a recovery replica of {packed.numel()} bytes cannot be read: {e}") from e
+
+
+def write(replica: Replica, directory: Path, options: WriteOptions) -> None:
+    """The files a per-rank save of ``replica``'s step writes for its rank (and rank 0's index.h5)."""
+    write_rank_file(directory / schema.rank_file(replica.rank), replica.rank, replica.world_size, replica.parts,
+                    replica.save_id, options)
+    if replica.index is not None:
+        write_index(replica.replicated, directory / schema.INDEX, replica.index)
