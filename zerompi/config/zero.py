@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from zerompi.config import checks, dialects
-from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
+from zerompi.config.choices import (BufferDType, CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
                                     Offload, Progress, Schedule, Stage, UpdateSchedule, WeightQuant)
 from zerompi.config.files import read_document
 from zerompi.config.reproducible import check_reproducible
@@ -63,6 +63,9 @@ class ZeroConfig:
     """Global gradient norm limit, > 0; None disables clipping (0 is stored as None)."""
     dtype: DType = DType.FP32
     """Parameter/gradient compute dtype: 'fp32', 'bf16', 'fp16'; master weights are fp32."""
+    buffer_dtype: BufferDType = BufferDType.COMPUTE
+    """Floating buffers: 'compute' casts them to ``dtype``; 'model' leaves each in its own dtype (an fp32
+    rotary table stays fp32 under bf16), as DeepSpeed does."""
     loss_scale: float = 0.0
     """fp16 only: 0 selects dynamic loss scaling, > 0 is a static scale."""
     initial_scale_power: int = 16
