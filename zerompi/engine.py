@@ -109,7 +109,7 @@ class Engine:
                          cfg.offload.pin_memory, self._fence)
         self.sharded = ShardedModel(module, placement, self.groups,
                                     ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params,
-                                                 rounds=cfg.rounds),
+                                                 rounds=cfg.rounds, buffer_dtype=cfg.buffer_dtype),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
-                                    Offload, Progress, RecoverySource, Schedule, Stage, WeightQuant)
+from zerompi.config.choices import (BufferDType, CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy,
+                                    NonFinite, Offload, Progress, RecoverySource, Schedule, Stage, WeightQuant)
 from zerompi.errors import ConfigError
 
 E = TypeVar("E", bound=Enum)
@@ -192,6 +192,7 @@ CHECKS: dict[str, Check] = {
     # 0 is stored as None: one spelling for "no clipping" downstream.
     "clip_grad_norm": lambda k, v: optional(k, v, nonnegative, "no clipping") or None,
     "dtype": _of(DType),
+    "buffer_dtype": _of(BufferDType),
     "loss_scale": nonnegative,
     "initial_scale_power": lambda k, v: integer(k, v, 0, 64),
     "loss_scale_window": lambda k, v: integer(k, v, 1),

@@ -79,6 +79,15 @@ class DType(Choice):
         return self is not DType.FP32
 
 
+class BufferDType(Choice):
+    """The dtype of the model's floating buffers (rotary tables, norm statistics) in training."""
+
+    COMPUTE = "compute"
+    """Cast to the compute dtype at initialize, like the parameters."""
+    MODEL = "model"
+    """Each keeps the dtype the model gives it: DeepSpeed 0.19's default (it casts parameters only)."""
+
+
 class Offload(Choice):
     """Where offloaded state lives between uses."""
 

@@ -1,10 +1,9 @@
 """Configuration of a zerompi engine: one frozen, validated :class:`ZeroConfig`.
 
-Every value is checked once, in ``__post_init__``, so the rest of the package
-can trust it; a bad value raises :class:`ConfigError` naming the key, the value
-and what is allowed. A config comes from keyword arguments, a plain dict
-(``from_dict``) or a TOML or JSON file (``from_file``), which also reads the dialects
-registered in dialects.py (DeepSpeed JSON, translated key by key by zerompi.compat.deepspeed:
+Every value is checked once, in ``__post_init__``, so the rest of the package can trust it; a bad
+value raises :class:`ConfigError` naming the key, the value and what is allowed. A config comes from
+keyword arguments, a plain dict (``from_dict``) or a TOML or JSON file (``from_file``), which also reads
+the dialects registered in dialects.py (DeepSpeed JSON, translated key by key by zerompi.compat.deepspeed:
 what zerompi lacks is refused, never ignored).
 """
 from __future__ import annotations
@@ -21,9 +20,9 @@ from typing import Any
 import torch
 
 from zerompi.config import checks, dialects
-from zerompi.config.choices import (CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy, NonFinite,
-                                    Offload, Progress, RecoverySource, Rounds, Schedule, Stage, UpdateSchedule,
-                                    WeightQuant)
+from zerompi.config.choices import (BufferDType, CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy,
+                                    NonFinite, Offload, Progress, RecoverySource, Rounds, Schedule, Stage,
+                                    UpdateSchedule, WeightQuant)
 from zerompi.config.files import read_document
 from zerompi.config.reproducible import check_reproducible
 from zerompi.config.policies import (CheckpointPolicy, CompressionPolicy, LrSchedulePolicy, OffloadPolicy, OptimizerPolicy,
@@ -64,6 +63,8 @@ class ZeroConfig:
     """Global gradient norm limit, > 0; None disables clipping (0 is stored as None)."""
     dtype: DType = DType.FP32
     """Parameter/gradient compute dtype: 'fp32', 'bf16', 'fp16'; master weights are fp32."""
+    buffer_dtype: BufferDType = BufferDType.COMPUTE
+    """Floating buffers: 'compute' casts them to ``dtype``; 'model' keeps each one's own (DeepSpeed's way)."""
     loss_scale: float = 0.0
     """fp16 only: 0 selects dynamic loss scaling, > 0 is a static scale."""
     initial_scale_power: int = 16

@@ -6,7 +6,8 @@ the per-backward bookkeeping. Frozen parameters (``requires_grad=False``) take
 no gradient and no optimizer state: at stage 3 they are sharded in frozen
 buckets of their unit and gathered with it, in the compute dtype; at stages
 0-2 (and below ``param_persistence_threshold``) they stay ordinary replicated
-tensors, as buffers always do (cast to the compute dtype, values from rank 0).
+tensors, as buffers always do (values from rank 0; floating ones in the compute dtype unless
+``ShardOptions.buffer_dtype`` is 'model').
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 
 from zerompi.blockio.memory import trim_heap
 from zerompi.comm.topology import Groups
-from zerompi.config.choices import Progress, Rounds
+from zerompi.config.choices import BufferDType, Progress, Rounds
 from zerompi.config.policies import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
@@ -58,6 +59,8 @@ class ShardOptions:
     rounds: Rounds = Rounds.WINDOW
     """micro_batches: reduce after each backward, round by round (sync.py's SummedRounds); reproducible=True
     (ORDERED): in global micro-batch order (OrderedRounds), over shards of whole norm chunks (grads.py's NORM_CHUNK)."""
+    buffer_dtype: BufferDType = BufferDType.COMPUTE
+    """'compute': floating buffers are cast to the compute dtype; 'model': each keeps its own."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class ShardedModel:
                                         placement.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
         self.rounds = options.rounds
+        self.buffer_dtype = options.buffer_dtype
         self._round_gathers: list[Bucket] = []  # micro_batches: the gathers of the round in progress
         self._last_round: list[Bucket] = []     # ... and of the last complete one
         self._align = NORM_CHUNK if options.rounds is Rounds.ORDERED else 1
@@ -176,10 +180,14 @@ class ShardedModel:
         return [(n, p) for n, p, _ in self._planned if self.placements[n].residence is Residence.REPLICATED]
 
     def _sync_replicated(self) -> None:
-        """Replicated frozen parameters and buffers: rank 0's values, in the compute dtype."""
+        """Replicated frozen parameters and buffers: rank 0's values; the parameters in the compute dtype,
+        the buffers too unless buffer_dtype is 'model'."""
         frozen = [p for _, p in self.replicated_frozen()]
+        cast = {id(t) for t in frozen}
+        if self.buffer_dtype is BufferDType.COMPUTE:
+            cast.update(id(b) for b in self.module.buffers())
         for t in frozen + list(self.module.buffers()):
-            if t.is_floating_point():
+            if t.is_floating_point() and id(t) in cast:
                 t.data = t.data.to(self.placement.dtype)
             if not t.is_contiguous():
                 t.data = t.data.contiguous()

@@ -31,7 +31,7 @@ def test_defaults():
     assert (cfg.cpu_threads, cfg.device, cfg.cuda_aware_mpi) == (None, "auto", "auto")
     assert (cfg.offload_optimizer, cfg.offload_params, cfg.nvme_path, cfg.pin_memory) == (
         "none", "none", None, True)
-    assert cfg.torch_dtype is torch.float32
+    assert cfg.torch_dtype is torch.float32 and cfg.buffer_dtype == "compute"
     assert cfg.optimizer_class() is torch.optim.AdamW
 
 
@@ -39,7 +39,7 @@ def test_field_order_matches_spec():
     names = [f.name for f in dataclasses.fields(ZeroConfig)]
     assert names == [
         "stage", "optimizer", "optimizer_kwargs", "lr", "betas", "eps", "weight_decay",
-        "momentum", "grad_accum_steps", "clip_grad_norm", "dtype", "loss_scale",
+        "momentum", "grad_accum_steps", "clip_grad_norm", "dtype", "buffer_dtype", "loss_scale",
         "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
         "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
         "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",

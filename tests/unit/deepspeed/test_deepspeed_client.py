@@ -188,8 +188,9 @@ class Net(nn.Sequential):
 def test_engine_methods_a_loop_asks(tmp_path):
     torch.manual_seed(0)
     m = Net(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    # BatchNorm's bf16 weight needs bf16 running statistics: DeepSpeed casts buffers only when told to.
     cfg = {**BATCH, "train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-           "bf16": {"enabled": True}}
+           "bf16": {"enabled": True}, "data_types": {"buffer_dtype": "bf16"}}
     engine, *_ = start(m, cfg)
     assert engine.device == torch.device("cpu")
     assert (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.zero_optimization_stage()) == (False, True, 2)

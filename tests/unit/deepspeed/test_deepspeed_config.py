@@ -649,7 +649,8 @@ def test_checkpoint_block():
 def test_dtype_keys_accept_the_compute_dtype_only():
     """communication_data_type and data_types: the compute dtype (DeepSpeed's default, and what zerompi
     reduces and accumulates in) is accepted under any of DeepSpeed's names; another dtype is refused
-    with the key and the reason; buffer_dtype only as null, keep_in_fp32_modules as null, "auto" or []."""
+    with the key and the reason; buffer_dtype as null or the compute dtype, keep_in_fp32_modules as null, "auto"
+    or []."""
     from zerompi.errors import ConfigError
     bf16 = {"bf16": {"enabled": True}}
     for extra, base in (({"communication_data_type": "fp32"}, {}), ({"communication_data_type": None}, {}),
@@ -665,13 +666,23 @@ def test_dtype_keys_accept_the_compute_dtype_only():
             ({"communication_data_type": "bf16"}, {}, "communication_data_type", "compute dtype"),
             ({"data_types": {"grad_accum_dtype": "fp32"}}, bf16, "data_types.grad_accum_dtype", "micro-batches"),
             ({"data_types": {"param_dtype": "fp16"}}, bf16, "data_types.param_dtype", "asserts the same"),
-            ({"data_types": {"buffer_dtype": "fp32"}}, {}, "data_types.buffer_dtype", "allowed: null"),
+            ({"data_types": {"buffer_dtype": "fp32"}}, bf16, "data_types.buffer_dtype", "allowed: 'bf16'"),
             ({"data_types": {"keep_in_fp32_modules": ["rotary"]}}, {}, "data_types.keep_in_fp32_modules", "upcasts"),
             ({"data_types": {"keep_in_fp32_modules": "AUTO"}}, {}, "data_types.keep_in_fp32_modules", "allowed"),
             ({"communication_data_type": "int8"}, {}, "communication_data_type", "not a dtype")):
         with pytest.raises(ConfigError, match=why) as err:
             config_from({**base, **extra})
         assert key in str(err.value)
+
+
+def test_buffer_dtype_null_keeps_the_models_and_the_compute_dtype_casts():
+    """DeepSpeed 0.19 casts parameters alone unless data_types.buffer_dtype is set: null (or absent) is zerompi's
+    buffer_dtype='model', the compute dtype (any of its names) is 'compute'."""
+    bf16 = {"bf16": {"enabled": True}}
+    assert config_from(bf16).buffer_dtype == "model"
+    assert config_from({**bf16, "data_types": {"buffer_dtype": None}}).buffer_dtype == "model"
+    assert config_from({**bf16, "data_types": {"buffer_dtype": "torch.bfloat16"}}).buffer_dtype == "compute"
+    assert config_from({"data_types": {"buffer_dtype": "fp32"}}).buffer_dtype == "compute"
 
 
 def test_compile_block_off_is_accepted():

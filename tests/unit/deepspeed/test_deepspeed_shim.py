@@ -210,3 +210,40 @@ def test_initialize_leaves_the_scripts_generator_alone():
     after = torch.rand(5)
     torch.manual_seed(7 + 0)  # zerompi's own initialize keeps seeding seed + rank
     assert torch.equal(after, torch.rand(5))
+
+
+class _Rotary(nn.Module):
+    """A layer scaled by a table computed in its buffer's dtype, as a rotary embedding's fp32 inv_freq is."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.linspace(0.1, 0.9, 4) / 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * torch.cos(self.inv_freq * 7).to(y.dtype)
+
+
+@pytest.mark.parametrize("stage", (0, 3))
+@pytest.mark.parametrize("buffer_dtype", (None, "bf16"))
+def test_bf16_casts_buffers_only_when_buffer_dtype_says_so(stage, buffer_dtype):
+    """DeepSpeed 0.19 casts the parameters alone under bf16: an fp32 buffer stays fp32 and the forward is that
+    of the module with bf16 parameters; data_types.buffer_dtype="bf16" casts the buffers too."""
+    import copy
+    torch.manual_seed(0)
+    net = _Rotary()
+    ref = copy.deepcopy(net)
+    ref.lin.to(torch.bfloat16)  # the parameters alone
+    if buffer_dtype:
+        ref.to(torch.bfloat16)
+    x = torch.randn(3, 4).to(torch.bfloat16)
+    doc = {"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "data_types": {"buffer_dtype": buffer_dtype}}
+    engine, *_ = deepspeed.initialize(model=net, config=doc, comm=MPI.COMM_SELF, overrides=LOCAL)
+    assert net.inv_freq.dtype == (torch.bfloat16 if buffer_dtype else torch.float32)
+    with torch.no_grad():
+        got, want, all16 = engine(x), ref(x), copy.deepcopy(ref).to(torch.bfloat16)(x)
+    assert torch.equal(got, want)
+    assert buffer_dtype or not torch.equal(want, all16)  # the buffer's dtype shows in the output
+    engine.close()

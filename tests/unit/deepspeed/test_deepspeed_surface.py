@@ -142,3 +142,22 @@ def test_activation_checkpointing_matches_plain_backward():
     assert all(torch.equal(a, b) for a, b in zip(grads, [p.grad for p in block.parameters()] + [x.grad]))
     with pytest.raises(UsageError, match="data parallel only"):
         deepspeed.checkpointing.configure(object())
+
+
+def test_names_dschat_imports_from_deepspeed():
+    """``from deepspeed import get_accelerator``, ``ZeroParamStatus`` (its members by name) and the compression
+    helpers' dotted get/set of a submodule, as DeepSpeed-Chat's utils and LoRA code use them."""
+    from zerompi.deepspeed import get_accelerator
+    from zerompi.deepspeed.compression.helper import recursive_getattr, recursive_setattr
+    from zerompi.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    assert get_accelerator is deepspeed.accelerator.get_accelerator
+    assert deepspeed.runtime.zero.partition_parameters.ZeroParamStatus is ZeroParamStatus
+    assert {s.name for s in ZeroParamStatus} == {"AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"}
+    net = nn.Sequential(nn.Linear(2, 3), nn.Sequential(nn.Tanh(), nn.Linear(3, 1)))
+    assert recursive_getattr(net, "1.1") is net[1][1] and recursive_getattr(net, "1.1.weight") is net[1][1].weight
+    new = nn.Linear(3, 1)
+    recursive_setattr(net, "1.1", new)
+    assert net[1][1] is new
+    recursive_setattr(net, "0", nn.Identity())
+    assert isinstance(net[0], nn.Identity)
+    assert not any(hasattr(p, "ds_id") for p in net.parameters())  # zerompi's stage 3 shards buckets, not parameters

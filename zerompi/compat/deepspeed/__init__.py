@@ -11,7 +11,9 @@
 - The package surface scripts import: ``accelerator`` (``get_accelerator()``), ``comm``
   (``import deepspeed.comm as dist``), ``ops.adam`` (FusedAdam, DeepSpeedCPUAdam),
   ``zero`` (Init, GatheredParameters), ``utils`` (logger, log_dist), ``checkpointing``
-  (activation checkpointing).
+  (activation checkpointing), ``get_accelerator`` at the top as in DeepSpeed, and two names scripts import from
+  packages zerompi otherwise lacks: ``runtime.zero.partition_parameters.ZeroParamStatus`` and
+  ``compression.helper`` (recursive_getattr/setattr).
 
 ``__version__`` is the DeepSpeed release whose API this follows, marked as zerompi's
 (``0.19.8+zerompi.<zerompi version>``), so version checks in scripts read a DeepSpeed number.
@@ -19,7 +21,8 @@ Importing this package registers DeepSpeed JSON as a config dialect (config/dial
 """
 from importlib import metadata
 
-from zerompi.compat.deepspeed import accelerator, checkpointing, comm, moe, ops, utils, zero
+from zerompi.compat.deepspeed import accelerator, checkpointing, comm, compression, moe, ops, runtime, utils, zero
+from zerompi.compat.deepspeed.accelerator import get_accelerator
 from zerompi.compat.deepspeed.comm import init_distributed
 from zerompi.compat.deepspeed.config import DeepSpeedDialect, config_from, looks_like_deepspeed, translate_config
 from zerompi.compat.deepspeed.engine import DeepSpeedEngine
@@ -37,5 +40,5 @@ except metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = f"{DEEPSPEED_API}+zerompi"
 
 __all__ = ["DEEPSPEED_API", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm",
-           "config_from", "init_distributed", "initialize", "looks_like_deepspeed", "moe", "ops", "scheduler_factory",
-           "translate_config", "utils", "zero", "__version__"]
+           "compression", "config_from", "get_accelerator", "init_distributed", "initialize", "looks_like_deepspeed",
+           "moe", "ops", "runtime", "scheduler_factory", "translate_config", "utils", "zero", "__version__"]

@@ -20,11 +20,11 @@ from torch import nn
 
 from zerompi.config import ZeroConfig
 from zerompi.config.checks import CHECKS, boolean, integer, listing, real, reject_unknown
-from zerompi.config.choices import DType
+from zerompi.config.choices import BufferDType, DType
 from zerompi.compat.deepspeed.auto import is_auto, resolve_auto
 from zerompi.compat.deepspeed.batch import BatchKeys, read_batch_keys
 from zerompi.compat.deepspeed.keys import (ADAM_PARAMS, COMPILE, COMPILE_OFF, COMPUTE_DTYPE_KEYS, DTYPES, MONITORS,
-                                          KEEP_IN_FP32, NO_EFFECT, NULL_ONLY, REQUIRED, SGD_PARAMS)
+                                          KEEP_IN_FP32, NO_EFFECT, BUFFER_DTYPE, REQUIRED, SGD_PARAMS)
 from zerompi.compat.deepspeed.schedule import DeepSpeedSchedule, read_schedule
 from zerompi.compat.deepspeed.screen import get as _ds_get, respell, respelled, screen
 from zerompi.compat.deepspeed.swap import read_swap, whole
@@ -94,13 +94,19 @@ def _ds_precision(d: Mapping, kwargs: dict[str, Any]) -> None:
         found, value = _ds_get(d, dotted)
         if found and boolean(dotted, value) != allowed:
             raise ConfigError(f"{dotted}={value} is not supported: {why}; allowed: {str(allowed).lower()}")
-    _ds_dtypes(d, "bf16" if bf16 else "fp16" if fp16 else "fp32")
+    kwargs["buffer_dtype"] = _ds_dtypes(d, "bf16" if bf16 else "fp16" if fp16 else "fp32")
 
 
-def _ds_dtypes(d: Mapping, compute: str) -> None:
-    """``communication_data_type`` and ``data_types``: each dtype must be the compute dtype, the
-    buffer keys null; ``compile.deepcompile`` must be false."""
-    for dotted, why in COMPUTE_DTYPE_KEYS.items():
+def _training(compute: str) -> str:
+    """The compute dtype and the keys that chose it, for a message about a key that disagrees."""
+    return f"{compute} training ({'bf16.enabled and fp16.enabled off' if compute == 'fp32' else compute + '.enabled'})"
+
+
+def _ds_dtypes(d: Mapping, compute: str) -> BufferDType:
+    """``communication_data_type`` and ``data_types``: each dtype must be the compute dtype (the
+    buffers' may be null); ``compile.deepcompile`` must be false. Returns the buffers' dtype choice."""
+    buffers = BufferDType.MODEL  # DeepSpeed 0.19 casts parameters alone: an fp32 rotary table stays fp32
+    for dotted, why in [*COMPUTE_DTYPE_KEYS.items(), BUFFER_DTYPE]:
         found, value = _ds_get(d, dotted)
         if not found or value is None:
             continue
@@ -108,12 +114,10 @@ def _ds_dtypes(d: Mapping, compute: str) -> None:
         if named is None:
             raise ConfigError(f"{dotted}={value!r} is not a dtype DeepSpeed reads; allowed: fp32, bf16, fp16")
         if named != compute:
-            raise ConfigError(f"{dotted}={value!r} is not supported with {compute} training: {why}; "
+            raise ConfigError(f"{dotted}={value!r} is not supported with {_training(compute)}: {why}; "
                               f"allowed: {compute!r} (or null)")
-    for dotted, why in NULL_ONLY.items():
-        found, value = _ds_get(d, dotted)
-        if found and value is not None:
-            raise ConfigError(f"{dotted}={value!r} is not supported: {why}; allowed: null")
+        if dotted == BUFFER_DTYPE[0]:
+            buffers = BufferDType.COMPUTE
     dotted, allowed, why = KEEP_IN_FP32
     found, value = _ds_get(d, dotted)
     if found and value not in allowed:
@@ -122,6 +126,7 @@ def _ds_dtypes(d: Mapping, compute: str) -> None:
     found, value = _ds_get(d, dotted)
     if found and boolean(dotted, value):
         raise ConfigError(f"{dotted}={value} is not supported: {why}; allowed: false")
+    return buffers
 
 
 def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:

@@ -38,12 +38,12 @@ COMPUTE_DTYPE_KEYS: dict[str, str] = {
 }
 """Dtype keys whose only allowed value is the compute dtype (bf16 or fp16 when enabled, else fp32): that is
 DeepSpeed's default for each and what zerompi computes; another dtype is other arithmetic."""
-NULL_ONLY: dict[str, str] = {
-    "data_types.buffer_dtype": "zerompi leaves buffers in the dtype the model gives them and cannot recast them",
-}
-"""Keys zerompi accepts only as null (DeepSpeed's "not set")."""
+BUFFER_DTYPE = ("data_types.buffer_dtype", "zerompi either leaves each buffer in the dtype the model gives it "
+                "(null, DeepSpeed's default) or casts the floating ones to the compute dtype")
+"""data_types.buffer_dtype: null keeps the model's buffer dtypes (zerompi's buffer_dtype='model'), the compute dtype
+casts them to it ('compute'); another dtype is refused."""
 KEEP_IN_FP32 = ("data_types.keep_in_fp32_modules", (None, "auto", []),
-                "zerompi never casts buffers, so each keeps the dtype the model gives it (DeepSpeed's default "
+                "zerompi keeps buffers in the dtype the model gives them, or the compute dtype (DeepSpeed's default "
                 "\"auto\" also upcasts the buffers of a transformers model's _keep_in_fp32_modules_strict that "
                 "arrive below fp32; zerompi does not), and has no list of modules whose buffers it upcasts")
 """data_types.keep_in_fp32_modules: DeepSpeed's default ("auto", also written out by templates), [] and null are
