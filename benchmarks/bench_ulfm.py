@@ -54,13 +54,15 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ulfm"))
     p.add_argument("--recovery-dir", default=None, help="recovery_dir of the fault-tolerant jobs (default: tmp)")
+    p.add_argument("--modes", default=";".join(MODES), help="the modes to run, separated by ; ('off' always runs)")
     a = p.parse_args()
     venv, common = Path(a.venv), ["--steps", str(a.steps), "--width", str(a.width)]
     if a.recovery_dir:
         common += ["--recovery-dir", a.recovery_dir]
     load, rows = os.getloadavg()[0], []
+    modes = {m: MODES[m] for m in MODES if m == "off" or m in a.modes.split(";")}
     for _ in range(a.rounds):
-        for mode, args in MODES.items():
+        for mode, args in modes.items():
             rows.append(dict(mode=mode, **run(venv, a.ranks, args + common)))
         with tempfile.TemporaryDirectory() as d:
             killed = Path(d) / "kill.time"
@@ -70,23 +72,24 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     where = f" --recovery-dir {a.recovery_dir}" if a.recovery_dir else ""
+    where += f" --modes '{a.modes}'" if a.modes != ";".join(MODES) else ""
     run_line = (f"`python benchmarks/bench_ulfm.py --ranks {a.ranks} --steps {a.steps} --rounds {a.rounds}{where}` "
                 f"at {commit}, load average {load:.2f} before and {os.getloadavg()[0]:.2f} after, 2 cores.")
     with open(a.out + ".jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps({**row, "run": run_line}) + "\n")
-    text = report(rows, a.ranks, run_line)
+    text = report(rows, a.ranks, run_line, list(modes))
     Path(a.out + ".md").write_text(text)
     print(text)
 
 
-def report(rows: list[dict], ranks: int, run_line: str) -> str:
+def report(rows: list[dict], ranks: int, run_line: str, modes: list[str]) -> str:
     """The results table: per mode, the median over rounds of each job's median step and of its mean step
     (the mean carries the recovery checkpoints a median of every-10-steps jobs leaves out)."""
     def spread(values: list[float]) -> str:
         return f"{statistics.median(values) * 1e3:.1f} ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})"
-    medians = {m: [statistics.median(r["times"][1:]) for r in rows if r["mode"] == m] for m in MODES}
-    means = {m: [statistics.fmean(r["times"][1:]) for r in rows if r["mode"] == m] for m in MODES}
+    medians = {m: [statistics.median(r["times"][1:]) for r in rows if r["mode"] == m] for m in modes}
+    means = {m: [statistics.fmean(r["times"][1:]) for r in rows if r["mode"] == m] for m in modes}
     off_median, off_mean = statistics.median(medians["off"]), statistics.median(means["off"])
     lines = [f"# fault_tolerance: step time and recovery ({ranks} ranks, Open MPI --with-ft ulfm, btl self,sm, "
              "CPU)", "", f"{run_line} MLP of {rows[0]['params']:,} parameters, stage 3, reproducible=True, G = 8. "
@@ -94,7 +97,7 @@ def report(rows: list[dict], ranks: int, run_line: str) -> str:
              "rounds and the range.", "",
              "| fault_tolerance | median step (ms) | vs off | mean step (ms) | vs off | peak RSS (MiB) | "
              "point in memory (MiB) |", "|---|---|---|---|---|---|---|"]
-    for mode in MODES:
+    for mode in modes:
         rss = statistics.median(r["peak_rss"] for r in rows if r["mode"] == mode) / 2**20
         held = statistics.median(r["replica_bytes"] for r in rows if r["mode"] == mode) / 2**20
         lines.append(f"| {mode} | {spread(medians[mode])} | {statistics.median(medians[mode]) / off_median:.2f}x | "

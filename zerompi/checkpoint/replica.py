@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from copy import deepcopy
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -56,7 +55,7 @@ def take(engine, save_id: str) -> torch.Tensor:
     if engine.group.rank == 0:
         tag = schema.check_tag(f"step{snap.counters.steps:08d}")
         index = build_index(engine, snap, tag, None, meta, save_id, CheckpointLayout.PER_RANK.value, True)
-        header["index"] = dataclasses.asdict(deepcopy(index))
+        header["index"] = dataclasses.asdict(index)  # a deep copy: later steps cannot change it
         for name, t in replicated_tensors(engine, index, copy=False).items():
             raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             blobs.append((f"replicated/{name}", raw, str(t.dtype).removeprefix("torch."), list(t.shape)))

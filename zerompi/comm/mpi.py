@@ -1,19 +1,14 @@
 """The only user of mpi4py: :class:`MPIGroup`, collectives on flat, contiguous tensors.
 
-Besides the group, MPI answers here what the rest of comm/ asks of the
-library: the thread level the communication thread needs, the CUDA probes,
-the world rank and size. Everything else sees a ``ProcessGroup`` (group.py).
-
-Every collective takes 1-D contiguous tensors and returns a :class:`Work`
+Besides the group, MPI answers here what the rest of comm/ asks of the library: the thread level the
+communication thread needs, the CUDA probes, the world rank and size. Everything else sees a
+``ProcessGroup`` (group.py). Every collective takes 1-D contiguous tensors and returns a :class:`Work`
 handle; shapes.py checks them and counts the bytes, as for every group.
 
-MPI has no 16-bit floating reduction, so a 16-bit reduce-scatter is an
-``Alltoall`` (same bytes) followed by a local fp32 sum over ranks, which is
-also more accurate than summing in 16 bits.
-
-Device tensors go straight to MPI when it is CUDA-aware (after synchronising
-the current stream, since MPI does not know about CUDA streams); otherwise
-they are staged through pinned host buffers.
+MPI has no 16-bit floating reduction, so a 16-bit reduce-scatter is an ``Alltoall`` (same bytes) followed
+by a local fp32 sum over ranks, which is also more accurate than summing in 16 bits. Device tensors go
+straight to MPI when it is CUDA-aware (after synchronising the current stream, since MPI does not know
+about CUDA streams); otherwise they are staged through pinned host buffers.
 """
 from __future__ import annotations
 
@@ -32,7 +27,6 @@ from zerompi.comm.recorder import Event
 from zerompi.comm.thread import CommThread
 from zerompi.comm.watchdog import HangPolicy, default_directory
 from zerompi.errors import ZeroMPIError
-
 
 
 def world_rank() -> int:
@@ -71,6 +65,9 @@ def memory_alloc_kinds() -> str | None:
         return value if value is not None else MPI.INFO_ENV.Get("mpi_memory_alloc_kinds")
     except MPI.Exception:  # an MPI older than the key may refuse the query: no answer
         return None
+
+
+_SHIFT_TAG = 17  # point-to-point on the job's communicator: never matched by a collective
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -364,17 +361,21 @@ class MPIGroup:
         back()
 
     def shift(self, t: torch.Tensor, offset: int, *, kind: str = "shift", what: str = "") -> torch.Tensor:
-        """``MPI_Sendrecv`` of the length, then of the data, with the ranks ``offset`` away (group.py)."""
+        """One message each way with the ranks ``offset`` away (group.py), its length probed: one meeting."""
         dest, source = (self.rank + offset) % self.size, (self.rank - offset) % self.size
         self._count(kind, shapes.shift_bytes(t, offset, self.size))
         entered = self._enter(kind, t, what)
         (x,), _ = self._stage(t)
-        length = torch.tensor([x.numel()], dtype=torch.int64)
-        received = torch.empty(1, dtype=torch.int64)
+
+        def exchange() -> torch.Tensor:
+            sent, status = self.comm.Isend(_raw(x), dest, _SHIFT_TAG), MPI.Status()
+            self.comm.Probe(source, _SHIFT_TAG, status)
+            out = torch.empty(status.Get_count(MPI.BYTE) // x.element_size(), dtype=x.dtype)
+            self.comm.Recv(_raw(out), source, _SHIFT_TAG)
+            sent.Wait()
+            return out
         with self._blocked(*entered):
-            self._call(lambda: self.comm.Sendrecv(length, dest, 0, received, source, 0))
-            out = torch.empty(int(received[0]), dtype=x.dtype)
-            self._call(lambda: self.comm.Sendrecv(_raw(x), dest, 1, _raw(out), source, 1))
+            out = self._call(exchange)
         return out.to(t.device)
 
     # ---- small control messages ----------------------------------------

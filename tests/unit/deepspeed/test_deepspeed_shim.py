@@ -247,3 +247,11 @@ def test_bf16_casts_buffers_only_when_buffer_dtype_says_so(stage, buffer_dtype):
     assert torch.equal(got, want)
     assert buffer_dtype or not torch.equal(want, all16)  # the buffer's dtype shows in the output
     engine.close()
+
+
+def test_fault_tolerance_is_refused_through_the_shim():
+    """A DeepSpeed script's data loader fixes each rank's share at start: survivors could not deal it again."""
+    m = model()
+    with pytest.raises(UsageError, match="fault_tolerance=True is not offered through the DeepSpeed shim"):
+        deepspeed.initialize(model=m, model_parameters=m.parameters(), config=config(gradient_accumulation_steps=1),
+                             comm=MPI.COMM_SELF, overrides={**LOCAL, "fault_tolerance": True, "micro_batches": 2})

@@ -169,6 +169,11 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
     if comm is None:
         ds_comm.init_distributed()  # deepspeed.comm answers from here on, as after DeepSpeed's initialize
     cfg, t = translate_config(doc, model, overrides)
+    if cfg.fault_tolerance:
+        raise UsageError("overrides fault_tolerance=True is not offered through the DeepSpeed shim: a DeepSpeed "
+                         "script deals its data itself (its DataLoader's sampler, fixed at the world size), which "
+                         "the survivors of a lost rank could not deal again; allowed: fault_tolerance=False, or "
+                         "zerompi.initialize with micro_batches and engine.micro_batch_indices()")
     explicit_accum = t.batch.accum is not None or "grad_accum_steps" in overrides
     batch = complete_batch(t.batch._replace(accum=cfg.grad_accum_steps if explicit_accum else None),
                            _world_size(comm))
