@@ -38,8 +38,6 @@ def _dealt_refusals(cfg: Any) -> list[tuple[str, str, str]]:
                         "many micro-batches each rank runs", "1"))
     if cfg.dtype == DType.FP16:
         refused.append(("dtype='fp16'", "its loss scaling is not covered yet", "'fp32' or 'bf16'"))
-    if cfg.hierarchy != Hierarchy.FLAT:
-        refused.append((f"hierarchy={cfg.hierarchy.value!r}", "the rounds reduce over one flat group", "'flat'"))
     for key in ("quantize_weights", "quantize_grads"):
         if getattr(cfg, key).bits is not None:
             refused.append((f"{key}={getattr(cfg, key).value!r}", "quantizing a rank's gradient or shard depends "
@@ -55,6 +53,8 @@ def _dealt_refusals(cfg: Any) -> list[tuple[str, str, str]]:
 def _bitwise_refusals(cfg: Any) -> list[tuple[str, str, str]]:
     """What would make reproducible=True's bits depend on the world size or the node layout."""
     refused = []
+    if cfg.hierarchy != Hierarchy.FLAT:
+        refused.append((f"hierarchy={cfg.hierarchy.value!r}", "a two-level sum depends on the node layout", "'flat'"))
     if cfg.cpu_threads is None:
         refused.append(("cpu_threads=None", "the default gives each rank its share of the cores, so the kernels' "
                         "threads (and their summation order) would change with the ranks per node", "an int >= 1"))

@@ -228,8 +228,8 @@ class SummedRounds:
 
     in_place, per_micro_batch = False, True
 
-    def __init__(self, group: ProcessGroup):
-        self.group = group
+    def __init__(self, group: ProcessGroup, replicate: ProcessGroup | None = None):
+        self.group, self.replicate = group, replicate
 
     def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
         raise ZeroMPIError(f"{what}: rounds reduce once per round, with round()")
@@ -237,8 +237,12 @@ class SummedRounds:
     finish = start
 
     def round(self, full: torch.Tensor, sources: int, what: str) -> list[torch.Tensor]:
-        """This rank's chunk of the round's sum (each loss already scaled by 1/micro_batches)."""
-        return [self.group.reduce_scatter(full, what=what).wait()]
+        """This rank's chunk of the round's sum (each loss already scaled by 1/micro_batches), summed across
+        nodes under HSDP."""
+        reduced = self.group.reduce_scatter(full, what=what).wait()
+        if self.replicate is not None:
+            self.replicate.all_reduce(reduced, what=what)
+        return [reduced]
 
 
 def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCodes | None, *,
@@ -247,7 +251,7 @@ def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCode
     if rounds is Rounds.ORDERED:
         return OrderedRounds(groups.shard, layout)
     if rounds is Rounds.SUMMED:
-        return SummedRounds(groups.shard)
+        return SummedRounds(groups.shard, groups.replicate)
     if plan.all_reduce_grads:
         return AllReduce(groups.shard, layout, groups.world.size)
     return ReduceScatter(groups.shard, groups.world.size, plan.shard_grads, codes, groups.replicate)

@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--source", default="memory", help="recovery_source")
     p.add_argument("--offload", default="none", help="offload_optimizer and offload_params")
     p.add_argument("--async-save", action="store_true", help="the loop's checkpoint is saved asynchronously")
+    p.add_argument("--hsdp", action="store_true", help="hierarchy='hsdp' over emulated nodes of two ranks")
     a = p.parse_args()
     Now.kills = {(int(r), ph, int(s)) for r, ph, s in (k.split(":") for k in a.kill.split(",") if k)}
     torch.manual_seed(0)
@@ -125,7 +126,8 @@ def main() -> None:
                              checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",
                              recovery_every=a.recovery_every, min_ranks=a.min_ranks, recovery_source=a.source,
                              collective_timeout=a.collective_timeout, offload_optimizer=a.offload,
-                             offload_params=a.offload if a.stage == 3 else "none")
+                             offload_params=a.offload if a.stage == 3 else "none",
+                             hierarchy="hsdp" if a.hsdp else "flat", ranks_per_node=2 if a.hsdp else None)
     engine = zerompi.initialize(Net(), cfg)
     ckpt = engine.group.allgather_object(tempfile.mkdtemp(prefix="zerompi-ulfm-") if engine.rank == 0 else None)[0]
     reports, started = [], time.perf_counter()

@@ -119,9 +119,12 @@ def _rounds_of(n: int):
     return order
 
 
-@pytest.mark.parametrize("n,stage,optimizer", [(2, 1, "adamw"), (3, 3, "sgd"), (4, 2, "adamw"), (4, 3, "sgd")])
-def test_summed_rounds_match_one_process_within_order_noise(n, stage, optimizer):
-    """SGD sees a gradient's scale, which Adam's normalisation hides; 4 ranks deal G = 6 unevenly."""
+@pytest.mark.parametrize("n,stage,optimizer,hierarchy", [
+    (2, 1, "adamw", "flat"), (3, 3, "sgd", "flat"), (4, 2, "adamw", "flat"), (4, 3, "sgd", "flat"),
+    (4, 3, "sgd", "hsdp"), (4, 1, "adamw", "hsdp"), (4, 3, "sgd", "hpz")])
+def test_summed_rounds_match_one_process_within_order_noise(n, stage, optimizer, hierarchy):
+    """SGD sees a gradient's scale, which Adam's normalisation hides; 4 ranks deal G = 6 unevenly; hsdp and hpz
+    on two emulated nodes of two ranks."""
     from tests.mpi.tolerance import tensor_failures
 
     ref = _reference(lambda g: g, optimizer)
@@ -130,7 +133,8 @@ def test_summed_rounds_match_one_process_within_order_noise(n, stage, optimizer)
     noise = {k: max((a[k] - ref[k]).abs().max().item() for a in alts) / scale[k] for k in ref}
     hyper = dict(lr=3e-2, weight_decay=0.1) if optimizer == "adamw" else dict(lr=0.2, momentum=0.9, weight_decay=0.0)
     cfg = zerompi.ZeroConfig(stage=stage, optimizer=optimizer, **hyper, micro_batches=G,
-                             cpu_threads=1, device="cpu", bucket_mb=300 * 4 / 2**20, abort_on_exception=False)
+                             cpu_threads=1, device="cpu", bucket_mb=300 * 4 / 2**20, abort_on_exception=False,
+                             hierarchy=hierarchy, ranks_per_node=2 if hierarchy != "flat" else None)
     net = _net()
 
     def rank(group):
