@@ -1,8 +1,8 @@
 """A checkpoint held in memory: fault_tolerance's ``recovery_source='memory'``.
 
-:func:`take` copies this rank's datasets, exactly those a per-rank save would write
-(entries.py), into one byte tensor: a JSON header (names, dtypes, shapes, offsets; on
-rank 0 also the index and the tensors it holds whole), then the data. That tensor is
+:func:`take` copies this rank's datasets, exactly those a per-rank save with
+``include_frozen=False`` would write (entries.py), into one byte tensor: a JSON header (names, dtypes, shapes, offsets; on
+rank 0 also the index and the buffers), then the data. That tensor is
 what MPI hands to a buddy rank (the group's ``shift``), and what stays in memory.
 Nothing is written until a rank is lost; then :func:`write` turns a replica into the
 files the per-rank save would have written for its rank (rank 0's adds ``index.h5``),
@@ -39,7 +39,7 @@ class Replica(NamedTuple):
     save_id: str
     parts: list[tuple[str, np.ndarray]]
     index: CheckpointIndex | None          # rank 0's
-    replicated: dict[str, torch.Tensor]    # rank 0's: frozen parameters and buffers held whole
+    replicated: dict[str, torch.Tensor]    # rank 0's: the buffers (held whole)
 
 
 def take(engine, save_id: str) -> torch.Tensor:
@@ -48,13 +48,15 @@ def take(engine, save_id: str) -> torch.Tensor:
     if not snap.between_steps:
         raise UsageError("a recovery replica in the middle of a gradient-accumulation window: take it after step()")
     meta = optimizer_meta(snap)
-    data = list(parts(snap, meta["state_keys"], True))  # views of memory-resident state (NVMe is refused)
+    # Frozen parameters are left out (a save's include_frozen=False): training never changes them, and the
+    # rebuild starts from the model as initialize had it. Views of memory-resident state (NVMe is refused).
+    data = list(parts(snap, meta["state_keys"], False))
     header: dict[str, Any] = dict(step=snap.counters.steps, rank=snap.shard_group.rank,
                                   world_size=snap.shard_group.size, save_id=save_id, index=None)
     blobs = [(name, np.ascontiguousarray(a).reshape(-1).view(np.uint8), a.dtype.str, list(a.shape)) for name, a in data]
     if engine.group.rank == 0:
         tag = schema.check_tag(f"step{snap.counters.steps:08d}")
-        index = build_index(engine, snap, tag, None, meta, save_id, CheckpointLayout.PER_RANK.value, True)
+        index = build_index(engine, snap, tag, None, meta, save_id, CheckpointLayout.PER_RANK.value, False)
         header["index"] = dataclasses.asdict(index)  # a deep copy: later steps cannot change it
         for name, t in replicated_tensors(engine, index, copy=False).items():
             raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
