@@ -103,12 +103,13 @@ _KNOWN_VALID = {
     # quantization needs stage 1-3 and error feedback quantized gradients: test_fuzz_quantization
     "quantize_weights": st.just("none"), "quantize_grads": st.just("none"),
     "quant_block": st.integers(1, 32768).map(lambda k: 2 * k), "grad_error_feedback": st.just(False),
-    # needs micro_batches, explicit cpu_threads, no fp16, flat: test_fuzz_reproducible
+    # micro_batches: no fp16, no accumulation; reproducible adds explicit cpu_threads, flat: test_fuzz_reproducible
     "reproducible": st.just(False), "micro_batches": st.just(None),
     "checkpoint_verify": st.booleans(), "checkpoint_direct_io": st.booleans(), "checkpoint_align_kib": st.sampled_from([1 << k for k in range(2, 21)]),
     "checkpoint_async_copy": st.booleans(),
-    # needs reproducible=True and not the shared layout: test_fuzz_fault_tolerance
+    # needs micro_batches and not the shared layout: test_fuzz_fault_tolerance
     "fault_tolerance": st.just(False), "recovery_every": st.integers(1, 10**6),
+    "recovery_source": st.sampled_from(["memory", "disk"]), "buffer_dtype": st.sampled_from(["compute", "model"]),
     "recovery_dir": st.one_of(st.none(), TEXT.filter(bool)), "min_ranks": st.integers(1, 10**6),
 }
 
@@ -522,21 +523,26 @@ def test_fuzz_quantization(stage, weights, grads, half_block, feedback):
 @settings(max_examples=100, **FUZZ)
 @given(st.integers(0, 3), st.one_of(st.none(), st.integers(1, 64)), st.sampled_from(["fp32", "bf16", "fp16"]),
        st.one_of(st.none(), st.integers(1, 8)), st.integers(1, 4), st.sampled_from(["flat", "hsdp"]),
-       st.sampled_from(["none", "int8"]), st.sampled_from(["none", "cpu", "nvme"]), st.booleans())
-def test_fuzz_reproducible(stage, micro, dtype, threads, accum, hierarchy, quant, offload, in_backward):
-    doc = dict(stage=stage, reproducible=True, micro_batches=micro, dtype=dtype, cpu_threads=threads,
+       st.sampled_from(["none", "int8"]), st.sampled_from(["none", "cpu", "nvme"]), st.booleans(), st.booleans())
+def test_fuzz_reproducible(stage, micro, dtype, threads, accum, hierarchy, quant, offload, in_backward, bitwise):
+    """micro_batches with reproducible=True (bitwise) or alone: the same structural refusals, and the bitwise
+    ones (threads, hsdp) only with reproducible=True."""
+    doc = dict(stage=stage, reproducible=bitwise, micro_batches=micro, dtype=dtype, cpu_threads=threads,
                grad_accum_steps=accum, hierarchy=hierarchy, quantize_grads=quant if stage else "none",
                offload_optimizer=offload, nvme_path="/tmp" if offload == "nvme" else None,
                optimizer_in_backward=in_backward and stage >= 2)
-    wrong = {"micro_batches": micro is None, "grad_accum_steps": accum != 1, "offload_optimizer": offload != "none"
-             and stage == 0, "dtype": dtype == "fp16", "hierarchy": hierarchy != "flat",
-             "quantize_grads": quant != "none" and stage > 0, "cpu_threads": threads is None,
-             "optimizer_in_backward": in_backward and stage >= 2}
+    dealt = micro is not None
+    wrong = {"micro_batches": bitwise and micro is None, "grad_accum_steps": dealt and accum != 1,
+             "offload_optimizer": offload != "none" and stage == 0, "dtype": dealt and dtype == "fp16",
+             "hierarchy": bitwise and hierarchy != "flat",
+             "quantize_grads": dealt and quant != "none" and stage > 0, "cpu_threads": bitwise and threads is None,
+             "optimizer_in_backward": in_backward and stage >= 2 and dealt}
     if in_backward and stage >= 2 and dtype == "fp16":
         wrong = {"optimizer_in_backward": True}  # refused first by its own check
     if not any(wrong.values()):
         cfg = judge("from_dict/reproducible", lambda: ZeroConfig.from_dict(doc))
-        assert cfg is not None and cfg.reproducible and cfg.optimization.deterministic
+        assert cfg is not None and cfg.reproducible == bitwise and cfg.optimization.deterministic == bitwise
+        assert cfg.rounds == (Rounds.ORDERED if bitwise else Rounds.SUMMED if dealt else Rounds.WINDOW)
         return
     with pytest.raises(ConfigError) as e:
         ZeroConfig.from_dict(doc)
