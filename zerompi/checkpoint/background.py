@@ -139,7 +139,11 @@ class BackgroundSave:
     def wait(self, group: ProcessGroup) -> None:
         """Collective: wait for the save; CheckpointError on every rank if it failed anywhere."""
         self._written.wait()
-        errors = group.allgather_object(self.local_error)
+        try:
+            errors = group.allgather_object(self.local_error)
+        except BaseException as e:  # a peer is gone: rank 0's thread must not wait for its marker forever
+            self.abandon(f"the writers' outcome could not be agreed ({_describe(e)})")
+            raise
         self._outcome = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
         self._agreed.set()
         self._thread.join()

@@ -137,7 +137,10 @@ class MemoryPoints:
 
     def restore(self, key: tuple[int, int], survivors: ProcessGroup) -> tuple[Path, str]:
         step = key[0]
-        point = next(p for p in self.points if (p.step, p.generation) == key)
+        point = next((p for p in self.points if (p.step, p.generation) == key), None)
+        if point is None:  # the agreement guarantees it is held; say so if it is not
+            raise ZeroMPIError(f"fault_tolerance: the recovery point of step {step} (after {key[1]} recoveries) "
+                               f"is not held here (held: {[(p.step, p.generation) for p in self.points]})")
         alive = survivors.allgather_object(point.rank)
         lost = sorted(set(range(point.world_size)) - set(alive))
         offset = buddy_offset(point.world_size)
