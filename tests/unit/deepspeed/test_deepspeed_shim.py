@@ -255,3 +255,32 @@ def test_fault_tolerance_is_refused_through_the_shim():
     with pytest.raises(UsageError, match="fault_tolerance=True is not offered through the DeepSpeed shim"):
         deepspeed.initialize(model=m, model_parameters=m.parameters(), config=config(gradient_accumulation_steps=1),
                              comm=MPI.COMM_SELF, overrides={**LOCAL, "fault_tolerance": True, "micro_batches": 2})
+
+
+def test_throughput_timer_counts_forwards_and_steps():
+    engine, *_ = start()  # 2 micro-batches of 2 per optimizer step
+    timer = engine.tput_timer
+    assert timer.avg_samples_per_sec() == float("-inf")
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(8):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    assert (timer.micro_step_count, timer.global_step_count, timer.epoch_count) == (8, 4, 0)
+    assert 0 < timer.avg_samples_per_sec() < float("inf")  # steps 3 and 4 timed (the first two are not)
+    timer.update_epoch_count()  # DeepSpeed-Chat's call after each epoch
+    assert (timer.micro_step_count, timer.epoch_count) == (0, 1)
+    engine.close()
+
+
+@pytest.mark.parametrize("block,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_16bit_masters_start_from_the_rounded_weights(block, dtype):
+    """DeepSpeed casts the module to the 16-bit dtype before copying the fp32 masters from it."""
+    m = model()  # fp32 weights, most not representable in 16 bits
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(),
+                                      config=config(**{block: {"enabled": True}}), comm=MPI.COMM_SELF, overrides=LOCAL)
+    masters = engine.engine.full_state_dict()
+    assert any(not torch.equal(masters[n], v) for n, v in before.items())
+    for n, v in before.items():
+        assert torch.equal(masters[n], v.to(dtype).float()), n
+    engine.close()

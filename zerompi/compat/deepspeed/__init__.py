@@ -7,7 +7,9 @@
   the batch keys, schedule.py reads a scheduler block and lr_schedules.py runs it as
   DeepSpeed's own formulas.
 - shim.py: ``initialize`` and ``add_config_arguments``; engine.py the engine object it
-  returns; client.py what the script builds itself (optimizer, scheduler, dataset).
+  returns (timer.py its ``tput_timer``); client.py what the script builds itself (optimizer,
+  scheduler, dataset); launcher_env.py the ``RANK``/``LOCAL_RANK``/... that ``import
+  zerompi.deepspeed`` sets from the MPI launcher's variables.
 - The package surface scripts import: ``accelerator`` (``get_accelerator()``), ``comm``
   (``import deepspeed.comm as dist``), ``ops.adam`` (FusedAdam, DeepSpeedCPUAdam),
   ``zero`` (Init, GatheredParameters), ``utils`` (logger, log_dist), ``checkpointing``

@@ -23,6 +23,7 @@ from torch import nn
 from zerompi.checkpoint import safetensors, schema
 from zerompi.compat.deepspeed.batch import Batch
 from zerompi.compat.deepspeed.outputs import Outputs, tensors_of
+from zerompi.compat.deepspeed.timer import ThroughputTimer
 from zerompi.config import DType
 from zerompi.engine import Engine
 from zerompi.errors import UsageError, all_ranks_ok
@@ -53,6 +54,8 @@ class DeepSpeedEngine:
         self._no_sync = False
         self._explicit = False  # inside engine.backward(loss)
         self._implicit_factor: float | None = None  # inside a loss.backward() the script started
+        self.tput_timer = ThroughputTimer(batch.train)
+        """Started by each forward, stopped by each step(), as DeepSpeed's (timer.py)."""
         _LIVE.add(self)
 
     # ---- training ---------------------------------------------------------
@@ -60,6 +63,7 @@ class DeepSpeedEngine:
         """The model's forward (floating inputs go to the engine's device and compute dtype). Its
         outputs carry gradient hooks, so that ``loss.backward()`` works as ``engine.backward(loss)``."""
         self._abandon_implicit()
+        self.tput_timer.start()
         out = self.engine(*args, **kwargs)
         if torch.is_grad_enabled():
             outputs = Outputs({id(t): t for t in tensors_of(out) if t.requires_grad and t.grad_fn is not None})
@@ -124,8 +128,10 @@ class DeepSpeedEngine:
         if self._no_sync:
             raise UsageError("step() inside no_sync() (DeepSpeed refuses it too)")
         self._abandon_implicit()
+        boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = self.engine.step()
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=boundary)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch's step() ends the accumulation window (and updates)."""

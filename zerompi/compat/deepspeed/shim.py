@@ -124,6 +124,21 @@ def _users_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def _round_to_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round the model's floating parameters to the 16-bit compute dtype in place (keeping their dtype).
+
+    DeepSpeed casts the module to bf16/fp16 before its optimizer copies the fp32 masters from it, so a
+    parameter the script made in fp32 (a new reward or classifier head) starts its master rounded;
+    zerompi's engine starts the master from the fp32 value. Without this, the first update of such a
+    parameter differs from DeepSpeed's (DeepSpeed-Chat's reward model: its value head)."""
+    if dtype == torch.float32:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype and p.device.type != "meta":
+                p.copy_(p.to(dtype))
+
+
 def _world_size(comm) -> int:
     if comm is not None:
         return comm.Get_size()
@@ -182,6 +197,7 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
     text = warning_text(t, cfg.lr, schedule_applied=True)
     if text:
         warnings.warn(text, stacklevel=2)
+    _round_to_compute_dtype(model, cfg.torch_dtype)
     with _users_rng():  # DeepSpeed leaves torch's generators alone; zerompi.initialize seeds seed + rank
         engine = zero_initialize(model, cfg, comm=comm, param_groups=param_groups, param_init=param_init,
                                  lr_scheduler=_scheduler(lr_scheduler, optimizer, cfg, t.schedule))
