@@ -192,11 +192,11 @@ runpy.run_path({script!r}, run_name="__main__")
 KILLS = [  # (module, function, die after it ran, asynchronous save)
     ("writer", "_write_shards", False, False),   # before the rank file exists
     ("rawio", "fsync_path", False, False),       # rank file written, not yet fsynced
-    ("writer", "_write_index", False, False), ("writer", "_publish", False, False), ("writer", "_publish", True, False),
+    ("writer", "write_index", False, False), ("writer", "_publish", False, False), ("writer", "_publish", True, False),
     # asynchronous: killed on the save's thread while the job trains on
     ("stores", "write_rank_file", False, True),  # before the rank file exists
     ("background", "_put_marker", False, True),  # rank file written and fsynced, its marker not yet
-    ("writer", "_write_index", False, True), ("writer", "_publish", False, True), ("writer", "_publish", True, True)]
+    ("writer", "write_index", False, True), ("writer", "_publish", False, True), ("writer", "_publish", True, True)]
 
 
 @pytest.mark.parametrize("module,point,after,asynchronous", KILLS,
