@@ -78,7 +78,7 @@ class Engine:
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
         launch.seed_rank(cfg.seed, self.info.rank)
         membership, options = optimizer_groups(module, param_groups)
-        plan = plan_for(cfg.stage, rounds=cfg.rounds.dealt)
+        plan = plan_for(cfg.stage, rounds=cfg.rounds)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
                                  plan, cfg.param_persistence_threshold, group_of))
@@ -109,7 +109,7 @@ class Engine:
                          cfg.offload.pin_memory, self._fence)
         self.sharded = ShardedModel(module, placement, self.groups,
                                     ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params,
-                                                 rounds=cfg.rounds, buffer_dtype=cfg.buffer_dtype),
+                                                 buffer_dtype=cfg.buffer_dtype),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))

@@ -55,8 +55,7 @@ def take(engine, save_id: str) -> torch.Tensor:
                                   world_size=snap.shard_group.size, save_id=save_id, index=None)
     blobs = [(name, np.ascontiguousarray(a).reshape(-1).view(np.uint8), a.dtype.str, list(a.shape)) for name, a in data]
     if engine.group.rank == 0:
-        tag = schema.check_tag(f"step{snap.counters.steps:08d}")
-        index = build_index(engine, snap, tag, None, meta, save_id, CheckpointLayout.PER_RANK.value, False)
+        index = build_index(engine, snap, schema.step_tag(snap.counters.steps), None, meta, save_id, CheckpointLayout.PER_RANK.value, False)
         header["index"] = dataclasses.asdict(index)  # a deep copy: later steps cannot change it
         for name, t in replicated_tensors(engine, index, copy=False).items():
             raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()

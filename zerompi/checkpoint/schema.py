@@ -104,6 +104,11 @@ def check_tag(tag: str, source: str = "tag") -> str:
     return tag
 
 
+def step_tag(step: int) -> str:
+    """The tag a save takes by default after ``step`` optimizer steps (``step00000042``)."""
+    return f"step{step:08d}"
+
+
 INDEX_RANK = -1  # the "writer rank" index.h5's datasets are bound to
 
 

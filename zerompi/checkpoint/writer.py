@@ -198,7 +198,7 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
     if not snap.between_steps:
         raise UsageError("save_checkpoint() in the middle of a gradient-accumulation window: "
                          "call it after step()")
-    tag = schema.check_tag(tag if tag is not None else f"step{snap.counters.steps:08d}")
+    tag = schema.check_tag(tag if tag is not None else schema.step_tag(snap.counters.steps))
     try:
         json.dumps(client_state)
     except (TypeError, ValueError) as e:

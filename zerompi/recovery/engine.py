@@ -34,7 +34,6 @@ from typing import Any, Callable
 from zerompi.comm import ulfm
 from zerompi.comm.mpi import MPIGroup
 from zerompi.checkpoint.rawio import WriteOptions
-from zerompi.config.choices import RecoverySource
 from zerompi.engine import Engine
 from zerompi.errors import Recovered, UsageError, ZeroMPIError
 from zerompi.log import get_logger
@@ -187,9 +186,7 @@ class FaultTolerance:
         Engine.__init__(engine, module, cfg, survivors, param_groups, self.param_init, self.lr_scheduler)
         engine.load_checkpoint(root, tag)
         self.points.resume(engine)
-        where = f"{root / tag}" if cfg.recovery_source == RecoverySource.DISK else \
-            f"the recovery point in memory (written to {root / tag} to load)"
-        return key[0], where
+        return key[0], self.points.describe(root / tag)
 
 
 def _directory(engine) -> Path:

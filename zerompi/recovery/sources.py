@@ -25,16 +25,13 @@ from typing import NamedTuple, Protocol
 import torch
 
 from zerompi.checkpoint import replica
+from zerompi.checkpoint.schema import step_tag as tag
 from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.checkpoint.writer import save
 from zerompi.comm.group import ProcessGroup
 from zerompi.config import CheckpointLayout
 from zerompi.config.choices import RecoverySource
 from zerompi.errors import ZeroMPIError, all_ranks_ok
-
-
-def tag(step: int) -> str:
-    return f"step{step:08d}"
 
 
 class Points(Protocol):
@@ -55,6 +52,9 @@ class Points(Protocol):
     def resume(self, engine) -> None:
         """Collective over the survivors, once the engine is rebuilt and reloaded: what a second
         failure needs."""
+
+    def describe(self, checkpoint: Path) -> str:
+        """Where ``restore``'s checkpoint (``root / tag``) came from, for the recovery report."""
 
     def close(self) -> None:
         """Rank 0, after the job's last collective: remove what is on disk."""
@@ -90,6 +90,9 @@ class DiskPoints:
 
     def resume(self, engine) -> None:
         pass  # the files reshard to any group
+
+    def describe(self, checkpoint: Path) -> str:
+        return str(checkpoint)
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -166,6 +169,9 @@ class MemoryPoints:
 
     def resume(self, engine) -> None:
         self.save(engine)  # the survivors' own point, with buddies among themselves
+
+    def describe(self, checkpoint: Path) -> str:
+        return f"the recovery point in memory (written to {checkpoint} to load)"
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

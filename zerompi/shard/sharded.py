@@ -56,9 +56,6 @@ class ShardOptions:
     """Initialises a meta-device module's own parameters as its bucket is built (deferred.py)."""
     max_live_params: int | None = None
     """Stage 3: prefetch no more than this many elements, the unit computing included."""
-    rounds: Rounds = Rounds.WINDOW
-    """micro_batches: reduce after each backward, round by round (sync.py's SummedRounds); reproducible=True
-    (ORDERED): in global micro-batch order (OrderedRounds), over shards of whole norm chunks (grads.py's NORM_CHUNK)."""
     buffer_dtype: BufferDType = BufferDType.COMPUTE
     """'compute': floating buffers are cast to the compute dtype; 'model': each keeps its own."""
 
@@ -94,11 +91,11 @@ class ShardedModel:
         self.materialize = Materializer(module, placement.device, options.param_init,
                                         placement.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
-        self.rounds = options.rounds
+        self.rounds = placement.rounds  # micro_batches: reduced after each backward, round by round (sync.py)
         self.buffer_dtype = options.buffer_dtype
         self._round_gathers: list[Bucket] = []  # micro_batches: the gathers of the round in progress
         self._last_round: list[Bucket] = []     # ... and of the last complete one
-        self._align = NORM_CHUNK if options.rounds is Rounds.ORDERED else 1
+        self._align = NORM_CHUNK if self.rounds is Rounds.ORDERED else 1  # reproducible: shards of whole norm chunks
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight

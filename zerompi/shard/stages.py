@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zerompi.config.choices import Rounds
+
 
 class StagePlan(NamedTuple):
     """One row of the stage table."""
@@ -73,9 +75,9 @@ FROZEN = StagePlan(3, shard_optimizer=True, shard_grads=False, shard_params=True
 the compute dtype, with no gradient, master or optimizer state (stages 0-2 keep them replicated)."""
 
 
-def plan_for(stage: int, *, rounds: bool = False) -> StagePlan:
-    """The table row of ``stage`` (0-3; the config has validated it). With ``rounds`` (micro_batches
-    dealt over the ranks) every round's gradient goes to its shard's owner after each backward, which
+def plan_for(stage: int, *, rounds: Rounds = Rounds.WINDOW) -> StagePlan:
+    """The table row of ``stage`` (0-3; the config has validated it). With dealt ``rounds`` (micro_batches
+    over the ranks) every round's gradient goes to its shard's owner after each backward, which
     is stage 2's gradient path; so stages 0 and 1 run stage 2's row (parameters stay whole on every
     rank, as at stages 0-1; gradients and optimizer state are sharded)."""
-    return PLANS[max(int(stage), 2) if rounds else int(stage)]
+    return PLANS[max(int(stage), 2) if rounds.dealt else int(stage)]
