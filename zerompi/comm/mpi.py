@@ -6,9 +6,8 @@ communication thread needs, the CUDA probes, the world rank and size. Everything
 handle; shapes.py checks them and counts the bytes, as for every group.
 
 MPI has no 16-bit floating reduction, so a 16-bit reduce-scatter is an ``Alltoall`` (same bytes) followed
-by a local fp32 sum over ranks, which is also more accurate than summing in 16 bits. Device tensors go
-straight to MPI when it is CUDA-aware (after synchronising the current stream, since MPI does not know
-about CUDA streams); otherwise they are staged through pinned host buffers.
+by a local fp32 sum over ranks, which is also more accurate than summing in 16 bits. staging.py says how
+device tensors reach MPI, and what a group of one rank does instead.
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from zerompi.comm.cuda_aware import Probes
 from zerompi.comm.group import FutureWork, RequestWork, Work
 from zerompi.comm.monitor import Agreement, Entered, Monitor
 from zerompi.comm.recorder import Event
+from zerompi.comm.staging import alone_copy, alone_reduce_scatter, stage
 from zerompi.comm.thread import CommThread
 from zerompi.comm.watchdog import HangPolicy, default_directory
 from zerompi.errors import ZeroMPIError
@@ -260,20 +260,10 @@ class MPIGroup:
     def library_version() -> str:
         return MPI.Get_library_version().strip().splitlines()[0]
 
-    # ---- device staging -------------------------------------------------
-    def _stage(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None]]:
-        """Host-visible stand-ins for ``tensors`` and a function copying results back."""
-        if not any(t.is_cuda for t in tensors):
-            return list(tensors), lambda: None
-        torch.cuda.current_stream().synchronize()  # MPI must see finished kernels
-        if self.cuda_aware:
-            return list(tensors), lambda: None
-        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in tensors]
-
-        def copy_back() -> None:
-            for dev, host in zip(tensors, hosts):
-                dev.copy_(host, non_blocking=False)
-        return hosts, copy_back
+    def _alone(self, entered: Entered, op: Callable[[], Any]) -> Work:
+        """A collective of a one-rank group: ``op``, the local copy MPI would make (staging.py)."""
+        with self._blocked(*entered):
+            return Work.done(op())
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.monitor.counters.add(kind, self.label, nbytes)
@@ -284,11 +274,13 @@ class MPIGroup:
         """``out[r*S:(r+1)*S] = shard of rank r``; ``shard`` may be ``None`` for in place."""
         self._count(kind, shapes.all_gather_bytes(shard, out, self.size))
         entered = self._enter(kind, out, what)
+        if self.size == 1:
+            return self._alone(entered, lambda: alone_copy(out, shard))
         if shard is None:
-            (o,), back = self._stage(out)
+            (o,), back = stage((out,), self.cuda_aware)
             send = MPI.IN_PLACE
         else:
-            (s, o), back = self._stage(shard, out)
+            (s, o), back = stage((shard, out), self.cuda_aware)
             send = _raw(s)
         return self._issue(entered, lambda: self.comm.Allgather(send, _raw(o)),
                            lambda: self.comm.Iallgather(send, _raw(o)), back, async_op)
@@ -303,14 +295,16 @@ class MPIGroup:
         self._count(kind, shapes.reduce_scatter_bytes(full, self.size))
         n = full.numel() // self.size
         entered = self._enter(kind, full, what)
+        if self.size == 1:
+            return self._alone(entered, lambda: alone_reduce_scatter(full))
         if full.dtype in shapes.SUM_DTYPES:
             out = torch.empty(n, dtype=full.dtype, device=full.device)
-            (f, o), back = self._stage(full, out)
+            (f, o), back = stage((full, out), self.cuda_aware)
             return self._issue(entered, lambda: self.comm.Reduce_scatter_block(f, o, op=MPI.SUM),
                                lambda: self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM),
                                lambda: (back(), out.float())[1], async_op)
         recv = torch.empty_like(full)
-        (f, r), back = self._stage(full, recv)
+        (f, r), back = stage((full, recv), self.cuda_aware)
 
         def finish() -> torch.Tensor:
             back()
@@ -323,7 +317,9 @@ class MPIGroup:
         """In-place sum of an fp32/fp64 tensor over ranks."""
         self._count(kind, shapes.all_reduce_bytes(t, self.size))
         entered = self._enter(kind, t, what)
-        (x,), back = self._stage(t)
+        if self.size == 1:
+            return self._alone(entered, lambda: None)
+        (x,), back = stage((t,), self.cuda_aware)
         return self._issue(entered, lambda: self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
                            lambda: self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back, async_op)
 
@@ -332,7 +328,9 @@ class MPIGroup:
         """``recv[r*n:(r+1)*n]`` = chunk ``rank`` of rank r's ``send`` (the bytes of any dtype, moved as they are)."""
         self._count(kind, shapes.all_to_all_bytes(send, recv, self.size))
         entered = self._enter(kind, send, what)
-        (s, r), back = self._stage(send, recv)
+        if self.size == 1:
+            return self._alone(entered, lambda: alone_copy(recv, send))
+        (s, r), back = stage((send, recv), self.cuda_aware)
         return self._issue(entered, lambda: self.comm.Alltoall(_raw(s), _raw(r)),
                            lambda: self.comm.Ialltoall(_raw(s), _raw(r)), back, async_op)
 
@@ -342,7 +340,7 @@ class MPIGroup:
         if self.rank == root:
             self._count(kind, nbytes)
         entered = self._enter(kind, t, what)
-        (x,), back = self._stage(t)
+        (x,), back = stage((t,), self.cuda_aware)
         with self._blocked(*entered):
             self._call(lambda: self.comm.Bcast(_raw(x), root=root))
         back()
@@ -355,7 +353,7 @@ class MPIGroup:
         if self.rank != root:
             self._count(kind, nbytes)
         entered = self._enter(kind, t, what)
-        (x, *o), back = self._stage(t, *([mine] if mine is not None else []))
+        (x, *o), back = stage((t, *([mine] if mine is not None else [])), self.cuda_aware)
         with self._blocked(*entered):
             self._call(lambda: self.comm.Gather(_raw(x), _raw(o[0]) if o else None, root=root))
         back()
@@ -365,7 +363,7 @@ class MPIGroup:
         dest, source = (self.rank + offset) % self.size, (self.rank - offset) % self.size
         self._count(kind, shapes.shift_bytes(t, offset, self.size))
         entered = self._enter(kind, t, what)
-        (x,), _ = self._stage(t)
+        (x,), _ = stage((t,), self.cuda_aware)
 
         def exchange() -> torch.Tensor:
             sent, status = self.comm.Isend(_raw(x), dest, _SHIFT_TAG), MPI.Status()

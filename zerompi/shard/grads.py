@@ -108,11 +108,16 @@ class GradShard:
             return shard.to(self.master_device, torch.float32, copy=not self.tier.stays_resident)
 
     def chunk_sq(self, chunk: int = NORM_CHUNK) -> torch.Tensor:
-        """The fp64 sum of squares of each ``chunk`` elements of the gradient, each added in element order
-        (a cumulative sum runs sequentially along a row however many rows there are); every fp32 square
-        is exact in fp64. reproducible=True adds them all with math.fsum, exactly."""
-        g = self.peek().double()
-        return g.square_().view(-1, chunk).cumsum(dim=1)[:, -1].contiguous()
+        """The fp64 sum of squares of each ``chunk`` elements of the gradient (a power of two), added as a
+        fixed pairwise tree: halves added element-wise, log2(chunk) times. Element-wise adds round the same
+        on every device whatever the number of chunks, where a reduction kernel's order need not (CUDA's
+        cumsum changed the last bit with the shard's length: benchmarks/results/reproducible_cuda_h200.log).
+        Every fp32 square is exact in fp64; reproducible=True adds the chunk sums with math.fsum, exactly."""
+        sums = self.peek().double().square_().view(-1, chunk)
+        while sums.shape[1] > 1:
+            half = sums.shape[1] // 2
+            sums = sums[:, :half] + sums[:, half:]
+        return sums[:, 0].contiguous()
 
     def zero(self) -> None:
         """After a step (or a skipped one): the next reduction starts the shard afresh."""
