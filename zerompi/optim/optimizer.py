@@ -239,7 +239,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
-            b.nonfinite.clear()
+            b.forget_nonfinite()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors (scalars such as ``step`` excluded)."""

@@ -71,7 +71,7 @@ class Bucket:
         more = " ..." if len(layout.slots) > 1 else ""
         self.name = f"{'' if plan.trains else 'frozen '}bucket {index} [{layout.slots[0].fqn}{more}]" + \
             (f" of module '{layout.unit or '<root>'}'" if plan.shard_params else "")
-        self.nonfinite: list[str] = []  # parameters whose local gradient was NaN/Inf since the last step
+        self._sums: list[tuple[str, torch.Tensor]] = []  # check_finite: each gradient's sum since the last step
         self._gather: Work | None = None   # a non-blocking all-gather in flight (GATHERING)
         self._reduce: Work | None = None   # an overlapped reduce-scatter in flight
         # Stage 0 "owns" the whole buffer: every rank updates every element.
@@ -207,6 +207,20 @@ class Bucket:
             self.param_tier.store()
 
     # ---- gradients --------------------------------------------------------
+    @property
+    def nonfinite(self) -> list[str]:
+        """Parameters whose local gradient had a NaN/Inf since the last step (or values whose sum
+        overflows, whose squares then overflow the norm too). The sums wait on the device until asked:
+        reading each in backward stalled a GPU's queue once per parameter
+        (benchmarks/results/gpu-h200-np1-profile.txt)."""
+        if not self._sums:
+            return []
+        finite = torch.isfinite(torch.stack([s.float() for _, s in self._sums])).tolist()
+        return [fqn for (fqn, _), ok in zip(self._sums, finite) if not ok]
+
+    def forget_nonfinite(self) -> None:
+        self._sums.clear()
+
     def begin_backward(self) -> None:
         self._ready.clear()
         self._reduced = False
@@ -223,8 +237,8 @@ class Bucket:
             self.grad_full.alloc()
             self._written.clear()
         slot = self.layout.slots[slot_index]
-        if self.placement.check_finite and not _all_finite(grad):
-            self.nonfinite.append(slot.fqn)
+        if self.placement.check_finite:
+            self._sums.append((slot.fqn, grad.sum()))  # looked at only if the step's norm is not finite
         dest = self.grad_full.view(slot.offset, slot.shape)
         if slot_index in self._written:
             dest.add_(grad)
@@ -345,10 +359,3 @@ class Bucket:
             mine.copy_(shard)  # then to where gathers read: the packed shard, hpZ's node copy
             self.param_sync.publish(mine, self.param_full.tensor, self.name)
             self.param_tier.store()
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN/Inf in ``t``. A sum is one fast pass and is finite whenever every element is;
-    only a non-finite sum (or finite values summing past the range) needs the elementwise
-    check, which is about 40x slower on CPU."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
