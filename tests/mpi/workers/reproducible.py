@@ -3,54 +3,39 @@
 A small model with dropout and LayerNorm (in the "frozen" rows with a frozen first layer, in the "lora"
 rows as peft's LoRA over a frozen base) trains
 STEPS steps on G = 6 micro-batches per step, whose data comes from (step, global index) alone, with
-gradient clipping that bites. For stages 0-3, fp32/bf16, offload none/cpu (and two NVMe rows), rank
-0 writes the SHA-256 of the parameters, masters, optimizer state and gradient norms after each step. ``--save-after K --ckpt D``
+gradient clipping that bites (the "noclip" rows without it). For stages 0-3, fp32/bf16, offload none/cpu
+(and two NVMe rows), rank 0 writes the SHA-256 of the parameters, masters, optimizer state and gradient
+norms after each step, and the final state of the rows without frozen parameters. ``--save-after K --ckpt D``
 saves after K steps and stops; ``--resume D`` loads D and trains the remaining steps.
 """
 import argparse
+import base64
 import struct
 import tempfile
 
 import torch
 from mpi4py import MPI
-from torch import nn
 
 import zerompi
-from common import state_digest, write_json
+from common import state_digest, state_items, write_json
+from repro_model import CLIP, G, LR, SEED, STEPS, WEIGHT_DECAY, batch, loss_of, model
 
 COMM = MPI.COMM_WORLD
-G, STEPS = 6, 3
 ROWS = [(stage, dtype, offload, frozen) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")
         for offload, frozen in (("none", False), ("none" if stage == 0 else "cpu", True))]  # stage 0: no offload
 ROWS += [(2, "fp32", "nvme", False), (3, "bf16", "nvme", True), (1, "fp32", "none", "lora"), (3, "bf16", "cpu", "lora")]
+# without clipping, for the plain loop's bits (tests/mpi/plain_loop.py)
+ROWS += [(stage, dtype, offload, False, "noclip") for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")
+         for offload in (("none",) if stage == 0 else ("none", "cpu"))]
 SWAP = tempfile.mkdtemp(prefix="zerompi-repro-swap-")
-
-
-def model(frozen: bool) -> nn.Module:
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 48), nn.LayerNorm(48), nn.GELU(), nn.Dropout(0.2), nn.Linear(48, 40),
-                      nn.Tanh(), nn.Dropout(0.1), nn.Linear(40, 4))
-    if frozen == "lora":  # peft's LoRA on the first and second Linear, with its own dropout; the base frozen
-        import peft
-        return peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["0", "4"]))
-    if frozen:
-        m[0].requires_grad_(False)
-    return m
-
-
 DEVICE = "cpu"  # --device
 
 
-def config(stage, dtype, offload) -> zerompi.ZeroConfig:
-    return zerompi.ZeroConfig(stage=stage, dtype=dtype, offload_optimizer=offload, lr=3e-2, weight_decay=0.1,
-                              offload_params=offload if stage == 3 else "none", nvme_path=SWAP,
-                              clip_grad_norm=0.05, reproducible=True, micro_batches=G, cpu_threads=1, device=DEVICE,
+def config(stage, dtype, offload, clip=CLIP) -> zerompi.ZeroConfig:
+    return zerompi.ZeroConfig(stage=stage, dtype=dtype, offload_optimizer=offload, lr=LR, weight_decay=WEIGHT_DECAY,
+                              offload_params=offload if stage == 3 else "none", nvme_path=SWAP, seed=SEED,
+                              clip_grad_norm=clip, reproducible=True, micro_batches=G, cpu_threads=1, device=DEVICE,
                               bucket_mb=700 * 4 / 2**20, checkpoint_layout="per_rank", abort_on_exception=False)
-
-
-def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + index)
-    return torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
 
 
 def digest(engine, norms: list[float]) -> str:
@@ -58,24 +43,31 @@ def digest(engine, norms: list[float]) -> str:
     return state_digest(engine, struct.pack(f"<{len(norms)}d", *norms))
 
 
+def state(engine) -> dict[str, str]:
+    """common.state_items as {label: base64 of its fp32 bytes} (the plain loop's comparison)."""
+    return {label: base64.b64encode(data.tobytes()).decode() for label, data in state_items(engine)
+            if not isinstance(data, str)}
+
+
 def train(row, save_after=None, ckpt=None, resume=None) -> dict:
-    stage, dtype, offload, frozen = row
-    engine = zerompi.initialize(model(frozen), config(stage, dtype, offload))
+    stage, dtype, offload, frozen = row[:4]
+    engine = zerompi.initialize(model(frozen), config(stage, dtype, offload, None if row[4:] else CLIP))
     norms, steps = [], []
     if resume:
         norms = list(engine.load_checkpoint(resume, tag=f"row{ROWS.index(row)}")["norms"])
     for step in range(engine.stats.steps, STEPS if save_after is None else save_after):
         for i in engine.micro_batch_indices():
             x, y = batch(step, i)
-            out = engine(x).float()
-            engine.backward(((out - y.to(out.device)) ** 2).mean())
+            engine.backward(loss_of(engine(x), y))
         assert engine.step()
         norms.append(engine.stats.last_grad_norm)
         steps.append(digest(engine, norms))  # the state after every step, not only the last
     if save_after is not None:
         engine.save_checkpoint(ckpt, tag=f"row{ROWS.index(row)}", client_state={"norms": norms})
-    out = dict(digest=digest(engine, norms), steps=steps, norms=norms, clipped=max(norms) > 0.05,
+    out = dict(digest=digest(engine, norms), steps=steps, norms=norms, clipped=not row[4:] and max(norms) > CLIP,
                indices=engine.micro_batch_indices())
+    if frozen is False and save_after is None:  # the final state, for tests/mpi/plain_loop.py
+        out["state"] = state(engine)
     engine.close()
     return out
 
