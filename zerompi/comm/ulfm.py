@@ -64,12 +64,15 @@ def prepare(group: MPIGroup) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
 
 
-def rank_lost(error: BaseException | None, groups: Iterable[object] = ()) -> RankLost | None:
+def rank_lost(error: BaseException | None, groups: Iterable[object] = (),
+              since: BaseException | None = None) -> RankLost | None:
     """A :class:`RankLost` if ``error`` (or an exception it was raised from or during) is an MPI
     error saying that a peer died or the communicator was revoked, or any MPI error while a
     communicator of ``groups`` knows of a failed process or is revoked (a collective whose peer
-    died may report only ``ERR_OTHER``); None otherwise."""
-    seen = set()
+    died may report only ``ERR_OTHER``); None otherwise. The chain is followed down to ``since``
+    alone: an error raised while recovering from ``since`` carries it as its context, and is no
+    new loss for that."""
+    seen = {id(since)} if since is not None else set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, RankLost):

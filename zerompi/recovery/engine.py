@@ -24,6 +24,7 @@ A failure during the recovery itself starts it again over the ranks left.
 from __future__ import annotations
 
 import copy
+import sys
 import tempfile
 import time
 import uuid
@@ -149,6 +150,7 @@ class FaultTolerance:
         logger.warning("rank %d of %d: a rank was lost during %s after step %d (%s); recovering",
                        group.rank, group.size, during, at_step, error)
         lost, lost_world = [], []
+        handled = sys.exc_info()[1]  # what run() caught: every error raised from here on carries it
         _teardown(engine)
         while True:
             ulfm.revoke(_groups(engine))
@@ -162,7 +164,7 @@ class FaultTolerance:
                 step, source = self._rebuild(engine, survivors)
                 break
             except BaseException as e:
-                again = ulfm.rank_lost(e, [survivors])
+                again = ulfm.rank_lost(e, [survivors], since=handled)
                 if again is None:
                     raise
                 logger.warning("another rank was lost during the recovery (%s); recovering again", again)

@@ -112,6 +112,24 @@ def buddy_offset(world_size: int) -> int:
     return max(1, world_size // 2)
 
 
+def coverage_problem(files: int, wrote: list[list[int]], replicated: bool = False) -> str | None:
+    """What is wrong with the rank files the survivors wrote (``wrote[i]``: the old shard ranks survivor
+    i wrote), or None when each of the ``files`` was written, and exactly once unless ``replicated``
+    (hsdp: every node's ranks hold the same shard files, so more than one may write one)."""
+    count = [0] * files
+    for ranks in wrote:
+        for r in ranks:
+            count[r] += 1
+    missing = [r for r, c in enumerate(count) if c == 0]
+    twice = [r for r, c in enumerate(count) if c > 1 and not replicated]
+    if not (missing or twice):
+        return None
+    by = {r: [i for i, ranks in enumerate(wrote) if r in ranks] for r in twice}
+    return "; ".join(filter(None, [
+        f"no survivor wrote old rank(s) {missing}" if missing else "",
+        ", ".join(f"old rank {r} was written by survivors {by[r]}" for r in twice)]))
+
+
 class MemoryPoints:
     """Packed points in memory, each rank's copied onto its buddy (module docstring)."""
 
@@ -156,14 +174,22 @@ class MemoryPoints:
         directory = root / tag(step)
         self.restored += 1
         mine = [point.own] + ([point.held] if (point.rank - offset) % point.world_size in lost else [])
-        error = None
+        error, wrote, files = None, [], point.world_size
         try:
             directory.mkdir(parents=True, exist_ok=True)
             for packed in mine:
-                replica.write(replica.unpack(packed), directory, self.options)
+                unpacked = replica.unpack(packed)
+                replica.write(unpacked, directory, self.options)
+                wrote.append(unpacked.rank)
+                files = unpacked.world_size  # the shard group's (hsdp: a node's ranks)
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
         all_ranks_ok(survivors, error, ZeroMPIError)
+        reports = survivors.allgather_object((wrote, files))
+        files = max(f for _, f in reports)  # any survivor's replica tells it
+        problem = coverage_problem(files, [w for w, _ in reports], files < point.world_size)
+        if problem:  # every survivor sees the same lists, so all raise together instead of a load waiting
+            raise ZeroMPIError(f"fault_tolerance: the recovery point of step {step} was not rebuilt: {problem}")
         self._written = root
         return root, tag(step)
 

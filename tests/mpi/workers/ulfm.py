@@ -7,12 +7,14 @@ while taking the recovery point step() keeps (in memory, or its shard file with 
 while writing its shard file of the checkpoint the loop saves after step ``--save-at``. The survivors
 recover (zerompi.Recovered) and finish; rank 0 of the final group writes the SHA-256 of the
 parameters, fp32 masters and optimizer state, the final world size and the recovery reports.
-``--ft off`` trains the same without fault tolerance (the failure-free reference). ``--reproducible off``
+``--remove-points`` has rank 0 delete the recovery points (``--source disk``) in the step a rank dies, so
+the recovery itself fails. ``--ft off`` trains the same without fault tolerance (the failure-free reference). ``--reproducible off``
 trains without reproducible=True (summed in MPI's order) and writes the state itself too, to be judged
 against the failure-free run within summation-order noise.
 """
 import argparse
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -36,6 +38,7 @@ class Now:
     step, phase = 0, ""
     kills: set = set()
     async_dies = False  # this rank dies in the background write of the asynchronous save it starts
+    remove_points = None  # --remove-points: the recovery directory rank 0 deletes in the step of a kill
 
 
 def maybe_die(phase: str) -> None:
@@ -62,6 +65,8 @@ _step, _write, _take = ZeroOptimizer.step, writer._write_shards, replica.take
 
 
 def _dying_step(self, *a, **k):
+    if Now.remove_points is not None and WORLD_RANK == 0 and any(s == Now.step for _, _, s in Now.kills):
+        shutil.rmtree(Now.remove_points)  # before the lost rank's peers notice: the recovery finds nothing
     maybe_die("step")
     return _step(self, *a, **k)
 
@@ -117,10 +122,14 @@ def main() -> None:
     p.add_argument("--offload", default="none", help="offload_optimizer and offload_params")
     p.add_argument("--async-save", action="store_true", help="the loop's checkpoint is saved asynchronously")
     p.add_argument("--hsdp", action="store_true", help="hierarchy='hsdp' over emulated nodes of two ranks")
+    p.add_argument("--remove-points", action="store_true",
+                   help="recovery points on disk (give --source disk), which rank 0 deletes in the step a rank dies")
     a = p.parse_args()
     Now.kills = {(int(r), ph, int(s)) for r, ph, s in (k.split(":") for k in a.kill.split(",") if k)}
     torch.manual_seed(0)
-    cfg = zerompi.ZeroConfig(stage=a.stage, lr=3e-2, weight_decay=0.1, clip_grad_norm=0.05,
+    points = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="zerompi-ulfm-points-") if WORLD_RANK == 0 else None)
+    Now.remove_points = points if a.remove_points else None
+    cfg = zerompi.ZeroConfig(stage=a.stage, lr=3e-2, weight_decay=0.1, clip_grad_norm=0.05, recovery_dir=points,
                              reproducible=a.reproducible == "on",
                              micro_batches=G, cpu_threads=1, device="cpu", bucket_mb=700 * 4 / 2**20,
                              checkpoint_layout="per_rank", fault_tolerance=a.ft == "on",

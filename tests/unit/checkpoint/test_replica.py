@@ -15,7 +15,7 @@ from zerompi.checkpoint import replica, schema
 from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.comm.local import run_ranks
 from zerompi.errors import CheckpointError, ZeroMPIError
-from zerompi.recovery.sources import MemoryPoints, buddy_offset
+from zerompi.recovery.sources import MemoryPoints, buddy_offset, coverage_problem
 
 
 def _net() -> nn.Module:
@@ -100,3 +100,34 @@ def test_memory_points_name_a_rank_lost_with_its_buddy(tmp_path):
             survivors[group.rank].restore(survivors[group.rank].newest(), group)
         return True
     assert run_ranks(2, restore) == [True, True]
+
+
+@pytest.mark.parametrize("n,lost", [(3, 1), (3, 0), (5, 2), (5, 4), (6, 3)])
+def test_memory_points_restore_a_lost_rank_at_uneven_world_sizes(tmp_path, n, lost):
+    """Where the buddy is not the same both ways (N // 2 places on, N odd, or a rank not half the job
+    from rank 0): the survivors write every old rank's file, the lost one from its buddy's copy, and
+    loading them gives the state the job had."""
+    net = _net()
+
+    def rank(group):
+        engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
+        _train(engine, 1)
+        points = MemoryPoints(tmp_path / "points", WriteOptions())
+        points.save(engine)
+        return points, engine.full_state_dict()
+    ranks = run_ranks(n, rank)
+    state, survivors = ranks[0][1], [p for r, (p, _) in enumerate(ranks) if r != lost]
+
+    def restore(group):
+        root, tag = survivors[group.rank].restore(survivors[group.rank].newest(), group)
+        engine = zerompi.initialize(_net(), CFG, group=group)
+        engine.load_checkpoint(root, tag)
+        return engine.full_state_dict()
+    for got in run_ranks(n - 1, restore):
+        assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_restored_files_must_cover_every_old_rank_once():
+    assert coverage_problem(3, [[0], [2, 1]]) is None
+    assert coverage_problem(3, [[0, 2], [2]]) == ("no survivor wrote old rank(s) [1]; "
+                                                  "old rank 2 was written by survivors [0, 1]")
