@@ -32,7 +32,7 @@ from zerompi.phase import PhaseTracker
 from zerompi.shard import deferred
 from zerompi.shard.bucket import Placement
 from zerompi.shard.compression import Compression
-from zerompi.shard.agreement import check_models_agree
+from zerompi.shard.agreement import check_configs_agree, check_models_agree
 from zerompi.shard.placement import optimizer_groups, place
 from zerompi.shard.rounds import MicroBatchPlan
 from zerompi.shard.sharded import ShardedModel, ShardOptions
@@ -73,6 +73,7 @@ class Engine:
         if not any(p.requires_grad for p in module.parameters()):
             raise ZeroMPIError("no parameter of the model requires grad: nothing to train")
         check_models_agree(module, group)
+        check_configs_agree(cfg, group)
         self.device = launch.select_device(cfg.device, self.info.local_rank)
         if self.device.type == "cpu":
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))

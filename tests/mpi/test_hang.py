@@ -58,7 +58,6 @@ CASES = [
     ("user_barrier", 4, "not in a collective: in user code", "in train_step: USER.Barrier()"),
     ("branch", 3, "waiting", "in train_step"),
     ("step_early", 2, "raised UsageError: step() called before backward()", "in train_step: return engine.step()"),
-    ("bucket_size", 2, "raised Exception", "in main: engine = zerompi.initialize(model, cfg)"),
     ("oom", 4, "raised RuntimeError", "in forward: torch.empty(2**62"),
     # metadata exchanges run on a communicator of their own (MPIGroup.separate_metadata), so the lone
     # save waits there instead of meeting the others' all-gather
@@ -66,10 +65,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fault,n,where,frame", CASES, ids=[f"{c[0]}-np{c[1]}" for c in CASES])
-def test_hang_report_names_the_culprit(tmp_path, fault, n, where, frame):
-    job = Job(n, fault, tmp_path)
-    culprit = n - 1
+# every case with the culprit at rank 0, a middle rank (from 3 ranks) and the last rank: a report that
+# decided by rank order, or a tie by majority, would name a bystander at one of them
+PLACED = [(*case, culprit) for case in CASES for culprit in sorted({0, case[1] // 2, case[1] - 1})]
+
+
+@pytest.mark.parametrize("fault,n,where,frame,culprit", PLACED, ids=[f"{c[0]}-np{c[1]}-rank{c[4]}" for c in PLACED])
+def test_hang_report_names_the_culprit(tmp_path, fault, n, where, frame, culprit):
+    job = Job(n, fault, tmp_path, "--culprit", str(culprit))
     assert job.rc == HANG_CODE, (job.rc, job.err[-6000:])
     assert f"\nculprit: rank(s) {culprit} (" in job.err, job.err[-6000:]
     section = job.section(culprit)
@@ -77,6 +80,17 @@ def test_hang_report_names_the_culprit(tmp_path, fault, n, where, frame):
     if frame is not None:
         assert frame in section, section
     assert job.ended - job.fault < named_within(), (job.ended - job.fault, job.err[-3000:])
+
+
+@pytest.mark.parametrize("culprit", [0, 1, 2])
+def test_a_rank_with_another_config_is_named_at_initialize(tmp_path, culprit):
+    """Another bucket_mb on one rank (its buckets, and its first broadcast, would differ): every rank
+    stops at initialize naming the key and each rank's value, before any collective can hang or
+    mismatch (rank 0's larger broadcast once failed on its peers as "Message truncated")."""
+    job = Job(3, "bucket_size", tmp_path, "--culprit", str(culprit))
+    others = sorted({0, 1, 2} - {culprit})
+    assert job.rc != 0 and "ConfigError: the config differs between ranks: bucket_mb: " in job.err, job.err[-4000:]
+    assert (f"0.001 on rank(s) [{culprit}]" in job.err and f"0.0001 on rank(s) {others}" in job.err), job.err[-4000:]
 
 
 @pytest.mark.parametrize("fault,where", [("loader_sleep", "not in a collective"), ("extra_microbatch", "waiting")])

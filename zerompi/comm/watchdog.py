@@ -12,12 +12,15 @@ on a duplicate communicator, mpi.py), for its record: the ring of its last colle
 stack of its training thread. Every rank's watchdog thread polls that channel, so a rank in user
 code answers too. Each rank writes its record to ``hang_dir`` (for ``zerompi diagnose``); rank 0
 gathers the records for at most :data:`GATHER_WAIT` seconds, prints one report (diagnosis.py)
-naming the culprit and calls ``abort(HANG_CODE)``.
+naming the culprit and calls ``abort(HANG_CODE)``. Every record goes to rank 1 too, the deputy: where
+rank 0 is the rank that hangs (stopped, or stuck where its watchdog cannot run) and makes no report,
+the deputy reports from what it received, naming rank 0, and aborts the job.
 
 Degraded paths never wait longer than that: with no side channel (an in-process group, MPI
 without ``MPI_THREAD_MULTIPLE``) a rank aborts with :data:`ABORT_CODE` after its message, as
 before; a directory that cannot be written is named in the report and skipped; a rank that sent
-its record and is not aborted by rank 0 within ``GATHER_WAIT + ABORT_AFTER`` aborts by itself.
+its record and is not aborted by rank 0 or the deputy within ``GATHER_WAIT + 2 ABORT_AFTER`` aborts
+by itself.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ HANG_CODE = 4      # exit code of a watchdog abort after rank 0's hang report
 FACTOR = 3.0       # default deadline: this many median step times (at least hang_floor)
 GATHER_WAIT = 3.0  # seconds rank 0 waits for the other ranks' records
 ABORT_AFTER = 3.0  # further seconds a rank that sent its record waits for rank 0 to abort the job
+DEPUTY_AFTER = 2.0  # seconds after GATHER_WAIT the deputy waits for rank 0's abort before it reports
+DEPUTY = 1
 TAG_REQUEST, TAG_RECORD = 1, 2
 
 
@@ -194,12 +199,18 @@ class _Job:
         if self.channel is None:
             return False
         if self.rank != 0:
-            self.channel.post(0, TAG_RECORD, record)
-            if not self._linger(GATHER_WAIT + ABORT_AFTER):
-                self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: rank 0 made no hang report; "
-                         f"this rank's record: {where}\n")
-            return False
-        self._report(record, trigger, where)
+            for to in {0, DEPUTY} - {self.rank}:
+                self.channel.post(to, TAG_RECORD, record)
+            deputy = self.rank == DEPUTY
+            if self._linger(GATHER_WAIT + (DEPUTY_AFTER if deputy else 2 * ABORT_AFTER)):
+                return False
+            if not deputy:
+                self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: neither rank 0 nor rank {DEPUTY} "
+                         f"made a hang report; this rank's record: {where}\n")
+                return False
+            trigger += f"; rank 0 made no report in {GATHER_WAIT + DEPUTY_AFTER:g} s: rank {DEPUTY} reports"
+        # the deputy's records have arrived while it waited for rank 0
+        self._report(record, trigger, where, wait=0.2 if self.rank else GATHER_WAIT)
         self.end(HANG_CODE)
         return True
 
@@ -224,10 +235,10 @@ class _Job:
                 return True
         return False
 
-    def _report(self, own: dict[str, Any], trigger: str, where: str) -> None:
-        """Gather the other ranks' records for at most GATHER_WAIT seconds; print and save the report."""
-        records = {0: own}
-        end = time.monotonic() + GATHER_WAIT
+    def _report(self, own: dict[str, Any], trigger: str, where: str, wait: float) -> None:
+        """Gather the other ranks' records for at most ``wait`` seconds; print and save the report."""
+        records = {self.rank: own}
+        end = time.monotonic() + wait
         while len(records) < self.size and time.monotonic() < end:
             records.update((src, rec) for src, rec in self.channel.poll(TAG_RECORD))
             self.channel.flush()

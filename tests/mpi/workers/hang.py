@@ -16,7 +16,7 @@ raise             raises in user code (RuntimeError)
 user_barrier      waits in a user's Barrier on its own communicator that no other rank enters
 branch            data-dependent control flow: its batch takes the branch without 'mid'
 step_early        calls step() without backward, while the others are in backward
-bucket_size       built with another bucket size (fails at initialisation or the first step)
+bucket_size       built with another bucket_mb (initialize names the key and every rank's value)
 oom               a tensor too large for memory in its forward (the allocator raises)
 none              no fault: the job must end normally
 """

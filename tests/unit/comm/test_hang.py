@@ -238,9 +238,10 @@ def test_an_unwritable_directory_degrades_to_the_per_rank_message(tmp_path, capf
     assert "zerompi watchdog: rank 1 of 4 has waited" in capfd.readouterr().err
 
 
-def test_a_rank_whose_report_never_comes_aborts_by_itself(tmp_path, monkeypatch, capfd):
+def test_the_deputy_reports_when_rank_0_does_not(tmp_path, monkeypatch, capfd):
+    """Rank 0 is the rank that hangs and never answers: rank 1 reports, naming it, and ends the job."""
     monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
-    monkeypatch.setattr("zerompi.comm.watchdog.ABORT_AFTER", 0.2)
+    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.2)
     hub, codes, done = Hub(), [], threading.Event()
     w = Watchdog()
     with w.blocked("a barrier"):  # rank 1 of 2; rank 0 never answers
@@ -248,5 +249,21 @@ def test_a_rank_whose_report_never_comes_aborts_by_itself(tmp_path, monkeypatch,
                 Recorder(), hub.channel(1))
         assert done.wait(10)
     w.stop()
-    assert codes == [ABORT_CODE] and "rank 0 made no hang report" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert codes == [HANG_CODE] and "rank 0 made no report in 0.4 s: rank 1 reports" in err, err
+    assert "\nculprit: rank(s) 0 (" in err and "rank 0: missing" in err, err
     assert (tmp_path / "rank-00001.json").exists()
+
+
+def test_a_rank_whose_report_never_comes_aborts_by_itself(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
+    monkeypatch.setattr("zerompi.comm.watchdog.ABORT_AFTER", 0.2)
+    hub, codes, done = Hub(), [], threading.Event()
+    w = Watchdog()
+    with w.blocked("a barrier"):  # rank 2 of 3; neither rank 0 nor the deputy answers
+        w.start(HangPolicy(None, 0.2, str(tmp_path)), 2, 3, lambda code: (codes.append(code), done.set()),
+                Recorder(), hub.channel(2))
+        assert done.wait(10)
+    w.stop()
+    assert codes == [ABORT_CODE] and "neither rank 0 nor rank 1 made a hang report" in capfd.readouterr().err
+    assert (tmp_path / "rank-00002.json").exists()
