@@ -18,7 +18,9 @@ kernel (not torch's AdamW), whose rounding differs, so its losses are held to 1e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 
@@ -26,7 +28,7 @@ from zerompi.compat.deepspeed.schedule import read_schedule
 from zerompi.compat.deepspeed.lr_schedules import factor_for
 
 from ..peers import deepspeed_python
-from .launcher import ROOT, WORKERS, mpi_env, run_worker_json
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, run_worker_json
 from .tolerance import FP32_FLOOR, loss_failures
 
 SCHEDULE = {"scheduler": {"type": "WarmupDecayLR", "params": {
@@ -99,6 +101,21 @@ def test_zerompi_runs_the_script_that_builds_its_own(surface_zerompi, surface_re
     assert len(r["losses"]) == 6 and r["losses"][-1] < 0.2 * r["losses"][0], r["losses"]
     assert r["lrs"] == surface_reference["lrs"]  # the script's LambdaLR, re-pointed at the engine's optimizer
     check_against_reference(r, surface_reference)
+
+
+def test_the_runner_aliases_deepspeeds_submodules(surface_zerompi, tmp_path):
+    """The same script's DeepSpeed branch, unchanged, under ``python -m zerompi.deepspeed``: ``import
+    deepspeed``, ``deepspeed.comm``, ``deepspeed.accelerator``, ``deepspeed.ops.adam`` and
+    ``deepspeed.utils`` are zerompi's, and it trains the bits the script with zerompi's imports does."""
+    out = tmp_path / "out.json"
+    env = {**mpi_env(), "PYTHONPATH": os.pathsep.join([str(WORKERS), mpi_env()["PYTHONPATH"]])}
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(WORKERS / "ds_surface.py"),
+           "--impl", "deepspeed", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    got = json.loads(out.read_text())
+    assert all(m.startswith("zerompi.") for m in got["modules"].values()), got["modules"]
+    assert got["losses"] == surface_zerompi["losses"] and got["lrs"] == surface_zerompi["lrs"]
 
 
 def test_deepspeed_agrees_on_the_script_that_builds_its_own(surface_zerompi, surface_reference, tmp_path):

@@ -72,7 +72,9 @@ def train(deepspeed, get_accelerator, dist, FusedAdam) -> dict:  # noqa: N803  (
             dist.all_reduce(total)  # SUM (gloo has no AVG)
             losses.append(total.item() / (ACCUM * dist.get_world_size()))
             total.zero_()
-    return dict(losses=losses, lrs=lrs, rank=dist.get_rank(), world=dist.get_world_size())
+    modules = dict(FusedAdam=FusedAdam.__module__, get_accelerator=get_accelerator.__module__, comm=dist.__name__,
+                   utils=deepspeed.utils.__name__, deepspeed=deepspeed.__name__)
+    return dict(losses=losses, lrs=lrs, rank=dist.get_rank(), world=dist.get_world_size(), modules=modules)
 
 
 def reference() -> dict:
