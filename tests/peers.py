@@ -14,12 +14,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from zerompi.tools.mpirun import mpi_env
+
 from .components import ran, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".venv-peers" / "bin" / "python"
 COMPONENT = "DeepSpeed"
 _CHECK = "import deepspeed, torch; print('deepspeed', deepspeed.__version__, '| torch', torch.__version__)"
+# Every op the tests' DeepSpeed runs load (FusedAdam, and the shared-memory comm of gloo on the CPU), built
+# or found by one process in the environment the ranks get: two ranks loading an op nobody built yet
+# both compile it, and a clean CI run once aborted right after that.
+_BUILD = """
+from deepspeed.accelerator import get_accelerator
+for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
+    get_accelerator().create_op_builder(name).load(verbose=False)
+"""
 
 
 @functools.lru_cache(maxsize=None)  # a failure raises, so only a python that works is kept
@@ -34,7 +44,11 @@ def deepspeed_python() -> Path:
         proc = subprocess.run([str(python), "-c", _CHECK], capture_output=True, text=True, env=env, timeout=300)
         if proc.returncode == 0:
             where = "test venv" if python == Path(sys.executable) else "benchmarks/.venv-peers"
-            ran(COMPONENT, f"{proc.stdout.strip().splitlines()[-1]} ({where})")
+            built = subprocess.run([str(python), "-c", _BUILD], capture_output=True, text=True, timeout=1200,
+                                   env={**mpi_env(ROOT), "DS_ACCELERATOR": "cpu"})
+            if built.returncode != 0:
+                unavailable(COMPONENT, f"{python}: building DeepSpeed's CPU ops failed: {built.stderr[-2000:]}")
+            ran(COMPONENT, f"{proc.stdout.strip().splitlines()[-1]} ({where}; its CPU ops built)")
             return python
         errors.append(f"{python}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
     unavailable(COMPONENT, "import deepspeed failed (pip install -e '.[test]'): " + "; ".join(errors))
