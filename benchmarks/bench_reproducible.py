@@ -1,6 +1,7 @@
 """What reproducible=True costs: step time, bytes sent and peak memory per rank against the default mode.
 
     python benchmarks/bench_reproducible.py [--ranks 2 4] [--micro-batches 4] [--steps 12] [--rounds 2]
+    python benchmarks/bench_reproducible.py --bytes [--ranks 2 4] [--bytes-g 4 8]   # bytes alone, stages 0-3
 
 The GPT of jobs/configs/default.toml (3.3M parameters, stage 3, fp32, AdamW, clipping) with the same
 global batch both ways: the default mode with grad_accum_steps = G / N, and reproducible=True with
@@ -75,9 +76,9 @@ def run(ranks: int, mode: str, cfg: Path, g: int, out: Path) -> dict:
                 job_s=time.perf_counter() - t0, load=[load0, os.getloadavg()[0]])
 
 
-def ab(ranks: int, args, out: Path) -> dict:
+def ab(ranks: int, args, out: Path, *extra: str) -> dict:
     cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(HERE / "workers/reproducible_ab.py"),
-           "--out", str(out), "--steps", str(args.steps), "--g", str(args.micro_batches)]
+           "--out", str(out), "--steps", str(args.steps), "--g", str(args.micro_batches), *extra]
     load0 = os.getloadavg()[0]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ROOT), capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -112,6 +113,24 @@ def report(rows: list[dict], mem: list[dict], args, commit: str) -> str:
                               "mode (inside the default's own step spread: at parity).", ""])
 
 
+def bytes_report(rows: list[dict], args, commit: str) -> str:
+    lines = ["# reproducible=True: bytes sent per step at every stage", "",
+             f"`benchmarks/bench_reproducible.py --bytes --ranks {' '.join(map(str, args.ranks))} --micro-batches "
+             f"{' '.join(map(str, args.bytes_g))}` at {commit}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} "
+             "UTC. The GPT of default.toml (3.3M parameters, fp32, AdamW, clipping) at each stage, the same global "
+             "batch of G micro-batches both ways (the default mode: grad_accum_steps = G / N). Bytes of one step "
+             "after a warm-up step, summed over the ranks (they are the same every step).", "",
+             "| stage | ranks | G | default bytes | reproducible bytes | ratio | (G/N + 1) / 2 | reproducible's kinds "
+             "(default's) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d, p = r["bytes_sent"]["default"][-1], r["bytes_sent"]["reproducible"][-1]
+        kinds = ", ".join(f"{k} {v:,}" for k, v in r["kinds"]["reproducible"].items())
+        theirs = ", ".join(f"{k} {v:,}" for k, v in r["kinds"]["default"].items())
+        lines.append(f"| {r['stage']} | {r['ranks']} | {r['g']} | {d:,} | {p:,} | {p / d:.3f} | "
+                     f"{(r['g'] / r['ranks'] + 1) / 2:.2f} | {kinds} ({theirs}) |")
+    return "\n".join(lines + [""])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -119,9 +138,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=str(HERE / "results" / "reproducible"))
+    p.add_argument("--bytes", action="store_true", help="bytes alone, at every stage (results: OUT-bytes)")
+    p.add_argument("--bytes-g", type=int, nargs="+", default=[4, 8], help="--bytes: the G values")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
+    if args.bytes:
+        args.steps, rows = 1, []
+        with tempfile.TemporaryDirectory() as tmp:
+            for stage in range(4):
+                for ranks in args.ranks:
+                    for g in args.bytes_g:
+                        args.micro_batches = g
+                        row = dict(ab(ranks, args, Path(tmp) / "b.json", "--stage", str(stage), "--warmup", "1"),
+                                   commit=commit, kind="bytes")
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+        Path(args.out + "-bytes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        Path(args.out + "-bytes.md").write_text(bytes_report(rows, args, commit))
+        print(Path(args.out + "-bytes.md").read_text())
+        return
     rows, mem = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

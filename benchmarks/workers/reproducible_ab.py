@@ -34,9 +34,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--g", type=int, default=4, help="micro-batches per step over all ranks")
+    p.add_argument("--stage", type=int, help="default: the config's")
     a = p.parse_args()
     doc = tomllib.loads((ROOT / "jobs/configs/default.toml").read_text())
-    zero = {**doc["zero"], "cpu_threads": 1}
+    zero = {**doc["zero"], "cpu_threads": 1, **({"stage": a.stage} if a.stage is not None else {})}
     n, rank = COMM.size, COMM.rank
     cfgs = {"default": zerompi.ZeroConfig.from_dict({**zero, "grad_accum_steps": a.g // n}),
             "reproducible": zerompi.ZeroConfig.from_dict({**zero, "grad_accum_steps": 1, "reproducible": True,
@@ -50,6 +51,7 @@ def main() -> None:
     mb, T = doc["train"]["micro_batch"], gpt.block_size
     times = {m: [] for m in engines}
     sent = {m: [] for m in engines}
+    kinds = {m: {} for m in engines}  # the last timed step's bytes per collective kind, summed over ranks
 
     def one_step(mode: str, step: int) -> None:
         engine = engines[mode]
@@ -64,16 +66,20 @@ def main() -> None:
         order = list(engines) if step % 2 == 0 else list(engines)[::-1]
         for mode in order:
             COMM.Barrier()
-            before = sum(engines[mode].stats.bytes_sent.values())
+            before = dict(engines[mode].stats.bytes_sent)
             t0 = time.perf_counter()
             one_step(mode, step)
             COMM.Barrier()
             dt = COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             if step >= a.warmup:
+                after = engines[mode].stats.bytes_sent
+                delta = {k: COMM.allreduce(after[k] - before.get(k, 0)) for k in sorted(after)}
                 times[mode].append(dt)
-                sent[mode].append(COMM.allreduce(sum(engines[mode].stats.bytes_sent.values()) - before))
+                sent[mode].append(sum(delta.values()))
+                kinds[mode] = {k: v for k, v in delta.items() if v}
     if rank == 0:
-        Path(a.out).write_text(json.dumps(dict(ranks=n, g=a.g, times=times, bytes_sent=sent)))
+        Path(a.out).write_text(json.dumps(dict(ranks=n, g=a.g, stage=cfgs['default'].stage, times=times,
+                                               bytes_sent=sent, kinds=kinds)))
     for e in engines.values():
         e.close()
 
