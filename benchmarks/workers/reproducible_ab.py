@@ -73,7 +73,11 @@ def main() -> None:
             dt = COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             if step >= a.warmup:
                 after = engines[mode].stats.bytes_sent
-                delta = {k: COMM.allreduce(after[k] - before.get(k, 0)) for k in sorted(after)}
+                mine = {k: after[k] - before.get(k, 0) for k in after}  # the kinds may differ by rank
+                delta = {}
+                for d in COMM.allgather(mine):
+                    for k, v in d.items():
+                        delta[k] = delta.get(k, 0) + v
                 times[mode].append(dt)
                 sent[mode].append(sum(delta.values()))
                 kinds[mode] = {k: v for k, v in delta.items() if v}
