@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -116,6 +117,20 @@ def test_the_runner_aliases_deepspeeds_submodules(surface_zerompi, tmp_path):
     got = json.loads(out.read_text())
     assert all(m.startswith("zerompi.") for m in got["modules"].values()), got["modules"]
     assert got["losses"] == surface_zerompi["losses"] and got["lrs"] == surface_zerompi["lrs"]
+
+
+def test_the_runner_aborts_on_an_exception_before_initialize(tmp_path):
+    """A rank that raises on the script's first lines while its peer waits in a collective ends the job
+    within seconds, naming the rank (it used to hang until killed)."""
+    script = tmp_path / "early.py"
+    script.write_text("from mpi4py import MPI\nimport deepspeed\n"
+                      "if MPI.COMM_WORLD.Get_rank() == 1:\n    raise RuntimeError('boom before initialize')\n"
+                      "MPI.COMM_WORLD.Barrier()\n")
+    started = time.monotonic()
+    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=mpi_env())
+    assert proc.returncode != 0 and time.monotonic() - started < 60
+    assert "rank 1 of 2 failed with an uncaught RuntimeError: boom before initialize" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_deepspeed_agrees_on_the_script_that_builds_its_own(surface_zerompi, surface_reference, tmp_path):

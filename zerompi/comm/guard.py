@@ -17,17 +17,22 @@ import traceback
 from zerompi.comm.recorder import user_frames
 from zerompi.comm.watchdog import ABORT_GRACE
 
-_installed = False
+_group = None  # the group the hook aborts: the latest one handed in (an engine's after the runner's)
 
 
 def abort_on_uncaught_exception(group) -> None:
-    """Install a ``sys.excepthook`` that reports the error with its rank and calls ``MPI_Abort``."""
-    global _installed
-    if _installed or group.size == 1:
+    """Install a ``sys.excepthook`` that reports the error with its rank and calls ``MPI_Abort``; a
+    later call only hands it a newer group (an engine's, whose watchdog can add the hang report)."""
+    global _group
+    if group.size == 1:
+        return
+    first, _group = _group is None, group
+    if not first:
         return
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        group = _group
         if issubclass(kind, KeyboardInterrupt):
             return previous(kind, value, tb)
         text = "".join(traceback.format_exception(kind, value, tb))
@@ -42,4 +47,3 @@ def abort_on_uncaught_exception(group) -> None:
         group.abort(1)
 
     sys.excepthook = hook
-    _installed = True

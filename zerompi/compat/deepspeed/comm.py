@@ -81,6 +81,11 @@ def _world(group: Any = None) -> ProcessGroup:
     return _group
 
 
+def world_group() -> ProcessGroup:
+    """The scripts' group (collective the first time)."""
+    return _world()
+
+
 def _is_torch_world(group: Any) -> bool:
     """Whether ``group`` is torch.distributed's default group (``dist.group.WORLD``), which runs over ours."""
     import torch.distributed as dist

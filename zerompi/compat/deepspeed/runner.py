@@ -13,7 +13,8 @@ ModuleNotFoundError naming it (a script's ``try: import ... except ImportError``
 
 Before the script starts, the runner does what DeepSpeed's launcher does for it: it sets
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE`` and ``LOCAL_WORLD_SIZE`` from MPI
-(collective: every rank runs the runner). ``--local_rank_arg`` appends ``--local_rank=<n>`` to
+(collective: every rank runs the runner), and an uncaught exception on any rank from the script's
+first line aborts the job naming the rank, as ``python -m mpi4py`` does. ``--local_rank_arg`` appends ``--local_rank=<n>`` to
 the script's arguments, as DeepSpeed's launcher does by default. The script then runs as
 ``__main__`` with ``sys.argv`` = ``[script, *args]`` and its directory first on ``sys.path``;
 ``-m module`` runs a module instead, as ``python -m`` would.
@@ -92,8 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     """Collective: run the script of ``argv`` (default ``sys.argv[1:]``) with ``deepspeed`` aliased."""
     ns = _parse(sys.argv[1:] if argv is None else argv)
     install_alias()
+    from zerompi.comm.guard import abort_on_uncaught_exception
     from zerompi.compat.deepspeed import comm
     comm.set_environment()
+    # from the script's first line: an exception on one rank ends the job, as under python -m mpi4py
+    abort_on_uncaught_exception(comm.world_group())
     args = list(ns.args)
     if ns.local_rank_arg:
         args.append(f"--local_rank={os.environ['LOCAL_RANK']}")
