@@ -203,6 +203,17 @@ class Engine:
         self.optimizer.abandon_backward()
         self._phase.end_backward(ok=False)
 
+    @property
+    def window_backwards(self) -> int:
+        """Backward calls completed in the current accumulation window."""
+        return self._phase.rounds_done
+
+    @property
+    def window_complete(self) -> bool:
+        """Whether the window's backward calls are all in (step() then updates)."""
+        return self._phase.rounds_done == (len(self.micro.indices) if self.micro is not None
+                                           else self.config.grad_accum_steps)
+
     def step(self) -> bool:
         """Update at the end of an accumulation window; True when the parameters changed."""
         if self.micro is not None and self._phase.rounds_done not in (0, len(self.micro.indices)):

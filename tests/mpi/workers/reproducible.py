@@ -13,7 +13,6 @@ import base64
 import struct
 import tempfile
 
-import torch
 from mpi4py import MPI
 
 import zerompi

@@ -225,3 +225,28 @@ def test_engine_methods_a_loop_asks(tmp_path):
     engine.destroy()
     from zerompi.compat.deepspeed.engine import live_engines
     assert engine not in live_engines()
+
+
+def test_accelerates_loop_one_step_per_window_and_the_config():
+    """accelerate's DeepSpeed loop: set_gradient_accumulation_boundary before each backward, step() at the
+    boundary only, backward(scale_wrt_gas=False) on a loss already divided by the window; the same update
+    as the plain loop. A boundary the engine's window disagrees with is named; engine.config is the document."""
+    cfg = {**BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    plain, *_ = start(model(), cfg)
+    ours, *_ = start(model(), cfg)
+    assert ours.config == cfg and ours.config["zero_optimization"]["stage"] == 2
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        xs = [torch.randn(2, 4, generator=g) for _ in range(2)]
+        for k, x in enumerate(xs):
+            plain.backward(plain(x).pow(2).mean())
+            plain.step()
+            ours.set_gradient_accumulation_boundary(k == 1)
+            assert ours.is_gradient_accumulation_boundary() is (k == 1)
+            ours.backward(ours(x).pow(2).mean() / 2, scale_wrt_gas=False)
+        ours.step()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), ours.parameters()))
+    ours.set_gradient_accumulation_boundary(True)
+    ours.backward(ours(torch.randn(2, 4)).pow(2).mean())
+    with pytest.raises(UsageError, match=r"set_gradient_accumulation_boundary\(True\) after 1 backward call"):
+        ours.step()

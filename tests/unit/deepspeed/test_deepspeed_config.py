@@ -159,9 +159,17 @@ def test_every_no_effect_key_is_warned_about():
         node = doc
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = {"bool": True, "size": 7, "ratio": 0.5, "any": "x"}[kind]
+        node[leaf] = {"bool": True, "size": 7, "interval": 7, "ratio": 0.5, "any": "x"}[kind]
     _, warned = from_deepspeed(doc)
     assert len(warned) == 1 and warned_keys(warned[0]) == set(NO_EFFECT)
+
+
+def test_steps_per_print_may_be_inf():
+    """accelerate writes steps_per_print: inf (never); a negative interval is still refused."""
+    _, warned = from_deepspeed({"steps_per_print": float("inf")})
+    assert "steps_per_print" in warned_keys(warned[0])
+    with pytest.raises(ConfigError, match=r"steps_per_print=-1"):
+        from_deepspeed({"steps_per_print": -1})
 
 
 @pytest.mark.parametrize("size,units,units_of_twice", [(0, 0, 0), (1, 1, 1), (4096, 1, 1), (4097, 2, 1),

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import zerompi
 import zerompi.deepspeed as deepspeed
 from zerompi.errors import UsageError
 
@@ -161,3 +165,21 @@ def test_names_dschat_imports_from_deepspeed():
     recursive_setattr(net, "0", nn.Identity())
     assert isinstance(net[0], nn.Identity)
     assert not any(hasattr(p, "ds_id") for p in net.parameters())  # zerompi's stage 3 shards buckets, not parameters
+
+
+def test_the_runner_answers_for_a_deepspeed_distribution():
+    """Under the runner's alias, importlib.metadata finds a ``deepspeed`` distribution (zerompi's API
+    version) before any real one, and the frameworks' checks pass; outside it nothing changes. In a
+    fresh interpreter, so that the alias stays out of this one."""
+    code = ("import importlib.metadata as md, sys\n"
+            "from zerompi.compat.deepspeed.runner import install_alias\n"
+            "before = [d.metadata['Version'] for d in md.distributions(name='deepspeed')]\n"
+            "install_alias()\n"
+            "from accelerate.utils import is_deepspeed_available\n"
+            "print(before, md.version('deepspeed'), is_deepspeed_available(), md.version('torch') != '')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(zerompi.__file__).parents[1])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, version, available, others = out.stdout.strip().rsplit(" ", 3)
+    assert version == "0.19.8+zerompi" and available == "True" and others == "True"
+    assert "zerompi" not in before

@@ -162,7 +162,10 @@ def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
             if kind == "bool":
                 boolean(dotted, value)
             elif kind != "any" and not is_auto(value):
-                real(dotted, value, ge=0) if kind == "size" else _ratio(dotted, value)
+                if kind == "ratio":
+                    _ratio(dotted, value)
+                elif not (kind == "interval" and value == math.inf):
+                    real(dotted, value, ge=0)
             present.append(dotted)
     present += [f"compile.{k}" for k in COMPILE if k != "deepcompile" and _ds_get(d, f"compile.{k}")[0]]
     for name in MONITORS:

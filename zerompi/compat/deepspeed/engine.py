@@ -3,8 +3,8 @@
 A thin wrapper rather than an Engine subclass, so that DeepSpeed's spellings
 (``save_checkpoint`` returning True, ``load_checkpoint`` returning a pair, batch-size
 getters) never change what :class:`zerompi.Engine` answers; the zerompi engine is
-``.engine``. Any other attribute falls through to the wrapped module, as on DeepSpeed's
-engine (``engine.gradient_checkpointing_enable()``, ``engine.config`` of a transformers model).
+``.engine``. ``config`` is the DeepSpeed config document, as on DeepSpeed's engine; any other
+attribute falls through to the wrapped module (``engine.gradient_checkpointing_enable()``).
 """
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerompi.checkpoint import safetensors, schema
+from zerompi.checkpoint import schema
+from zerompi.compat.deepspeed import export
 from zerompi.compat.deepspeed.batch import Batch
 from zerompi.compat.deepspeed.outputs import Outputs, tensors_of
 from zerompi.compat.deepspeed.timer import ThroughputTimer
 from zerompi.config import DType
 from zerompi.engine import Engine
-from zerompi.errors import UsageError, all_ranks_ok
+from zerompi.errors import UsageError
 
 __all__ = ["DeepSpeedEngine", "live_engines"]
 
@@ -42,14 +43,17 @@ class DeepSpeedEngine:
     """The DeepSpeed engine methods a training loop uses, answered by a zerompi :class:`Engine`."""
 
     def __init__(self, engine: Engine, batch: Batch, gather_16bit_on_save: bool = False,
-                 training_dataloader: Any = None):
+                 training_dataloader: Any = None, config: Mapping | None = None):
         self.engine = engine
         """The zerompi engine underneath."""
+        self.config = dict(config or {})
+        """The DeepSpeed config document it was built from (``engine.config["zero_optimization"]``)."""
         self.training_dataloader = training_dataloader
         """The loader ``initialize(training_data=...)`` built (None without one)."""
         self._batch = batch
         self._gather_16bit = gather_16bit_on_save  # stage3_gather_16bit_weights_on_model_save
         self.micro_steps = 0  # step() calls, as DeepSpeed counts them for the accumulation boundary
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._step_applied = False
         self._no_sync = False
         self._explicit = False  # inside engine.backward(loss)
@@ -73,16 +77,27 @@ class DeepSpeedEngine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of this rank's mean micro-batch loss (scaled by 1/accumulation, as DeepSpeed does)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of this rank's mean micro-batch loss, scaled by 1/accumulation as DeepSpeed does, or
+        not with ``scale_wrt_gas=False`` (transformers' Trainer, whose loss is already the window's share)."""
         if retain_graph:
             raise UsageError("backward(retain_graph=True) is not supported: the engine frees gathered "
                              "parameters and reduces gradients as backward runs")
+        if not scale_wrt_gas and self.engine.micro is not None:
+            raise UsageError("backward(scale_wrt_gas=False) with micro_batches: each micro-batch's share is 1/G")
         self._check_no_sync()
         self._abandon_implicit()
         self._explicit = True
         try:
-            self.engine.backward(loss)
+            factor = self.engine.begin_backward()
+            if not scale_wrt_gas:
+                factor = self.engine.optimizer.loss_scale  # the fp16 scale alone
+            try:
+                (loss * factor).backward()
+            except BaseException:
+                self.engine.end_backward(ok=False)
+                raise
+            self.engine.end_backward(ok=True)
         finally:
             self._explicit = False
         return loss
@@ -129,13 +144,25 @@ class DeepSpeedEngine:
             raise UsageError("step() inside no_sync() (DeepSpeed refuses it too)")
         self._abandon_implicit()
         boundary = self.is_gradient_accumulation_boundary()
+        if self._boundary is not None and boundary != self.engine.window_complete:
+            raise UsageError(f"step() with set_gradient_accumulation_boundary({boundary}) after "
+                             f"{self.engine.window_backwards} backward call(s) of a window of {self._batch.accum} "
+                             "(the config's gradient_accumulation_steps): they must agree")
         self._step_applied = self.engine.step()
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-batch's step() ends the accumulation window (and updates)."""
+        """Whether the current micro-batch's step() ends the accumulation window (and updates): as
+        ``set_gradient_accumulation_boundary`` last said, else by counting step() calls."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self._batch.accum == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's override for loops that call step() once per window (accelerate's): whether the
+        coming backward ends the window. step() checks it against the window the engine counted."""
+        self._boundary = bool(is_boundary)
 
     def was_step_applied(self) -> bool:
         """Whether the latest step() changed the parameters (False inside a window, or on an fp16 overflow)."""
@@ -311,57 +338,27 @@ class DeepSpeedEngine:
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: rank 0 writes every parameter (tied ones once; the trainable ones alone with
-        ``exclude_frozen_parameters``) and persistent buffer, whole, in the compute dtype, as
-        safetensors under ``save_dir`` (no pickle: a ``.bin`` name is refused).
-        At stage 3 only with ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed: otherwise
-        it warns and writes nothing. Returns whether it wrote."""
-        if Path(save_filename).suffix != ".safetensors":
-            raise UsageError(f"save_16bit_model(save_filename={save_filename!r}): zerompi writes safetensors, "
-                             "never pickles; use a name ending in .safetensors (transformers loads "
-                             "model.safetensors)")
-        if self.engine.config.stage == 3 and not self._gather_16bit:
-            warnings.warn("save_16bit_model at stage 3 writes nothing unless the config sets "
-                          "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (as in DeepSpeed)",
-                          stacklevel=2)
-            return False
-        full = self.engine.full_state_dict()  # collective: fp32, every rank
-        dtype = self.engine.config.torch_dtype
-        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-        tensors = {n: t.to(dtype) for n, t in full.items() if not (exclude_frozen_parameters and n in frozen)}
-        keep = set(self.module.state_dict(keep_vars=True))  # persistent buffers (no data is read)
-        tensors.update({n: b.detach().cpu() for n, b in self.module.named_buffers() if n in keep})
-        error = None
-        if self.global_rank == 0:
-            try:
-                Path(save_dir).mkdir(parents=True, exist_ok=True)
-                entries = [safetensors.Entry(n, tuple(t.shape), safetensors.CODES[str(t.dtype).removeprefix("torch.")])
-                           for n, t in tensors.items()]
-                safetensors.write(Path(save_dir) / save_filename, entries,
-                                  lambda n: memoryview(tensors[n].reshape(-1).contiguous().view(torch.uint8).numpy()).cast("B"))
-            except (OSError, KeyError) as e:
-                error = f"save_16bit_model: {type(e).__name__}: {e}"
-        all_ranks_ok(self.engine.group, error)
-        return True
+        """Collective: rank 0 writes the whole model in the compute dtype as safetensors (export.py)."""
+        return export.save_16bit_model(self.engine, self._gather_16bit, save_dir, save_filename,
+                                       exclude_frozen_parameters)
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """Collective: the module's state dict with every parameter whole (gathered at stage 3) in the
-        compute dtype, on the CPU, and its persistent buffers; ``exclude_frozen_parameters`` leaves
-        the frozen ones out. DeepSpeed's ``destination``/``keep_vars`` are not supported."""
+        """Collective: the module's state dict, every parameter whole, in the compute dtype (export.py)."""
         if destination is not None or keep_vars:
             raise UsageError("module_state_dict(destination=, keep_vars=True) is not supported: it returns "
                              "gathered copies")
-        full = self.engine.full_state_dict()
-        dtype = self.engine.config.torch_dtype
-        named = {id(p): n for n, p in self.module.named_parameters()}  # a tied parameter's first name
-        out = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():  # its order, tied names included
-            if id(value) not in named:  # a buffer
-                out[prefix + name] = value.detach().cpu().clone()
-            elif not (exclude_frozen_parameters and not value.requires_grad):
-                out[prefix + name] = full[named[id(value)]].to(dtype)
-        return out
+        return export.module_state_dict(self.engine, prefix, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether the config sets ``stage3_gather_16bit_weights_on_model_save`` (accelerate asks at stage 3)."""
+        return self._gather_16bit
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """Collective: the whole model's state dict in the compute dtype on rank 0, None on the others
+        (DeepSpeed's answer, which accelerate's and transformers' savers take at stage 3)."""
+        out = export.module_state_dict(self.engine, "", exclude_frozen_parameters)
+        return out if self.global_rank == 0 else None
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """Collective: ``module_state_dict`` under ``module.``, as DeepSpeed's engine names it."""

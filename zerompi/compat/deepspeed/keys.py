@@ -74,7 +74,7 @@ _ZERO_NO_EFFECT = {
                      "stage3_module_granularity_threshold"), "size"),
 }
 NO_EFFECT: dict[str, str] = {
-    "optimizer.params.torch_adam": "bool", "optimizer.legacy_fusion": "bool", "steps_per_print": "size",
+    "optimizer.params.torch_adam": "bool", "optimizer.legacy_fusion": "bool", "steps_per_print": "interval",
     "wall_clock_breakdown": "bool", "memory_breakdown": "bool", "dump_state": "bool", "prescale_gradients": "bool",
     "zero_allow_untested_optimizer": "bool", "zero_force_ds_cpu_optimizer": "bool",
     "cuda_visible_devices": "any", "bf16.immediate_grad_update": "bool", "checkpoint.tag_validation": "any",
@@ -90,7 +90,8 @@ NO_EFFECT: dict[str, str] = {
        for k in ACTIVATION_CHECKPOINTING},
 }
 """Tuning, logging and memory keys that cannot change the result: accepted, checked for their type
-("bool"; "size": a number >= 0; "ratio": a number in [0, 1]; "any"), and named in one warning."""
+("bool"; "size": a number >= 0; "interval": the same or inf, never (accelerate writes
+``steps_per_print: inf``); "ratio": a number in [0, 1]; "any"), and named in one warning."""
 
 SCHEMA: dict[str, Any] = {
     "zero_optimization": {

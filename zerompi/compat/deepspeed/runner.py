@@ -14,7 +14,8 @@ ModuleNotFoundError naming it (a script's ``try: import ... except ImportError``
 Before the script starts, the runner does what DeepSpeed's launcher does for it: it sets
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE`` and ``LOCAL_WORLD_SIZE`` from MPI
 (collective: every rank runs the runner), and an uncaught exception on any rank from the script's
-first line aborts the job naming the rank, as ``python -m mpi4py`` does. ``--local_rank_arg`` appends ``--local_rank=<n>`` to
+first line aborts the job naming the rank, as ``python -m mpi4py`` does; the frameworks that drive
+DeepSpeed (transformers, Accelerate) find a ``deepspeed`` distribution and a backend (frameworks.py). ``--local_rank_arg`` appends ``--local_rank=<n>`` to
 the script's arguments, as DeepSpeed's launcher does by default. The script then runs as
 ``__main__`` with ``sys.argv`` = ``[script, *args]`` and its directory first on ``sys.path``;
 ``-m module`` runs a module instead, as ``python -m`` would.
@@ -25,6 +26,7 @@ import argparse
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import os
 import runpy
 import sys
@@ -67,6 +69,12 @@ class DeepSpeedAlias(importlib.abc.MetaPathFinder):
             raise
         return importlib.machinery.ModuleSpec(fullname, _Alias(module), is_package=hasattr(module, "__path__"))
 
+    @staticmethod
+    def find_distributions(context=importlib.metadata.DistributionFinder.Context()):
+        """``importlib.metadata``'s question for a ``deepspeed`` distribution (frameworks.py)."""
+        from zerompi.compat.deepspeed.frameworks import find_distributions
+        return iter(find_distributions(context))
+
 
 def install_alias() -> None:
     """From here on, ``import deepspeed`` in this process imports zerompi's package."""
@@ -98,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     comm.set_environment()
     # from the script's first line: an exception on one rank ends the job, as under python -m mpi4py
     abort_on_uncaught_exception(comm.world_group())
+    from zerompi.compat.deepspeed.frameworks import prepare_accelerate
+    prepare_accelerate()
     args = list(ns.args)
     if ns.local_rank_arg:
         args.append(f"--local_rank={os.environ['LOCAL_RANK']}")

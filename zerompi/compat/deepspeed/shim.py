@@ -205,4 +205,5 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
     if training_data is not None:
         loader = client.training_loader(training_data, batch.micro, engine.rank, engine.world_size, collate_fn,
                                         boolean("dataloader_drop_last", doc.get("dataloader_drop_last", False)))
-    return DeepSpeedEngine(engine, batch, t.gather_16bit, loader), engine.optimizer, loader, engine.lr_scheduler
+    return (DeepSpeedEngine(engine, batch, t.gather_16bit, loader, config=doc), engine.optimizer, loader,
+            engine.lr_scheduler)

@@ -1,0 +1,86 @@
+"""transformers' Trainer with ``--deepspeed``, unchanged (workers/hf_trainer.py), under
+``mpiexec -n 2 python -m zerompi.deepspeed``, on the CPU: at ZeRO-1, 2 and 3, and ZeRO-2 with the optimizer
+offloaded, HF's "auto" config.
+
+Judged against the same script as one plain process (no DeepSpeed) on the same global batches (sequential
+sampling; 2 ranks x 2 micro-batches x accumulation 2 there, 2 x 4 here): each step's loss within
+ORDER_K times the distance to a second summation order of that run (4 x 2), each step's gradient norm
+(before clipping: the gradient's scale, which the loss hides) likewise, and the saved weights within
+ORDER_K times what that order moves them.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.components import require_module
+
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec
+from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
+
+SCRIPT = WORKERS / "hf_trainer.py"
+COMMON = ["--max_steps", "6", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
+          "--train_sampling_strategy", "sequential", "--learning_rate", "3e-3", "--seed", "0"]
+AUTO = {"optimizer": {"type": "AdamW", "params": {k: "auto" for k in ("lr", "weight_decay", "betas", "eps")}},
+        **{k: "auto" for k in ("gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
+                               "train_micro_batch_size_per_gpu")}, "bf16": {"enabled": "auto"}}
+ZERO = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        "2-offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+def run(cmd: list[str], out, env=None) -> dict:
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+                          env=env or mpi_env())
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(directory / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, the same 8 rows a step: as 4 micro-batches of 2 (ref) and as 2 of 4 (alt)."""
+    require_module("transformers", "accelerate", "safetensors")
+    tmp = tmp_path_factory.mktemp("hf_ref")
+    env = {**mpi_env(), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("LOCAL_RANK", None)
+    out = {}
+    for name, micro, accum in (("ref", 2, 4), ("alt", 4, 2)):
+        result = run([sys.executable, str(SCRIPT), "--output_dir", str(tmp / name), "--optim", "adamw_torch",
+                      "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum),
+                      *COMMON], tmp / f"{name}.json", env)
+        out[name] = dict(result, weights=weights(tmp / name))
+    return out
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_trainer_runs_unchanged_and_matches_one_process(reference, tmp_path, zero):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({**AUTO, "zero_optimization": ZERO[zero]}))
+    got = run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(SCRIPT),
+               "--output_dir", str(tmp_path / "out"), "--deepspeed", str(cfg),
+               "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *COMMON],
+              tmp_path / "out.json")
+    ref, alt = reference["ref"], reference["alt"]
+    assert got["world"] == 2 and len(got["losses"]) == len(ref["losses"]) == 6
+    bad = loss_failures(got["losses"], ref["losses"], alt["losses"], FP32_FLOOR)
+    assert not bad, f"losses beyond the order-noise bound (step, ours, ref, bound): {bad}"
+    # The norm before clipping sees the gradient's scale, which Adam and clipping would hide from the loss.
+    # The reference's is torch's fp32 norm (sums of m fp32 squares: relative error up to m u32), ours fp64.
+    m = sum(t.numel() for n, t in ref["weights"].items() if n != "lm_head.weight")
+    for step, (o, r, a) in enumerate(zip(got["grad_norms"], ref["grad_norms"], alt["grad_norms"])):
+        bound = 8 * abs(a - r) + m * 2.0 ** -24 * r
+        assert abs(o - r) <= bound, (step, o, r, bound)
+    ours = weights(tmp_path / "out")
+    names = sorted(set(ref["weights"]) & set(ours))
+    assert names and {n for n in ref["weights"] if n not in ours} <= {"lm_head.weight"}  # tied to wte
+    err = {n: float((ours[n] - ref["weights"][n]).abs().max()) for n in names}
+    noise = {n: float((alt["weights"][n] - ref["weights"][n]).abs().max()) for n in names}
+    assert not tensor_failures(err, noise), tensor_failures(err, noise)

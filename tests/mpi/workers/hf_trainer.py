@@ -1,0 +1,46 @@
+"""A transformers Trainer script as users write them (``HfArgumentParser(TrainingArguments)``, a model, a
+dataset, ``trainer.train()``, ``trainer.save_model()``), for tests/mpi/test_hf_trainer.py. It knows
+nothing of zerompi: ``--deepspeed CFG`` under ``python -m zerompi.deepspeed`` makes it a ZeRO run;
+without it, one plain process is the reference. A tiny GPT-2 from a fixed seed, 64 fixed token rows.
+Rank 0 writes the logged per-step losses and gradient norms as JSON to ``--out``.
+"""
+import json
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments
+
+
+@dataclass
+class Extra:
+    out: str = field(metadata={"help": "where rank 0 writes the losses"})
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, length: int = 32, vocab: int = 128):
+        self.x = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def main() -> None:
+    args, extra = HfArgumentParser((TrainingArguments, Extra)).parse_args_into_dataclasses()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # no draws: order alone
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train()
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        logged = [h for h in trainer.state.log_history if "loss" in h]
+        with open(extra.out, "w") as f:
+            json.dump(dict(losses=[h["loss"] for h in logged], grad_norms=[h["grad_norm"] for h in logged],
+                           world=trainer.args.world_size), f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""What the frameworks that drive DeepSpeed (transformers' Trainer, Accelerate, TRL) check before they
+use it, answered under the runner (runner.py), so that their scripts run unchanged.
+
+* **The distribution.** accelerate and transformers ask ``importlib.metadata`` whether a ``deepspeed``
+  package is installed, and its version, before they import it. Under the runner the alias's finder
+  answers with :class:`DeepSpeedDistribution`: name ``deepspeed``, version :data:`API_VERSION` (the
+  DeepSpeed release whose API and numbers zerompi follows) with ``+zerompi``, and no files. It comes
+  first, so it also stands for a real DeepSpeed installed beside zerompi; outside the runner nothing
+  changes.
+* **The backend.** On a machine without CUDA, accelerate's ``PartialState`` finds no torch.distributed
+  backend for a DeepSpeed run and takes each rank for a world of its own. Under the runner the ranks
+  MPI started are the world: where accelerate finds none for a DeepSpeed run, it gets zerompi's
+  backend over MPI (torch_dist.py), which ``deepspeed.comm.init_distributed`` then sets up.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from pathlib import Path
+
+API_VERSION = "0.19.8"
+METADATA = f"""Metadata-Version: 2.1
+Name: deepspeed
+Version: {API_VERSION}+zerompi
+Summary: zerompi's DeepSpeed API (python -m zerompi.deepspeed)
+"""
+
+
+class DeepSpeedDistribution(importlib.metadata.Distribution):
+    """The ``deepspeed`` distribution under the runner: its metadata, and no files."""
+
+    def read_text(self, filename: str) -> str | None:
+        return METADATA if filename in ("METADATA", "PKG-INFO") else None
+
+    def locate_file(self, path) -> Path:
+        return Path(__file__).parent / path
+
+
+def find_distributions(context: importlib.metadata.DistributionFinder.Context) -> list[DeepSpeedDistribution]:
+    """The finder's answer for ``importlib.metadata``: ours for the name ``deepspeed``, nothing else."""
+    name = (context.name or "").replace("_", "-").lower()
+    return [DeepSpeedDistribution()] if name == "deepspeed" else []
+
+
+def prepare_accelerate() -> None:
+    """Where accelerate is installed: a DeepSpeed run it finds no backend for gets zerompi's."""
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    import accelerate.state as state
+    from zerompi.compat.deepspeed.torch_dist import BACKEND
+    original = state.PartialState._prepare_backend
+    if getattr(original, "zerompi", False):
+        return
+
+    def prepare_backend(self, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None):
+        found, kind = original(self, cpu, sagemaker_dp, backend)
+        if found is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+            found = BACKEND
+        return found, kind
+    prepare_backend.zerompi = True
+    state.PartialState._prepare_backend = prepare_backend
