@@ -29,6 +29,7 @@ class PyZerompi(PythonPackage):
     depends_on("py-hypothesis@6:", type="test")
     depends_on("py-pyyaml@6:", type="test")
     depends_on("py-transformers@4.46:", type="test")
+    depends_on("py-accelerate@1.0:", type="test")
     depends_on("py-peft@0.13:", type="test")
     depends_on("py-deepspeed@0.16:", type="test")
 
