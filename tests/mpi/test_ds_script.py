@@ -147,3 +147,12 @@ def test_deepspeed_agrees_on_the_script_that_builds_its_own(surface_zerompi, sur
     assert theirs["lrs"] == pytest.approx(surface_zerompi["lrs"], rel=4 * 2**-52)
     assert theirs["losses"] == pytest.approx(surface_reference["loss_ref"], rel=1e-5)
     assert theirs["losses"] == pytest.approx(surface_zerompi["losses"], rel=1e-5)
+
+
+def test_gathered_parameters_in_another_order_on_each_rank(tmp_path):
+    """zero.GatheredParameters(modifier_rank=0) over the same parameters listed in another order on each
+    rank (transformers passes a set): before and after initialize, every rank ends with rank 0's values in
+    the right parameters (workers/ds_gather_order.py; a module without reset_parameters included)."""
+    got = run_worker_json(2, "ds_gather_order.py", tmp_path / "out.json")
+    assert [r["before"] for r in got] == [[1.0, 2.0, 3.0, 4.0, 5.0]] * 2
+    assert [r["after"] for r in got] == [[10.0, 20.0, 30.0, 40.0, 50.0]] * 2

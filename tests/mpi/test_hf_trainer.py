@@ -1,6 +1,7 @@
 """transformers' Trainer with ``--deepspeed``, unchanged (workers/hf_trainer.py), under
 ``mpiexec -n 2 python -m zerompi.deepspeed``, on the CPU: at ZeRO-1, 2 and 3, and ZeRO-2 with the optimizer
-offloaded, HF's "auto" config.
+offloaded, HF's "auto" config; and at ZeRO-3 a GPT-2 and a Llama that ``from_pretrained`` loads under
+``deepspeed.zero.Init`` (modules without reset_parameters, a re-initialisation over a set of parameters).
 
 Judged against the same script as one plain process (no DeepSpeed) on the same global batches (sequential
 sampling; 2 ranks x 2 micro-batches x accumulation 2 there, 2 x 4 here): each step's loss within
@@ -44,31 +45,60 @@ def weights(directory) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
+MAKE = """import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM, GPT2LMHeadModel
+sys.path.insert(0, sys.argv[1])
+from hf_trainer import tiny_gpt2
+torch.manual_seed(0)
+GPT2LMHeadModel(tiny_gpt2()).save_pretrained(sys.argv[2] + "/gpt2")
+LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)).save_pretrained(sys.argv[2] + "/llama")
+"""
+RUNS = {**{f"built-zero{k}": ("built", v) for k, v in ZERO.items()},
+        "gpt2-pretrained-zero3": ("gpt2", ZERO["3"]), "llama-pretrained-zero3": ("llama", ZERO["3"])}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, the same 8 rows a step: as 4 micro-batches of 2 (ref) and as 2 of 4 (alt)."""
+    """Per model, one process on the same 8 rows a step: as 4 micro-batches of 2 (ref) and as 2 of 4 (alt)."""
     require_module("transformers", "accelerate", "safetensors")
     tmp = tmp_path_factory.mktemp("hf_ref")
-    env = {**mpi_env(), "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("LOCAL_RANK", None)
-    out = {}
-    for name, micro, accum in (("ref", 2, 4), ("alt", 4, 2)):
-        result = run([sys.executable, str(SCRIPT), "--output_dir", str(tmp / name), "--optim", "adamw_torch",
-                      "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum),
-                      *COMMON], tmp / f"{name}.json", env)
-        out[name] = dict(result, weights=weights(tmp / name))
-    return out
+    # one plain process: no launcher's variables (an in-process test in this pytest process may have set them)
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in {**mpi_env(), "CUDA_VISIBLE_DEVICES": ""}.items() if k not in launcher}
+    proc = subprocess.run([sys.executable, "-c", MAKE, str(WORKERS), str(tmp)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done: dict[str, dict] = {}
+
+    def get(model: str) -> dict:
+        if model not in done:
+            out = {}
+            for name, micro, accum in (("ref", 2, 4), ("alt", 4, 2)):
+                result = run([sys.executable, str(SCRIPT), "--output_dir", str(tmp / model / name), "--optim",
+                              "adamw_torch", "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps",
+                              str(accum), *model_args(tmp, model), *COMMON], tmp / f"{model}-{name}.json", env)
+                out[name] = dict(result, weights=weights(tmp / model / name))
+            done[model] = dict(out, dir=tmp)
+        return done[model]
+    return get
 
 
-@pytest.mark.parametrize("zero", list(ZERO))
-def test_trainer_runs_unchanged_and_matches_one_process(reference, tmp_path, zero):
+def model_args(tmp, model: str) -> list[str]:
+    return [] if model == "built" else ["--model_dir", str(tmp / model)]
+
+
+@pytest.mark.parametrize("case", list(RUNS))
+def test_trainer_runs_unchanged_and_matches_one_process(reference, tmp_path, case):
+    model, zero = RUNS[case]
+    refs = reference(model)
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({**AUTO, "zero_optimization": ZERO[zero]}))
+    cfg.write_text(json.dumps({**AUTO, "zero_optimization": zero}))
     got = run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(SCRIPT),
-               "--output_dir", str(tmp_path / "out"), "--deepspeed", str(cfg),
+               "--output_dir", str(tmp_path / "out"), "--deepspeed", str(cfg), *model_args(refs["dir"], model),
                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *COMMON],
               tmp_path / "out.json")
-    ref, alt = reference["ref"], reference["alt"]
+    ref, alt = refs["ref"], refs["alt"]
     assert got["world"] == 2 and len(got["losses"]) == len(ref["losses"]) == 6
     bad = loss_failures(got["losses"], ref["losses"], alt["losses"], FP32_FLOOR)
     assert not bad, f"losses beyond the order-noise bound (step, ours, ref, bound): {bad}"

@@ -77,8 +77,11 @@ class Materializer:
             dtype = self.frozen_dtype if self.frozen_dtype is not None and not p.requires_grad else p.dtype
             scratch = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=self.device),
                                    requires_grad=p.requires_grad)
-            # Swap in place: the Parameter object (its param group, hooks) stays the same.
+            # Swap in place: the Parameter object (its param group, hooks) stays the same, and so do its
+            # Python attributes, which swap_tensors would trade for scratch's
+            attributes = dict(p.__dict__)
             torch.utils.swap_tensors(p, scratch)
+            p.__dict__.update(attributes)
             if not scratch.is_meta:
                 kept[n] = scratch  # now holds the bucket's view; p is scratch while param_init runs
         with torch.no_grad():

@@ -1,19 +1,27 @@
 """A transformers Trainer script as users write them (``HfArgumentParser(TrainingArguments)``, a model, a
 dataset, ``trainer.train()``, ``trainer.save_model()``), for tests/mpi/test_hf_trainer.py. It knows
 nothing of zerompi: ``--deepspeed CFG`` under ``python -m zerompi.deepspeed`` makes it a ZeRO run;
-without it, one plain process is the reference. A tiny GPT-2 from a fixed seed, 64 fixed token rows.
+without it, one plain process is the reference. A tiny GPT-2 from a fixed seed (or ``--model_dir``'s
+pretrained model), 64 fixed token rows.
 Rank 0 writes the logged per-step losses and gradient norms as JSON to ``--out``.
 """
 import json
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer,
+                          TrainingArguments)
 
 
 @dataclass
 class Extra:
     out: str = field(metadata={"help": "where rank 0 writes the losses"})
+    model_dir: str = field(default="", metadata={"help": "from_pretrained(model_dir) instead of a GPT-2 built here"})
+
+
+def tiny_gpt2() -> GPT2Config:
+    return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0)  # no random draws: summation order alone differs
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -30,8 +38,10 @@ class Tokens(torch.utils.data.Dataset):
 def main() -> None:
     args, extra = HfArgumentParser((TrainingArguments, Extra)).parse_args_into_dataclasses()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # no draws: order alone
+    if extra.model_dir:  # under ZeRO-3 transformers builds it in deepspeed.zero.Init and loads it into that
+        model = AutoModelForCausalLM.from_pretrained(extra.model_dir)
+    else:
+        model = GPT2LMHeadModel(tiny_gpt2())
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
     trainer.train()
     trainer.save_model()

@@ -9,11 +9,16 @@ differ from an eager build's, as DeepSpeed's do from a single process's.
 ``GatheredParameters(params, modifier_rank)`` gives the full parameters inside the block,
 on every rank; with ``modifier_rank`` set, the values that rank holds on leaving become
 every rank's (in an engine: its fp32 master and what it computes with). Collective: every
-rank enters it with the same parameters. Before ``initialize``, a parameter still on the
-meta device is made real first (its module's ``reset_parameters()``).
+rank enters it with the same parameters, in any order (a set's differs per process: they are
+exchanged in the model's order, or zero.Init's registration order before ``initialize``).
+Before ``initialize``, a parameter still on the meta device is made real first: its module's
+``reset_parameters()``, or zeros for a module without one when the block writes them
+(transformers' ``from_pretrained`` loads the weights so, as into DeepSpeed's partitions).
+Parameters keep their Python attributes through all of it (transformers marks loaded ones).
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -32,6 +37,15 @@ __all__ = ["GatheredParameters", "Init"]
 # A meta parameter's module, kept on the parameter (a weak reference *to* it would stop the
 # engine's materialisation from swapping it in place).
 _OWNER = "_zerompi_meta_owner"
+_ORDER = "_zerompi_meta_order"  # the registration order under zero.Init: the same on every rank
+_REGISTERED = itertools.count()
+
+
+def swap_in(param: nn.Parameter, new: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors`` that leaves ``param`` its Python attributes (swap_tensors swaps those too)."""
+    attributes = dict(param.__dict__)
+    torch.utils.swap_tensors(param, new)
+    param.__dict__.update(attributes)
 
 
 class Init:
@@ -77,6 +91,7 @@ def _on_meta(register):
             moved.__dict__.update(param.__dict__)
             module._parameters[name] = moved
             setattr(moved, _OWNER, weakref.ref(module))
+            setattr(moved, _ORDER, next(_REGISTERED))
     return register_parameter
 
 
@@ -108,10 +123,10 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module
         return
     engine = _engine_of(params)
     if engine is None:
-        _materialise(params)
+        _materialise(params, writing=modifier_rank is not None)
         yield
         if modifier_rank is not None:
-            for p in params:
+            for p in sorted(params, key=lambda q: getattr(q, _ORDER, -1)):  # zero.Init's order, not the caller's
                 comm.broadcast(p.data, modifier_rank)
         return
     with torch.no_grad():
@@ -121,8 +136,9 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module
         gathered.leave(modifier_rank)
 
 
-def _materialise(params: list[nn.Parameter]) -> None:
-    """Parameters zero.Init left on the meta device: real, initialised by their module's reset_parameters()."""
+def _materialise(params: list[nn.Parameter], writing: bool) -> None:
+    """Parameters zero.Init left on the meta device: real, initialised by their module's reset_parameters(),
+    or zeros where it has none and the block writes them (``writing``)."""
     owners = {}
     for p in params:
         if p.is_meta:
@@ -133,12 +149,17 @@ def _materialise(params: list[nn.Parameter]) -> None:
                                  "register; build the model under deepspeed.zero.Init, or for real")
             owners[id(owner)] = owner
     for owner in owners.values():
+        resets = getattr(owner, "reset_parameters", None) is not None
+        if not (resets or writing):
+            raise UsageError(f"GatheredParameters: {type(owner).__name__} has parameters on the meta device and no "
+                             "reset_parameters(), and the block only reads them (modifier_rank=None): nothing "
+                             "gives them values")
         for p in owner.parameters(recurse=False):
             if p.is_meta:  # swapped in place: the Parameter object (tied uses, param groups) stays
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                                         requires_grad=p.requires_grad))
-        with torch.no_grad():
-            reset_parameters(owner)
+                swap_in(p, nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
+        if resets:
+            with torch.no_grad():
+                reset_parameters(owner)
 
 
 class _Gathered:
@@ -161,7 +182,9 @@ class _Gathered:
                     p.data = full[s.offset:s.offset + s.numel].view(s.shape).clone() if full is not None \
                         else p.data.clone()
         bucketed = {id(entry[4]) for entry in self.slots}
-        self.plain = [p for p in params if id(p) not in bucketed]  # replicated: already whole
+        order = {id(p): k for k, p in enumerate(self.engine.module.parameters())}
+        # replicated: already whole; in the model's order, whatever order the caller's collection had
+        self.plain = sorted((p for p in params if id(p) not in bucketed), key=lambda p: order.get(id(p), -1))
 
     def leave(self, modifier_rank: int | None) -> None:
         group = self.engine.group
