@@ -114,3 +114,24 @@ def test_trainer_runs_unchanged_and_matches_one_process(reference, tmp_path, cas
     err = {n: float((ours[n] - ref["weights"][n]).abs().max()) for n in names}
     noise = {n: float((alt["weights"][n] - ref["weights"][n]).abs().max()) for n in names}
     assert not tensor_failures(err, noise), tensor_failures(err, noise)
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_resume_from_a_checkpoint_dir_continues_bitwise(tmp_path, stage):
+    """--save_steps 3 writes checkpoint-3 (HF's files and a zerompi checkpoint under global_step3);
+    --resume_from_checkpoint on it runs steps 4-6 only and ends in the uninterrupted run's bits."""
+    require_module("transformers", "accelerate", "safetensors")
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({**AUTO, "zero_optimization": ZERO[stage]}))
+    common = [*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(SCRIPT), "--deepspeed", str(cfg),
+              "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *COMMON,
+              "--save_strategy", "steps", "--save_steps", "3"]
+    whole = run([*common, "--output_dir", str(tmp_path / "whole")], tmp_path / "whole.json")
+    (tmp_path / "resumed").mkdir()
+    resumed = run([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
+                   str(tmp_path / "whole" / "checkpoint-3")], tmp_path / "resumed.json")
+    assert (whole["steps_run"], resumed["steps_run"]) == (6, 3)
+    assert (tmp_path / "whole" / "checkpoint-3" / "global_step3" / "index.h5").exists()
+    assert resumed["losses"][3:] == whole["losses"][3:] and resumed["grad_norms"][3:] == whole["grad_norms"][3:]
+    ours, theirs = weights(tmp_path / "resumed"), weights(tmp_path / "whole")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)

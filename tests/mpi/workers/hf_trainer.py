@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer,
-                          TrainingArguments)
+                          TrainerCallback, TrainingArguments)
 
 
 @dataclass
@@ -35,6 +35,16 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+class CountSteps(TrainerCallback):
+    """The optimizer steps this process ran (a resumed run starts past the checkpoint's)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
 def main() -> None:
     args, extra = HfArgumentParser((TrainingArguments, Extra)).parse_args_into_dataclasses()
     torch.manual_seed(0)
@@ -42,14 +52,15 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(extra.model_dir)
     else:
         model = GPT2LMHeadModel(tiny_gpt2())
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
-    trainer.train()
+    counted = CountSteps()
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[counted])
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
         logged = [h for h in trainer.state.log_history if "loss" in h]
         with open(extra.out, "w") as f:
             json.dump(dict(losses=[h["loss"] for h in logged], grad_norms=[h["grad_norm"] for h in logged],
-                           world=trainer.args.world_size), f)
+                           world=trainer.args.world_size, steps_run=counted.steps), f)
 
 
 if __name__ == "__main__":
