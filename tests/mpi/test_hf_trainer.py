@@ -12,6 +12,7 @@ ORDER_K times what that order moves them.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -135,3 +136,29 @@ def test_resume_from_a_checkpoint_dir_continues_bitwise(tmp_path, stage):
     assert resumed["losses"][3:] == whole["losses"][3:] and resumed["grad_norms"][3:] == whole["grad_norms"][3:]
     ours, theirs = weights(tmp_path / "resumed"), weights(tmp_path / "whole")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+
+
+@pytest.mark.parametrize("stage,offload", [(2, False), (3, False), (2, True)], ids=["zero2", "zero3", "zero2-offload"])
+def test_accelerate_with_the_deepspeed_plugin(tmp_path, stage, offload):
+    """An Accelerate loop with ``DeepSpeedPlugin(zero_stage=...)`` (workers/hf_accelerate.py), unchanged under the
+    runner at 2 ranks: its final weights within ORDER_K times the order noise of one plain process on the same
+    batches (4 micro-batches of 2 against 2 of 4)."""
+    require_module("transformers", "accelerate", "safetensors")
+    from safetensors.torch import load_file
+    script = str(WORKERS / "hf_accelerate.py")
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    plain = {k: v for k, v in mpi_env().items() if k not in launcher}
+    plain["PYTHONPATH"] = os.pathsep.join([str(WORKERS), plain["PYTHONPATH"]])
+    for name, args in (("ref", ["--accum", "4"]), ("alt", ["--accum", "2", "--micro", "4"])):
+        proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / f"{name}.st"), *args], cwd=ROOT,
+                              env=plain, capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    env = {**mpi_env(), "PYTHONPATH": plain["PYTHONPATH"]}
+    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", script, "--out",
+                           str(tmp_path / "ours.st"), "--stage", str(stage), *(["--offload"] if offload else [])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ref, alt, ours = (load_file(str(tmp_path / f"{n}.st")) for n in ("ref", "alt", "ours"))
+    err = {n: float((ours[n] - ref[n]).abs().max()) for n in ref}
+    noise = {n: float((alt[n] - ref[n]).abs().max()) for n in ref}
+    assert ours.keys() == ref.keys() and not tensor_failures(err, noise), tensor_failures(err, noise)
