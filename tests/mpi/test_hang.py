@@ -2,7 +2,7 @@
 collective and its stack, and the job ends with exit code 4 within 10 s of the fault.
 
 hang_floor=2 s here; the default is 60 s. Each case is one mpiexec job of about 5-10 s, mostly waiting;
-the culprit cases run three at a time.
+the module's jobs run three at a time, before its tests judge them.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def named_within(load: float | None = None) -> float:
 
 class Job:
     def __init__(self, n: int, fault: str, directory: Path, *extra: str):
+        self.directory = directory
         cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKERS / "hang.py"),
                "--fault", fault, "--dir", str(directory), *extra]
         proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=180)
@@ -76,23 +77,34 @@ PLACED = [(*case, culprit) for case in CASES for culprit in sorted({0, case[1] /
 
 PLACED_IDS = [f"{c[0]}-np{c[1]}-rank{c[4]}" for c in PLACED]
 CONCURRENT = 3  # a hang job mostly waits (its deadline, the report's gathering): a few share the cores
+# every job of this module: id -> (ranks, fault, worker arguments); "{blocker}" is a regular file's path
+SPECS = {cid: (case[1], case[0], ("--culprit", str(case[4]))) for cid, case in zip(PLACED_IDS, PLACED)}
+SPECS.update({f"config-rank{c}": (3, "bucket_size", ("--culprit", str(c))) for c in (0, 1, 2)})
+SPECS.update({f"thread-{f}": (2, f, ("--progress", "thread")) for f in ("loader_sleep", "extra_microbatch")})
+SPECS.update({"divergence": (3, "skip_module", ()), "diagnose": (2, "loader_sleep", ()),
+              "healthy-closed": (3, "none", ("--steps", "8")),
+              "healthy-left-open": (3, "none", ("--steps", "8", "--no-close")), "sigkill": (2, "sigkill", ()),
+              "unwritable": (2, "loader_sleep", ("--records", "{blocker}/records"))})
 
 
 @pytest.fixture(scope="module")
-def placed(tmp_path_factory) -> dict[str, Job]:
-    """Every PLACED case's job, CONCURRENT at a time."""
-    dirs = [tmp_path_factory.mktemp(case_id) for case_id in PLACED_IDS]  # mktemp is not for threads
+def jobs(tmp_path_factory) -> dict[str, Job]:
+    """Every job of SPECS, CONCURRENT at a time (each in a directory of its own)."""
+    dirs = {key: tmp_path_factory.mktemp(key) for key in SPECS}  # mktemp is not for threads
 
-    def one(directory: Path, case) -> Job:
-        fault, n, _, _, culprit = case
-        return Job(n, fault, directory, "--culprit", str(culprit))
+    def one(key: str) -> Job:
+        n, fault, args = SPECS[key]
+        blocker = dirs[key] / "file"
+        blocker.write_text("")
+        (dirs[key] / "d").mkdir()
+        return Job(n, fault, dirs[key] / "d", *(a.format(blocker=blocker) for a in args))
     with ThreadPoolExecutor(CONCURRENT) as pool:
-        return dict(zip(PLACED_IDS, pool.map(one, dirs, PLACED)))
+        return dict(zip(SPECS, pool.map(one, SPECS)))
 
 
 @pytest.mark.parametrize("fault,n,where,frame,culprit", PLACED, ids=PLACED_IDS)
-def test_hang_report_names_the_culprit(placed, request, fault, n, where, frame, culprit):
-    job = placed[request.node.callspec.id]
+def test_hang_report_names_the_culprit(jobs, request, fault, n, where, frame, culprit):
+    job = jobs[request.node.callspec.id]
     assert job.rc == HANG_CODE, (job.rc, job.err[-6000:])
     assert f"\nculprit: rank(s) {culprit} (" in job.err, job.err[-6000:]
     section = job.section(culprit)
@@ -103,62 +115,59 @@ def test_hang_report_names_the_culprit(placed, request, fault, n, where, frame, 
 
 
 @pytest.mark.parametrize("culprit", [0, 1, 2])
-def test_a_rank_with_another_config_is_named_at_initialize(tmp_path, culprit):
+def test_a_rank_with_another_config_is_named_at_initialize(jobs, culprit):
     """Another bucket_mb on one rank (its buckets, and its first broadcast, would differ): every rank
     stops at initialize naming the key and each rank's value, before any collective can hang or
     mismatch (rank 0's larger broadcast once failed on its peers as "Message truncated")."""
-    job = Job(3, "bucket_size", tmp_path, "--culprit", str(culprit))
+    job = jobs[f"config-rank{culprit}"]
     others = sorted({0, 1, 2} - {culprit})
     assert job.rc != 0 and "ConfigError: the config differs between ranks: bucket_mb: " in job.err, job.err[-4000:]
     assert (f"0.001 on rank(s) [{culprit}]" in job.err and f"0.0001 on rank(s) {others}" in job.err), job.err[-4000:]
 
 
 @pytest.mark.parametrize("fault,where", [("loader_sleep", "not in a collective"), ("extra_microbatch", "waiting")])
-def test_hang_report_with_the_communication_thread_and_prefetch(tmp_path, fault, where):
+def test_hang_report_with_the_communication_thread_and_prefetch(jobs, fault, where):
     """mpi_progress='thread' runs every collective on another thread; the report is the same."""
-    job = Job(2, fault, tmp_path, "--progress", "thread")
+    job = jobs[f"thread-{fault}"]
     assert job.rc == HANG_CODE and "\nculprit: rank(s) 1 (" in job.err, job.err[-6000:]
     assert where in job.section(1)
 
 
-def test_skipped_module_first_divergence_names_both_modules(tmp_path):
-    job = Job(3, "skip_module", tmp_path)
+def test_skipped_module_first_divergence_names_both_modules(jobs):
+    job = jobs["divergence"]
     div = job.err[job.err.index("first divergence"):job.err.index("every rank:")]
     assert "rank(s) 0-1: all_gather of 288 B for bucket 1 [mid.weight ...] of module 'mid'" in div, div
     assert "rank(s) 2: all_gather of 288 B for bucket 2 [fc2.weight ...] of module 'fc2'" in div, div
 
 
-def test_diagnose_reads_the_records_a_dead_job_left(tmp_path, capsys):
-    job = Job(2, "loader_sleep", tmp_path)
+def test_diagnose_reads_the_records_a_dead_job_left(jobs, capsys):
+    job = jobs["diagnose"]
     assert job.rc == HANG_CODE
-    assert sorted(p.name for p in tmp_path.glob("rank-*.json")) == ["rank-00000.json", "rank-00001.json"]
-    assert main(["diagnose", str(tmp_path)]) == 0
+    assert sorted(p.name for p in job.directory.glob("rank-*.json")) == ["rank-00000.json", "rank-00001.json"]
+    assert main(["diagnose", str(job.directory)]) == 0
     out = capsys.readouterr().out
     report = job.err[job.err.index("zerompi hang report"):job.err.index("records: ")]
     assert out == report
-    assert out == (tmp_path / "report.txt").read_text().split("records: ")[0]
+    assert out == (job.directory / "report.txt").read_text().split("records: ")[0]
 
 
 @pytest.mark.parametrize("close", (True, False), ids=("closed", "left-open"))
-def test_a_healthy_job_ends_normally_and_leaves_no_records(tmp_path, close):
+def test_a_healthy_job_ends_normally_and_leaves_no_records(jobs, request, close):
     """The watchdog thread polls MPI; left running at exit it must stop before MPI is finalised."""
-    job = Job(3, "none", tmp_path, "--steps", "8", *(() if close else ("--no-close",)))
+    job = jobs[f"healthy-{request.node.callspec.id}"]
     assert job.rc == 0 and "no hang" in job.out, job.err[-4000:]
-    assert "zerompi" not in job.err and not list(tmp_path.glob("rank-*.json"))
+    assert "zerompi" not in job.err and not list(job.directory.glob("rank-*.json"))
 
 
-def test_sigkill_ends_the_job_through_the_launcher(tmp_path):
+def test_sigkill_ends_the_job_through_the_launcher(jobs):
     """MPICH's mpiexec ends the job when a rank dies: no hang to diagnose (sigstop stands in for a
     killed rank under a launcher that leaves the others waiting)."""
-    job = Job(2, "sigkill", tmp_path)
-    assert job.rc != 0 and job.ended - job.fault < named_within()
+    job = jobs["sigkill"]
+    assert job.rc != 0 and job.ended - job.fault < named_within(job.load)
 
 
-def test_an_unwritable_hang_dir_still_reports_and_aborts(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    (tmp_path / "d").mkdir()
-    cmd_dir = blocker / "records"  # under a regular file: cannot be created
-    job = Job(2, "loader_sleep", tmp_path / "d", "--records", str(cmd_dir))
+def test_an_unwritable_hang_dir_still_reports_and_aborts(jobs):
+    job = jobs["unwritable"]
+    records = job.directory.parent / "file" / "records"  # under a regular file: cannot be created
     assert job.rc == HANG_CODE and "\nculprit: rank(s) 1 (" in job.err, job.err[-4000:]
-    assert f"records: not written ({cmd_dir}" in job.err
+    assert f"records: not written ({records}" in job.err
