@@ -28,7 +28,8 @@ from zerompi.offload.fence import ShardFence
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim import schedules
 from zerompi.optim.optimizer import ZeroOptimizer
-from zerompi.phase import PhaseTracker
+from zerompi.implicit import ImplicitBackward
+from zerompi.iteration import Iteration
 from zerompi.shard import deferred
 from zerompi.shard.bucket import Placement
 from zerompi.shard.compression import Compression
@@ -90,8 +91,9 @@ class Engine:
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
                               check_finite=cfg.dtype != DType.FP16,  # fp16 overflows are the loss scaler's
                               compression=Compression.from_policy(cfg.compression), rounds=cfg.rounds)
-        self.micro = MicroBatchPlan(cfg.micro_batches, group.size, group.rank) if cfg.rounds.dealt else None
-        """micro_batches: the micro-batches this rank runs and the rounds they make (shard/rounds.py)."""
+        micro = MicroBatchPlan(cfg.micro_batches, group.size, group.rank) if cfg.rounds.dealt else None
+        self.iteration = Iteration(cfg.grad_accum_steps, cfg.overlap.update, micro)
+        """The accumulation window, its rounds and micro-batches: what each verb may do now (iteration.py)."""
         cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
         # Swapped parameter shards are read ahead even when gathers are not prefetched: three units,
         # which on the capacity benchmark's disk hid most reads that one unit ahead left exposed.
@@ -116,9 +118,10 @@ class Engine:
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
         self._saving: BackgroundSave | None = None
         self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg.optimization, cfg.precision, group, options, tiers)
-        self.sharded.register_backward_steps(self.optimizer)  # used by backwards that update (phase.py)
-        self._phase = PhaseTracker(len(self.micro.indices) if self.micro else cfg.grad_accum_steps, cfg.overlap.update)
+        self.sharded.register_backward_steps(self.optimizer)  # used by backwards that update (iteration.py)
         self._stats = Stats()
+        self.implicit = ImplicitBackward(self.begin_backward, self.end_backward)
+        """Runs a script's ``loss.backward()`` on watched outputs as ``backward`` (implicit.py)."""
         self.lr_scheduler = schedules.build(lr_scheduler or schedules.from_policy(cfg.lr_policy), self.optimizer)
         """Stepped by ``step()`` after each optimizer step that updated (None: the lr stays)."""
 
@@ -139,19 +142,17 @@ class Engine:
     def micro_batch_indices(self) -> list[int]:
         """micro_batches: the global micro-batch indices (in 0..micro_batches-1) this rank runs each
         step, in order: call forward and backward once for each, on that micro-batch's data."""
-        if self.micro is None:
+        if self.iteration.micro is None:
             raise UsageError("micro_batch_indices() belongs to a global batch dealt in micro_batches, which is None")
-        return self.micro.indices
+        return self.iteration.micro.indices
 
     def __call__(self, *args, **kwargs):
         """Forward: floating inputs are moved to the device and cast to the compute dtype. With
         micro_batches torch's generator is first seeded for the micro-batch about to run (its global index)."""
         dtype, device = self.config.torch_dtype, self.device
-        if self.micro is not None:
-            if torch.is_grad_enabled() and self.module.training:  # a training forward: one of its micro-batches
-                self.micro.check_room(self._phase.rounds_done, "forward")  # before stage 3 gathers anything
-            index = self.micro.indices[min(self._phase.rounds_done, len(self.micro.indices) - 1)]
-            torch.manual_seed(self.micro.seed(self.config.seed, self._stats.steps, index))
+        index = self.iteration.forward_index(training=torch.is_grad_enabled() and self.module.training)
+        if index is not None:
+            torch.manual_seed(MicroBatchPlan.seed(self.config.seed, self._stats.steps, index))
 
         def place(x):
             if isinstance(x, torch.Tensor):
@@ -164,26 +165,23 @@ class Engine:
         """Backward of this rank's mean micro-batch loss; reduces gradients as they appear."""
         if loss.dim() != 0:
             raise UsageError(f"backward() takes a scalar loss, got shape {tuple(loss.shape)}")
-        factor = self.begin_backward()
-        try:
-            (loss * factor).backward()
-        except BaseException:
-            self.end_backward(ok=False)
-            raise
-        self.end_backward(ok=True)
+        with self.implicit.explicit():
+            factor = self.begin_backward()
+            try:
+                (loss * factor).backward()
+            except BaseException:
+                self.end_backward(ok=False)
+                raise
+            self.end_backward(ok=True)
 
     def begin_backward(self) -> float:
         """For a backward run by the caller (``backward`` runs one): enter it and return the factor
         the loss's gradient must be scaled by (loss scale, accumulation share). ``end_backward`` ends it."""
-        if self.micro is not None:
-            self.micro.check_room(self._phase.rounds_done, "backward()")
-        backward, factor = self._phase.begin_backward(), self.optimizer.loss_scale / self.config.grad_accum_steps
-        if self.micro is not None:  # each micro-batch's share of the mean, and this round's ranks
-            factor, backward = self.micro.loss_factor, backward._replace(sources=self.micro.sources(self._phase.rounds_done))
+        backward, factor = self.iteration.begin_backward(self.optimizer.loss_scale)
         try:
             self.sharded.begin_backward(backward)
         except BaseException:
-            self._phase.end_backward(ok=False)
+            self.iteration.end_backward(ok=False)
             raise
         return factor
 
@@ -196,39 +194,33 @@ class Engine:
             except BaseException:
                 self.end_backward(ok=False)
                 raise
-            self._phase.end_backward(ok=True)
+            self.iteration.end_backward(ok=True)
             return
         if self.sharded.in_backward:
             self.sharded.abort_backward()
         self.optimizer.abandon_backward()
-        self._phase.end_backward(ok=False)
+        self.iteration.end_backward(ok=False)
 
     @property
     def window_backwards(self) -> int:
         """Backward calls completed in the current accumulation window."""
-        return self._phase.rounds_done
+        return self.iteration.rounds_done
 
     @property
     def window_complete(self) -> bool:
         """Whether the window's backward calls are all in (step() then updates)."""
-        return self._phase.rounds_done == (len(self.micro.indices) if self.micro is not None
-                                           else self.config.grad_accum_steps)
+        return self.iteration.complete
 
     def step(self) -> bool:
         """Update at the end of an accumulation window; True when the parameters changed."""
-        if self.micro is not None and self._phase.rounds_done not in (0, len(self.micro.indices)):
-            raise UsageError(f"step() after {self._phase.rounds_done} of this rank's {len(self.micro.indices)} "
-                             f"micro-batches {self.micro.indices} (micro_batches={self.config.micro_batches}): run forward and backward "
-                             "once for each of engine.micro_batch_indices() before step()")
-        if not self._phase.begin_step():
+        if not self.iteration.begin_step():
             return False
         try:
-            if self.micro is not None:  # the rounds this rank has no micro-batch in (one at most)
-                for k in range(len(self.micro.indices), self.micro.rounds):
-                    self.sharded.empty_round(self.micro.sources(k))
+            for sources in self.iteration.empty_rounds():
+                self.sharded.empty_round(sources)
             result = self.optimizer.step()
         finally:
-            self._phase.end_step()
+            self.iteration.end_step()
         self._stats.last_grad_norm = result.grad_norm
         if result.stepped:
             self._stats.steps += 1
@@ -292,7 +284,7 @@ class Engine:
             config=self.config, shard_group=shard,
             writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
             hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
-            between_steps=self._phase.idle, frozen=frozen, frozen_states=self.sharded,
+            between_steps=self.iteration.idle, frozen=frozen, frozen_states=self.sharded,
             frozen_dtype=self.config.torch_dtype,
             replicated_frozen=tuple(n for n, _ in self.sharded.replicated_frozen()),
             residuals=tuple((b.layout.index, b.grad_codes.residual) for b in self.sharded.buckets
@@ -301,7 +293,7 @@ class Engine:
 
     def restore(self, counters: Counters) -> None:
         """After a checkpoint's shards are loaded: its counters, and a new accumulation window."""
-        self._phase.reset()
+        self.iteration.reset()
         self._stats.steps, self._stats.skipped_steps = counters.steps, counters.skipped_steps
         self.optimizer.load_scaler_state(counters.scaler)
         if self.lr_scheduler is not None and counters.scheduler is not None:

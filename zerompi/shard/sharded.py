@@ -26,7 +26,7 @@ from zerompi.config.choices import BufferDType, Progress, Rounds
 from zerompi.config.policies import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
-from zerompi.phase import Backward
+from zerompi.iteration import Backward
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.deferred import Materializer, ParamInit
@@ -293,7 +293,7 @@ class ShardedModel:
         self._steps = steps
 
     def begin_backward(self, backward: Backward) -> None:
-        """What the engine's phase machine decided for this backward: whether it ends a
+        """What the engine's iteration machine decided for this backward: whether it ends a
         gradient-accumulation window (stages 0-1 reduce then; stages 2-3 reduce every backward)
         and whether it updates buckets as their gradients become final (register_backward_steps)."""
         if self._backward is not None:

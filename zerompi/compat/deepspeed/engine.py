@@ -8,7 +8,6 @@ attribute falls through to the wrapped module (``engine.gradient_checkpointing_e
 """
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 import weakref
@@ -21,9 +20,8 @@ import torch
 from torch import nn
 
 from zerompi.checkpoint import schema
-from zerompi.compat.deepspeed import export
+from zerompi.checkpoint import export
 from zerompi.compat.deepspeed.batch import Batch
-from zerompi.compat.deepspeed.outputs import Outputs, tensors_of
 from zerompi.compat.deepspeed.timer import ThroughputTimer
 from zerompi.config import DType
 from zerompi.engine import Engine
@@ -52,12 +50,9 @@ class DeepSpeedEngine:
         """The loader ``initialize(training_data=...)`` built (None without one)."""
         self._batch = batch
         self._gather_16bit = gather_16bit_on_save  # stage3_gather_16bit_weights_on_model_save
-        self.micro_steps = 0  # step() calls, as DeepSpeed counts them for the accumulation boundary
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._step_applied = False
         self._no_sync = False
-        self._explicit = False  # inside engine.backward(loss)
-        self._implicit_factor: float | None = None  # inside a loss.backward() the script started
         self.tput_timer = ThroughputTimer(batch.train)
         """Started by each forward, stopped by each step(), as DeepSpeed's (timer.py)."""
         _LIVE.add(self)
@@ -66,14 +61,9 @@ class DeepSpeedEngine:
     def __call__(self, *args, **kwargs):
         """The model's forward (floating inputs go to the engine's device and compute dtype). Its
         outputs carry gradient hooks, so that ``loss.backward()`` works as ``engine.backward(loss)``."""
-        self._abandon_implicit()
+        self.engine.implicit.abandon()
         self.tput_timer.start()
-        out = self.engine(*args, **kwargs)
-        if torch.is_grad_enabled():
-            outputs = Outputs({id(t): t for t in tensors_of(out) if t.requires_grad and t.grad_fn is not None})
-            for t in outputs.tensors.values():
-                t.register_hook(functools.partial(self._output_grad, outputs, t.grad_fn))
-        return out
+        return self.engine.implicit.watch(self.engine(*args, **kwargs), before=self._check_no_sync)
 
     forward = __call__
 
@@ -83,12 +73,10 @@ class DeepSpeedEngine:
         if retain_graph:
             raise UsageError("backward(retain_graph=True) is not supported: the engine frees gathered "
                              "parameters and reduces gradients as backward runs")
-        if not scale_wrt_gas and self.engine.micro is not None:
+        if not scale_wrt_gas and self.engine.iteration.micro is not None:
             raise UsageError("backward(scale_wrt_gas=False) with micro_batches: each micro-batch's share is 1/G")
         self._check_no_sync()
-        self._abandon_implicit()
-        self._explicit = True
-        try:
+        with self.engine.implicit.explicit():
             factor = self.engine.begin_backward()
             if not scale_wrt_gas:
                 factor = self.engine.optimizer.loss_scale  # the fp16 scale alone
@@ -98,8 +86,6 @@ class DeepSpeedEngine:
                 self.engine.end_backward(ok=False)
                 raise
             self.engine.end_backward(ok=True)
-        finally:
-            self._explicit = False
         return loss
 
     def _check_no_sync(self) -> None:
@@ -108,49 +94,26 @@ class DeepSpeedEngine:
                              "counts a window's micro-batches by step(); accumulate with the config's "
                              "gradient_accumulation_steps and call step() after each backward instead")
 
-    def _output_grad(self, outputs: Outputs, node: Any, grad: torch.Tensor) -> torch.Tensor:
-        """A forward output's gradient hook. Under ``engine.backward`` nothing to do; in a backward the
-        script started itself (``loss.backward()``), the first output reached enters the engine's
-        backward and queues its end for when autograd finishes, and the output's gradient is scaled
-        as ``engine.backward`` scales the loss (1/accumulation, the fp16 loss scale), as DeepSpeed's
-        output hooks do; but once only along a path: an output computed from another (transformers'
-        ``loss`` from its ``logits``) passes its scaled gradient on, and the other's hook leaves it."""
-        if self._explicit:
-            return grad
-        if self._implicit_factor is None:
-            self._check_no_sync()
-            self._implicit_factor = self.engine.begin_backward()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_implicit)
-        if outputs.scaled_downstream(node):
-            return grad
-        return grad * self._implicit_factor
-
-    def _end_implicit(self) -> None:
-        """Autograd's post-backward callback: reduce what the backward left, as engine.backward does."""
-        self._implicit_factor = None
-        self.engine.end_backward(ok=True)
-
-    def _abandon_implicit(self) -> None:
-        """A ``loss.backward()`` that raised never reached its callback: undo its micro-batch."""
-        if self._implicit_factor is not None:
-            self._implicit_factor = None
-            self.engine.end_backward(ok=False)
-
     def step(self, lr_kwargs: Mapping | None = None) -> None:
         """Call after every backward: updates at the end of each accumulation window."""
         if lr_kwargs:
             raise UsageError(f"step(lr_kwargs={lr_kwargs!r}) is not supported: the scheduler steps by itself")
         if self._no_sync:
             raise UsageError("step() inside no_sync() (DeepSpeed refuses it too)")
-        self._abandon_implicit()
+        self.engine.implicit.abandon()
         boundary = self.is_gradient_accumulation_boundary()
         if self._boundary is not None and boundary != self.engine.window_complete:
             raise UsageError(f"step() with set_gradient_accumulation_boundary({boundary}) after "
                              f"{self.engine.window_backwards} backward call(s) of a window of {self._batch.accum} "
                              "(the config's gradient_accumulation_steps): they must agree")
         self._step_applied = self.engine.step()
-        self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary)
+
+    @property
+    def micro_steps(self) -> int:
+        """step() calls since the engine was built or loaded, as DeepSpeed counts them for the
+        accumulation boundary (the engine's iteration machine counts them)."""
+        return self.engine.iteration.step_calls
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch's step() ends the accumulation window (and updates): as
@@ -332,23 +295,30 @@ class DeepSpeedEngine:
             if not latest.exists():
                 return None, None
             tag = latest.read_text().strip()
-        client_state = self.engine.load_checkpoint(load_dir, tag)
-        self.micro_steps = 0  # the loaded state starts a new accumulation window
+        client_state = self.engine.load_checkpoint(load_dir, tag)  # a new accumulation window
         return os.path.join(os.fspath(load_dir), tag), client_state
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: rank 0 writes the whole model in the compute dtype as safetensors (export.py)."""
-        return export.save_16bit_model(self.engine, self._gather_16bit, save_dir, save_filename,
-                                       exclude_frozen_parameters)
+        """Collective: rank 0 writes the whole model in the compute dtype as safetensors (checkpoint/export.py).
+        At stage 3 only with ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed: otherwise it
+        warns and writes nothing. Returns whether it wrote."""
+        export.check_name(save_filename)
+        if self.engine.config.stage == 3 and not self._gather_16bit:
+            warnings.warn("save_16bit_model at stage 3 writes nothing unless the config sets "
+                          "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (as in DeepSpeed)",
+                          stacklevel=2)
+            return False
+        export.save_16bit(self.engine, save_dir, save_filename, exclude_frozen_parameters)
+        return True
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """Collective: the module's state dict, every parameter whole, in the compute dtype (export.py)."""
+        """Collective: the module's state dict, every parameter whole, in the compute dtype (checkpoint/export.py)."""
         if destination is not None or keep_vars:
             raise UsageError("module_state_dict(destination=, keep_vars=True) is not supported: it returns "
                              "gathered copies")
-        return export.module_state_dict(self.engine, prefix, exclude_frozen_parameters)
+        return export.state_dict_16bit(self.engine, prefix, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """Whether the config sets ``stage3_gather_16bit_weights_on_model_save`` (accelerate asks at stage 3)."""
@@ -357,7 +327,7 @@ class DeepSpeedEngine:
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """Collective: the whole model's state dict in the compute dtype on rank 0, None on the others
         (DeepSpeed's answer, which accelerate's and transformers' savers take at stage 3)."""
-        out = export.module_state_dict(self.engine, "", exclude_frozen_parameters)
+        out = export.state_dict_16bit(self.engine, "", exclude_frozen_parameters)
         return out if self.global_rank == 0 else None
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:

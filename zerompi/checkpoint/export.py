@@ -1,8 +1,8 @@
-"""The DeepSpeed engine's 16-bit exports: the whole model in the compute dtype, gathered from every rank
-(``save_16bit_model`` as safetensors, ``module_state_dict`` as tensors)."""
+"""16-bit exports of an engine's model: the whole model in the compute dtype, gathered from every rank
+(``save_16bit`` as safetensors, ``state_dict_16bit`` as tensors); the DeepSpeed engine's
+``save_16bit_model`` and ``module_state_dict`` call them."""
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -12,22 +12,20 @@ from zerompi.engine import Engine
 from zerompi.errors import UsageError, all_ranks_ok
 
 
-def save_16bit_model(engine: Engine, gather_16bit: bool, save_dir, save_filename: str = "model.safetensors",
-                     exclude_frozen_parameters: bool = False) -> bool:
-    """Collective: rank 0 writes every parameter (tied ones once; the trainable ones alone with
-    ``exclude_frozen_parameters``) and persistent buffer, whole, in the compute dtype, as
-    safetensors under ``save_dir`` (no pickle: a ``.bin`` name is refused).
-    At stage 3 only with ``stage3_gather_16bit_weights_on_model_save`` (``gather_16bit``), as DeepSpeed:
-    otherwise it warns and writes nothing. Returns whether it wrote."""
+def check_name(save_filename: str) -> None:
+    """Refuse a file name that is not safetensors' (no pickle is ever written)."""
     if Path(save_filename).suffix != ".safetensors":
         raise UsageError(f"save_16bit_model(save_filename={save_filename!r}): zerompi writes safetensors, "
                          "never pickles; use a name ending in .safetensors (transformers loads "
                          "model.safetensors)")
-    if engine.config.stage == 3 and not gather_16bit:
-        warnings.warn("save_16bit_model at stage 3 writes nothing unless the config sets "
-                      "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (as in DeepSpeed)",
-                      stacklevel=3)  # the script's call, through the engine's method
-        return False
+
+
+def save_16bit(engine: Engine, save_dir, save_filename: str = "model.safetensors",
+               exclude_frozen_parameters: bool = False) -> None:
+    """Collective: rank 0 writes every parameter (tied ones once; the trainable ones alone with
+    ``exclude_frozen_parameters``) and persistent buffer, whole, in the compute dtype, as
+    safetensors under ``save_dir`` (no pickle: a ``.bin`` name is refused)."""
+    check_name(save_filename)
     full = engine.full_state_dict()  # collective: fp32, every rank
     dtype = engine.config.torch_dtype
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
@@ -45,10 +43,9 @@ def save_16bit_model(engine: Engine, gather_16bit: bool, save_dir, save_filename
         except (OSError, KeyError) as e:
             error = f"save_16bit_model: {type(e).__name__}: {e}"
     all_ranks_ok(engine.group, error)
-    return True
 
 
-def module_state_dict(engine: Engine, prefix: str = "", exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+def state_dict_16bit(engine: Engine, prefix: str = "", exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
     """Collective: the module's state dict with every parameter whole (gathered at stage 3) in the
     compute dtype, on the CPU, and its persistent buffers; ``exclude_frozen_parameters`` leaves
     the frozen ones out."""
