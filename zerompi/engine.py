@@ -347,13 +347,25 @@ class Engine:
         return self.group.sum_floats([float(value)], kind="metrics", what="a metric (all_reduce_mean)")[0] \
             / self.world_size
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         """Remove every hook, stop the watchdog and the communication thread; the parameters stay
-        bound to the engine's buffers. Collective while an asynchronous save is in flight (it is waited for)."""
-        self.wait_checkpoint()
-        self.sharded.remove_hooks()
-        self.group.stop_watchdog()
-        self.group.stop_comm_thread()
-        self.optimizer.close()
-        if self.swapper is not None:  # also when only the parameters were offloaded
-            self.swapper.close()
+        bound to the engine's buffers. Collective while an asynchronous save is in flight (it is waited for).
+
+        ``abandon``: a rank was lost and the engine is dropped. Nothing communicates: a save in flight
+        is abandoned (never published), and what fails to stop is logged, not raised."""
+        if abandon:
+            saving, self._saving = self._saving, None
+            if saving is not None:
+                saving.abandon("a rank was lost before every writer finished")
+        else:
+            self.wait_checkpoint()
+        for stop in (self.sharded.remove_hooks, self.group.stop_watchdog, self.group.stop_comm_thread,
+                     self.optimizer.close, self.swapper.close if self.swapper is not None else None):
+            if stop is None:  # no swap file (it is closed also when only the parameters were offloaded)
+                continue
+            try:
+                stop()
+            except Exception as e:  # noqa: BLE001 - a broken engine is being dropped
+                if not abandon:
+                    raise
+                logger.debug("close(abandon=True): %s", e)

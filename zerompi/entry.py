@@ -11,11 +11,11 @@ from zerompi.comm import guard, launch
 from zerompi.comm.group import ProcessGroup
 from zerompi.comm.mpi import MPIGroup
 from zerompi.config import ZeroConfig
+from zerompi.build import EngineSpec, build_engine
 from zerompi.engine import Engine
 from zerompi.errors import UsageError
 from zerompi.optim import schedules
 from zerompi.recovery import ResilientEngine
-from zerompi.services import start_services
 from zerompi.shard import deferred
 
 
@@ -23,7 +23,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
                param_groups: list[dict[str, Any]] | None = None,
                param_init: deferred.ParamInit | None = None,
                lr_scheduler: schedules.SchedulerFactory | None = None,
-               group: ProcessGroup | None = None) -> Engine:
+               group: ProcessGroup | None = None) -> Engine | ResilientEngine:
     """Collective: wrap ``model`` in an :class:`Engine` over ``comm`` (``MPI.COMM_WORLD`` by default).
 
     ``group`` replaces ``comm`` with another process group, e.g. the in-process
@@ -50,6 +50,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
         raise UsageError("initialize: pass comm (an MPI communicator) or group, not both")
     if reliability.abort_on_exception:
         guard.abort_on_uncaught_exception(group)
-    start_services(group, cfg)
-    kind = ResilientEngine if cfg.fault_tolerance else Engine  # fault_tolerance: a lost rank is survived
-    return kind(model, cfg, group, param_groups, param_init, lr_scheduler)
+    spec = EngineSpec(model, cfg, param_groups, param_init, lr_scheduler)
+    if cfg.fault_tolerance:  # a lost rank is survived: a supervisor rebuilds the engine over the survivors
+        return ResilientEngine(spec, group)
+    return build_engine(spec, group)

