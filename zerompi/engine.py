@@ -38,6 +38,7 @@ from zerompi.shard.placement import optimizer_groups, place
 from zerompi.shard.rounds import MicroBatchPlan
 from zerompi.shard.sharded import ShardedModel, ShardOptions
 from zerompi.shard.stages import plan_for
+from zerompi.shard.wiring import CommFactory
 from zerompi.torch_private import tree_map
 
 logger = get_logger(__name__)
@@ -89,8 +90,8 @@ class Engine:
         self.groups = build_groups(group, self.info, cfg.topology, cfg.stage)
         shard = self.groups.shard
         placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
-                              check_finite=cfg.dtype != DType.FP16,  # fp16 overflows are the loss scaler's
-                              compression=Compression.from_policy(cfg.compression), rounds=cfg.rounds)
+                              check_finite=cfg.dtype != DType.FP16)  # fp16 overflows are the loss scaler's
+        comm = CommFactory(self.groups, Compression.from_policy(cfg.compression), cfg.rounds)
         micro = MicroBatchPlan(cfg.micro_batches, group.size, group.rank) if cfg.rounds.dealt else None
         self.iteration = Iteration(cfg.grad_accum_steps, cfg.overlap.update, micro)
         """The accumulation window, its rounds and micro-batches: what each verb may do now (iteration.py)."""
@@ -110,7 +111,7 @@ class Engine:
         self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
         tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
                          cfg.offload.pin_memory, self._fence)
-        self.sharded = ShardedModel(module, placement, self.groups,
+        self.sharded = ShardedModel(module, placement, comm,
                                     ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params,
                                                  buffer_dtype=cfg.buffer_dtype),
                                     tiers)

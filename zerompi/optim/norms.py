@@ -29,7 +29,7 @@ class SumOfSquares:
     def __call__(self, buckets: list, scale: float, early: dict[int, float]) -> float:
         local = sum(early[i] if i in early else b.grads.norm_sq(scale) for i, b in enumerate(buckets))
         if not self.replicated:
-            local = buckets[0].groups.shard.sum_floats([local], what="the global gradient norm")[0]
+            local = buckets[0].comm.shard.sum_floats([local], what="the global gradient norm")[0]
         return math.sqrt(local)
 
 
@@ -41,7 +41,7 @@ class ExactChunks:
 
     def __call__(self, buckets: list, scale: float, early: dict[int, float]) -> float:
         local = torch.cat([b.grads.chunk_sq() for b in buckets])
-        group = buckets[0].groups.shard
+        group = buckets[0].comm.shard
         every = torch.empty(local.numel() * group.size, dtype=torch.float64)
         group.all_gather(local, every, kind="control", what="the exact global gradient norm")
         return math.sqrt(math.fsum(every.tolist()))

@@ -17,15 +17,14 @@ import torch
 
 from zerompi.blockio.aligned import aligned_clone
 from zerompi.comm.group import Work
-from zerompi.config.choices import Rounds
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.offload.tiers import Resident, ShardTier, TierPlan
 from zerompi.shard.buffer import FlatBuffer
-from zerompi.shard.compression import Compression, GradCodes, WeightCodes
 from zerompi.shard.grads import GradShard
 from zerompi.shard.layout import BucketLayout
 from zerompi.shard.stages import StagePlan
-from zerompi.shard.sync import GradSync, ParamSync, grad_sync_for, param_sync_for
+from zerompi.shard.sync import GradSync, ParamSync
+from zerompi.shard.wiring import CommFactory
 
 
 class BucketState(Enum):
@@ -38,7 +37,7 @@ class BucketState(Enum):
 
 @dataclass(frozen=True)
 class Placement:
-    """How buckets live: what the stage shards, this rank, compute dtype, device."""
+    """How buckets are stored: what the stage shards, this rank, compute dtype, device."""
 
     plan: StagePlan
     rank: int
@@ -46,8 +45,6 @@ class Placement:
     dtype: torch.dtype
     device: torch.device
     check_finite: bool = False  # note which parameters get NaN/Inf gradients, to name them
-    compression: Compression = Compression()  # quantized collectives (shard/compression.py)
-    rounds: Rounds = Rounds.WINDOW  # micro_batches: reduced round by round (sync.py's SummedRounds, OrderedRounds)
 
 
 class Bucket:
@@ -59,13 +56,13 @@ class Bucket:
             are re-bound as views into this bucket's flat parameter buffer.
         placement: stage plan, rank (in ``groups.shard``), dtype and device.
         init: the full padded fp32 initial values (identical on every rank).
-        groups: the process groups (flat, HSDP or hpZ; see comm/topology.py).
+        comm: builds the bucket's collectives (shard/wiring.py), once, from its layout and plan.
         tiers: where the shards live between uses (offload/tiers.py).
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], placement: Placement,
-                 init: torch.Tensor, groups, tiers: TierPlan = TierPlan()):
-        self.layout, self.params, self.placement, self.groups = layout, params, placement, groups
+                 init: torch.Tensor, comm: CommFactory, tiers: TierPlan = TierPlan()):
+        self.layout, self.params, self.placement = layout, params, placement
         plan, dtype, index = placement.plan, placement.dtype, layout.index
         self.plan = plan
         more = " ..." if len(layout.slots) > 1 else ""
@@ -77,11 +74,10 @@ class Bucket:
         # Stage 0 "owns" the whole buffer: every rank updates every element.
         self.own = layout.shard(placement.rank) if plan.shard_optimizer else layout.full
         own = slice(self.own.start, self.own.stop)
-        weights = placement.compression.weights if plan.shard_params or plan.gather_after_step else None
         # a master apart from the parameters (frozen buckets have none; stages 1-2 with quantized
         # weights compute with decoded values, so their master is kept apart too)
         self.separate = plan.trains and (dtype != torch.float32 or tiers.moves_state
-                                         or (weights is not None and not plan.shard_params))
+                                         or (comm.quantizes_weights(plan) and not plan.shard_params))
 
         if init.dtype == dtype and not plan.trains:  # frozen: the values are all it keeps, in place
             self.param_full = FlatBuffer.holding(init, reuse=tiers.reuse)
@@ -93,20 +89,16 @@ class Bucket:
                                                           frozen=not plan.trains)
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
-        hpz = groups.secondary is not None and plan.shard_params
-        self.weight_codes = None if weights is None else \
-            WeightCodes(weights, groups, layout, placement.rank, self.param_full.tensor, hpz)
-        self.secondary: Resident | None = None  # hpZ: this node's copy of the parameters, sharded in the node
-        if hpz and self.weight_codes is None:
-            self.secondary = Resident(self.param_full.tensor[groups.secondary_block(layout.padded_numel)].clone())
-        self.param_sync: ParamSync = param_sync_for(plan, groups, self.weight_codes, self.secondary)
-        """What the parameters' collectives are (sync.py)."""
-        self.grad_sync: GradSync | None = None
-        """What the gradients' collectives are (sync.py); None for a frozen bucket."""
+        self.comm = comm.build(layout, plan, placement.rank, placement.device, self.param_full.tensor)
+        """Its collectives, built apart from its storage (shard/wiring.py)."""
+        self.param_sync: ParamSync = self.comm.param
+        self.grad_sync: GradSync | None = self.comm.grad  # None for a frozen bucket
+        self.weight_codes, self.grad_codes, self.secondary = \
+            self.comm.weight_codes, self.comm.grad_codes, self.comm.secondary
         if plan.trains:
             self._init_training(init, tiers)
         else:  # frozen: the parameter shard is all there is (no gradient hook ever reaches it)
-            self.master = self.grad_full = self.grads = self.grad_codes = None
+            self.master = self.grad_full = self.grads = None
         if self.weight_codes is not None and not plan.shard_params:  # stages 1-2 compute with decoded values
             self.weight_codes.decode_all(self.param_full.tensor)
 
@@ -134,12 +126,6 @@ class Bucket:
         local = self.grad_full.tensor[own.start:own.stop] if not plan.shard_grads else \
             torch.zeros(own.numel, dtype=placement.dtype, device=placement.device)
         self.grads = GradShard(tiers.grad_tier(index, local), own.numel, self.master.device)
-        codec = placement.compression.grads
-        self.grad_codes = None if codec is None else GradCodes(
-            codec, self.groups.shard, self.layout.padded_numel, placement.compression.error_feedback,
-            placement.device)
-        self.grad_sync = grad_sync_for(plan, self.groups, self.layout, self.grad_codes,
-                                       rounds=placement.rounds)
 
     def _illegal(self, verb: str, allowed: str) -> ZeroMPIError:
         return ZeroMPIError(f"{self.name}: {verb} in state {self.state.name} (allowed from {allowed})")
@@ -339,7 +325,7 @@ class Bucket:
         if not self.plan.shard_optimizer:
             return self.master.detach().clone()
         out = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
-        self.groups.shard.all_gather(self.master.contiguous(), out, kind="state_dict", what=self.name)
+        self.comm.shard.all_gather(self.master.contiguous(), out, kind="state_dict", what=self.name)
         return out
 
     def full_params(self) -> torch.Tensor:
@@ -347,7 +333,7 @@ class Bucket:
         into a new tensor (the bucket stays SHARDED)."""
         out = torch.empty(self.layout.padded_numel, dtype=self.placement.dtype, device=self.placement.device)
         with self.param_tier.loaded() as shard:
-            self.groups.shard.all_gather(shard, out, kind="state_dict", what=self.name)
+            self.comm.shard.all_gather(shard, out, kind="state_dict", what=self.name)
         return out
 
     def load_params(self, shard: torch.Tensor) -> None:

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from zerompi.blockio.memory import trim_heap
-from zerompi.comm.topology import Groups
 from zerompi.config.choices import BufferDType, Progress, Rounds
 from zerompi.config.policies import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
@@ -38,6 +37,7 @@ from zerompi.shard.placement import ParamPlacement, Residence
 from zerompi.shard.prefetch import Prefetcher
 from zerompi.shard.steps import BackwardSteps
 from zerompi.shard.units import Unit
+from zerompi.shard.wiring import CommFactory
 
 logger = get_logger(__name__)
 
@@ -76,22 +76,24 @@ class ShardedModel:
     Args:
         module: the model (already on its device).
         placement: stage plan, rank in the shard group, compute dtype and device.
-        groups: the process groups (flat, HSDP or hpZ).
+        comm: the process groups (flat, HSDP or hpZ) and what builds each bucket's collectives
+            (shard/wiring.py).
         options: bucket size, optimizer groups, overlap, deferred initialisation.
         tiers: where each bucket's shards live between uses (offload/tiers.py).
     """
 
-    def __init__(self, module: nn.Module, placement: Placement, groups: Groups, options: ShardOptions,
+    def __init__(self, module: nn.Module, placement: Placement, comm: CommFactory, options: ShardOptions,
                  tiers: TierPlan = TierPlan()):
         self.module = module
         self.placement = placement
         self.plan = placement.plan
-        self.groups = groups
+        self.comm = comm
+        self.groups = comm.groups
         self.tiers = tiers
         self.materialize = Materializer(module, placement.device, options.param_init,
                                         placement.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
-        self.rounds = placement.rounds  # micro_batches: reduced after each backward, round by round (sync.py)
+        self.rounds = comm.rounds  # micro_batches: reduced after each backward, round by round (sync.py)
         self.buffer_dtype = options.buffer_dtype
         self._round_gathers: list[Bucket] = []  # micro_batches: the gathers of the round in progress
         self._last_round: list[Bucket] = []     # ... and of the last complete one
@@ -163,7 +165,7 @@ class ShardedModel:
         # every rank starts from rank 0's values, as DDP does
         self.groups.world.broadcast(init, what=f"initial values of {'frozen ' if frozen else ''}bucket {layout.index}")
         placement = dataclasses.replace(self.placement, plan=placed.bucket_plan(self.plan))
-        bucket = Bucket(layout, params, placement, init, self.groups, self.tiers)
+        bucket = Bucket(layout, params, placement, init, self.comm, self.tiers)
         del init  # the next bucket's values may take its place
         if bucket.plan.shard_params:
             self._unit[layout.unit].buckets.append(bucket)

@@ -157,7 +157,7 @@ def gathered_vs_exact(engine) -> tuple[float, bool]:
         with engine.optimizer.shard_state(i):  # an offloaded master is in memory for the block
             exact = b.full_master().to(b.placement.dtype).double()
         # every owner's scales, in the order of the shards in the bucket (the shard group's ranks)
-        scales = torch.cat([torch.tensor(s) for s in b.groups.shard.allgather_object(codes.scales().tolist())])
+        scales = torch.cat([torch.tensor(s) for s in b.comm.shard.allgather_object(codes.scales().tolist())])
         bound = codes.codec.max_error(scales).repeat_interleave(codes.codec.block).double()
         chunk, blocks = codes.chunk, codes.codec.blocks(codes.chunk)
         bound = torch.cat([bound[r * blocks * codes.codec.block:][:chunk] for r in range(len(scales) // blocks)])

@@ -17,6 +17,7 @@ from zerompi.comm.mpi import MPIGroup
 from zerompi.comm.topology import Groups
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.shard.bucket import Bucket, BucketState, Placement
+from zerompi.shard.wiring import CommFactory
 from zerompi.shard.layout import ParamSpec, plan_buckets
 from zerompi.shard.stages import plan_for
 
@@ -62,7 +63,7 @@ def build(stage: int, dtype: torch.dtype):
         init[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
     group = Recording()
     where = Placement(plan_for(stage), group.rank, group.size, dtype, torch.device("cpu"), check_finite=True)
-    bucket = Bucket(layout, params, where, init, Groups(group, group, group))
+    bucket = Bucket(layout, params, where, init, CommFactory(Groups(group, group, group)))
     return model, original, bucket, group, init
 
 
