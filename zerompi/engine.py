@@ -26,7 +26,7 @@ from zerompi.errors import UsageError, ZeroMPIError, all_ranks_ok
 from zerompi.log import get_logger, set_rank
 from zerompi.offload.fence import ShardFence
 from zerompi.offload.tiers import TierPlan
-from zerompi.optim import schedules
+from zerompi.optim import kinds, schedules
 from zerompi.optim.optimizer import ZeroOptimizer
 from zerompi.implicit import ImplicitBackward
 from zerompi.iteration import Iteration
@@ -76,6 +76,7 @@ class Engine:
             raise ZeroMPIError("no parameter of the model requires grad: nothing to train")
         check_models_agree(module, group)
         check_configs_agree(cfg, group)
+        kinds.check_elementwise(cfg.optimizer, cfg.optimizer_class())  # before anything is built
         self.device = launch.select_device(cfg.device, self.info.local_rank)
         if self.device.type == "cpu":
             torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))

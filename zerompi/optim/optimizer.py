@@ -37,6 +37,7 @@ from zerompi.offload.tiers import TierPlan
 from zerompi.optim.norms import grad_norm_for
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
+from zerompi.optim import kinds
 
 logger = get_logger(__name__)
 
@@ -111,6 +112,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.norm = grad_norm_for(exact=policy.deterministic,
                                   replicated=not any(b.plan.shard_optimizer for b in buckets))
         self.scaler = LossScaler.from_policy(precision) if precision.scales_loss else None
+        kinds.check_group_options(policy.optimizer_class(), group_options)
         groups = []
         for gi, options in enumerate(group_options):
             masters = [b.master for b in buckets if b.layout.group == gi]

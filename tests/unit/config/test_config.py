@@ -15,7 +15,9 @@ from zerompi.errors import ConfigError
 
 
 class Lion(torch.optim.SGD):
-    """An importable Optimizer subclass defined outside torch."""
+    """An importable Optimizer subclass defined outside torch, declared element-wise."""
+
+    elementwise = True
 
 
 # --- defaults and construction ---------------------------------------------

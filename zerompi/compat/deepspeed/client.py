@@ -23,14 +23,12 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from zerompi.compat.deepspeed.ops.adam import DeepSpeedAdam
 from zerompi.config.checks import FIELD_ARGS
 from zerompi.errors import UsageError
+from zerompi.optim import kinds
 from zerompi.torch_private import track_scheduler_steps
 
-__all__ = ["ELEMENTWISE", "optimizer_settings", "rebind_scheduler", "training_loader"]
+__all__ = ["optimizer_settings", "rebind_scheduler", "training_loader"]
 
 _O = torch.optim
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    _O.Adam, _O.AdamW, _O.SGD, _O.Adagrad, _O.Adadelta, _O.Adamax, _O.ASGD, _O.NAdam, _O.RAdam, _O.RMSprop, _O.Rprop)
-"""torch optimizers whose update is element-wise: a flat shard of the parameters steps as they would."""
 _NAMES = {_O.AdamW: "adamw", _O.Adam: "adam", _O.SGD: "sgd"}
 
 
@@ -38,14 +36,15 @@ def optimizer_settings(optimizer: Any, model: nn.Module) -> tuple[dict[str, Any]
     """The ZeroConfig overrides and engine param groups that rebuild ``optimizer`` on the shards."""
     if isinstance(optimizer, DeepSpeedAdam):
         cls, name = optimizer.torch_class, optimizer.zerompi_name
-    elif type(optimizer) in ELEMENTWISE:
+    elif kinds.is_elementwise(type(optimizer)):
         cls = type(optimizer)
         name = _NAMES.get(cls, cls)
     else:
         raise UsageError(f"optimizer={type(optimizer).__name__}: zerompi rebuilds the optimizer on its shards, "
                          "which is exact only for element-wise updates: torch's "
-                         + ", ".join(c.__name__ for c in ELEMENTWISE) + ", and deepspeed.ops.adam's FusedAdam and "
-                         "DeepSpeedCPUAdam; or describe it in the config's optimizer block")
+                         + ", ".join(c.__name__ for c in kinds.ELEMENTWISE) + " (optim/kinds.py), and "
+                         "deepspeed.ops.adam's FusedAdam and DeepSpeedCPUAdam; or describe it in the config's "
+                         "optimizer block")
     # Adagrad makes its (step 0) state at construction; any other state means it has stepped.
     if any(float(state.get("step", 1)) > 0 for state in optimizer.state.values()):
         raise UsageError(f"optimizer={type(optimizer).__name__} has already stepped: its state cannot move onto "

@@ -1,0 +1,68 @@
+"""Which optimizers the engine runs correctly: those whose update is element-wise.
+
+The engine steps one flat fp32 shard per bucket. That is the per-tensor update exactly when each
+element's step depends on its own gradient and state alone (Adam, AdamW, SGD, ...). An optimizer
+that looks at a whole tensor (Adafactor's factored second moment, Muon's orthogonalisation, LBFGS's
+line search, a norm-based trust ratio) would see a 1-D slice of several tensors instead, and train
+something else without an error; such classes are refused by name.
+
+A class is element-wise when it is one of torch's listed below, or when it declares so itself
+with a class attribute ``elementwise = True`` (the :class:`ElementWise` protocol). Nothing else is
+presumed: a subclass of a listed class may change the arithmetic, so it declares it too.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from zerompi.errors import ConfigError, UsageError
+
+_O = torch.optim
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    _O.Adam, _O.AdamW, _O.SGD, _O.Adagrad, _O.Adadelta, _O.Adamax, _O.ASGD, _O.NAdam, _O.RAdam, _O.RMSprop, _O.Rprop)
+"""torch optimizers whose update is element-wise: a flat shard of the parameters steps as they would."""
+
+
+@runtime_checkable
+class ElementWise(Protocol):
+    """An optimizer class that declares its update element-wise (so flat shards step exactly)."""
+
+    elementwise: ClassVar[bool]
+
+
+def is_elementwise(cls: type) -> bool:
+    """Whether ``cls`` updates each element from its own gradient and state alone."""
+    return cls in ELEMENTWISE or vars(cls).get("elementwise") is True
+
+
+def check_elementwise(value: Any, cls: type) -> None:
+    """Refuse (ConfigError naming the key) an optimizer ``cls`` the engine cannot run on flat shards;
+    ``value`` is the config's ``optimizer`` as given."""
+    if not is_elementwise(cls):
+        raise ConfigError(
+            f"optimizer={value!r}: {cls.__module__}.{cls.__qualname__} is not known to update element-wise, and "
+            "the engine steps flat shards that cut across tensors (an optimizer that looks at a whole tensor, "
+            "such as Adafactor or Muon, would train something else); allowed: torch.optim's "
+            + ", ".join(c.__name__ for c in ELEMENTWISE) + ", or a class that declares a class attribute "
+            "elementwise = True")
+
+
+GROUP_KEYS = ("param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+"""Param-group keys torch's optimizers (named parameters) and lr schedulers (OneCycleLR, CyclicLR,
+SWALR, ...) keep beside the constructor's options."""
+
+
+def check_group_options(cls: type, group_options: list[dict[str, Any]]) -> None:
+    """Refuse a param-group key ``cls`` does not take, naming it (torch would keep it and use it for
+    nothing: a group's ``"optimizer"``, say, would silently run ``cls``)."""
+    accepted = set(inspect.signature(cls).parameters) - {"params"} | set(GROUP_KEYS)
+    for i, options in enumerate(group_options):
+        unknown = sorted(str(k) for k in options if k not in accepted)
+        if unknown:
+            hint = (": every param group runs the config's optimizer (a group cannot choose its own)"
+                    if "optimizer" in unknown else "")
+            raise UsageError(f"param_groups[{i}] sets {', '.join(repr(k) for k in unknown)}, which "
+                             f"{cls.__name__} does not take{hint}; allowed: "
+                             + ", ".join(sorted(accepted)))
