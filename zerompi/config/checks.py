@@ -29,7 +29,8 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 """The optimizers ``optimizer`` may name by a short string."""
 _ADAM_ARGS = ("lr", "betas", "eps", "weight_decay")
 FIELD_ARGS: dict[str, tuple[str, ...]] = {
-    "adamw": _ADAM_ARGS, "adam": _ADAM_ARGS, "sgd": ("lr", "momentum", "weight_decay")}
+    "adamw": _ADAM_ARGS, "adam": _ADAM_ARGS, "sgd": ("lr", "momentum", "weight_decay"),
+    "zerompi.optim.adam.UncorrectedAdam": _ADAM_ARGS}
 """Optimizer arguments the engine fills from fields (``lr`` alone for other optimizers);
 repeating one in optimizer_kwargs would be a second spelling of the same setting."""
 

@@ -27,6 +27,7 @@ import torch
 
 from zerompi.blockio.aligned import align_storage
 from zerompi.blockio.memory import trim_heap
+from zerompi.config.checks import FIELD_ARGS
 from zerompi.config.choices import NonFinite
 from zerompi.config.policies import OptimizerPolicy, PrecisionPolicy
 from zerompi.comm.group import ProcessGroup
@@ -69,12 +70,9 @@ def optimizer_kwargs(policy: OptimizerPolicy, device: torch.device | str) -> dic
     The one place the default kernel is chosen: the engine and the parity tests' single-process
     reference both build their optimizer from this, so they run the same arithmetic."""
     name = policy.optimizer if isinstance(policy.optimizer, str) else ""
-    if name in ("adamw", "adam"):
-        base = dict(lr=policy.lr, betas=tuple(policy.betas), eps=policy.eps, weight_decay=policy.weight_decay)
-    elif name == "sgd":
-        base = dict(lr=policy.lr, momentum=policy.momentum, weight_decay=policy.weight_decay)
-    else:
-        base = dict(lr=policy.lr)
+    base = {k: getattr(policy, k) for k in FIELD_ARGS.get(name, ("lr",))}
+    if "betas" in base:
+        base["betas"] = tuple(base["betas"])
     if policy.deterministic:  # the for-loop kernel (config/reproducible.py refused fused and foreach)
         if "foreach" in inspect.signature(policy.optimizer_class()).parameters:
             base["foreach"] = False

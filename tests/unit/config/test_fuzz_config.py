@@ -249,7 +249,7 @@ def valid_deepspeed(draw) -> dict:
             params["adam_w_mode"] = draw(st.booleans())
             for key in ("torch_adam", "bias_correction"):
                 if draw(st.booleans()):
-                    params[key] = draw(st.booleans()) if key == "torch_adam" else True
+                    params[key] = draw(st.booleans())
         params["weight_decay"] = _maybe_auto(draw, _NONNEG)
         doc["optimizer"] = {"type": kind, "params": params}
     if draw(st.booleans()):

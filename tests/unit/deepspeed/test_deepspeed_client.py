@@ -88,7 +88,6 @@ def test_other_elementwise_optimizer_and_param_groups():
 
 @pytest.mark.parametrize("make, match", [
     (lambda p: torch.optim.LBFGS(p), "element-wise"),
-    (lambda p: FusedAdam(p, bias_correction=False), "bias_correction=False"),
     (lambda p: FusedAdam(p, amsgrad=True), "amsgrad"),
     (lambda p: DeepSpeedCPUAdam(p, fp32_optimizer_states=False), "fp32"),
 ])

@@ -483,8 +483,6 @@ def test_enabled_monitors_are_named_in_the_warning():
 
 
 @pytest.mark.parametrize("doc,match", [
-    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}}},
-     r"optimizer.params.bias_correction=False is not supported: torch's Adam and AdamW always correct"),
     ({"bf16": {"enabled": True, "check_grad_overflow": False}}, r"bf16.check_grad_overflow=False is not supported"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, r"fp32 master weights"),
     ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, r"optimizer state in fp32"),

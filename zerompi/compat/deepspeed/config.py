@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from zerompi.optim import adam as uncorrected
 from zerompi.config import ZeroConfig
 from zerompi.config.checks import CHECKS, boolean, integer, listing, real, reject_unknown
 from zerompi.config.choices import BufferDType, DType
@@ -149,6 +150,10 @@ def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
     w_mode = boolean("optimizer.params.adam_w_mode", params.get("adam_w_mode", True))
     adam = "adamw" if w_mode or kind == "adamw" else "adam"
     kwargs["optimizer"] = "sgd" if kind == "sgd" else adam
+    if kind != "sgd" and not boolean("optimizer.params.bias_correction", params.get("bias_correction", True)):
+        kwargs["optimizer"] = uncorrected.PATH  # the moments as they are, as DeepSpeed's kernels allow
+        if adam == "adam":
+            kwargs["optimizer_kwargs"] = {"decoupled": False}
     # DeepSpeed's optimizers default to no weight decay; keep that meaning.
     kwargs["weight_decay"] = 0.0
 

@@ -145,7 +145,6 @@ REQUIRED: dict[str, tuple[bool, str]] = {
     "bf16.bf16_optimizer_states": (False, "zerompi keeps the optimizer state in fp32"),
     "bf16.check_grad_overflow": (True, "zerompi checks every gradient for NaN/Inf and cannot apply a non-finite "
                                        "step (nonfinite='raise' or 'skip')"),
-    "optimizer.params.bias_correction": (True, "torch's Adam and AdamW always correct the moments' bias"),
     "checkpoint.load_universal": (False, "zerompi loads its own checkpoints at any world size, not DeepSpeed's "
                                          "universal checkpoint files"),
     "checkpoint.use_node_local_storage": (False, "zerompi writes each checkpoint to the one directory "

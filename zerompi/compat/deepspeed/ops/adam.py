@@ -2,10 +2,10 @@
 
 Passed to ``deepspeed.initialize(optimizer=...)`` they become the engine's optimizer on its
 shards: torch's AdamW (``adam_w_mode``/``adamw_mode`` True, the default) or Adam with the
-same hyperparameters, which is the arithmetic DeepSpeed's kernels implement. Stepped by
-themselves (outside an engine) they run that torch optimizer. What those kernels offer
-beyond it is refused: ``bias_correction=False``, ``amsgrad`` (FusedAdam refuses it too),
-16-bit optimizer states.
+same hyperparameters, which is the arithmetic DeepSpeed's kernels implement, and with
+``bias_correction=False`` zerompi's UncorrectedAdam (optim/adam.py). Stepped by
+themselves (outside an engine) they run that optimizer. What those kernels offer
+beyond it is refused: ``amsgrad`` (FusedAdam refuses it too), 16-bit optimizer states.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from zerompi.errors import UsageError
+from zerompi.optim.adam import PATH, UncorrectedAdam
 
 __all__ = ["DeepSpeedAdam", "DeepSpeedCPUAdam", "FusedAdam"]
 
@@ -24,30 +25,32 @@ class DeepSpeedAdam(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float, bias_correction: bool, betas: tuple[float, float], eps: float,
                  weight_decay: float, adamw: bool, amsgrad: bool):
         name = type(self).__name__
-        if not bias_correction:
-            raise UsageError(f"{name}(bias_correction=False) is not supported: zerompi runs torch's Adam, "
-                             "which always corrects the bias")
         if amsgrad:
             raise UsageError(f"{name}(amsgrad=True) is not supported (DeepSpeed's kernels have no AMSGrad)")
-        super().__init__(params, dict(lr=lr, bias_correction=True, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay))
-        self.adamw = adamw
+        options = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
+                       weight_decay=weight_decay)
+        if not bias_correction:
+            options["decoupled"] = adamw  # UncorrectedAdam's switch between AdamW and Adam
+        super().__init__(params, options)
+        self.adamw, self.bias_correction = adamw, bool(bias_correction)
         self._inner: torch.optim.Optimizer | None = None
 
     @property
     def torch_class(self) -> type[torch.optim.Optimizer]:
-        """The torch optimizer with this one's arithmetic."""
+        """The optimizer with this one's arithmetic."""
+        if not self.bias_correction:
+            return UncorrectedAdam
         return torch.optim.AdamW if self.adamw else torch.optim.Adam
 
     @property
     def zerompi_name(self) -> str:
         """The engine's name for it (ZeroConfig.optimizer)."""
-        return "adamw" if self.adamw else "adam"
+        return PATH if not self.bias_correction else "adamw" if self.adamw else "adam"
 
     def step(self, closure=None):
         """Outside an engine: torch's optimizer over these very param groups (built at the first step)."""
         if self._inner is None:
-            self._inner = self.torch_class(self.param_groups)
+            self._inner = self.torch_class(self.param_groups)  # their keys are its options
             self.state = self._inner.state
         return self._inner.step(closure)
 
