@@ -3,6 +3,7 @@ group's services started first. ``initialize`` builds through it, and so does th
 rank's survivors (recovery/engine.py), so that both engines are made alike."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,10 @@ class EngineSpec:
     lr_scheduler: schedules.SchedulerFactory | None = None
 
 
-def build_engine(spec: EngineSpec, group: ProcessGroup) -> Engine:
-    """Collective over ``group``: its watchdog and communication thread as the config says, then the engine."""
+def build_engine(spec: EngineSpec, group: ProcessGroup, check: Callable[[], None] | None = None) -> Engine:
+    """Collective over ``group``: its watchdog and communication thread as the config says, then the engine.
+    ``check`` runs in between: a refusal it raises is reported as the job's failure by the watchdog."""
     start_services(group, spec.config)
+    if check is not None:
+        check()
     return Engine(spec.model, spec.config, group, spec.param_groups, spec.param_init, spec.lr_scheduler)

@@ -80,8 +80,10 @@ class ResilientEngine:
     attributes and properties are the current engine's. ``close`` also removes the recovery points."""
 
     def __init__(self, spec: EngineSpec, group):
-        spare = _prepare(spec, group)
-        self.current: Engine = build_engine(spec, group)
+        if not isinstance(group, MPIGroup):
+            raise UsageError("fault_tolerance=True needs an MPI communicator (comm=), not another process group")
+        spare = copy.deepcopy((spec.model, spec.param_groups))  # to rebuild from, before the engine moves it
+        self.current: Engine = build_engine(spec, group, check=lambda: _require_ulfm(group))
         """The engine now: rebuilt over the survivors by each recovery."""
         self.recovery = FaultTolerance(self.current, spec, spare, _directory(self.current))
         """Recovery points, and the rebuild after a lost rank (kept across rebuilds)."""
@@ -221,16 +223,12 @@ def _directory(engine) -> Path:
     return Path(base) / f"zerompi-recovery-{name}"
 
 
-def _prepare(spec: EngineSpec, group) -> Any:
-    """Before the engine is built: refuse where ULFM is missing (on every rank: the reason is the same)
-    and keep a copy of the model and its param groups to rebuild from."""
-    if not isinstance(group, MPIGroup):
-        raise UsageError("fault_tolerance=True needs an MPI communicator (comm=), not another process group")
+def _require_ulfm(group: MPIGroup) -> None:
+    """Refuse where ULFM is missing (on every rank: the reason is the same), else prepare the group."""
     problem = ulfm.support_error()
     if problem is not None:
         raise ZeroMPIError(f"fault_tolerance=True cannot survive a lost rank here: {problem}")
     ulfm.prepare(group)
-    return copy.deepcopy((spec.model, spec.param_groups))
 
 
 def _groups(engine: Engine) -> list[Any]:
