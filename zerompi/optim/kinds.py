@@ -57,7 +57,9 @@ SWALR, ...) keep beside the constructor's options."""
 def check_group_options(cls: type, group_options: list[dict[str, Any]]) -> None:
     """Refuse a param-group key ``cls`` does not take, naming it (torch would keep it and use it for
     nothing: a group's ``"optimizer"``, say, would silently run ``cls``)."""
-    accepted = set(inspect.signature(cls).parameters) - {"params"} | set(GROUP_KEYS)
+    accepted = {name for base in cls.__mro__ if issubclass(base, torch.optim.Optimizer)
+                and base is not torch.optim.Optimizer  # a subclass's defaults include its bases' options
+                for name in inspect.signature(base).parameters} - {"params"} | set(GROUP_KEYS)
     for i, options in enumerate(group_options):
         unknown = sorted(str(k) for k in options if k not in accepted)
         if unknown:

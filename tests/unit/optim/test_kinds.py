@@ -69,3 +69,9 @@ def test_known_group_keys_still_train():
         assert engine.step()
         engine.close()
     run_ranks(2, rank)
+
+
+def test_a_base_class_option_in_the_defaults_is_a_known_key():
+    """torch's AdamW keeps Adam's decoupled_weight_decay in its defaults (accelerate hands such groups on)."""
+    from zerompi.optim.kinds import check_group_options
+    check_group_options(torch.optim.AdamW, [{"decoupled_weight_decay": True, "lr": 0.1}])
