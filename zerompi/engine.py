@@ -60,6 +60,18 @@ class Stats:
     last_grad_norm: float | None = None
 
 
+def _open_swapper(cfg: ZeroConfig, group: ProcessGroup, rank: int) -> offload.NVMeSwapper | None:
+    """Collective: this rank's swap file for NVMe offload (None without); one that fails on some
+    ranks only (nvme_path missing there) fails on all together."""
+    swapper, error = None, None
+    try:
+        swapper = offload.open_swapper(cfg.offload, rank)
+    except ZeroMPIError as e:
+        error = str(e)
+    all_ranks_ok(group, error)
+    return swapper
+
+
 class Engine:
     """Trains ``module`` with ZeRO over the ranks of ``group``; build it with :func:`initialize`."""
 
@@ -102,13 +114,7 @@ class Engine:
         ahead = cfg.prefetch_units or (3 if cfg.offload.params == Offload.NVME else 0)
         overlap = dataclasses.replace(cfg.overlap, prefetch_units=ahead)
         self.host_memory = offload.HostMemory(cfg.return_freed_memory, cfg.offload)
-        swapper, error = None, None
-        try:
-            swapper = offload.open_swapper(cfg.offload, self.rank)
-        except ZeroMPIError as e:  # e.g. nvme_path missing on some ranks only: fail together
-            error = str(e)
-        all_ranks_ok(group, error)
-        self.swapper = swapper
+        self.swapper = swapper = _open_swapper(cfg, group, self.rank)
         self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
         tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
                          cfg.offload.pin_memory, self._fence)
