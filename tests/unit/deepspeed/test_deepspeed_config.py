@@ -513,7 +513,7 @@ FEATURES = [
                                                        "different_groups": {}}}},
      "compression_training.weight_quantization.shared_parameters.enabled=True (compression training: "),
     ({"data_efficiency": {"enabled": True, "seed": 1234, "data_sampling": {"enabled": True}}},
-     "data_efficiency.enabled=True (data efficiency: "),
+     "data_efficiency.data_sampling.enabled=True (data sampling: "),
     ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}},
      "curriculum_learning.enabled=True (curriculum learning: "),
     ({"autotuning": {"enabled": True, "arg_mappings": {}}}, "autotuning.enabled=True (autotuning: "),
@@ -566,6 +566,35 @@ def test_disabled_by_default_and_tensor_parallel_off():
                 {"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": False}}}},
                 {"tensor_parallel": {"autotp_size": 1, "tp": {"tp_size": 1}}}):
         assert from_deepspeed({**base, **doc}) == (config_from(base), [])
+
+
+@pytest.mark.parametrize("block,named", [
+    ({"enabled": True, "data_sampling": {"enabled": True, "curriculum_learning": {"enabled": True}},
+      "data_routing": {"enabled": True, "random_ltd": {"enabled": True}}},
+     ["data_sampling.curriculum_learning.enabled=True (curriculum learning: ",
+      "data_routing.random_ltd.enabled=True (random layerwise token dropping: "]),
+    ({"enabled": True, "data_sampling": {"enabled": True, "dynamic_batching": {"enabled": True},
+                                         "curriculum_learning": {"enabled": True}}},
+     ["data_sampling.curriculum_learning.enabled=True (curriculum learning: ",
+      "data_sampling.dynamic_batching.enabled=True (dynamic batching: "]),
+])
+def test_each_data_efficiency_technique_is_refused_by_name(block, named):
+    with pytest.raises(ConfigError) as err:
+        config_from({"data_efficiency": block})
+    text = str(err.value)
+    assert all(f"data_efficiency.{n}" in text for n in named), text
+    assert "data_efficiency.data_sampling.enabled=True" not in text  # the gate is named by what it lets run
+
+
+@pytest.mark.parametrize("block", [
+    {"enabled": True, "seed": 1234},  # on, with no technique: nothing changes
+    {"enabled": False, "data_sampling": {"enabled": True, "curriculum_learning": {"enabled": True}}},
+    {"data_sampling": {"enabled": True, "curriculum_learning": {"enabled": True}}},  # its switch is off by default
+    {"enabled": True, "data_sampling": {"enabled": False, "curriculum_learning": {"enabled": True}}},
+])
+def test_data_efficiency_that_runs_no_technique_is_accepted(block):
+    base = {"zero_optimization": {"stage": 2}}
+    assert from_deepspeed({**base, "data_efficiency": block}) == (config_from(base), [])
 
 
 def test_auto_in_deepspeed_default_blocks_is_the_key_left_out():

@@ -194,6 +194,21 @@ FEATURES: dict[str, Feature] = {
 """Top-level blocks of features zerompi lacks, each refused with its reason unless ``enabled: false``. DeepSpeed
 0.19.8 refuses the removed ones in any form; a disabled one changes nothing, so zerompi accepts it."""
 
+DATA_EFFICIENCY: dict[str, tuple[str, str]] = {
+    "data_sampling": ("data sampling", "DeepSpeed's data sampler draws each step's samples itself, in its own "
+                      "order; zerompi trains on the batches the script's loader gives"),
+    "data_sampling.curriculum_learning": ("curriculum learning", "a curriculum by difficulty or sequence length "
+                                          "changes what each step trains on; zerompi does not implement it"),
+    "data_sampling.dynamic_batching": ("dynamic batching", "batches sized by their token count change the "
+                                       "batches; zerompi does not implement it"),
+    "data_routing": ("data routing", "routing tokens past layers changes what each layer trains on; zerompi does "
+                     "not implement it"),
+    "data_routing.random_ltd": ("random layerwise token dropping", "dropping random tokens from the middle "
+                                "layers changes the model's computation; zerompi does not implement it"),
+}
+"""data_efficiency's techniques (dotted paths under the block), each refused by name with its reason when
+turned on (screen.py)."""
+
 OPTIMIZER_FEATURES: dict[str, Feature] = {
     "onebitadam": Feature("1-bit Adam", "compressed optimizer communication zerompi does not implement", removed=True),
     "zerooneadam": Feature("0/1 Adam", "compressed optimizer communication with adaptive variance freezing, "

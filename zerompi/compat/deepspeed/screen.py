@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zerompi.compat.deepspeed.auto import is_auto
-from zerompi.compat.deepspeed.keys import ALIASES, FEATURES, OPTIMIZER_FEATURES, SCHEMA, Feature
+from zerompi.compat.deepspeed.keys import ALIASES, DATA_EFFICIENCY, FEATURES, OPTIMIZER_FEATURES, SCHEMA, Feature
 from zerompi.config.checks import boolean, real
 from zerompi.errors import ConfigError
 
@@ -143,7 +143,9 @@ def _features(d: dict) -> list[str]:
     """'key (feature: reason)' for each enabled feature zerompi lacks; disabled blocks are removed."""
     refused = []
     for name, feature in FEATURES.items():
-        if name in d:
+        if name == "data_efficiency" and isinstance(d.get(name), Mapping):
+            refused += _data_efficiency(d.pop(name))
+        elif name in d:
             where = _enabled_at(d.pop(name), feature, name)
             if where:
                 refused.append(f"{where} ({feature.label}: {feature.reason})")
@@ -154,6 +156,25 @@ def _features(d: dict) -> list[str]:
         refused.append(f"optimizer.type={kind!r} ({feature.label}: {feature.reason})")
         del d["optimizer"]  # its params are that optimizer's, not unknown keys
     return refused
+
+
+def _data_efficiency(block: Mapping) -> list[str]:
+    """Each data-efficiency technique the block turns on, with its reason. As in DeepSpeed, a technique runs
+    only under ``enabled: true`` at every level above it (the block's own switch is off by default), so a
+    block that enables none of them changes nothing and is accepted."""
+    if block.get("enabled") is not True:
+        return []
+    refused = []
+    for path, (label, reason) in DATA_EFFICIENCY.items():
+        node: Any = block
+        for key in path.split("."):
+            node = node.get(key) if isinstance(node, Mapping) else None
+        parent_on = "." not in path or path.rsplit(".", 1)[0] in {p for p, _ in refused}
+        if isinstance(node, Mapping) and node.get("enabled") is True and parent_on:
+            refused.append((path, f"data_efficiency.{path}.enabled=True ({label}: {reason})"))
+    # a technique's own entry says more than its gate's: keep a gate only when nothing under it is on
+    named = [p for p, _ in refused]
+    return [text for p, text in refused if not any(q.startswith(p + ".") for q in named)]
 
 
 def _enabled_at(block: Any, feature: Feature, name: str) -> str | None:
