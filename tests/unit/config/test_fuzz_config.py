@@ -269,6 +269,11 @@ def valid_deepspeed(draw) -> dict:
         doc["data_types"] = draw(st.fixed_dictionaries({}, optional={
             "grad_accum_dtype": same, "param_dtype": same, "buffer_dtype": st.none(),
             "keep_in_fp32_modules": st.sampled_from([None, "auto", []])}))
+    if draw(st.booleans()):  # data efficiency that runs no technique: DeepSpeed runs one only under every switch above
+        on = draw(st.booleans())
+        sampling = {"enabled": draw(st.booleans()) and not on,
+                    "curriculum_learning": {"enabled": draw(st.booleans())}}
+        doc["data_efficiency"] = {"enabled": on, "seed": draw(st.integers(0, 99)), "data_sampling": sampling}
     if draw(st.booleans()):
         doc["compile"] = draw(st.fixed_dictionaries({}, optional={
             "deepcompile": st.just(False), "offload_activation": st.booleans(), "free_activation": st.booleans(),
