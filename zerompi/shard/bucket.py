@@ -239,11 +239,14 @@ class Bucket:
         """Every bucket is reduced once per synchronising backward, and again for late gradients."""
         return self._pending or not self._reduced
 
-    def reduce_grads(self, *, async_op: bool = False, taken_next: bool = False) -> None:
+    def reduce_grads(self, *, async_op: bool = False, taken_next: bool = False, sources: int | None = None) -> None:
         """Average this bucket's gradients over all ranks into the shard this rank owns.
 
         ``async_op`` (stages 1-3) only starts the reduce-scatter; ``finish_reduce`` applies it.
         ``taken_next``: the optimizer updates this bucket right after (GradShard.write).
+        ``sources`` (micro_batches): a round, after each backward and for each round this rank ran no
+        micro-batch in (nothing written), in which the first ``sources`` ranks ran one: its gradients are
+        added to the shard (SummedRounds; reproducible=True: in rank order, OrderedRounds).
         """
         if not self.grad_full.is_allocated:  # no gradient reached this bucket: it reduces zeros
             self.grad_full.alloc()
@@ -251,25 +254,13 @@ class Bucket:
         full = self._zero_unwritten()
         self._pending = False
         self._reduced = True
-        work = self.grad_sync.start(full, async_op=async_op, what=self.name)
+        work = self.grad_sync.start(full, async_op=async_op, what=self.name, sources=sources)
         if self.grad_sync.in_place:
             self.grads.filled_in_place()  # the shard is the whole buffer, reduced in place
             return
         self._reduce = work
         if not async_op:
             self.finish_reduce(taken_next=taken_next)
-
-    def reduce_round(self, sources: int) -> None:
-        """micro_batches, after each backward (and for each round this rank ran no micro-batch in,
-        with nothing written): add this round's gradients to the shard this rank owns (sync.py's
-        SummedRounds; reproducible=True: the first ``sources`` ranks' ones, in rank order, OrderedRounds)."""
-        if not self.grad_full.is_allocated:
-            self.grad_full.alloc()
-            self._written.clear()
-        for chunk in self.grad_sync.round(self._zero_unwritten(), sources, self.name):
-            self.grads.write(chunk, accumulate=True)
-        self._pending, self._reduced = False, True
-        self.grad_full.free()
 
     def _zero_unwritten(self) -> torch.Tensor:
         """Zero what no gradient wrote (padding, parameters without a gradient); the full buffer."""
@@ -290,7 +281,9 @@ class Bucket:
         work, self._reduce = self._reduce, None
         # stage 1 reduced the window's local sum once; stages 2-3 add each micro-batch
         each = self.grad_sync.per_micro_batch
-        self.grads.write(self.grad_sync.finish(work, self.name), accumulate=each, taken_next=taken_next)
+        chunks = self.grad_sync.finish(work, self.name)
+        for i, chunk in enumerate(chunks):  # a round's in rank order, each added on its own
+            self.grads.write(chunk, accumulate=each or i > 0, taken_next=taken_next and i == len(chunks) - 1)
         if each:
             self.grad_full.free()
 

@@ -318,7 +318,7 @@ class ShardedModel:
             b.wait_gathered()
             b.reshard()
         for b in self.buckets:
-            b.reduce_round(sources)
+            b.reduce_grads(sources=sources)
 
     def check_requires_grad(self) -> None:
         """Raise if a parameter's requires_grad changed since initialize: the buckets were planned
@@ -343,7 +343,7 @@ class ShardedModel:
             if sync and b.needs_reduce():
                 self._reduce(b)
             elif self.rounds.dealt:  # every rank's gradient of this round
-                b.reduce_round(self._backward.sources)
+                b.reduce_grads(sources=self._backward.sources)
         if self.rounds.dealt:
             self._last_round, self._round_gathers = self._round_gathers, []
         for b in self._inflight:  # in the order they started, as on every rank

@@ -141,17 +141,21 @@ def param_sync_for(plan: StagePlan, groups, codes: WeightCodes | None, node_copy
 
 
 class GradSync(Protocol):
-    """How a bucket's gradients are averaged into the shard its rank owns."""
+    """How a bucket's gradients are averaged into the shard its rank owns.
+
+    With ``micro_batches`` the reductions are a schedule of rounds (sync.py's OrderedRounds and
+    SummedRounds): after each backward, ``start`` is told how many ranks ran a micro-batch in the
+    round (``sources``), through the same verbs."""
 
     in_place: bool
     """The reduction completes in the full buffer itself (``start`` returns None)."""
     per_micro_batch: bool
     """Reduced after every micro-batch and summed into the shard (the full buffer is freed after)."""
 
-    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None: ...
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None: ...
 
-    def finish(self, work: Work, what: str) -> torch.Tensor:
-        """This rank's averaged chunk in fp32."""
+    def finish(self, work: Work, what: str) -> list[torch.Tensor]:
+        """What to add to this rank's shard, in order (one averaged chunk, or a round's chunks)."""
 
 
 class AllReduce:
@@ -162,14 +166,14 @@ class AllReduce:
     def __init__(self, group: ProcessGroup, layout: BucketLayout, world_size: int):
         self.group, self.layout, self.world_size = group, layout, world_size
 
-    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None:
         mine = self.layout.shard(self.group.rank)
         reduced = self.group.reduce_scatter(full, kind="all_reduce", what=what).wait()
         full[mine.start:mine.stop].copy_(reduced.div_(self.world_size))
         self.group.all_gather(None, full, kind="all_reduce", what=what)
         return None
 
-    def finish(self, work: Work, what: str) -> torch.Tensor:
+    def finish(self, work: Work, what: str) -> list[torch.Tensor]:
         raise AssertionError(f"{what}: an all-reduce completes in start()")
 
 
@@ -184,14 +188,14 @@ class ReduceScatter:
         self.group, self.world_size, self.per_micro_batch = group, world_size, per_micro_batch
         self.codes, self.replicate = codes, replicate
 
-    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None:
         return (self.codes or self.group).reduce_scatter(full, what=what, async_op=async_op)
 
-    def finish(self, work: Work, what: str) -> torch.Tensor:
+    def finish(self, work: Work, what: str) -> list[torch.Tensor]:
         reduced = work.wait()
         if self.replicate is not None:  # hsdp: sum the node's shard across nodes, in fp32
             self.replicate.all_reduce(reduced, what=what)
-        return reduced.div_(self.world_size)
+        return [reduced.div_(self.world_size)]
 
 
 class OrderedRounds:
@@ -209,16 +213,16 @@ class OrderedRounds:
     def __init__(self, group: ProcessGroup, layout: BucketLayout):
         self.group, self.chunk = group, layout.shard_numel
 
-    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
-        raise ZeroMPIError(f"{what}: ordered rounds reduce once per round, with round()")
-
-    finish = start
-
-    def round(self, full: torch.Tensor, sources: int, what: str) -> list[torch.Tensor]:
-        """This rank's chunk of the first ``sources`` ranks' ``full``, in rank order."""
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None:
+        """The round: this rank's chunk of the first ``sources`` ranks' ``full``, in rank order."""
+        if sources is None:
+            raise ZeroMPIError(f"{what}: ordered rounds reduce once per round, given its sources")
         recv = torch.empty_like(full)
         self.group.all_to_all(full, recv, kind="reduce_scatter", what=what)
-        return [recv[r * self.chunk:(r + 1) * self.chunk] for r in range(sources)]
+        return Work.done([recv[r * self.chunk:(r + 1) * self.chunk] for r in range(sources)])
+
+    def finish(self, work: Work, what: str) -> list[torch.Tensor]:
+        return work.wait()
 
 
 class SummedRounds:
@@ -231,18 +235,18 @@ class SummedRounds:
     def __init__(self, group: ProcessGroup, replicate: ProcessGroup | None = None):
         self.group, self.replicate = group, replicate
 
-    def start(self, full: torch.Tensor, *, async_op: bool, what: str) -> Work | None:
-        raise ZeroMPIError(f"{what}: rounds reduce once per round, with round()")
-
-    finish = start
-
-    def round(self, full: torch.Tensor, sources: int, what: str) -> list[torch.Tensor]:
-        """This rank's chunk of the round's sum (each loss already scaled by 1/micro_batches), summed across
-        nodes under HSDP."""
+    def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None:
+        """The round: this rank's chunk of its sum (each loss already scaled by 1/micro_batches), summed
+        across nodes under HSDP."""
+        if sources is None:
+            raise ZeroMPIError(f"{what}: rounds reduce once per round, given its sources")
         reduced = self.group.reduce_scatter(full, what=what).wait()
         if self.replicate is not None:
             self.replicate.all_reduce(reduced, what=what)
-        return [reduced]
+        return Work.done([reduced])
+
+    def finish(self, work: Work, what: str) -> list[torch.Tensor]:
+        return work.wait()
 
 
 def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCodes | None, *,
