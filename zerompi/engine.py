@@ -209,16 +209,6 @@ class Engine:
         self.optimizer.abandon_backward()
         self.iteration.end_backward(ok=False)
 
-    @property
-    def window_backwards(self) -> int:
-        """Backward calls completed in the current accumulation window."""
-        return self.iteration.rounds_done
-
-    @property
-    def window_complete(self) -> bool:
-        """Whether the window's backward calls are all in (step() then updates)."""
-        return self.iteration.complete
-
     def step(self) -> bool:
         """Update at the end of an accumulation window; True when the parameters changed."""
         if not self.iteration.begin_step():

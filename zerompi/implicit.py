@@ -81,8 +81,8 @@ class ImplicitBackward:
 
     def watch(self, out: Any, before: Callable[[], None] | None = None) -> Any:
         """Hook the outputs of a forward (under grad mode); ``before`` runs as a backward through them
-        starts (a check that may refuse it). Returns ``out``."""
-        self.abandon()
+        starts (a check that may refuse it). Returns ``out``. Call ``abandon()`` before the forward: a
+        backward that raised must be undone before the next micro-batch starts."""
         if torch.is_grad_enabled():
             outputs = Outputs({id(t): t for t in tensors_of(out) if t.requires_grad and t.grad_fn is not None})
             for t in outputs.tensors.values():

@@ -81,7 +81,8 @@ class Iteration:
         self.window = len(micro.indices) if micro is not None else accum
         """Backward calls that complete a window on this rank."""
         self.phase = Phase.IDLE
-        self.done = 0  # backward calls completed in this window
+        self.done = 0
+        """Backward calls completed in this window (a backward in progress is round ``done``)."""
         self.step_calls = 0
         """step() calls since the engine was built or loaded, updating or not (DeepSpeed's micro_steps)."""
 
@@ -91,11 +92,6 @@ class Iteration:
             raise UsageError(f"the engine cannot go from {self.phase.name} to {to.name}"
                              + (f": {hint}" if hint else ""))
         self.phase = to
-
-    @property
-    def rounds_done(self) -> int:
-        """Backward calls completed in this window (a backward in progress is round ``rounds_done``)."""
-        return self.done
 
     @property
     def complete(self) -> bool:

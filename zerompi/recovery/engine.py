@@ -33,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from zerompi.build import EngineSpec, build_engine
@@ -95,23 +96,32 @@ class ResilientEngine:
         if current is None:  # not built yet
             raise AttributeError(name)
         if name in _VERBS:
-            return functools.partial(self.recovery.run, self, name, name)
+            return functools.partial(self._guarded, name)
         return getattr(current, name)
 
+    def _guarded(self, name: str, *args, **kwargs):
+        return self.recovery.run(self, name, lambda engine: getattr(engine, name)(*args, **kwargs))
+
     def __call__(self, *args, **kwargs):
-        return self.recovery.run(self, "forward", "__call__", *args, **kwargs)
+        return self.recovery.run(self, "forward", lambda engine: engine(*args, **kwargs))
 
     def backward(self, loss) -> None:
-        self.recovery.run(self, "backward", "backward", loss)
+        self._guarded("backward", loss)
         self.recovery.points.settled()  # its round's reduction ran on every rank: the last point is whole
 
     def end_backward(self, ok: bool) -> None:
-        self.recovery.run(self, "end_backward", "end_backward", ok)
+        self._guarded("end_backward", ok)
         if ok:
             self.recovery.points.settled()
 
     def step(self) -> bool:
-        return self.recovery.run(self, "step", "step")
+        return self.recovery.run(self, "step", self._step_and_point)
+
+    def _step_and_point(self, engine: Engine) -> bool:
+        """The step, then the recovery point it is due: a rank lost in either is recovered from."""
+        stepped = engine.step()
+        self.recovery.after_step(engine)
+        return stepped
 
     def close(self) -> None:
         self.current.close()
@@ -132,14 +142,12 @@ class FaultTolerance:
         self.points.save(engine)
 
     # ---- the guarded entry ------------------------------------------------------
-    def run(self, supervisor: ResilientEngine, during: str, verb: str, *args, **kwargs):
-        """The current engine's ``verb(*args, **kwargs)``; a lost rank noticed inside it is recovered from
-        (raises Recovered). ``step`` then takes the recovery point it is due: a rank lost there too."""
+    def run(self, supervisor: ResilientEngine, during: str, call: Callable[[Engine], Any]):
+        """``call(engine)`` on the current engine; a lost rank noticed inside it is recovered from
+        (raises Recovered naming ``during``)."""
         engine = supervisor.current
         try:
-            out = getattr(engine, verb)(*args, **kwargs)
-            if verb == "step":
-                self.after_step(engine)
+            out = call(engine)
         except Recovered:
             raise
         except BaseException as e:

@@ -102,9 +102,9 @@ class DeepSpeedEngine:
             raise UsageError("step() inside no_sync() (DeepSpeed refuses it too)")
         self.engine.implicit.abandon()
         boundary = self.is_gradient_accumulation_boundary()
-        if self._boundary is not None and boundary != self.engine.window_complete:
+        if self._boundary is not None and boundary != self.engine.iteration.complete:
             raise UsageError(f"step() with set_gradient_accumulation_boundary({boundary}) after "
-                             f"{self.engine.window_backwards} backward call(s) of a window of {self._batch.accum} "
+                             f"{self.engine.iteration.done} backward call(s) of a window of {self._batch.accum} "
                              "(the config's gradient_accumulation_steps): they must agree")
         self._step_applied = self.engine.step()
         self.tput_timer.stop(global_step=boundary)
