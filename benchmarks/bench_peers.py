@@ -9,7 +9,7 @@ fails or times out is recorded with its error and the run goes on.
 The whole list of rows runs ``--repeats`` times (default 3), interleaved: repeat 1 of every
 row, then repeat 2 of every row, and so on, so that a drifting machine hits every row alike.
 The report gives each row's median over repeats, their spread, and ratios with the range
-the spreads allow ("at parity" where it contains 1.0; peers/repeats.py).
+the spreads allow ("at parity" where it contains 1.0; harness/summary.py).
 
     benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py \
         [--sizes 20M,120M] [--np 2,4] [--cases 20M:2,120M:2] [--repeats 3] [--steps N]
@@ -22,26 +22,15 @@ Set up the venv first: ``bash benchmarks/setup_peers.sh``. Results go to
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import json
-import os
-import platform
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from harness import launch, markdown, repeats, rows, stamp, summary  # noqa: E402
 from peers import plots, report  # noqa: E402
-from peers import repeats as rp  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -83,7 +72,9 @@ ROWS = [
     Row("ds-2", "DeepSpeed ZeRO-2", "run_deepspeed.py", "2", 2),
     Row("ds-3", "DeepSpeed ZeRO-3", "run_deepspeed.py", "3", 3),
 ]
-MPICH_YIELD = {"MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_POSIX_POLL_FREQUENCY": "1"}
+MPICH_YIELD = launch.MPICH_YIELD
+# every row's job: DeepSpeed on CPU, and no FutureWarnings of the peers' in the rows' output
+PEER_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore::FutureWarning"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,94 +121,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def find_mpiexec(explicit: str | None) -> str:
-    for cand in (explicit, str(Path(sys.executable).parent / "mpiexec"), os.environ.get("ZEROMPI_MPIEXEC"),
-                 shutil.which("mpiexec")):
-        if cand and Path(cand).exists():
-            return cand
-    raise SystemExit("no mpiexec found: run benchmarks/setup_peers.sh or pass --mpiexec")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _first_line(cmd: list[str]) -> str:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-    return next((ln.strip() for ln in out.splitlines() if ln.strip()), "?")
-
-
 def machine_meta(args, mpiexec: str) -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
-               if ln.startswith("MemTotal"))
+    """The run's meta line: the machine and versions as the report's header reads them, and the settings."""
+    m, v = stamp.machine(), stamp.versions(("deepspeed", "mpich", "numpy"))
     return dict(
-        kind="meta", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        host=platform.node(), cpu=cpu, cores=len(os.sched_getaffinity(0)), mem_bytes=mem,
-        os=platform.platform(), python=platform.python_version(),
-        versions={d: _version(d) for d in ("torch", "deepspeed", "mpi4py", "mpich", "zerompi", "numpy")},
-        mpi=" ".join(_first_line([str(Path(mpiexec).parent / "mpichversion")]).split()),
-        zerompi_commit=_first_line(["git", "rev-parse", "--short", "HEAD"]),
+        date=stamp.utc_now(), host=m["host"], cpu=m["cpu"], cores=m["cpus_usable"],
+        mem_bytes=int(m["mem_gib"] * stamp.GiB), os=m["os"], python=v["python"],
+        versions={d: v[d] for d in ("torch", "deepspeed", "mpi4py", "mpich", "zerompi", "numpy")},
+        mpi=v["mpi"] or "?", mpiexec=mpiexec, zerompi_commit=stamp.commit(short=True),
         settings=dict(sizes=args.sizes, np=args.np, cases=[f"{s}:{n}" for s, n in args.case_list],
                       repeats=args.repeats, steps=args.steps, warmup=args.warmup, micro_batch=4,
                       seq=256, lr=3e-4, weight_decay=0.01, dtype="fp32", threads_per_rank=1,
                       bucket_mb=args.bucket_mb, seed=args.seed, mpich_yield=args.mpich_yield,
                       timeout_s=args.timeout),
-        loadavg_start=os.getloadavg())
-
-
-def _error_tail(text: str, lines: int = 6) -> str:
-    noise = ("Warning", "warnings.warn", "return func(", "built successfully")
-    keep = [ln for ln in text.splitlines() if ln.strip() and not any(n in ln for n in noise)]
-    return "\n".join(keep[-lines:])[-1500:]
+        loadavg_start=stamp.loadavg())
 
 
 def job_env(args, extra: tuple[tuple[str, str], ...] = ()) -> dict:
-    """The environment of one job: one thread per rank, gloo's rendezvous on 127.0.0.1 at a free port."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-               PYTHONWARNINGS="ignore::FutureWarning")
-    if args.mpich_yield:
-        env.update(MPICH_YIELD)
-    env.update(extra)
-    return env
-
-
-def run_job(cmd: list[str], env: dict, timeout: float) -> tuple[str, str, int | None]:
-    """Run one mpiexec job in its own process group: (status ok/failed/timeout, its output, exit code).
-
-    A job past ``timeout`` seconds gets SIGTERM, then SIGKILL, to its whole group (mpiexec and its ranks).
-    """
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-        return ("ok" if proc.returncode == 0 else "failed"), log or "", proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            log, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-        return "timeout", log or "", proc.returncode
-
-
-def job_error(status: str, log: str, code: int | None, timeout: float) -> str:
-    return (f"timed out after {timeout:.0f} s\n" if status == "timeout" else f"exit code {code}\n") + _error_tail(log)
+    """The environment of one row's job: gloo's rendezvous on 127.0.0.1 at a free port, DeepSpeed on CPU."""
+    return launch.job_env(args.mpich_yield, rendezvous=True,
+                          extra=(*PEER_ENV.items(), *extra))
 
 
 def run_row(row: Row, size: str, np_: int, args, mpiexec: str, prefix: tuple[str, ...] = (),
@@ -228,61 +151,36 @@ def run_row(row: Row, size: str, np_: int, args, mpiexec: str, prefix: tuple[str
     more arguments of the row's script (``--trace``).
     """
     out = Path(tempfile.mkstemp(prefix=f"peer-{row.key}-", suffix=".json")[1])
-    cmd = [mpiexec, "-n", str(np_), *prefix, sys.executable, "-m", "mpi4py", str(HERE / "peers" / row.runner),
-           "--size", size, "--variant", row.variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed), "--out", str(out), *extra]
-    base = dict(kind="row", row=row.key, label=row.label, size=size, np=np_, ideal_psi=row.ideal_psi,
-                loadavg_before=os.getloadavg())
-    t0 = time.perf_counter()
-    status, log, code = run_job(cmd, job_env(args, row.env), args.timeout)
-    base.update(wall_s=time.perf_counter() - t0, loadavg_after=os.getloadavg(), status=status)
+    cmd = launch.mpi_command(np_, HERE / "peers" / row.runner, "--size", size, "--variant", row.variant,
+                             "--steps", args.steps, "--warmup", args.warmup, "--bucket-mb", args.bucket_mb,
+                             "--seed", args.seed, "--out", out, *extra, mpiexec=mpiexec, prefix=tuple(prefix))
+    base = dict(row=row.key, label=row.label, size=size, np=np_, ideal_psi=row.ideal_psi)
     try:
-        if status == "ok":
-            base.update(json.loads(out.read_text()))
-    except (OSError, ValueError) as e:
-        base.update(status="failed", error=f"no result file: {e}")
+        outcome, result = launch.run_json(cmd, out, job_env(args, row.env), args.timeout)
     finally:
         out.unlink(missing_ok=True)
-    if status != "ok":
-        base["error"] = job_error(status, log, code, args.timeout)
-    return base
+    return dict(base, **outcome.record(), **(result or {}))
 
 
 def write_report(meta: dict, results: list[dict], args) -> None:
-    reading = Path(args.reading).read_text() if args.reading else None
-    md = args.out.with_suffix(".md")
-    md.write_text(report.markdown(meta, results, reading))
-    written = plots.write(rp.fold(results), args.out)
-    print(f"wrote {md}" + "".join(f", {p}" for p in written))
+    markdown.write(args.out.with_suffix(".md"), report.markdown(meta, results, markdown.reading(args.reading)))
+    for path in plots.write(summary.fold(results), args.out):
+        print(f"wrote {path}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     jsonl = args.out.with_suffix(".jsonl")
     if args.report_only:
-        lines = [json.loads(ln) for ln in jsonl.read_text().splitlines() if ln.strip()]
-        metas = [ln for ln in lines if ln["kind"] in ("meta", "meta_end")]  # meta_end adds the end load
-        write_report(dict(metas[-1], kind="meta"), [r for r in lines if r["kind"] == "row"], args)
+        write_report(*rows.split(rows.read(jsonl)), args)
         return
-    mpiexec = find_mpiexec(args.mpiexec)
-    meta = machine_meta(args, mpiexec)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    results = []
-    with open(jsonl, "w") as f:
-        f.write(json.dumps(meta) + "\n")
-        for repeat in range(args.repeats):  # round robin: every row's repeat k before any row's k+1
-            for size, np_ in args.case_list:
-                for row in args.row_list:
-                    r = dict(run_row(row, size, np_, args, mpiexec), repeat=repeat)
-                    results.append(r)
-                    f.write(json.dumps(r) + "\n")
-                    f.flush()
-                    shown = f"{r['step_s_median']:.2f} s/step" if r["status"] == "ok" else r["error"].splitlines()[0]
-                    print(f"repeat {repeat + 1}/{args.repeats} {size} np={np_} {row.label:34s} {r['status']:7s} "
-                          f"{shown} ({r['wall_s']:.0f} s)", flush=True)
-        meta["loadavg_end"] = os.getloadavg()
-        f.write(json.dumps(dict(meta, kind="meta_end")) + "\n")
-    write_report(meta, results, args)
+    mpiexec = launch.find_mpiexec(args.mpiexec)
+    cases = [(size, np_, row) for size, np_ in args.case_list for row in args.row_list]
+    with rows.RowLog(jsonl, machine_meta(args, mpiexec)) as log:
+        results = repeats.run(cases, args.repeats, lambda case, _: run_row(case[2], *case[:2], args, mpiexec), log,
+                              show=lambda r: f"{r['size']} np={r['np']} {r['label']:34s} {r['status']:7s} "
+                                             f"{repeats.shown_step(r)} ({r['wall_s']:.0f} s)")
+    write_report(log.meta, results, args)
 
 
 if __name__ == "__main__":

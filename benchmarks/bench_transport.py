@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import bench_lora_steps  # noqa: E402
 import bench_peers  # noqa: E402
-from peers import repeats as rp  # noqa: E402
+from harness import launch, markdown, paths, repeats, rows, stamp  # noqa: E402
+from harness import summary as rp  # noqa: E402
 from peers import transport_report  # noqa: E402
 
 DEFAULT_ROWS = "zerompi-1,zerompi-2,zerompi-3,ddp,fsdp2,ds-3"
@@ -116,8 +114,8 @@ def meta_of(args, mpiexec: str) -> dict:
             f"LoRA base of bench_lora_steps.py: Llama-style, {args.n_layer} layers, hidden {m['hidden']}, "
             f"intermediate {m['intermediate']}, vocabulary {m['vocab']}, bf16, LoRA r={m['lora_r']}, "
             f"{m['seq']} tokens per rank"))
-        meta["dirty"] = bench_lora_steps.git_state((*bench_lora_steps.SOURCES, "benchmarks/bench_transport.py",
-                                                    "benchmarks/peers/transport_worker.py"))[1]
+        meta["dirty"] = stamp.dirty((*bench_lora_steps.SOURCES, "benchmarks/bench_transport.py",
+                                     "benchmarks/peers/transport_worker.py"))
     return meta
 
 
@@ -135,7 +133,7 @@ def trace_job(row, np_: int, args, mpiexec: str) -> dict:
     return bench_peers.run_row(row, args.size, np_, targs, mpiexec, extra=("--trace",))
 
 
-def trace_rows(args, mpiexec: str, out) -> list[dict]:
+def trace_rows(args, mpiexec: str, log: rows.RowLog) -> list[dict]:
     """Each row once per world size with --trace: the collectives of one timed step."""
     traces = []
     for np_ in args.np_list:
@@ -146,32 +144,21 @@ def trace_rows(args, mpiexec: str, out) -> list[dict]:
                      bytes_per_step_kinds=r.get("bytes_per_step_kinds"), error=r.get("error", ""))
             if r["status"] == "ok" and not t["calls"]:
                 t.update(status="failed", error="no calls traced")
-            traces.append(t)
-            out.write(json.dumps(t) + "\n")
-            out.flush()
+            traces.append(log.add(t))
             print(f"trace np={np_} {row.label:34s} {t['status']:7s} {len(t['calls'])} calls", flush=True)
     return traces
 
 
 def time_job(transport: str, np_: int, repeat: int, plan: Path, args, mpiexec: str) -> dict:
     res = Path(tempfile.mkstemp(prefix=f"transport-{transport}-", suffix=".json")[1])
-    cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "mpi4py", str(HERE / "peers" / "transport_worker.py"),
-           "--transport", transport, "--plan", str(plan), "--iters", str(args.iters), "--warmup", str(args.warmup),
-           "--out", str(res)]
-    base = dict(kind="time", transport=transport, np=np_, repeat=repeat, loadavg_before=os.getloadavg())
-    t0 = time.perf_counter()
-    status, log, code = bench_peers.run_job(cmd, bench_peers.job_env(args), args.timeout)
-    base.update(wall_s=time.perf_counter() - t0, loadavg_after=os.getloadavg(), status=status)
+    cmd = launch.mpi_command(np_, HERE / "peers" / "transport_worker.py", "--transport", transport, "--plan", plan,
+                             "--iters", args.iters, "--warmup", args.warmup, "--out", res, mpiexec=mpiexec)
     try:
-        if status == "ok":
-            base["rows"] = json.loads(res.read_text())
-    except (OSError, ValueError) as e:
-        base.update(status="failed", error=f"no result file: {e}")
+        outcome, result = launch.run_json(cmd, res, bench_peers.job_env(args), args.timeout)
     finally:
         res.unlink(missing_ok=True)
-    if status != "ok":
-        base["error"] = bench_peers.job_error(status, log, code, args.timeout)
-    return base
+    return dict(kind="time", transport=transport, np=np_, repeat=repeat, **outcome.record(),
+                **({"rows": result} if result is not None else {}))
 
 
 def load_peers(prefixes: str | None) -> list[dict]:
@@ -180,56 +167,51 @@ def load_peers(prefixes: str | None) -> list[dict]:
     for prefix in (prefixes or "").split(","):
         if not prefix:
             continue
-        path = Path(prefix).with_suffix(".jsonl").resolve()
-        lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-        runs.append(dict(name=str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
-                         meta=[ln for ln in lines if ln["kind"] in ("meta", "meta_end")][-1],
-                         rows=rp.fold([r for r in lines if r["kind"] == "row"])))
+        path = Path(prefix).with_suffix(".jsonl")
+        meta, found = rows.split(rows.read(path))
+        runs.append(dict(name=paths.shown(path), meta=meta, rows=rp.fold(found)))
     return runs
 
 
-def step_jobs(repeat: int, args, mpiexec: str, out) -> list[dict]:
-    """--with-steps: one step-time job per row (as bench_lora_steps.py times them), written as its records."""
-    rows = []
+def step_jobs(repeat: int, args, mpiexec: str, log: rows.RowLog) -> list[dict]:
+    """--with-steps: one step-time job per row (as bench_lora_steps.py times them), written as its rows."""
+    steps = []
     for np_ in args.np_list:
         for row in args.row_list:
-            r = dict(bench_lora_steps.run_row(row.key, lora_args(args, np_, 4, 1), mpiexec), repeat=repeat)
-            rows.append(r)
-            out.write(json.dumps(r) + "\n")
-            out.flush()
-            shown = f"{r['step_s_median']:.2f} s/step" if r["status"] == "ok" else r["error"].splitlines()[0]
-            print(f"repeat {repeat + 1}/{args.repeats} np={np_} steps {row.label:30s} {r['status']:7s} {shown}",
-                  flush=True)
-    return rows
+            r = log.add(dict(bench_lora_steps.run_row(row.key, lora_args(args, np_, 4, 1), mpiexec), repeat=repeat))
+            steps.append(r)
+            print(f"repeat {repeat + 1}/{args.repeats} np={np_} steps {row.label:30s} {r['status']:7s} "
+                  f"{repeats.shown_step(r)}", flush=True)
+    return steps
+
+
+def time_jobs(repeat: int, plans: dict, args, mpiexec: str, log: rows.RowLog) -> list[dict]:
+    """One repeat of the replay jobs: per world size both transports, which goes first alternating."""
+    times = []
+    for np_ in args.np_list:
+        for transport in (("mpi", "gloo") if repeat % 2 == 0 else ("gloo", "mpi")):
+            t = log.add(time_job(transport, np_, repeat, plans[np_], args, mpiexec))
+            times.append(t)
+            shown = ", ".join(f"{k} {v['median']:.3f}" for k, v in t.get("rows", {}).items()) or \
+                t.get("error", "").splitlines()[0]
+            print(f"repeat {repeat + 1}/{args.repeats} np={np_} {transport:4s} {t['status']:7s} {shown} "
+                  f"({t['wall_s']:.0f} s)", flush=True)
+    return times
 
 
 def write_report(meta: dict, traces: list[dict], times: list[dict], args, steps: list[dict] = ()) -> None:
-    reading = Path(args.reading).read_text() if args.reading else None
     md = args.out.with_suffix(".md")
     runs = load_peers(args.peers)
     if steps:
         runs.append(dict(name=f"{md.with_suffix('.jsonl').name}: the step jobs of each repeat", meta=meta,
                          rows=rp.fold(list(steps))))
-    md.write_text(transport_report.markdown(meta, traces, times, runs, reading))
-    print(f"wrote {md}")
+    markdown.write(md, transport_report.markdown(meta, traces, times, runs, markdown.reading(args.reading)))
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    jsonl = args.out.with_suffix(".jsonl")
-    if args.report_only:
-        lines = [json.loads(ln) for ln in jsonl.read_text().splitlines() if ln.strip()]
-        meta = [ln for ln in lines if ln["kind"] in ("meta", "meta_end")][-1]
-        write_report(meta, [t for t in lines if t["kind"] == "trace"], [t for t in lines if t["kind"] == "time"], args,
-                     [t for t in lines if t["kind"] == "row"])
-        return
-    mpiexec = bench_peers.find_mpiexec(args.mpiexec)
-    meta = meta_of(args, mpiexec)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    times, steps = [], []
-    with open(jsonl, "w") as f, tempfile.TemporaryDirectory() as tmp:
-        f.write(json.dumps(meta) + "\n")
-        traces = trace_rows(args, mpiexec, f)
+def measure(args, mpiexec: str, log: rows.RowLog) -> tuple[list, list, list]:
+    """Trace every row, then the interleaved repeats of the replay jobs (and, --with-steps, the step jobs)."""
+    traces, times, steps = trace_rows(args, mpiexec, log), [], []
+    with tempfile.TemporaryDirectory() as tmp:
         plans = {}
         for np_ in args.np_list:
             plans[np_] = Path(tmp) / f"plan-{np_}.json"
@@ -237,21 +219,24 @@ def main(argv=None) -> None:
                                               if t["np"] == np_ and t["status"] == "ok"}))
         for repeat in range(args.repeats):
             if args.with_steps:
-                steps += step_jobs(repeat, args, mpiexec, f)
-            for np_ in args.np_list:
-                order = ("mpi", "gloo") if repeat % 2 == 0 else ("gloo", "mpi")
-                for transport in order:
-                    t = time_job(transport, np_, repeat, plans[np_], args, mpiexec)
-                    times.append(t)
-                    f.write(json.dumps(t) + "\n")
-                    f.flush()
-                    shown = ", ".join(f"{k} {v['median']:.3f}" for k, v in t.get("rows", {}).items()) or \
-                        t.get("error", "").splitlines()[0]
-                    print(f"repeat {repeat + 1}/{args.repeats} np={np_} {transport:4s} {t['status']:7s} {shown} "
-                          f"({t['wall_s']:.0f} s)", flush=True)
-        meta["loadavg_end"] = os.getloadavg()
-        f.write(json.dumps(dict(meta, kind="meta_end")) + "\n")
-    write_report(meta, traces, times, args, steps)
+                steps += step_jobs(repeat, args, mpiexec, log)
+            times += time_jobs(repeat, plans, args, mpiexec, log)
+    return traces, times, steps
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    jsonl = args.out.with_suffix(".jsonl")
+    if args.report_only:
+        lines = rows.read(jsonl)
+        meta, steps = rows.split(lines)
+        write_report(meta, [t for t in lines if t["kind"] == "trace"], [t for t in lines if t["kind"] == "time"],
+                     args, steps)
+        return
+    mpiexec = launch.find_mpiexec(args.mpiexec)
+    with rows.RowLog(jsonl, meta_of(args, mpiexec)) as log:
+        traces, times, steps = measure(args, mpiexec, log)
+    write_report(log.meta, traces, times, args, steps)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_peers  # noqa: E402
+from harness import launch, markdown, rows  # noqa: E402
 
 # innermost-first: the first part whose marker is in a frame's file takes the sample
 PARTS = (
@@ -143,19 +144,16 @@ def main(argv=None) -> None:
         raise SystemExit("py-spy not found: pip install py-spy into this venv")
     peer_args = bench_peers.parse_args(["--rows", args.rows, "--steps", str(args.steps),
                                         "--warmup", str(args.warmup)])
-    mpiexec = bench_peers.find_mpiexec(None)
-    rows = []
-    for row in peer_args.row_list:
-        r = profile_row(row, args.size, args.np, peer_args, mpiexec, spy, args.rate)
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+    mpiexec = launch.find_mpiexec(None)
     out = Path(args.out)
-    out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = report(rows)
+    with rows.RowLog(out.with_suffix(".jsonl")) as log:
+        for row in peer_args.row_list:
+            r = log.add(profile_row(row, args.size, args.np, peer_args, mpiexec, spy, args.rate))
+            print(json.dumps({k: v for k, v in r.items() if k != "stamp"}), flush=True)
+    text = report(log.rows)
     if args.reading:
-        text += "\n## Reading\n\n" + Path(args.reading).read_text()
-    out.with_suffix(".md").write_text(text)
-    print(text)
+        text += "\n## Reading\n\n" + markdown.reading(args.reading)
+    markdown.write(out.with_suffix(".md"), text)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """The markdown report of a bench_peers.py run: header, one table per size x world size, targets.
 
-The rows' repeats are folded first (repeats.py): step time is the median over repeats of each
+The rows' repeats are folded first (harness/summary.py): step time is the median over repeats of each
 repeat's median step, with the spread (min-max) of those, and ratios carry the range the two
 rows' spreads allow; a ratio whose range contains 1.0 is "at parity".
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
-from . import repeats as rp
+from harness import summary as rp
+from harness.markdown import load as _la
+from harness.markdown import short_error
 
 MiB = 2**20
 LOSS_TOLERANCE = 1e-3
@@ -54,17 +55,6 @@ def header(meta: dict) -> str:
         "shows here and in each row's spread.",
         "",
     ])
-
-
-def _la(la) -> str:
-    return "/".join(f"{x:.2f}" for x in la)
-
-
-def short_error(r: dict) -> str:
-    """The first line of a failed row's error (exit code or timeout) and its exception, if one shows."""
-    lines = r.get("error", "").splitlines() or ["?"]
-    raised = [ln.strip() for ln in lines[1:] if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", ln.strip())]
-    return (lines[0] + (f": {raised[-1]}" if raised else "")).replace("|", "/")[:200]
 
 
 def _cells(r: dict, ddp: dict | None) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from . import report
+from harness.markdown import load, short_error
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC", "reduce": "R",
@@ -65,7 +65,7 @@ def trace_table(traces: list[dict], np_: int) -> list[str]:
         if t["np"] != np_:
             continue
         if t["status"] != "ok":
-            lines.append(f"| {t['label']} | {t['status'].upper()}: {report.short_error(t)} | | | | |")
+            lines.append(f"| {t['label']} | {t['status'].upper()}: {short_error(t)} | | | | |")
             continue
         calls, summ = t["calls"], call_summary(t["calls"])
         other = ", ".join(f"{n} {SHORT[op]} ({mb:.3f} MB)" for op, (n, mb) in summ.items() if op not in OPS[:3])
@@ -140,7 +140,7 @@ def header(meta: dict) -> list[str]:
         f"(after {s['trace_warmup']} warm-up step) of each row; each row's calls replayed {s['warmup']} + "
         f"{s['iters']} times per job, {s['repeats']} interleaved repeats of every (ranks, transport) job"
         + ("; MPICH ranks yield while waiting" if s["mpich_yield"] else ""),
-        f"- load average (1, 5, 15 min) at start {report._la(la0)}, at end {report._la(la1)}", "",
+        f"- load average (1, 5, 15 min) at start {load(la0)}, at end {load(la1)}", "",
     ]
 
 
@@ -190,7 +190,7 @@ def markdown(meta: dict, traces: list[dict], times: list[dict], peers: list[dict
     failed = [t for t in times if t["status"] != "ok"]
     if failed:
         parts += ["Failed jobs (left out):", ""] + [
-            f"- {t['np']} ranks, {TRANSPORTS[t['transport']]}, repeat {t['repeat']}: {report.short_error(t)}"
+            f"- {t['np']} ranks, {TRANSPORTS[t['transport']]}, repeat {t['repeat']}: {short_error(t)}"
             for t in failed] + [""]
     for run in peers or []:
         gaps = gap_table(folded, run["rows"], meta["settings"]["size"],

@@ -1,7 +1,9 @@
-"""Fold a bench_peers.py run's repeats into one record per row, and compare rows with their spread.
+"""Median and spread: of a list of repeats, of a timed row's repeats, and of the ratio of two rows.
 
-Every row runs ``--repeats`` times, interleaved (repeat 1 of every row, then repeat 2, ...), each
-repeat its own mpiexec job recorded as its own ``row`` line in the jsonl. A repeat's step time
+``spread(values)`` is the summary every table cell of "median (min–max)" is made of.
+
+A timed row runs ``--repeats`` times, interleaved (repeats.py), each repeat its own mpiexec job
+recorded as its own ``row`` line in the jsonl. A repeat's step time
 is the median over its timed steps of the slowest rank's step; a row's step time is the median
 of its repeats' step times, and its spread the min-max of them.
 
@@ -15,6 +17,16 @@ import statistics
 from collections import defaultdict
 
 PARITY = "at parity"
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min and max; ``samples`` in repeat order."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": list(values)}
+
+
+def fmt_spread(s: dict, fmt: str = "{:.2f}") -> str:
+    """``median (min–max)``."""
+    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
 
 
 def fold(results: list[dict]) -> list[dict]:
