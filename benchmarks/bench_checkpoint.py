@@ -13,13 +13,10 @@ benchmarks/results/checkpoint.{md,jsonl} (with --quick: DIR/zerompi-ckpt-bench-q
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,12 +26,14 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE / "workers")]  # run from a checkout, uninstalled
+sys.path[:0] = [str(HERE), str(HERE / "workers")]  # the harness; the worker's helpers
 import ckpt_bench_worker as worker  # noqa: E402
-from zerompi.tools.mpirun import mpiexec  # noqa: E402
-from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
+from harness import launch, markdown, rows, stamp  # noqa: E402
+from harness.markdown import table as _table  # noqa: E402
+from harness.summary import spread as summary  # noqa: E402
 
 log = logging.getLogger("bench_checkpoint")
+ENV = launch.job_env(mpich_yield=True)
 MiB, GiB = 1 << 20, 1 << 30
 MODELS = {"full": dict(n_layer=12, n_embd=1024, n_head=16, block=64),
           "quick": dict(n_layer=6, n_embd=512, n_head=8, block=64)}
@@ -54,24 +53,18 @@ ASYNC = {"zerompi async (live shards)": ("zerompi", "async_False", "step_False")
          "torch DCP async_save (FSDP2)": ("dcp", "async", "step")}
 
 
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
-
-
 def run_worker(world: int, scratch: Path, model: dict, args) -> dict:
     """One MPI job: its JSON and wall time."""
     shutil.rmtree(scratch / "ckpt", ignore_errors=True)
     out = scratch / f"w{world}.json"
-    cmd = [*mpiexec(), "-n", str(world), sys.executable, "-m", "mpi4py", worker.__file__, "--root",
-           str(scratch / "ckpt"), "--out", str(out), "--repeats", str(args.repeats),
-           *(["--no-peer"] if args.no_peer else []), *(f"--{k.replace('_', '-')}={v}" for k, v in model.items())]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=_mpi_env(ROOT), cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    for line in (ln for ln in proc.stderr.splitlines() if "ranks]" in ln and "bucket " not in ln):
+    cmd = launch.mpi_command(world, worker.__file__, "--root", scratch / "ckpt", "--out", out, "--repeats",
+                             args.repeats, *(["--no-peer"] if args.no_peer else []),
+                             *(f"--{k.replace('_', '-')}={v}" for k, v in model.items()))
+    job, result = launch.run_json(cmd, out, ENV)
+    job.check()
+    for line in (ln for ln in job.output.splitlines() if "ranks]" in ln and "bucket " not in ln):
         log.info("%s", line)
-    return {**json.loads(out.read_text()), "job_seconds": time.perf_counter() - t0}
+    return {**result, "job_seconds": job.wall_s}
 
 
 def last_checkpoint(scratch: Path, model: dict) -> Path:
@@ -81,8 +74,7 @@ def last_checkpoint(scratch: Path, model: dict) -> Path:
             "a = argparse.Namespace(**{k: int(v) for k, v in zip(sys.argv[3::2], sys.argv[4::2])}, layout='auto')\n"
             "e, _, _ = w.build_engine(a, 0); e.save_checkpoint(sys.argv[2], 'c'); e.close()\n")
     kv = [x for k, v in model.items() for x in (k, str(v))]
-    subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-c", code, str(HERE / "workers"), str(root),
-                    *kv], env=_mpi_env(ROOT), cwd=ROOT, check=True, capture_output=True, timeout=1800)
+    launch.run(launch.mpi_command(2, "-c", code, HERE / "workers", root, *kv), ENV).check()
     return root
 
 
@@ -97,7 +89,7 @@ def consolidation(root: Path, scratch: Path) -> list[dict]:
     rows = []
     for name, cmd in cases:  # each reads the checkpoint cold
         worker.evict(worker.files_under(root))
-        seconds, peak, text = worker.child_peak_rss(cmd, _mpi_env(ROOT), ROOT)
+        seconds, peak, text = worker.child_peak_rss(cmd, ENV, ROOT)
         rows.append({"case": name, "seconds": seconds, "peak_rss": peak, "output": text[-200:]})
         log.info("%s: peak RSS %.0f MiB in %.1f s", name, peak / MiB, seconds)
     with open(out, "rb") as f:
@@ -169,7 +161,7 @@ def breakdown(reps: list[list[dict]], parts: dict) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in per) for k in per[0]}
 
 
-def rows(data: dict) -> list[dict]:
+def measurements_of(data: dict) -> list[dict]:
     """One object per measurement, for checkpoint.jsonl."""
     reps, job = per_rep(data), data["job"]
     out = [{"kind": "repeat", **r} for r in reps]
@@ -186,25 +178,7 @@ def rows(data: dict) -> list[dict]:
 
 
 def machine(directory: Path) -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    mount = max((m for m in map(str.split, open("/proc/mounts")) if directory.resolve().is_relative_to(m[1])),
-                key=lambda m: len(m[1]))
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": os.uname().release,
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
-            "dir": str(directory), "fs": mount[2], "device": mount[0], "python": sys.version.split()[0]}
-
-
-def _cell(c) -> str:  # a summary reads "median (min–max)"
-    return f"{c['median']:.2f} ({c['min']:.2f}–{c['max']:.2f})" if isinstance(c, dict) else str(c)
-
-
-def _table(head: list[str], body: list[list]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|---" * len(head) + "|",
-            *("| " + " | ".join(map(_cell, r)) + " |" for r in body), ""]
-
-
-def _med(values: list[float]) -> dict:
-    return summary(values)
+    return stamp.disk_machine(directory)
 
 
 def _pct(c: dict) -> str:
@@ -250,11 +224,11 @@ def _wins(reps: list[dict], key: str) -> str:
 
 def shares(reps: list[dict]) -> dict[str, dict]:
     """Each row's share of raw, per repeat: raw's time for as many bytes / the row's time (= its GiB/s / raw's)."""
-    out = {"zerompi save (synchronous)": _med([r["raw_write"] / r["save"] for r in reps]),
-           "zerompi cold load": _med([r["raw_read"] / r["load_cold"] for r in reps])}
+    out = {"zerompi save (synchronous)": summary([r["raw_write"] / r["save"] for r in reps]),
+           "zerompi cold load": summary([r["raw_read"] / r["load_cold"] for r in reps])}
     if "dcp_save" in reps[0]:
-        out["DCP save (FSDP2)"] = _med([r["raw_write"] * r["dcp_bytes"] / r["bytes"] / r["dcp_save"] for r in reps])
-        out["DCP cold load (FSDP2)"] = _med([r["raw_read"] * r["dcp_bytes"] / r["bytes"] / r["dcp_load_cold"]
+        out["DCP save (FSDP2)"] = summary([r["raw_write"] * r["dcp_bytes"] / r["bytes"] / r["dcp_save"] for r in reps])
+        out["DCP cold load (FSDP2)"] = summary([r["raw_read"] * r["dcp_bytes"] / r["bytes"] / r["dcp_load_cold"]
                                              for r in reps])
     return out
 
@@ -263,7 +237,7 @@ def raw_table(reps: list[dict]) -> list[str]:
     """Every raw way: its GiB/s and the repeats in which it was the fastest."""
     body = []
     for name in reps[0]["raw_ways"]:
-        gib = {k: _med([r["bytes"] / GiB / r["raw_ways"][name][k] for r in reps]) for k in ("write", "read")}
+        gib = {k: summary([r["bytes"] / GiB / r["raw_ways"][name][k] for r in reps]) for k in ("write", "read")}
         label = name + (" (page cache)" if name.startswith("buffered") else "")
         body.append([label + (", the earlier raw row" if name == "buffered, 1 thread, 8 MiB" else ""),
                      gib["write"], gib["read"], sum(r["raw_write_by"] == name for r in reps),
@@ -273,7 +247,7 @@ def raw_table(reps: list[dict]) -> list[str]:
 
 
 def tables(data: dict, reps: list[dict]) -> list[str]:
-    gib = lambda key, nb="bytes": _med([r[nb] / GiB / r[key] for r in reps])  # noqa: E731
+    gib = lambda key, nb="bytes": summary([r[nb] / GiB / r[key] for r in reps])  # noqa: E731
     share = shares(reps)
     body = [["zerompi save (synchronous)", gib("save"), _pct(share["zerompi save (synchronous)"]), "raw write + fsync"],
             ["zerompi cold load", gib("load_cold"), _pct(share["zerompi cold load"]), "raw cold read"],
@@ -299,14 +273,14 @@ def tables(data: dict, reps: list[dict]) -> list[str]:
             continue
         a = [r[label] for r in reps]
         steps = len(a[0]["steps"])
-        arows.append([label, _med([x["call"] for x in a]), _med([x["fence"] for x in a]),
-                      _pct(_med([x["blocked"] / x["sync_save"] for x in a])),
-                      *(_med([x["steps"][i] for x in a]) for i in range(steps)), _med([x["wait"] for x in a]),
-                      _med([x["total"] for x in a]), _med([x["sync_save"] for x in a])])
+        arows.append([label, summary([x["call"] for x in a]), summary([x["fence"] for x in a]),
+                      _pct(summary([x["blocked"] / x["sync_save"] for x in a])),
+                      *(summary([x["steps"][i] for x in a]) for i in range(steps)), summary([x["wait"] for x in a]),
+                      summary([x["total"] for x in a]), summary([x["sync_save"] for x in a])])
     out += _table(["asynchronous save", "call s", "fence waits s", "blocked / synchronous save",
                    *(f"step {i + 1} / step without save" for i in range(len(reps[0][next(iter(ASYNC))]["steps"]))),
                    "wait after the steps s", "call → done s", "synchronous save s"], arows)
-    parts = next(r for r in rows(data) if r["kind"] == "breakdown")
+    parts = next(r for r in measurements_of(data) if r["kind"] == "breakdown")
     for kind, label in (("save", "synchronous save"), ("load_cold", "cold load")):
         out += _table([f"zerompi {label}, seconds per rank (median)", "s"],
                       [[k, f"{v:.2f}"] for k, v in parts[kind].items()])
@@ -345,7 +319,7 @@ def reading(reps: list[dict]) -> str:
             "different from the target.")
 
 
-def markdown(data: dict, out: list[dict]) -> str:
+def markdown_report(data: dict, out: list[dict]) -> str:
     reps = [r for r in out if r["kind"] == "repeat"]
     cons = [r for r in out if r["kind"] == "consolidation"]
     return "\n".join(header(data) + tables(data, reps) + consolidation_table(cons) + [reading(reps), ""])
@@ -372,28 +346,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.render:
         return report(json.loads(args.render.read_text()), args.out)
     scratch = Path(tempfile.mkdtemp(prefix="zerompi-ckpt-bench-", dir=args.dir))
-    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    t0, load0 = time.perf_counter(), stamp.loadavg()[0]
     try:
         data = measure(args, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    git = [subprocess.run(["git", "-C", str(ROOT), *c], capture_output=True, text=True).stdout.split() for c in
-           (["rev-parse", "--short", "HEAD"], ["diff", "--name-only", "HEAD", "--", "zerompi"])]  # read-only
-    commit = (git[0] or ["unknown"])[0] + (f" with local changes to {', '.join(git[1])}" if git[1] else "")
-    data["meta"] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
-                    "repeats": args.repeats, "commit": commit, "machine":
-                    machine(args.dir), "run_seconds": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]]}
+    changed = stamp.dirty(("zerompi",))
+    commit = stamp.commit(short=True) + (f" with local changes to {', '.join(changed)}" if changed else "")
+    data["meta"] = {"date": stamp.utc_now(), "quick": args.quick, "repeats": args.repeats, "commit": commit,
+                    "machine": machine(args.dir), "run_seconds": time.perf_counter() - t0,
+                    "load": [load0, stamp.loadavg()[0]]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "checkpoint.json").write_text(json.dumps(data))  # what the report is made of (--render)
     report(data, args.out)
 
 
 def report(data: dict, out: Path) -> None:
-    measurements = rows(data)
-    (out / "checkpoint.jsonl").write_text("".join(json.dumps(r) + "\n" for r in measurements))
-    (out / "checkpoint.md").write_text(text := markdown(data, measurements))
-    log.info("results in %s", out)
-    print(text)
+    measurements = measurements_of(data)
+    rows.write(out / "checkpoint.jsonl", measurements)
+    markdown.write(out / "checkpoint.md", markdown_report(data, measurements))
 
 
 if __name__ == "__main__":

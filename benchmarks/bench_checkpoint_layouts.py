@@ -11,7 +11,6 @@ benchmarks/results/checkpoint_layouts.{json,md} (with --quick: under DIR).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import shutil
@@ -28,7 +27,8 @@ sys.path[:0] = [str(ROOT), str(HERE / "workers")]
 import rawdisk  # noqa: E402  (beside this file)
 import ckpt_bench_worker as worker  # noqa: E402
 from bench_checkpoint import MODELS, machine  # noqa: E402
-from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
+from harness import launch, markdown, stamp  # noqa: E402
+from harness.summary import fmt_spread, spread  # noqa: E402
 
 log = logging.getLogger("bench_checkpoint_layouts")
 GiB = 1 << 30
@@ -39,20 +39,15 @@ LAYOUTS = ("per_rank", "shared")
 def run_job(layout: str, ranks: int, scratch: Path, model: dict, repeats: int) -> dict:
     shutil.rmtree(scratch / "ckpt", ignore_errors=True)
     out = scratch / f"{layout}.json"
-    env = {k: v for k, v in _mpi_env(ROOT).items() if not k.startswith(("OMPI_MCA_", "MPIR_"))}
-    cmd = ["mpiexec.openmpi", "--oversubscribe", "-n", str(ranks), str(VENV / "bin" / "python"), "-m", "mpi4py",
-           worker.__file__, "--root", str(scratch / "ckpt"), "--out", str(out), "--repeats", str(repeats),
-           "--layout", layout, *(f"--{k.replace('_', '-')}={v}" for k, v in model.items())]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}")
-    data = json.loads(out.read_text())
+    # Debian's Open MPI picks its own transports; MPICH's settings mean nothing to it
+    env = {k: v for k, v in launch.job_env(mpich_yield=False).items() if not k.startswith(("OMPI_MCA_", "MPIR_"))}
+    cmd = launch.mpi_command(ranks, worker.__file__, "--root", scratch / "ckpt", "--out", out, "--repeats", repeats,
+                             "--layout", layout, *(f"--{k.replace('_', '-')}={v}" for k, v in model.items()),
+                             mpiexec=["mpiexec.openmpi", "--oversubscribe"], python=VENV / "bin" / "python")
+    job, data = launch.run_json(cmd, out, env)
+    job.check()
     files = sorted(p.name for p in (scratch / "ckpt" / f"rep{repeats - 1}").iterdir())
     return {**data, "files": files}
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def summarise(job: dict) -> dict:
@@ -60,7 +55,7 @@ def summarise(job: dict) -> dict:
     out = {}
     for kind in ("save", "load_warm", "load_cold"):
         rates = [r["bytes"] / max(x["seconds"] for x in r[kind]) / GiB for r in job["reps"]]
-        out[kind] = {"median": _median(rates), "min": min(rates), "max": max(rates)}
+        out[kind] = spread(rates)
     out["bytes"] = job["reps"][0]["bytes"]
     return out
 
@@ -77,10 +72,10 @@ def raw(scratch: Path, nbytes: int, repeats: int) -> dict:
         worker.raw_read(path, size, False, 2, block, bufs)
         rates.append({"write": size / GiB / (t1 - t0), "read_cold": size / GiB / (time.perf_counter() - t1)})
         path.unlink()
-    return {k: _median([r[k] for r in rates]) for k in ("write", "read_cold")}
+    return {k: statistics.median([r[k] for r in rates]) for k in ("write", "read_cold")}
 
 
-def markdown(data: dict) -> str:
+def markdown_report(data: dict) -> str:
     m, raw_io = data["machine"], data["raw"]
     lines = [
         "# Checkpoint layouts: one file per rank against one shared file (MPI-IO)", "",
@@ -95,9 +90,8 @@ def markdown(data: dict) -> str:
         "|---|---|---|---|---|---|---|"]
     for layout in LAYOUTS:
         s = data["layouts"][layout]
-        cell = lambda k: f"{s[k]['median']:.2f} ({s[k]['min']:.2f}–{s[k]['max']:.2f})"  # noqa: E731
-        lines.append(f"| {layout} | {', '.join(data['files'][layout])} | {cell('save')} | {cell('load_warm')} | "
-                     f"{cell('load_cold')} | {100 * s['save']['median'] / raw_io['write']:.0f}% | "
+        lines.append(f"| {layout} | {', '.join(data['files'][layout])} | {fmt_spread(s['save'])} | "
+                     f"{fmt_spread(s['load_warm'])} | {fmt_spread(s['load_cold'])} | {100 * s['save']['median'] / raw_io['write']:.0f}% | "
                      f"{100 * s['load_cold']['median'] / raw_io['read_cold']:.0f}% |")
     lines += ["", f"Raw on the same disk: write + fsync {raw_io['write']:.2f} GiB/s, cold read "
               f"{raw_io['read_cold']:.2f} GiB/s.", "", data["reading"], ""]
@@ -138,10 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     versions = subprocess.run([str(VENV / "bin" / "python"), "-c", "import h5py; print(h5py.version.version, "
                                "h5py.version.hdf5_version)"], capture_output=True, text=True).stdout.split()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    data = {"machine": machine(args.dir), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": commit, "command": "python benchmarks/bench_checkpoint_layouts.py"
+    data = {"machine": machine(args.dir), "date": stamp.utc_now(), "commit": stamp.commit(short=True),
+            "stamp": stamp.stamp(), "command": "python benchmarks/bench_checkpoint_layouts.py"
             + (" --quick" if args.quick else ""), "model": model, "params": jobs["shared"]["params"],
             "ranks": args.ranks, "repeats": repeats, "h5py": versions[0], "hdf5": versions[1],
             "layouts": layouts, "files": {k: v["files"] for k, v in jobs.items()}, "raw": raw_io}
@@ -149,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or (scratch.parent / "zerompi-ckpt-layouts-results" if args.quick else HERE / "results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "checkpoint_layouts.json").write_text(json.dumps(data, indent=1))
-    (out / "checkpoint_layouts.md").write_text(markdown(data))
-    print(markdown(data))
+    print(markdown.write(out / "checkpoint_layouts.md", markdown_report(data)).read_text())
 
 
 if __name__ == "__main__":

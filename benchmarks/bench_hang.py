@@ -1,4 +1,4 @@
-"""A hang names its culprit: the injected faults of tests/mpi/test_hang.py, timed, and the recorder's cost.
+"""A hang names its culprit: the injected faults of tests/mpi/test_hang.py (a copy of its table), timed, and the recorder's cost.
 
     .venv/bin/python benchmarks/bench_hang.py faults [--ranks 2 3 4] [--ranks 16] [--only FAULT ...]
     .venv/bin/python benchmarks/bench_hang.py cost [--ranks 2 4]
@@ -19,49 +19,76 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
+import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from tests.mpi.launcher import mpi_env, mpiexec  # noqa: E402
-from tests.mpi.test_hang import CASES, Job  # noqa: E402
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import launch, rows  # noqa: E402
+from harness.paths import RESULTS, ROOT, WORKERS  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
-JSONL, MD = RESULTS / "hang.jsonl", RESULTS / "hang.md"
+OUT = RESULTS / "hang"  # hang.jsonl (every run's rows, appended) and hang.md
+# The fault injector is the tests' worker: the benchmark times the very faults the tests judge. It is run
+# as a script, never imported.
+HANG_WORKER = ROOT / "tests" / "mpi" / "workers" / "hang.py"
+JOB_TIMEOUT_S = 180.0
+
+# fault, ranks, what the culprit's line says, a frame of its stack (None: no stack, a missing rank).
+# A copy of tests/mpi/test_hang.py's CASES (the benchmark does not import the tests): when a case is
+# added there, add it here too.
+CASES = [
+    ("extra_microbatch", 2, "waiting", "in train_step: engine.backward(engine(load_batch"),
+    ("skip_module", 3, "waiting", "in train_step"),
+    ("loader_sleep", 2, "not in a collective: in user code", "in load_batch: time.sleep(600)"),
+    ("busy_loop", 4, "not in a collective: in user code", "in train_step: spin()"),
+    ("sigstop", 2, "missing", None),
+    ("raise", 3, "raised RuntimeError: boom in user code", "in train_step: raise RuntimeError"),
+    ("user_barrier", 4, "not in a collective: in user code", "in train_step: USER.Barrier()"),
+    ("branch", 3, "waiting", "in train_step"),
+    ("step_early", 2, "raised UsageError: step() called before backward()", "in train_step: return engine.step()"),
+    ("oom", 4, "raised RuntimeError", "in forward: torch.empty(2**62"),
+    ("save_alone", 3, "waiting", "in train_step: engine.save_checkpoint("),
+]
 
 
-def _stamp() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    return {"commit": commit.strip(), "load": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
-
-
-def _append(row: dict) -> None:
-    with open(JSONL, "a") as f:
-        f.write(json.dumps({**row, **_stamp()}) + "\n")
+def _append(row: dict, out: Path) -> None:
+    with rows.RowLog(out.with_suffix(".jsonl"), mode=rows.Mode.APPEND) as log:
+        log.add(row)
     print(json.dumps(row), flush=True)
+
+
+def culprit_section(report: str, rank: int) -> str:
+    """The culprit block of rank 0's hang report for ``rank`` (its line and stack); '' if it is not named."""
+    m = re.search(r"^culprit: .*?\n((?:  .*\n)*?)(?:first divergence|every rank)", report, re.M)
+    if not m or f"  rank {rank}: " not in m.group(1):
+        return ""
+    block = m.group(1)
+    start = block.index(f"  rank {rank}: ")
+    nxt = re.search(r"^  rank \d+: ", block[start + 3:], re.M)
+    return block[start:start + 3 + nxt.start()] if nxt else block[start:]
 
 
 def run_fault(fault: str, n: int, where: str, frame: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="zerompi-hang-bench-") as d:
         directory = Path(d)
-        job = Job(n, fault, directory)
+        cmd = launch.mpi_command(n, HANG_WORKER, "--fault", fault, "--dir", directory)
+        job = launch.run(cmd, launch.job_env(mpich_yield=True), JOB_TIMEOUT_S)
+        ended = time.time()
+        fault_time = directory / "fault.time"
+        at = float(fault_time.read_text()) if fault_time.exists() else None
         report = directory / "report.txt"
         culprit = n - 1
-        named = f"\nculprit: rank(s) {culprit} (" in job.err
-        section = job.section(culprit) if named else ""
-        median = None
+        named = f"\nculprit: rank(s) {culprit} (" in job.output
+        section = culprit_section(job.output, culprit) if named else ""
         record = directory / "rank-00000.json"
-        if record.exists():
-            median = json.loads(record.read_text()).get("median_step")
-        return {"kind": "fault", "fault": fault, "ranks": n, "exit": job.rc, "culprit": named,
+        median = json.loads(record.read_text()).get("median_step") if record.exists() else None
+        return {"kind": "fault", "fault": fault, "ranks": n, "exit": job.code, "culprit": named,
                 "where": where in section, "stack": None if frame is None else frame in section,
-                "to_report_s": round(report.stat().st_mtime - job.fault, 2) if report.exists() and job.fault else None,
-                "to_end_s": round(job.ended - job.fault, 2) if job.fault else None,
+                "to_report_s": round(report.stat().st_mtime - at, 2) if report.exists() and at else None,
+                "to_end_s": round(ended - at, 2) if at else None,
                 "median_step_ms": None if median is None else round(median * 1e3, 1)}
 
 
@@ -75,30 +102,33 @@ def faults(args) -> None:
         if args.only and fault not in args.only:
             continue
         for size in (args.ranks or [n]):
-            _append(run_fault(fault, size, where, frame))
+            _append(run_fault(fault, size, where, frame), args.out)
 
 
 def cost(args) -> None:
     for n in args.ranks or [2, 4]:
         with tempfile.TemporaryDirectory() as d:
             out = Path(d) / "row.json"
-            cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py",
-                   str(ROOT / "benchmarks" / "workers" / "recorder_worker.py"), "--out", str(out),
-                   "--steps", str(args.steps), "--rounds", str(args.rounds)]
-            subprocess.run(cmd, cwd=ROOT, env=mpi_env(), check=True, timeout=1800)
-            _append({"kind": "cost", **json.loads(out.read_text())})
+            cmd = launch.mpi_command(n, WORKERS / "recorder_worker.py", "--out", out, "--steps", args.steps,
+                                     "--rounds", args.rounds)
+            job, result = launch.run_json(cmd, out, launch.job_env(mpich_yield=True), timeout=1800)
+            job.check()
+            _append({"kind": "cost", **result}, args.out)
 
 
 def _yes(v) -> str:
     return "-" if v is None else "yes" if v else "**no**"
 
 
-def report(_args) -> None:
-    rows = [json.loads(line) for line in JSONL.read_text().splitlines() if line.strip()]
+def _date(r: dict) -> str:
+    return r["stamp"]["utc"][:10] if "stamp" in r else r["date"]
+
+
+def report(args) -> None:
     latest: dict[tuple, dict] = {}
-    for r in rows:  # the latest run of each case
+    for r in rows.read(args.out.with_suffix(".jsonl")):  # the latest run of each case
         latest[(r["kind"], r.get("fault"), r["ranks"])] = r
-    stamps = sorted({(r["date"], r["commit"]) for r in latest.values()})
+    stamps = sorted({(_date(r), rows.commit_of(r)[:7]) for r in latest.values()})
     out = ["# A hang names its culprit", "",
            f"Produced by `python benchmarks/bench_hang.py` on {', '.join(f'{d} ({c})' for d, c in stamps)}; "
            "a shared 2-core machine (load average per row in hang.jsonl), MPICH 5.0.2 (`mpiexec`), torch CPU.",
@@ -134,12 +164,14 @@ def report(_args) -> None:
                 "|---|---|---|---|---|---|---|---|"]
         out += [f"| {r['ranks']} | {r['steps']} | {r['events_per_step']:g} | {r['begin_ns']} | {r['step_ms_on']} | "
                 f"{r['step_ms_off']} | {r['estimated_pct']} % | {r['measured_pct']} % |" for r in costs]
-    MD.write_text("\n".join(out) + "\n")
-    print(MD.read_text())
+    md = args.out.with_suffix(".md")
+    md.write_text("\n".join(out) + "\n")
+    print(md.read_text())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=OUT, help="results prefix (default benchmarks/results/hang)")
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("faults")
     f.add_argument("--ranks", type=int, nargs="+")

@@ -9,25 +9,23 @@ none / cpu / nvme parity per optimizer_kwargs; torch.optim.AdamW default vs fore
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]  # run from a checkout, uninstalled; rawdisk.py
+sys.path.insert(0, str(HERE))  # rawdisk.py, the harness
 import rawdisk  # noqa: E402
-from zerompi.tools.mpirun import mpiexec  # noqa: E402
-from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
+from harness import launch, markdown, rows, stamp  # noqa: E402
+from harness.markdown import table as _table  # noqa: E402
+from harness.summary import fmt_spread as _f  # noqa: E402
+from harness.summary import spread as summary  # noqa: E402
 
 log = logging.getLogger("bench_offload")
 WORKER = HERE / "workers" / "offload_bench_worker.py"
@@ -36,10 +34,6 @@ BLOCK, IO_THREADS = 8 * MiB, 4
 MODES = ("none", "cpu", "nvme")
 PHASES = ("total", "forward", "backward", "unshard", "step", "adam", "publish", "swap_wait")
 TRANSFERS = ("optimizer_read", "optimizer_write", "param_read", "param_write")
-
-
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
 
 def traffic_limit_s(read_bytes: float, written_bytes: float, read_gib_s: float, write_gib_s: float) -> float:
@@ -51,12 +45,10 @@ def traffic_limit_s(read_bytes: float, written_bytes: float, read_gib_s: float, 
 
 def run_job(ranks: int, out: Path, *args: str) -> dict:
     """One ``mpiexec -n RANKS`` job of the worker; its JSON plus wall time and load averages."""
-    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(WORKER), "--out", str(out), *args]
-    load0, t0 = os.getloadavg()[0], time.perf_counter()
-    proc = subprocess.run(cmd, env=_mpi_env(ROOT), cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return {**json.loads(out.read_text()), "job_s": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]]}
+    cmd = launch.mpi_command(ranks, WORKER, "--out", out, *args)
+    job, result = launch.run_json(cmd, out, launch.job_env(mpich_yield=True), timeout=900)
+    job.check()  # the later rows compare against this one's
+    return {**result, "job_s": job.wall_s, "load": [job.loadavg_before[0], job.loadavg_after[0]]}
 
 
 def raw_disk(directory: Path, size: int, repeats: int) -> list[dict]:
@@ -105,23 +97,8 @@ def train_row(job: dict, mode: str, warmup: int) -> dict:
 
 
 def machine(directory: Path) -> dict:
-    import torch
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    fs = subprocess.run(["findmnt", "-no", "FSTYPE,SOURCE", "-T", str(directory)], capture_output=True, text=True)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return dict(host=platform.node(), cpu=cpu, cores=os.cpu_count(), kernel=platform.release(),
-                mem_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
-                python=platform.python_version(), torch=torch.__version__, dir=str(directory),
-                fs=" on ".join(fs.stdout.split()) or "?", commit=git.stdout.strip())
-
-
-def _f(s: dict, fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
-
-
-def _table(head: list[str], body: list[list]) -> list[str]:
-    lines = [head, ["---"] * len(head), *body]
-    return ["| " + " | ".join(map(str, r)) + " |" for r in lines] + [""]
+    m = stamp.disk_machine(directory)
+    return dict(m, fs=f"{m['fs']} on {m['device']}")
 
 
 def _slash(values: list, fmt: str) -> str:
@@ -211,7 +188,7 @@ def reading(train: list[dict]) -> list[str]:
     return out
 
 
-def markdown(meta: dict, rows: list[dict]) -> str:
+def markdown_report(meta: dict, rows: list[dict]) -> str:
     m, st = meta["machine"], meta["settings"]
     train, adam = [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "adam"]
     raw = {k: summary([s[k] for r in rows if r["kind"] == "raw_disk" for s in r["samples"]]) for k in ("write", "read")}
@@ -308,21 +285,20 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.report_only:
-        meta, *rows = (json.loads(line) for line in args.out.with_suffix(".jsonl").read_text().splitlines())
-        args.out.with_suffix(".md").write_text(markdown(meta, rows))
+        meta, *found = rows.read(args.out.with_suffix(".jsonl"))
+        markdown.write(args.out.with_suffix(".md"), markdown_report(meta, found))
         return
-    t0, load0 = time.perf_counter(), os.getloadavg()
+    t0, load0 = time.perf_counter(), stamp.loadavg()
     scratch = Path(tempfile.mkdtemp(prefix="zerompi-offload-bench-", dir=args.dir))
     try:
-        rows = measure(args, scratch)
+        found = measure(args, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    meta = dict(kind="meta", date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                machine=machine(args.dir), seconds=time.perf_counter() - t0, load_start=load0, load_end=os.getloadavg(),
+    meta = dict(kind="meta", date=stamp.utc_now(), machine=machine(args.dir), seconds=time.perf_counter() - t0,
+                load_start=load0, load_end=stamp.loadavg(),
                 settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".jsonl").write_text("".join(json.dumps(row) + "\n" for row in [meta, *rows]))
-    args.out.with_suffix(".md").write_text(markdown(meta, rows))
+    rows.write(args.out.with_suffix(".jsonl"), [meta, *found])
+    markdown.write(args.out.with_suffix(".md"), markdown_report(meta, found))
 
 
 if __name__ == "__main__":

@@ -18,17 +18,15 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(ROOT)]
-from zerompi.tools.mpirun import mpi_env, mpiexec  # noqa: E402
+sys.path.insert(0, str(HERE))
+from harness import launch, markdown, repeats, rows, stamp  # noqa: E402
+from harness.paths import ROOT, WORKERS  # noqa: E402
 
 MODES = ("default", "reproducible")
 MEASURE = """
@@ -58,14 +56,11 @@ def config(base: Path, ranks: int, g: int, steps: int, tmp: Path) -> Path:
 
 def run(ranks: int, mode: str, cfg: Path, g: int, out: Path) -> dict:
     flags = ["--reproducible", "--micro-batches", str(g)] if mode == "reproducible" else []
-    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "jobs/train_gpt.py", "--config", str(cfg),
-           "--out", str(out), *flags]
-    load0, t0 = os.getloadavg()[0], time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", MEASURE, *cmd], cwd=ROOT, env=mpi_env(ROOT), capture_output=True,
-                          text=True, timeout=1800)
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    cmd = launch.mpi_command(ranks, "jobs/train_gpt.py", "--config", cfg, "--out", out, *flags)
+    job = launch.run([sys.executable, "-c", MEASURE, *cmd], launch.job_env(mpich_yield=True)).check()
+    measured = next(json.loads(ln) for ln in reversed(job.output.splitlines()) if ln.startswith('{"rc"'))
     if measured["rc"] != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {measured['rc']}:\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} exited {measured['rc']}:\n{job.output[-6000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tokens_per_step = g * tomllib.loads(cfg.read_text())["train"]["micro_batch"] * \
         tomllib.loads(cfg.read_text())["model"]["block_size"]
@@ -73,25 +68,23 @@ def run(ranks: int, mode: str, cfg: Path, g: int, out: Path) -> dict:
     return dict(ranks=ranks, mode=mode, micro_batches=g, step_s=statistics.median(step_s),
                 bytes_per_step=records[-1]["bytes_sent_per_step"], loss=records[-1]["loss"],
                 peak_rss_mib=measured["maxrss_kib"] / 1024, model_state_bytes=records[-1]["model_state_bytes"],
-                job_s=time.perf_counter() - t0, load=[load0, os.getloadavg()[0]])
+                job_s=job.wall_s, load=[job.loadavg_before[0], job.loadavg_after[0]])
 
 
 def ab(ranks: int, args, out: Path, *extra: str) -> dict:
-    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(HERE / "workers/reproducible_ab.py"),
-           "--out", str(out), "--steps", str(args.steps), "--g", str(args.micro_batches), *extra]
-    load0 = os.getloadavg()[0]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ROOT), capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}")
-    return dict(json.loads(out.read_text()), load=[load0, os.getloadavg()[0]])
+    cmd = launch.mpi_command(ranks, WORKERS / "reproducible_ab.py", "--out", out, "--steps", args.steps,
+                             "--g", args.micro_batches, *extra)
+    job, result = launch.run_json(cmd, out, launch.job_env(mpich_yield=True))
+    job.check()
+    return dict(result, load=[job.loadavg_before[0], job.loadavg_after[0]])
 
 
-def report(rows: list[dict], mem: list[dict], args, commit: str) -> str:
+def report(ab_rows: list[dict], mem: list[dict], args, commit: str) -> str:
     lines = ["# reproducible=True against the default mode (issue #29)", "",
              f"`benchmarks/bench_reproducible.py --ranks {' '.join(map(str, args.ranks))} --micro-batches "
              f"{args.micro_batches} --steps {args.steps} --rounds {args.rounds}` at {commit}, "
              f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} cores, "
-             f"load average {min(r['load'][0] for r in rows):.1f}-{max(r['load'][1] for r in rows):.1f}. "
+             f"load average {min(r['load'][0] for r in ab_rows):.1f}-{max(r['load'][1] for r in ab_rows):.1f}. "
              "The GPT of default.toml (3.3M parameters, stage 3, fp32, AdamW, clipping), the same global batch of "
              f"G = {args.micro_batches} micro-batches of 8 x 128 tokens both ways. Step times: both modes in one job, "
              "alternating steps, the slowest rank's time per step; bytes: summed over the ranks.", "",
@@ -99,7 +92,7 @@ def report(rows: list[dict], mem: list[dict], args, commit: str) -> str:
              "default max/min step | bytes sent per step, reproducible / default | peak RSS of the largest rank, "
              "MiB: default, reproducible |", "|---|---|---|---|---|---|---|"]
     for ranks in args.ranks:
-        rs = [r for r in rows if r["ranks"] == ranks]
+        rs = [r for r in ab_rows if r["ranks"] == ranks]
         med = {m: statistics.median(t for r in rs for t in r["times"][m]) for m in MODES}
         per = {m: ", ".join(f"{statistics.median(r['times'][m]):.3f}" for r in rs) for m in MODES}
         spread = max(t for r in rs for t in r["times"]["default"]) / min(t for r in rs for t in r["times"]["default"])
@@ -113,7 +106,7 @@ def report(rows: list[dict], mem: list[dict], args, commit: str) -> str:
                               "mode (inside the default's own step spread: at parity).", ""])
 
 
-def bytes_report(rows: list[dict], args, commit: str) -> str:
+def bytes_report(found: list[dict], args, commit: str) -> str:
     lines = ["# reproducible=True: bytes sent per step at every stage", "",
              f"`benchmarks/bench_reproducible.py --bytes --ranks {' '.join(map(str, args.ranks))} --micro-batches "
              f"{' '.join(map(str, args.bytes_g))}` at {commit}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} "
@@ -122,7 +115,7 @@ def bytes_report(rows: list[dict], args, commit: str) -> str:
              "after a warm-up step, summed over the ranks (they are the same every step).", "",
              "| stage | ranks | G | default bytes | reproducible bytes | ratio | stages 0-1: (G/N + 1) / 2 | "
              "reproducible's kinds (default's) |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in found:
         d, p = r["bytes_sent"]["default"][-1], r["bytes_sent"]["reproducible"][-1]
         kinds = ", ".join(f"{k} {v:,}" for k, v in r["kinds"]["reproducible"].items())
         theirs = ", ".join(f"{k} {v:,}" for k, v in r["kinds"]["default"].items())
@@ -142,6 +135,38 @@ of the code: an owner adds every micro-batch's gradient in global index order, s
 of them, and no rank can add its own micro-batches first (g0 + g2 before g1 is another sum)."""
 
 
+def measure_bytes(args, commit: str) -> None:
+    """--bytes: one A/B job per stage, world size and G; OUT-bytes.{jsonl,md}."""
+    args.steps = 1
+    with rows.RowLog(Path(args.out + "-bytes.jsonl")) as log, tempfile.TemporaryDirectory() as tmp:
+        for stage in range(4):
+            for ranks in args.ranks:
+                for g in args.bytes_g:
+                    args.micro_batches = g
+                    row = log.add(dict(ab(ranks, args, Path(tmp) / "b.json", "--stage", str(stage), "--warmup", "1"),
+                                       commit=commit, kind="bytes"))
+                    print(json.dumps(row), flush=True)
+    markdown.write(Path(args.out + "-bytes.md"), bytes_report(log.rows, args, commit))
+
+
+def measure_cost(args, commit: str) -> None:
+    """Step time and bytes (A/B jobs, --rounds interleaved over the world sizes), then peak memory per mode."""
+    with rows.RowLog(Path(args.out + ".jsonl")) as log, tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for k, ranks in repeats.interleaved(args.ranks, args.rounds):
+            row = log.add(dict(ab(ranks, args, tmp / f"ab-{ranks}-{k}.json"), round=k, commit=commit, kind="ab"))
+            print(json.dumps(row), flush=True)
+        for ranks in args.ranks:
+            cfg = config(ROOT / "jobs/configs/default.toml", ranks, args.micro_batches, 6, tmp)
+            for mode in MODES:
+                row = log.add(dict(run(ranks, mode, cfg, args.micro_batches, tmp / f"{ranks}-{mode}"),
+                                   commit=commit, kind="memory"))
+                print(json.dumps(row), flush=True)
+    ab_rows = [r for r in log.rows if r["kind"] == "ab"]
+    markdown.write(Path(args.out + ".md"), report(ab_rows, [r for r in log.rows if r["kind"] == "memory"], args,
+                                                  commit))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -152,41 +177,7 @@ def main() -> None:
     p.add_argument("--bytes", action="store_true", help="bytes alone, at every stage (results: OUT-bytes)")
     p.add_argument("--bytes-g", type=int, nargs="+", default=[4, 8], help="--bytes: the G values")
     args = p.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    if args.bytes:
-        args.steps, rows = 1, []
-        with tempfile.TemporaryDirectory() as tmp:
-            for stage in range(4):
-                for ranks in args.ranks:
-                    for g in args.bytes_g:
-                        args.micro_batches = g
-                        row = dict(ab(ranks, args, Path(tmp) / "b.json", "--stage", str(stage), "--warmup", "1"),
-                                   commit=commit, kind="bytes")
-                        print(json.dumps(row), flush=True)
-                        rows.append(row)
-        Path(args.out + "-bytes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        Path(args.out + "-bytes.md").write_text(bytes_report(rows, args, commit))
-        print(Path(args.out + "-bytes.md").read_text())
-        return
-    rows, mem = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        for k in range(args.rounds):
-            for ranks in args.ranks:
-                row = dict(ab(ranks, args, tmp / f"ab-{ranks}-{k}.json"), round=k, commit=commit, kind="ab")
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-        for ranks in args.ranks:
-            cfg = config(ROOT / "jobs/configs/default.toml", ranks, args.micro_batches, 6, tmp)
-            for mode in MODES:
-                row = dict(run(ranks, mode, cfg, args.micro_batches, tmp / f"{ranks}-{mode}"), commit=commit,
-                           kind="memory")
-                print(json.dumps(row), flush=True)
-                mem.append(row)
-    Path(args.out + ".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + mem))
-    Path(args.out + ".md").write_text(report(rows, mem, args, commit))
-    print(Path(args.out + ".md").read_text())
+    (measure_bytes if args.bytes else measure_cost)(args, stamp.commit(short=True))
 
 
 if __name__ == "__main__":

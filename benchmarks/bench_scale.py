@@ -13,21 +13,18 @@ scale.md from the rows of this run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-from zerompi.tools.mpirun import mpi_env, mpiexec  # noqa: E402
+sys.path.insert(0, str(HERE))
+from harness import launch, markdown, rows, stamp  # noqa: E402
+from harness.paths import RESULTS, WORKERS  # noqa: E402
 
-RESULTS = HERE / "results"
-WORKER = HERE / "workers" / "scale_worker.py"
+WORKER = WORKERS / "scale_worker.py"
 
 
 def ranks_per_node(world: int) -> int:
@@ -37,22 +34,11 @@ def ranks_per_node(world: int) -> int:
 def run(world: int, scratch: Path, timeout: float) -> dict:
     out, root = scratch / f"np{world}.json", scratch / f"ckpt{world}"
     shutil.rmtree(root, ignore_errors=True)
-    cmd = [*mpiexec(), "-n", str(world), sys.executable, "-m", "mpi4py", str(WORKER), "--out", str(out),
-           "--root", str(root), "--ranks-per-node", str(ranks_per_node(world))]
-    proc = subprocess.run(cmd, env=mpi_env(ROOT), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    cmd = launch.mpi_command(world, WORKER, "--out", out, "--root", root, "--ranks-per-node", ranks_per_node(world))
+    job, result = launch.run_json(cmd, out, launch.job_env(mpich_yield=True), timeout)
+    job.check()  # a world size that fails ends the run: the larger ones would fail the same way
     shutil.rmtree(root, ignore_errors=True)
-    return json.loads(out.read_text())
-
-
-def commit() -> str:
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return git.stdout.strip() or "unknown"
-
-
-def load_average() -> str:
-    return Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+    return result
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -79,37 +65,36 @@ def main() -> None:
     ap.add_argument("--dir", help="scratch directory (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--report", action="store_true", help="only rewrite scale.md from scale.jsonl's last run")
+    ap.add_argument("--out", type=Path, default=RESULTS / "scale",
+                    help="results prefix: PREFIX.jsonl (appended) and PREFIX.md (default benchmarks/results/scale)")
     args = ap.parse_args()
     if args.report:
-        rows = [json.loads(line) for line in (RESULTS / "scale.jsonl").read_text().splitlines() if line.strip()]
-        report([r for r in rows if r["date"] == rows[-1]["date"]])
+        found = rows.read(args.out.with_suffix(".jsonl"))
+        report([r for r in found if r["date"] == found[-1]["date"]], args.out)
         return
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="zerompi-scale-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    stamp = {"commit": commit(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    rows = []
-    for world in (int(x) for x in args.ranks.split(",")):
-        row = {**stamp, **run(world, scratch, args.timeout), "load_average": load_average()}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        with (RESULTS / "scale.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
-    report(rows)
+    run_id = {"commit": stamp.commit(short=True), "date": stamp.utc_now()}  # the report shows the last run
+    with rows.RowLog(args.out.with_suffix(".jsonl"), mode=rows.Mode.APPEND) as log:
+        for world in (int(x) for x in args.ranks.split(",")):
+            row = log.add({**run_id, **run(world, scratch, args.timeout), "load_average": stamp.loadavg()[0]})
+            print(json.dumps(row), flush=True)
+    report(log.rows, args.out)
 
 
-def report(rows: list[dict]) -> None:
+def report(found: list[dict], out: Path) -> None:
     """scale.md: this run's table, then the findings kept in scale_notes.md."""
-    stamp = rows[0]
+    first = found[0]
     notes = RESULTS / "scale_notes.md"
-    text = [f"# What grows with the number of ranks (commit {stamp['commit']}, {stamp['date']})", "",
+    text = [f"# What grows with the number of ranks (commit {first['commit']}, {first['date']})", "",
             "`python benchmarks/bench_scale.py` (rows also in scale.jsonl). One machine, 2 cores, ranks "
             "oversubscribed (they yield while waiting), one torch thread each; 66k-parameter MLP, stage 3, "
             "SGD; nodes emulated with `ranks_per_node` (8, or 2 nodes below 16 ranks). Times: slowest rank; "
             "memory: largest rank, growth from just before `initialize` to after the first step.", "",
-            *table(rows), ""]
+            *table(found), ""]
     if notes.exists():
         text += [notes.read_text()]
-    (RESULTS / "scale.md").write_text("\n".join(text))
+    markdown.write(out.with_suffix(".md"), "\n".join(text))
 
 
 if __name__ == "__main__":

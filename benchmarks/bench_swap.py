@@ -25,15 +25,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import logging
 import mmap
 import os
-import platform
 import random
-import statistics
 import sys
 import time
 import zlib
@@ -42,8 +38,11 @@ from typing import NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-import rawdisk  # noqa: E402  (beside this file)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rawdisk.py, the harness
+import rawdisk  # noqa: E402
+from harness import rows, stamp  # noqa: E402
+from harness.summary import fmt_spread  # noqa: E402
+from harness.summary import spread as summary  # noqa: E402
 from zerompi.offload import NVMeSwapper, SwapConfig, aligned_empty, nvme  # noqa: E402
 
 log = logging.getLogger("bench_swap")
@@ -164,20 +163,8 @@ def rates(size: int, seconds: list[float]) -> list[float]:
     return [size / GiB / s for s in seconds]
 
 
-def summary(values: list[float]) -> dict:
-    """Median, min and max; ``samples`` in repeat order."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
-
-
 def machine(directory: str) -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    mounts = [ln.split() for ln in open("/proc/mounts")]
-    real = os.path.realpath(directory)
-    best = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
-               key=lambda m: len(m[1]))
-    return {"host": platform.node(), "kernel": platform.release(), "cpu": cpu, "cores": os.cpu_count(),
-            "dir": directory, "fs": best[2], "device": best[0], "python": platform.python_version(),
-            "torch": torch.__version__}
+    return stamp.disk_machine(Path(directory))
 
 
 def run(args) -> list[dict]:
@@ -235,8 +222,7 @@ def make_rows(size: int, times: dict[str, list[tuple[float, float]]], cases: dic
 
 
 def _fmt(s: dict, pct: bool = False) -> str:
-    f = "{:.0%}" if pct else "{:.2f}"
-    return f"{f.format(s['median'])} ({f.format(s['min'])}–{f.format(s['max'])})"
+    return fmt_spread(s, "{:.0%}" if pct else "{:.2f}")
 
 
 def _table_row(r: dict) -> str:
@@ -303,19 +289,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    t0, load0 = time.perf_counter(), stamp.loadavg()[0]
     crc = {"zlib": crc32_gibps(zlib.crc32)}
     if nvme._crc32 is not zlib.crc32:
         crc["zlib-ng"] = crc32_gibps(nvme._crc32)
-    rows = run(args)
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "size": args.size,
-            "repeats": args.repeats, "machine": machine(args.dir), "crc32_gibps": crc,
-            "seconds": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "swap.jsonl", "w") as f:
-        for row in rows:
-            f.write(json.dumps({**row, **meta}) + "\n")
-    write_markdown(args.out / "swap.md", rows, meta)
+    found = run(args)
+    meta = {"date": stamp.utc_now(), "size": args.size, "repeats": args.repeats, "machine": machine(args.dir),
+            "crc32_gibps": crc, "seconds": time.perf_counter() - t0, "load": [load0, stamp.loadavg()[0]]}
+    rows.write(args.out / "swap.jsonl", [{**row, **meta} for row in found])
+    write_markdown(args.out / "swap.md", found, meta)
     log.info("%s", (args.out / "swap.md").read_text())
 
 

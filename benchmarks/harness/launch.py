@@ -79,13 +79,14 @@ def find_mpiexec(explicit: str | None = None) -> str:
     raise SystemExit("no mpiexec found: run benchmarks/setup_peers.sh or pass --mpiexec")
 
 
-def mpi_command(n: int, script: Path | str, *args: str, mpiexec: str | None = None,
-                prefix: tuple[str, ...] = ()) -> list[str]:
-    """``mpiexec -n N [prefix] python -m mpi4py SCRIPT ARGS`` (``prefix``: e.g. a profiler each rank runs under;
-    Open MPI's launcher gets ``--oversubscribe``, as zerompi.tools.mpirun gives it)."""
+def mpi_command(n: int, script: Path | str, *args, mpiexec: str | list[str] | None = None,
+                prefix: tuple[str, ...] = (), python: Path | str = sys.executable) -> list[str]:
+    """``mpiexec -n N [prefix] python -m mpi4py SCRIPT ARGS``: ``mpiexec`` a path or a launcher with its options
+    (default zerompi.tools.mpirun's, which gives Open MPI ``--oversubscribe``); ``prefix`` e.g. a profiler each
+    rank runs under; ``python`` another venv's."""
     from zerompi.tools.mpirun import mpiexec as default
-    launcher = [mpiexec] if mpiexec else default()
-    return [*launcher, "-n", str(n), *prefix, sys.executable, "-m", "mpi4py", str(script), *map(str, args)]
+    launcher = default() if mpiexec is None else [mpiexec] if isinstance(mpiexec, str) else list(mpiexec)
+    return [*launcher, "-n", str(n), *prefix, str(python), "-m", "mpi4py", str(script), *map(str, args)]
 
 
 def free_port() -> int:

@@ -105,3 +105,10 @@ def filesystem(directory: Path) -> dict:
     best = max((m for m in mounts if real == m[1] or real.startswith(m[1].rstrip("/") + "/")),
                key=lambda m: len(m[1]))
     return dict(dir=str(directory), fs=best[2], device=best[0])
+
+
+def disk_machine(directory: Path) -> dict:
+    """One flat dict for the disk benchmarks' headers: the machine, the versions, the commit and the disk."""
+    m, v = machine(), versions()
+    return dict(host=m["host"], cpu=m["cpu"], cores=m["cpus"], kernel=platform.release(), mem_gib=m["mem_gib"],
+                python=v["python"], torch=v["torch"], commit=commit(short=True), **filesystem(directory))
