@@ -16,26 +16,25 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import launch, markdown, repeats, rows, stamp  # noqa: E402
 
 
 def commit(tree: Path) -> str:
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    return stamp.commit(cwd=tree, short=True)
 
 
 def one_round(tree: Path, args, out: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(HERE / "bench_peers.py"), "--cases", args.cases, "--rows", args.rows,
            "--steps", str(args.steps), "--warmup", "1", "--repeats", "1", "--mpich-yield", "--out", str(out)]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    lines = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
-    return [r for r in lines if r.get("kind") == "row"]
+    launch.run(cmd, env, timeout=None).check()
+    return rows.split(rows.read(out.with_suffix(".jsonl")))[1]
 
 
 def main(argv=None) -> int:
@@ -52,10 +51,9 @@ def main(argv=None) -> int:
     runs: dict[str, list[list[dict]]] = {"base": [], "head": []}
     started = datetime.datetime.now(datetime.timezone.utc)
     with tempfile.TemporaryDirectory() as tmp:
-        for k in range(args.rounds):
-            for side, tree in sides.items():
-                runs[side].append(one_round(tree, args, Path(tmp) / f"{side}-{k}"))
-                print(f"round {k + 1} {side}: done", file=sys.stderr)
+        for k, (side, tree) in repeats.interleaved(list(sides.items()), args.rounds):
+            runs[side].append(one_round(tree, args, Path(tmp) / f"{side}-{k}"))
+            print(f"round {k + 1} {side}: done", file=sys.stderr)
     ended = datetime.datetime.now(datetime.timezone.utc)
     rows = [r["row"] for r in runs["base"][0]]
     lines = [f"# Step time before and after ({commit(sides['base'])} -> {commit(sides['head'])})", "",
@@ -82,8 +80,7 @@ def main(argv=None) -> int:
         lines.append(f"|  | losses bitwise equal on both sides: {same} | | | |")
     lines += ["", "At parity" + ("" if all(verdicts) else " NOT") + " for every row: head / base lies within the base "
               "rounds' own spread (max - min over median)." if verdicts else "No row ran."]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    markdown.write(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
     return 0
 
 

@@ -30,7 +30,6 @@ to the modes measured.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import logging
@@ -39,7 +38,6 @@ import shlex
 import shutil
 import statistics
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,11 +48,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
-from capacity_report import Study, check_merge, git_state, load, machine, merge, write  # noqa: E402
+from capacity_report import Study, check_merge, git_state, load, merge, write  # noqa: E402
 from gpt_report import GPT  # noqa: E402
+from harness import launch, stamp  # noqa: E402
 from lora_report import LORA  # noqa: E402
-from zerompi.tools.mpirun import mpiexec  # noqa: E402
-from zerompi.tools.mpirun import mpi_env as _mpi_env  # noqa: E402
 
 log = logging.getLogger("bench_capacity")
 GiB = 1 << 30
@@ -134,12 +131,6 @@ class Cgroup:
                 time.sleep(0.1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trial(cg: Cgroup, args, mode: str, n_layer: int, scratch: Path) -> dict:
     out = scratch / "trial.json"
     out.unlink(missing_ok=True)
@@ -147,17 +138,17 @@ def trial(cg: Cgroup, args, mode: str, n_layer: int, scratch: Path) -> dict:
     shutil.rmtree(nvme, ignore_errors=True)
     nvme.mkdir()
     model = [a for k, v in args.model.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-    cmd = [*mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "mpi4py", str(HERE / "workers" / args.study.worker),
-           "--mode", mode, "--n-layer", str(n_layer), *model, "--nvme", str(nvme), "--out", str(out)]
+    cmd = launch.mpi_command(args.ranks, HERE / "workers" / args.study.worker, "--mode", mode, "--n-layer", n_layer,
+                             *model, "--nvme", nvme, "--out", out)
     # the DeepSpeed modes rendezvous over gloo on loopback; the zerompi modes ignore these
-    env = dict(_mpi_env(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
-               PYTHONWARNINGS="ignore::FutureWarning")
+    env = launch.job_env(mpich_yield=True, rendezvous=True,
+                         extra={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore::FutureWarning"})
     # the venv's bin first, as setup_peers.sh builds DeepSpeed's ops: torch's loader runs the first
     # `ninja` on PATH, and another ninja version rebuilds the op inside the trial
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     cg.reset_peak()
     kills = cg.oom_kills()
-    loadavg = os.getloadavg()[0]
+    loadavg = stamp.loadavg()[0]
     t0 = time.perf_counter()
     code, output = cg.run(cmd, env, args.trial_timeout)
     row = {"mode": mode, "n_layer": n_layer, "seconds": time.perf_counter() - t0, "cgroup_peak": cg.peak(),
@@ -212,7 +203,7 @@ def _attempt(cg: Cgroup, args, mode: str, n_layer: int, scratch: Path, rows: lis
     if why is None:
         return _logged(trial(cg, args, mode, n_layer, scratch))
     return _logged({"mode": mode, "n_layer": n_layer, "ok": False, "why": why, "seconds": 0.0,
-                    "cgroup_peak": None, "oom_kills": 0, "loadavg": os.getloadavg()[0]})
+                    "cgroup_peak": None, "oom_kills": 0, "loadavg": stamp.loadavg()[0]})
 
 
 def depths(ladder: tuple[int, ...], max_rungs: int, beyond: bool = True) -> Iterator[int]:
@@ -261,14 +252,14 @@ def measure(args, modes: list[str], command: str, reading: str | None) -> dict:
     scratch.mkdir(parents=True)
     cg = Cgroup(int(args.cap_gib * GiB))
     data = {"schema": 2, "study": args.study.key, **config_of(args), "measurements": {}, "rows": []}
-    before = os.getloadavg()  # later modes' start loads include this run's earlier trials
+    before = stamp.loadavg()  # later modes' start loads include this run's earlier trials
     try:
         for mode in modes:
             commit, dirty = git_state(args.study.sources)
-            m = {"commit": commit, "dirty": dirty, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                 "command": command, "machine": machine(), "cores": os.cpu_count(), "nvme_dir": str(args.nvme),
-                 "loadavg_before_run": before,
-                 "loadavg_start": os.getloadavg(), "reading": reading, "previous": None}
+            m = {"commit": commit, "dirty": dirty, "date": stamp.utc_now(), "command": command,
+                 "machine": stamp.machine_line(), "cores": stamp.machine()["cpus"], "nvme_dir": str(args.nvme),
+                 "loadavg_before_run": before, "loadavg_start": stamp.loadavg(), "reading": reading,
+                 "previous": None}
             if mode.endswith("+nvme"):  # what the disk moves, for each trial's traffic limit (capacity_report)
                 from bench_offload import raw_disk
                 samples = raw_disk(scratch, 512 << 20, 2)
@@ -280,7 +271,7 @@ def measure(args, modes: list[str], command: str, reading: str | None) -> dict:
             end_commit, end_dirty = git_state(args.study.sources)
             if end_commit != commit:  # later trials may have run the newer code: kept beside the commit
                 log.warning("HEAD moved from %s to %s during %s", commit, end_commit, mode)
-            m.update(seconds=time.perf_counter() - t0, loadavg_end=os.getloadavg(),
+            m.update(seconds=time.perf_counter() - t0, loadavg_end=stamp.loadavg(),
                      commit_end=end_commit, dirty=sorted(set(dirty) | set(end_dirty)))
             if m["dirty"]:
                 log.warning("%s ran with uncommitted changes: %s", mode, "; ".join(m["dirty"]))

@@ -90,10 +90,9 @@ def run_row(row: str, args, mpiexec: str, extra: tuple[str, ...] = ()) -> dict:
 
 
 def meta_of(args, mpiexec: str, command: str) -> dict:
-    m = stamp.machine()
     return dict(date=stamp.utc_now(), command=command, commit=stamp.commit(short=True),
-                dirty=stamp.dirty(SOURCES), machine=f"{m['cpu']}, {m['cpus']} cores, {m['mem_gib']:.1f} GiB",
-                cores=m["cpus"], mpiexec=mpiexec,
+                dirty=stamp.dirty(SOURCES), machine=stamp.machine_line(), cores=stamp.machine()["cpus"],
+                mpiexec=mpiexec,
                 versions={d: stamp.version(d) for d in ("torch", "deepspeed", "transformers", "peft", "mpich",
                                                         "zerompi")},
                 settings=dict(n_layer=args.n_layer, **{**LORA.model, "seq": args.seq}, ranks=args.ranks,

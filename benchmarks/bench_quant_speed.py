@@ -20,16 +20,14 @@
   16-1024 ranks of a 1.3B-parameter bf16 model at stage 3, with the codec's time from the
   measured kernels added to the quantized rows.
 
-Every record goes to results/quantized-speed.jsonl with the commit and ``uptime``'s load average.
+Every record goes to results/quantized-speed.jsonl (``--out``), stamped by the harness (commit, load average, ...).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,31 +36,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from zerompi.tools import commtime  # noqa: E402
-from zerompi.tools.mpirun import mpi_env, mpiexec  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
-LOG = RESULTS / "quantized-speed.jsonl"
-WORKER = ROOT / "benchmarks" / "workers" / "quant_speed_worker.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import launch, markdown, rows  # noqa: E402
+from harness.paths import RESULTS, WORKERS  # noqa: E402
+
+OUT = RESULTS / "quantized-speed"  # .jsonl: every record of every run, appended; .md: the report
+WORKER = WORKERS / "quant_speed_worker.py"
 LINKS = {"shm": None, "tcp": "", "tcp-1gbit": "1gbit", "tcp-200mbit": "200mbit"}
 STEP_VARIANTS = ("none", "w8g8", "w8g4")
 TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPICH_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
 
-def commit() -> str:
-    if (ROOT / ".commit").exists():
-        return (ROOT / ".commit").read_text().strip()
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+def record(doc: dict, out: Path) -> None:
+    with rows.RowLog(out.with_suffix(".jsonl"), mode=rows.Mode.APPEND) as log:
+        log.add(doc)
 
 
-def record(doc: dict) -> None:
-    doc.update(commit=commit(), load=[round(x, 2) for x in os.getloadavg()], time=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    with LOG.open("a") as f:
-        f.write(json.dumps(doc) + "\n")
-
-
-def history() -> list[dict]:
-    return [json.loads(line) for line in LOG.read_text().splitlines()] if LOG.exists() else []
+def history(out: Path) -> list[dict]:
+    path = out.with_suffix(".jsonl")
+    return rows.read(path) if path.exists() else []
 
 
 def worker(cmd: list[str], env: dict | None = None, netns: str | None = None) -> dict:
@@ -70,33 +63,31 @@ def worker(cmd: list[str], env: dict | None = None, netns: str | None = None) ->
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         full = [*cmd, "--out", str(out)]
-        environment = {**mpi_env(ROOT), **(env or {})}
         if netns is not None:  # a private loopback, rate-limited when netns names a rate
             shaping = f"tc qdisc add dev lo root tbf rate {netns} burst 256kb latency 100ms && " if netns else ""
             full = ["unshare", "-n", "bash", "-c", f"ip link set lo up && {shaping}exec {shlex.join(full)}"]
-        proc = subprocess.run(full, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=1200)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(full)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+        job, doc = launch.run_json(full, out, launch.job_env(mpich_yield=True, extra=env or {}), timeout=1200)
+        if not job.ok:
+            raise SystemExit(f"{' '.join(full)} failed: {job.error(lines=40)}")
+        return doc
 
 
 def cmd_kernels(args) -> int:
     doc = worker([sys.executable, str(WORKER), "kernels", "--repeats", str(args.repeats)],
                  env={"OMP_NUM_THREADS": "1"})
-    record(doc)
+    record(doc, args.out)
     return 0
 
 
 def cmd_collectives(args) -> int:
     for numel in (2**20, 2**22):
-        doc = worker([*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(WORKER), "collectives",
-                      "--numel", str(numel), "--repeats", str(args.repeats)])
-        record(doc)
+        doc = worker(launch.mpi_command(2, WORKER, "collectives", "--numel", numel, "--repeats", args.repeats))
+        record(doc, args.out)
     return 0
 
 
 def cmd_link(args) -> int:
-    done = [(r["repeat"], r["link"], r["variant"]) for r in history() if r.get("mode") == "step"]
+    done = [(r["repeat"], r["link"], r["variant"]) for r in history(args.out) if r.get("mode") == "step"]
     plan = [(rep, link, v) for rep in range(args.repeats) for link in LINKS for v in STEP_VARIANTS]
     began = time.perf_counter()
     for rep, link, variant in plan:
@@ -106,10 +97,10 @@ def cmd_link(args) -> int:
             print(f"budget spent; next: repeat {rep} {link} {variant}")
             return 0
         rate = LINKS[link]
-        doc = worker([*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(WORKER), "step", "--variant", variant,
-                      "--steps", str(args.steps)], env=TCP_ENV if rate is not None else None, netns=rate)
+        doc = worker(launch.mpi_command(2, WORKER, "step", "--variant", variant, "--steps", args.steps),
+                     env=TCP_ENV if rate is not None else None, netns=rate)
         doc.update(repeat=rep, link=link)
-        record(doc)
+        record(doc, args.out)
         print(json.dumps({k: doc[k] for k in ("repeat", "link", "variant")}), statistics.median(doc["seconds"]),
               flush=True)
     print("complete: every repeat of every link and variant ran")
@@ -223,19 +214,18 @@ def projection_lines(rate: dict) -> list[str]:
 
 
 def cmd_report(args) -> int:
-    rows = history()
-    kernels = [r for r in rows if r.get("mode") == "kernels"][-1]
-    collectives = [r for r in rows if r.get("mode") == "collectives"][-2:]
-    steps = [r for r in rows if r.get("mode") == "step"]
+    found = history(args.out)
+    kernels = [r for r in found if r.get("mode") == "kernels"][-1]
+    collectives = [r for r in found if r.get("mode") == "collectives"][-2:]
+    steps = [r for r in found if r.get("mode") == "step"]
     klines, rate = kernel_lines(kernels)
-    loads = [r["load"][0] for r in rows]
+    loads = [rows.load_of(r) for r in found]
     lines = ["# Speed of quantized collectives", "",
              "Written by `benchmarks/bench_quant_speed.py report` (its docstring says what each part measures). "
-             f"Commits: {', '.join(sorted({r['commit'] for r in rows}))}; 1-minute load average at the records "
+             f"Commits: {', '.join(sorted({rows.commit_of(r)[:7] for r in found}))}; 1-minute load average at the records "
              f"{min(loads):.1f} to {max(loads):.1f} on 2 cores shared with other jobs.", ""]
     lines += klines + collective_lines(collectives) + link_lines(steps) + projection_lines(rate)
-    (RESULTS / "quantized-speed.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    markdown.write(args.out.with_suffix(".md"), "\n".join(lines))
     return 0
 
 
@@ -245,6 +235,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=8, help="timed steps per link run")
     p.add_argument("--budget-s", type=float, default=540)
+    p.add_argument("--out", type=Path, default=OUT, help="results prefix (default benchmarks/results/quantized-speed)")
     args = p.parse_args()
     if args.mode == "link" and args.repeats == 5:
         args.repeats = 3

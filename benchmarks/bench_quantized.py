@@ -28,19 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import launch, markdown, rows, stamp  # noqa: E402
+from harness.paths import RESULTS, ROOT  # noqa: E402
 from zerompi.tools import plot  # noqa: E402
-from zerompi.tools.mpirun import mpi_env, mpiexec  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 LOG = RESULTS / "quantized.jsonl"
 RUNS = ROOT / "out" / "quantized"
 BASE = ROOT / "jobs" / "configs" / "default.toml"
@@ -58,10 +55,8 @@ def commit() -> str:
     editing the worktree cannot change runs in progress), the ``.commit`` file written beside it."""
     if (ROOT / ".commit").exists():
         return (ROOT / ".commit").read_text().strip()
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "zerompi", "jobs", "benchmarks/bench_quantized.py"],
-                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return rev.stdout.strip() + ("+dirty" if dirty else "")
+    dirty = stamp.dirty(("zerompi", "jobs", "benchmarks/bench_quantized.py"))
+    return stamp.commit(short=True) + ("+dirty" if dirty else "")
 
 
 def _toml(value) -> str:
@@ -108,24 +103,22 @@ def segment(ranks: int, variant: str, seed: int, until: int, steps: int) -> dict
     directory = run_dir(ranks, variant, seed)
     config = directory / "config.toml"
     write_config(config, steps, VARIANTS[variant][0], seed)
-    start, load0, t0 = done_steps(directory), os.getloadavg(), time.perf_counter()
-    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "jobs/train_gpt.py", "--config", str(config),
-           "--steps", str(until), "--out", str(directory), "--save-every", str(until), "--resume"]
-    env = {**mpi_env(ROOT), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    start = done_steps(directory)
+    cmd = launch.mpi_command(ranks, "jobs/train_gpt.py", "--config", config, "--steps", until, "--out", directory,
+                             "--save-every", until, "--resume")
+    job = launch.run(cmd, launch.job_env(mpich_yield=True), timeout=None)  # the budget bounds the segments
+    if not job.ok:
+        raise SystemExit(f"{' '.join(cmd)} failed: {job.error(lines=60)}")
     prune(directory)
-    return dict(ranks=ranks, variant=variant, seed=seed, start=start, until=until, wall_s=round(wall, 1),
-                load_before=[round(x, 2) for x in load0], load_after=[round(x, 2) for x in os.getloadavg()],
-                commit=commit(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    return dict(ranks=ranks, variant=variant, seed=seed, start=start, until=until, wall_s=round(job.wall_s, 1),
+                load_before=job.loadavg_before, load_after=job.loadavg_after, commit=commit(),
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
 def cmd_run(args) -> int:
     ranks = [int(x) for x in args.ranks.split(",")]
     order = [(n, s, v) for n in ranks for s in args.seeds for v in args.variants]
-    history = [json.loads(line) for line in LOG.read_text().splitlines()] if LOG.exists() else []
+    history = rows.read(LOG) if LOG.exists() else []
     began, before = time.perf_counter(), len(history)
     while True:
         pending = [(done_steps(run_dir(n, v, s)), i, n, s, v) for i, (n, s, v) in enumerate(order)
@@ -143,9 +136,8 @@ def cmd_run(args) -> int:
             print(f"budget spent; next: np{n} {v} seed {s} from step {done} (about {guess:.0f} s)")
             return 0
         record = segment(n, v, s, min(args.steps, done + seg), args.steps)
-        history.append(record)
-        with LOG.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        with rows.RowLog(LOG, mode=rows.Mode.APPEND) as log:
+            history.append(log.add(record))
         print(json.dumps(record), flush=True)
 
 
@@ -187,81 +179,96 @@ def verdict(base: dict, quant: dict, allowed: float) -> str:
     return f"{'within' if gap / base['mean'] <= allowed else 'OUTSIDE'} {allowed:.0%}"
 
 
-def cmd_report(args) -> int:
-    ranks = [int(x) for x in args.ranks.split(",")]
-    history = [json.loads(line) for line in LOG.read_text().splitlines()]
-    history = [r for r in history if "seed" in r]  # rows without one: the earlier single-seed series
-    lines = ["# Convergence with quantized collectives", "",
-             "Written by `benchmarks/bench_quantized.py report` from the runs of `bench_quantized.py run` "
-             "(its docstring says what they are). Final validation loss of jobs/train_gpt.py (default config, "
-             f"{args.steps} steps, cosine schedule over them) per variant and seed (`[train] seed`: model "
-             "initialisation and data order), their mean and spread, and the gap of each variant's mean to "
-             "the unquantized mean at the same world size, over the seeds finished for both.", "",
-             "Verdict: **within seed noise** when the gap of the means is no larger than the min-to-max "
-             "spread of the unquantized seeds and of the variant's seeds; otherwise **within X %** or "
-             "**OUTSIDE X %** against the allowed relative gap (int8 gradients 1 %, int4 2 %). No verdict "
-             f"until all {len(args.seeds)} seeds of both have finished; a run in progress or not run is "
-             "shown as such and counts in no mean. Bytes are those one rank sent per step in parameter "
-             "all-gathers and gradient reduce-scatters (the last logged interval of a finished run; the same "
-             "for every seed).", ""]
-    summary = {}
-    for n in ranks:
-        results = {v: {s: seed_result(run_dir(n, v, s), args.steps) for s in args.seeds} for v in args.variants}
-        finals = {v: [x for x in r.values() if isinstance(x, float)] for v, r in results.items()}
-        stats = {v: spread(f) for v, f in finals.items() if f}
-        traffic = {v: next((last_traffic(run_dir(n, v, s)) for s in args.seeds
-                            if isinstance(results[v][s], float)), {}) for v in args.variants}
-        base_bytes = sum(traffic.get("none", {}).values())
-        lines += [f"## {n} ranks", "",
-                  "| variant | " + " | ".join(f"seed {s}" for s in args.seeds) +
-                  " | mean | min to max | std | mean vs none | allowed | verdict | bytes sent per step | of none's |",
-                  "|---|" + "---|" * len(args.seeds) + "---|---|---|---|---|---|---|---|"]
-        for v, (fields, allowed) in VARIANTS.items():
-            if v not in args.variants:
-                lines.append(f"| {v} | " + " | ".join("not run" for _ in args.seeds) + " |  |  |  |  |  |  |  |  |")
-                continue
-            cells = [f"{x:.4f}" if isinstance(x, float) else x for x in results[v].values()]
-            st, base = stats.get(v), stats.get("none")
-            complete = len(finals[v]) == len(args.seeds) and len(finals.get("none", [])) == len(args.seeds)
-            # the gap of the means over the seeds finished on both sides only: one high seed on one side
-            # alone would otherwise move it by the whole seed spread
-            both = [s for s in args.seeds if isinstance(results[v][s], float) and isinstance(results.get("none", {}).get(s), float)]
-            mean_v, mean_0 = (sum(results[x][s] for s in both) / len(both) if both else 0.0 for x in (v, "none"))
-            gap = (mean_v - mean_0) / mean_0 if both else None
-            paired = f" (seeds {', '.join(map(str, both))})" if both and len(both) < len(args.seeds) else ""
-            if allowed is None:
-                word = "-"
-            elif complete:
-                word = verdict(base, st, allowed)
-            else:
-                word = f"no verdict: {len(finals[v])} of {len(args.seeds)} seeds finished"
-                if v != "none":
-                    word += f" (none: {len(finals.get('none', []))})"
-            sent = traffic[v]
-            count = f" ({len(finals[v])} seeds)" if st and len(finals[v]) < len(args.seeds) else ""
-            lines.append(
-                f"| {v} | " + " | ".join(cells) + " | " +
-                (f"{st['mean']:.4f}{count} | {st['min']:.4f} to {st['max']:.4f} ({st['max'] - st['min']:.4f}) | "
-                 f"{'-' if st['std'] is None else format(st['std'], '.4f')} | " if st else " |  |  | ") +
-                ("" if gap is None or allowed is None else f"{gap:+.2%}{paired}") +
-                f" | {'-' if allowed is None else f'{allowed:.0%}'} | {word} | " +
-                ", ".join(f"{k} {b:,}" for k, b in sorted(sent.items())) + " | " +
-                (f"{sum(sent.values()) / base_bytes:.3f}" if sent and base_bytes else "") + " |")
-            summary[f"np{n}-{v}"] = dict(
-                final_val_loss={str(s): x for s, x in results[v].items()}, **(st or {}), rel_gap=gap,
-                allowed=allowed, verdict=word, bytes_per_step=sent)
-        png = RESULTS / f"quantized-np{n}.png"
-        series = [plot.read_metrics(str(run_dir(n, v, s))) for v in args.variants for s in args.seeds
-                  if (run_dir(n, v, s) / "metrics.jsonl").exists()]
-        if series:
-            plot.draw(series, png, only=("loss",))
-            lines += ["", f"![loss curves at {n} ranks]({png.name})", ""]
-        else:
-            png.unlink(missing_ok=True)
-            lines += [""]
-    runs = {(n, v, s) for n in ranks for v in args.variants for s in args.seeds}
-    history = [r for r in history if (r["ranks"], r["variant"], r["seed"]) in runs]
-    lines += ["## Conditions", ""]
+def _intro(args) -> list[str]:
+    return ["# Convergence with quantized collectives", "",
+            "Written by `benchmarks/bench_quantized.py report` from the runs of `bench_quantized.py run` "
+            "(its docstring says what they are). Final validation loss of jobs/train_gpt.py (default config, "
+            f"{args.steps} steps, cosine schedule over them) per variant and seed (`[train] seed`: model "
+            "initialisation and data order), their mean and spread, and the gap of each variant's mean to "
+            "the unquantized mean at the same world size, over the seeds finished for both.", "",
+            "Verdict: **within seed noise** when the gap of the means is no larger than the min-to-max "
+            "spread of the unquantized seeds and of the variant's seeds; otherwise **within X %** or "
+            "**OUTSIDE X %** against the allowed relative gap (int8 gradients 1 %, int4 2 %). No verdict "
+            f"until all {len(args.seeds)} seeds of both have finished; a run in progress or not run is "
+            "shown as such and counts in no mean. Bytes are those one rank sent per step in parameter "
+            "all-gathers and gradient reduce-scatters (the last logged interval of a finished run; the same "
+            "for every seed).", ""]
+
+
+def _paired_gap(results: dict, v: str, seeds: list[int]) -> tuple[float | None, list[int]]:
+    """The relative gap of the means over the seeds finished on both sides only: one high seed on one side
+    alone would otherwise move it by the whole seed spread."""
+    both = [s for s in seeds if isinstance(results[v][s], float) and isinstance(results.get("none", {}).get(s), float)]
+    if not both:
+        return None, both
+    mean_v, mean_0 = (sum(results[x][s] for s in both) / len(both) for x in (v, "none"))
+    return (mean_v - mean_0) / mean_0, both
+
+
+def _verdict_word(v: str, allowed: float | None, finals: dict, stats: dict, seeds: list[int]) -> str:
+    if allowed is None:
+        return "-"
+    if len(finals[v]) == len(seeds) and len(finals.get("none", [])) == len(seeds):
+        return verdict(stats.get("none"), stats.get(v), allowed)
+    return f"no verdict: {len(finals[v])} of {len(seeds)} seeds finished" + (
+        f" (none: {len(finals.get('none', []))})" if v != "none" else "")
+
+
+def _variant_line(v: str, allowed: float | None, results: dict, finals: dict, stats: dict, sent: dict,
+                  base_bytes: int, seeds: list[int]) -> tuple[str, dict]:
+    """One variant's line of a world size's table, and its entry in quantized.json."""
+    cells = [f"{x:.4f}" if isinstance(x, float) else x for x in results[v].values()]
+    st = stats.get(v)
+    gap, both = _paired_gap(results, v, seeds)
+    paired = f" (seeds {', '.join(map(str, both))})" if both and len(both) < len(seeds) else ""
+    word = _verdict_word(v, allowed, finals, stats, seeds)
+    count = f" ({len(finals[v])} seeds)" if st and len(finals[v]) < len(seeds) else ""
+    line = (f"| {v} | " + " | ".join(cells) + " | " +
+            (f"{st['mean']:.4f}{count} | {st['min']:.4f} to {st['max']:.4f} ({st['max'] - st['min']:.4f}) | "
+             f"{'-' if st['std'] is None else format(st['std'], '.4f')} | " if st else " |  |  | ") +
+            ("" if gap is None or allowed is None else f"{gap:+.2%}{paired}") +
+            f" | {'-' if allowed is None else f'{allowed:.0%}'} | {word} | " +
+            ", ".join(f"{k} {b:,}" for k, b in sorted(sent.items())) + " | " +
+            (f"{sum(sent.values()) / base_bytes:.3f}" if sent and base_bytes else "") + " |")
+    entry = dict(final_val_loss={str(s): x for s, x in results[v].items()}, **(st or {}), rel_gap=gap,
+                 allowed=allowed, verdict=word, bytes_per_step=sent)
+    return line, entry
+
+
+def _curves(n: int, args) -> list[str]:
+    png = RESULTS / f"quantized-np{n}.png"
+    series = [plot.read_metrics(str(run_dir(n, v, s))) for v in args.variants for s in args.seeds
+              if (run_dir(n, v, s) / "metrics.jsonl").exists()]
+    if not series:
+        png.unlink(missing_ok=True)
+        return [""]
+    plot.draw(series, png, only=("loss",))
+    return ["", f"![loss curves at {n} ranks]({png.name})", ""]
+
+
+def _ranks_section(n: int, args, summary: dict) -> list[str]:
+    results = {v: {s: seed_result(run_dir(n, v, s), args.steps) for s in args.seeds} for v in args.variants}
+    finals = {v: [x for x in r.values() if isinstance(x, float)] for v, r in results.items()}
+    stats = {v: spread(f) for v, f in finals.items() if f}
+    traffic = {v: next((last_traffic(run_dir(n, v, s)) for s in args.seeds
+                        if isinstance(results[v][s], float)), {}) for v in args.variants}
+    base_bytes = sum(traffic.get("none", {}).values())
+    lines = [f"## {n} ranks", "",
+             "| variant | " + " | ".join(f"seed {s}" for s in args.seeds) +
+             " | mean | min to max | std | mean vs none | allowed | verdict | bytes sent per step | of none's |",
+             "|---|" + "---|" * len(args.seeds) + "---|---|---|---|---|---|---|---|"]
+    for v, (_, allowed) in VARIANTS.items():
+        if v not in args.variants:
+            lines.append(f"| {v} | " + " | ".join("not run" for _ in args.seeds) + " |  |  |  |  |  |  |  |  |")
+            continue
+        line, summary[f"np{n}-{v}"] = _variant_line(v, allowed, results, finals, stats, traffic[v], base_bytes,
+                                                    args.seeds)
+        lines.append(line)
+    return lines + _curves(n, args)
+
+
+def _conditions(history: list[dict]) -> list[str]:
+    lines = ["## Conditions", ""]
     if history:
         commits = sorted({r["commit"] for r in history})
         loads = [r["load_before"][0] for r in history] + [r["load_after"][0] for r in history]
@@ -275,11 +282,20 @@ def cmd_report(args) -> int:
                   "on 2 cores shared with other jobs: wall times are not comparisons of speed",
                   "- wall seconds per step (start-up included), median per run: " +
                   ", ".join(f"{k} {sorted(w)[len(w) // 2]:.2f}" for k, w in sorted(walls.items()))]
-    lines += ["- rows of results/quantized.jsonl without a seed are an earlier single-seed series (seed 1337, "
-              "commit cdabb0d) whose run directories are gone; they count in nothing above", ""]
-    (RESULTS / "quantized.md").write_text("\n".join(lines))
+    return lines + ["- rows of results/quantized.jsonl without a seed are an earlier single-seed series (seed "
+                    "1337, commit cdabb0d) whose run directories are gone; they count in nothing above", ""]
+
+
+def cmd_report(args) -> int:
+    ranks = [int(x) for x in args.ranks.split(",")]
+    runs = {(n, v, s) for n in ranks for v in args.variants for s in args.seeds}
+    history = [r for r in rows.read(LOG) if "seed" in r]  # rows without one: the earlier single-seed series
+    lines, summary = _intro(args), {}
+    for n in ranks:
+        lines += _ranks_section(n, args, summary)
+    lines += _conditions([r for r in history if (r["ranks"], r["variant"], r["seed"]) in runs])
+    markdown.write(RESULTS / "quantized.md", "\n".join(lines))
     (RESULTS / "quantized.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print("\n".join(lines))
     return 0
 
 

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(ROOT)]
-
-from zerompi.tools.mpirun import mpi_env  # noqa: E402
+sys.path.insert(0, str(HERE))
+from harness import launch, markdown, rows, stamp  # noqa: E402
+from harness.paths import ROOT, WORKERS  # noqa: E402
 
 MODES = {"off": ["--ft", "off"],
          "memory, every step": ["--ft", "on", "--every", "1", "--source", "memory"],
@@ -35,13 +32,14 @@ MODES = {"off": ["--ft", "off"],
 
 
 def run(venv: Path, ranks: int, args: list[str]) -> dict:
-    cmd = [str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1",
-           "--mca", "btl", "self,sm", "--oversubscribe",
-           "-n", str(ranks), str(venv / "bin" / "python"), str(HERE / "workers" / "ulfm_worker.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ROOT), capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    launcher = [str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1",
+                "--mca", "btl", "self,sm", "--oversubscribe"]
+    cmd = launch.mpi_command(ranks, WORKERS / "ulfm_worker.py", *args, mpiexec=launcher, python=venv / "bin" / "python",
+                             abort_on_error=False)
+    job = launch.run(cmd, launch.job_env(mpich_yield=True), timeout=600)
+    lines = [ln for ln in job.output.splitlines() if ln.startswith("{")]  # a killed rank's job may end non-zero
     if not lines:
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"{' '.join(cmd)}: {job.error(lines=40)}")
     return json.loads(lines[-1])
 
 
@@ -59,28 +57,23 @@ def main() -> None:
     venv, common = Path(a.venv), ["--steps", str(a.steps), "--width", str(a.width)]
     if a.recovery_dir:
         common += ["--recovery-dir", a.recovery_dir]
-    load, rows = os.getloadavg()[0], []
+    load, found = stamp.loadavg()[0], []
     modes = {m: MODES[m] for m in MODES if m == "off" or m in a.modes.split(";")}
     for _ in range(a.rounds):
         for mode, args in modes.items():
-            rows.append(dict(mode=mode, **run(venv, a.ranks, args + common)))
+            found.append(dict(mode=mode, **run(venv, a.ranks, args + common)))
         with tempfile.TemporaryDirectory() as d:
             killed = Path(d) / "kill.time"
             r = run(venv, a.ranks, MODES["memory, every step"] + common + ["--kill-rank", "1", "--kill-step",
                                                                         str(a.steps // 2), "--kill-time", str(killed)])
-            rows.append(dict(mode="on, rank 1 killed", to_step=r["first_done"] - float(killed.read_text()), **r))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+            found.append(dict(mode="on, rank 1 killed", to_step=r["first_done"] - float(killed.read_text()), **r))
+    commit = stamp.commit(short=True)
     where = f" --recovery-dir {a.recovery_dir}" if a.recovery_dir else ""
     where += f" --modes '{a.modes}'" if a.modes != ";".join(MODES) else ""
     run_line = (f"`python benchmarks/bench_ulfm.py --ranks {a.ranks} --steps {a.steps} --rounds {a.rounds}{where}` "
-                f"at {commit}, load average {load:.2f} before and {os.getloadavg()[0]:.2f} after, 2 cores.")
-    with open(a.out + ".jsonl", "w") as f:
-        for row in rows:
-            f.write(json.dumps({**row, "run": run_line}) + "\n")
-    text = report(rows, a.ranks, run_line, list(modes))
-    Path(a.out + ".md").write_text(text)
-    print(text)
+                f"at {commit}, load average {load:.2f} before and {stamp.loadavg()[0]:.2f} after, 2 cores.")
+    rows.write(Path(a.out + ".jsonl"), [{**row, "run": run_line} for row in found])
+    markdown.write(Path(a.out + ".md"), report(found, a.ranks, run_line, list(modes)))
 
 
 def report(rows: list[dict], ranks: int, run_line: str, modes: list[str]) -> str:

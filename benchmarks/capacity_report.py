@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
 from bench_offload import traffic_limit_s
+from harness import stamp
+from harness.plots import pyplot, save
 
 log = logging.getLogger("bench_capacity")
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,16 +63,7 @@ class Study:
 
 def git_state(paths: tuple[str, ...]) -> tuple[str, list[str]]:
     """HEAD's short hash and the files among ``paths`` with uncommitted changes."""
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
-    status = git("status", "--porcelain", "--", *paths).splitlines()
-    return git("rev-parse", "--short", "HEAD").strip(), sorted(ln[3:] for ln in status)
-
-
-def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.1f} GiB"
+    return stamp.commit(short=True), stamp.dirty(paths)
 
 
 def load(path: Path, study: Study) -> dict:
@@ -290,11 +280,7 @@ def common_readings(study: Study, data: dict) -> list[str]:
 
 
 def plot(study: Study, data: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode in study.modes:
@@ -307,9 +293,7 @@ def plot(study: Study, data: dict, path: Path) -> bool:
     ax.set(xscale="log", xlabel=study.x_label, ylabel="job peak memory, GiB")
     ax.set_title(f"Capacity under a {data['cap_gib']:g} GiB cap, {data['ranks']} ranks")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})  # no matplotlib version: same data, same file
-    plt.close(fig)
+    save(plt, fig, path, dpi=120, metadata={"Software": None})  # no matplotlib version: same data, same file
     return True
 
 
@@ -318,7 +302,7 @@ def write(study: Study, data: dict, out: Path, command: str) -> str:
     not left showing older data."""
     commit, dirty = git_state(study.sources[1:3])  # the script's own files
     data = {**data, "written_by": {"commit": commit, "dirty": dirty, "command": command,
-                                   "date": datetime.now().isoformat(timespec="seconds")}}
+                                   "date": stamp.utc_now()}}
     data["best"] = summary(study, data["rows"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{study.stem}.json").write_text(json.dumps(data, indent=1) + "\n")

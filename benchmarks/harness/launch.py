@@ -39,7 +39,7 @@ class Outcome:
     output: str          # stdout and stderr, interleaved
     code: int | None     # exit code (None: killed before it exited)
     wall_s: float
-    timeout: float
+    timeout: float | None
     loadavg_before: list[float]
     loadavg_after: list[float]
 
@@ -80,13 +80,16 @@ def find_mpiexec(explicit: str | None = None) -> str:
 
 
 def mpi_command(n: int, script: Path | str, *args, mpiexec: str | list[str] | None = None,
-                prefix: tuple[str, ...] = (), python: Path | str = sys.executable) -> list[str]:
+                prefix: tuple[str, ...] = (), python: Path | str = sys.executable, abort_on_error: bool = True
+                ) -> list[str]:
     """``mpiexec -n N [prefix] python -m mpi4py SCRIPT ARGS``: ``mpiexec`` a path or a launcher with its options
     (default zerompi.tools.mpirun's, which gives Open MPI ``--oversubscribe``); ``prefix`` e.g. a profiler each
-    rank runs under; ``python`` another venv's."""
+    rank runs under; ``python`` another venv's. ``abort_on_error=False`` runs ``python SCRIPT``: a rank's
+    uncaught exception then does not abort the job (mpi4py's ``-m`` would), which fault-tolerance jobs need."""
     from zerompi.tools.mpirun import mpiexec as default
     launcher = default() if mpiexec is None else [mpiexec] if isinstance(mpiexec, str) else list(mpiexec)
-    return [*launcher, "-n", str(n), *prefix, str(python), "-m", "mpi4py", str(script), *map(str, args)]
+    runner = ["-m", "mpi4py"] if abort_on_error else []
+    return [*launcher, "-n", str(n), *prefix, str(python), *runner, str(script), *map(str, args)]
 
 
 def free_port() -> int:
@@ -119,7 +122,7 @@ def job_env(mpich_yield: bool, rendezvous: bool = False, extra: dict | tuple = (
     return env
 
 
-def run(cmd: list[str], env: dict | None = None, timeout: float = 1800.0, cwd: Path = ROOT) -> Outcome:
+def run(cmd: list[str], env: dict | None = None, timeout: float | None = 1800.0, cwd: Path = ROOT) -> Outcome:
     """Run one job to its end or its timeout: then SIGTERM, and SIGKILL after a grace, to its whole
     process group (mpiexec and its ranks)."""
     before, t0 = loadavg(), time.perf_counter()

@@ -38,9 +38,9 @@ def bars(ax, groups: list, series: list, value, width: float = 0.8, err=None, ha
     ax.set_xticklabels(groups, rotation=40, ha="right", fontsize=8)
 
 
-def save(plt, fig, path: Path, dpi: int = 110) -> Path:
+def save(plt, fig, path: Path, dpi: int = 110, **savefig) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, **savefig)
     plt.close(fig)
     return Path(path)
 

@@ -81,5 +81,6 @@ def commit_of(line: dict) -> str:
 
 
 def load_of(line: dict) -> float | None:
-    la = line.get("stamp", {}).get("loadavg")
-    return la[0] if la else line.get("load")
+    """A line's 1-minute load average: its stamp's, or the ``load`` field (a number or 1/5/15) of older lines."""
+    la = line.get("stamp", {}).get("loadavg") or line.get("load")
+    return la[0] if isinstance(la, list) else la

@@ -22,7 +22,7 @@ GiB = 1 << 30
 def git(*args: str, cwd: Path = ROOT) -> str:
     """A read-only git command's output ('' where git or the repository is missing)."""
     try:
-        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60).stdout.strip()
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60).stdout.rstrip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -62,6 +62,12 @@ def machine() -> dict:
     return dict(host=platform.node(), cpus=os.cpu_count(), cpus_usable=len(os.sched_getaffinity(0)),
                 cpu=cpu_model(), mem_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
                 os=platform.platform())
+
+
+def machine_line() -> str:
+    """``cpu, N cores, X GiB``: the machine in a report's sentence."""
+    m = machine()
+    return f"{m['cpu']}, {m['cpus']} cores, {m['mem_gib']:.1f} GiB"
 
 
 def version(dist: str) -> str | None:
