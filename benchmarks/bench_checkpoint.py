@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(HERE / "workers")]  # the harness; the worker's helpers
 import ckpt_bench_worker as worker  # noqa: E402
+import diskio  # noqa: E402
 from harness import launch, markdown, rows, stamp  # noqa: E402
 from harness.markdown import table as _table  # noqa: E402
 from harness.summary import spread as summary  # noqa: E402
@@ -88,8 +89,8 @@ def consolidation(root: Path, scratch: Path) -> list[dict]:
              ("iterate load_full_state_dict, sum each tensor", [py, "-c", ITERATE, str(root)])]
     rows = []
     for name, cmd in cases:  # each reads the checkpoint cold
-        worker.evict(worker.files_under(root))
-        seconds, peak, text = worker.child_peak_rss(cmd, ENV, ROOT)
+        diskio.evict(diskio.files_under(root))
+        seconds, peak, text = diskio.child_peak_rss(cmd, ENV, ROOT)
         rows.append({"case": name, "seconds": seconds, "peak_rss": peak, "output": text[-200:]})
         log.info("%s: peak RSS %.0f MiB in %.1f s", name, peak / MiB, seconds)
     with open(out, "rb") as f:
@@ -110,7 +111,7 @@ def consolidation(root: Path, scratch: Path) -> list[dict]:
 
 def measure(args, scratch: Path) -> dict:
     model = MODELS["quick" if args.quick else "full"]
-    data = {"model": model, "crc32_gibps": worker.crc32_gibps(), "job": run_worker(2, scratch, model, args)}
+    data = {"model": model, "crc32_gibps": diskio.crc32_gibps(), "job": run_worker(2, scratch, model, args)}
     data["consolidation"] = [] if args.no_consolidation else consolidation(last_checkpoint(scratch, model), scratch)
     return data
 

@@ -26,6 +26,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE / "workers")]
 import rawdisk  # noqa: E402  (beside this file)
 import ckpt_bench_worker as worker  # noqa: E402
+import diskio  # noqa: E402
 from bench_checkpoint import MODELS, machine  # noqa: E402
 from harness import launch, markdown, stamp  # noqa: E402
 from harness.summary import fmt_spread, spread  # noqa: E402
@@ -66,10 +67,10 @@ def raw(scratch: Path, nbytes: int, repeats: int) -> dict:
     bufs, rates = rawdisk.page_aligned(2, block), []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        worker.raw_write(path, size, False, 2, block, bufs)
-        worker.evict([path])
+        diskio.raw_write(path, size, False, 2, block, bufs)
+        diskio.evict([path])
         t1 = time.perf_counter()
-        worker.raw_read(path, size, False, 2, block, bufs)
+        diskio.raw_read(path, size, False, 2, block, bufs)
         rates.append({"write": size / GiB / (t1 - t0), "read_cold": size / GiB / (time.perf_counter() - t1)})
         path.unlink()
     return {k: statistics.median([r[k] for r in rates]) for k in ("write", "read_cold")}
