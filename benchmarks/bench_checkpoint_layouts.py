@@ -92,7 +92,8 @@ def markdown_report(data: dict) -> str:
     for layout in LAYOUTS:
         s = data["layouts"][layout]
         lines.append(f"| {layout} | {', '.join(data['files'][layout])} | {fmt_spread(s['save'])} | "
-                     f"{fmt_spread(s['load_warm'])} | {fmt_spread(s['load_cold'])} | {100 * s['save']['median'] / raw_io['write']:.0f}% | "
+                     f"{fmt_spread(s['load_warm'])} | {fmt_spread(s['load_cold'])} | "
+                     f"{100 * s['save']['median'] / raw_io['write']:.0f}% | "
                      f"{100 * s['load_cold']['median'] / raw_io['read_cold']:.0f}% |")
     lines += ["", f"Raw on the same disk: write + fsync {raw_io['write']:.2f} GiB/s, cold read "
               f"{raw_io['read_cold']:.2f} GiB/s.", "", data["reading"], ""]

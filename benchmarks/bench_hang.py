@@ -1,4 +1,4 @@
-"""A hang names its culprit: the injected faults of tests/mpi/test_hang.py (a copy of its table), timed, and the recorder's cost.
+"""A hang names its culprit: the injected faults of tests/mpi/test_hang.py, timed, and the recorder's cost.
 
     .venv/bin/python benchmarks/bench_hang.py faults [--ranks 2 3 4] [--ranks 16] [--only FAULT ...]
     .venv/bin/python benchmarks/bench_hang.py cost [--ranks 2 4]

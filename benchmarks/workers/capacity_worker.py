@@ -22,6 +22,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
 import zerompi  # noqa: E402
 from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
+from procstat import peak_rss  # noqa: E402
 
 MODES = {
     "stage0": dict(stage=0),
@@ -30,10 +31,6 @@ MODES = {
     # optimizer_in_backward: exact, and under NVMe it moves less and overlaps the rest with backward
     "stage3+nvme": dict(stage=3, offload_optimizer="nvme", offload_params="nvme", optimizer_in_backward=True),
 }
-
-
-def peak_rss() -> int:
-    return next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
 
 
 def main() -> None:

@@ -47,6 +47,7 @@ from mpi4py import MPI
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "jobs"), str(ROOT / "benchmarks" / "peers")]  # a checkout, uninstalled
 import calltrace  # noqa: E402  (records nothing unless --trace starts it)
+from procstat import peak_rss  # noqa: E402
 
 ZEROMPI_MODES = {
     "stage0": dict(stage=0),
@@ -287,10 +288,6 @@ def deepspeed_trainer(args, comm) -> tuple[Callable, dict]:
 def rss_now() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss() -> int:
-    return next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
 
 
 def parse_args() -> argparse.Namespace:
