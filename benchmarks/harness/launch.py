@@ -37,7 +37,7 @@ class Status(str, enum.Enum):
 class Outcome:
     status: Status
     output: str          # stdout and stderr, interleaved
-    code: int | None     # exit code (None: killed before it exited)
+    code: int | None     # exit code (negative: the signal that ended it)
     wall_s: float
     timeout: float | None
     loadavg_before: list[float]

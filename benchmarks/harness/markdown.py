@@ -30,14 +30,6 @@ def short_error(r: dict) -> str:
     return (lines[0] + (f": {raised[-1]}" if raised else "")).replace("|", "/")[:200]
 
 
-def provenance(stamp: dict) -> str:
-    """One line from a results line's stamp (rows.py): commit, time, machine, versions, load."""
-    m, v = stamp["machine"], stamp["versions"]
-    return (f"commit {stamp['commit'][:12]}{' (uncommitted changes)' if stamp['dirty'] else ''}, {stamp['utc']}; "
-            f"{m['host']}: {m['cpu']}, {m['cpus']} cores, {m['mem_gib']:.0f} GiB; "
-            + ", ".join(f"{k} {val}" for k, val in v.items() if val) + f"; load average {load(stamp['loadavg'])}")
-
-
 def reading(path: str | Path | None) -> str | None:
     """The text of a ``--reading FILE`` note, if one was given."""
     return Path(path).read_text() if path else None

@@ -6,7 +6,7 @@ the noise it saw.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from .rows import RowLog
@@ -37,7 +37,3 @@ def shown_step(row: dict, key: str = "step_s_median", fmt: str = "{:.2f} s/step"
     if row["status"] == "ok":
         return fmt.format(row[key])
     return (row.get("error") or row["status"]).splitlines()[0]
-
-
-def ok(rows: Iterable[dict]) -> list[dict]:
-    return [r for r in rows if r.get("status", "ok") == "ok"]
