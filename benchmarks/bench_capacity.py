@@ -259,7 +259,7 @@ def measure(args, modes: list[str], command: str, reading: str | None) -> dict:
             m = {"commit": commit, "dirty": dirty, "date": stamp.utc_now(), "command": command,
                  "machine": stamp.machine_line(), "cores": stamp.machine()["cpus"], "nvme_dir": str(args.nvme),
                  "loadavg_before_run": before, "loadavg_start": stamp.loadavg(), "reading": reading,
-                 "previous": None}
+                 "previous": None, "stamp": stamp.stamp()}
             if mode.endswith("+nvme"):  # what the disk moves, for each trial's traffic limit (capacity_report)
                 from bench_offload import raw_disk
                 samples = raw_disk(scratch, 512 << 20, 2)
