@@ -17,8 +17,8 @@ from torch import nn
 
 from zerompi import offload
 from zerompi.checkpoint.background import BackgroundSave
-from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, ShardSnapshot
-from zerompi.config import DType, Offload, ZeroConfig
+from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, SavedConfig, ShardSnapshot
+from zerompi.config import Offload, ZeroConfig
 from zerompi.comm import launch
 from zerompi.comm.group import ProcessGroup
 from zerompi.comm.topology import build_groups
@@ -88,39 +88,41 @@ class Engine:
             raise ZeroMPIError("no parameter of the model requires grad: nothing to train")
         check_models_agree(module, group)
         check_configs_agree(cfg, group)
-        kinds.check_elementwise(cfg.optimizer, cfg.optimizer_class())  # before anything is built
-        self.device = launch.select_device(cfg.device, self.info.local_rank)
+        # The engine is where the config is taken apart: each component gets its section's policy.
+        run, sharding, batch, precision, overlap = cfg.runtime, cfg.sharding, cfg.batch, cfg.precision, cfg.overlap
+        kinds.check_elementwise(cfg.optimization.optimizer, cfg.optimization.optimizer_class())  # before building
+        self.device = launch.select_device(run.device, self.info.local_rank)
         if self.device.type == "cpu":
-            torch.set_num_threads(launch.cpu_threads_for(cfg.cpu_threads, self.info.local_size))
-        launch.seed_rank(cfg.seed, self.info.rank)
+            torch.set_num_threads(launch.cpu_threads_for(run.cpu_threads, self.info.local_size))
+        launch.seed_rank(run.seed, self.info.rank)
         membership, options = optimizer_groups(module, param_groups)
-        plan = plan_for(cfg.stage, rounds=cfg.rounds)
+        plan = plan_for(sharding.stage, rounds=batch.rounds)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
-                                 plan, cfg.param_persistence_threshold, group_of))
+                                 plan, sharding.persistence_threshold, group_of))
         deferred.check(module, {pl.fqn for pl in placements if pl.bucketed})
         self.module = deferred.to_device(module, self.device)
-        self.groups = build_groups(group, self.info, cfg.topology, cfg.stage)
+        self.groups = build_groups(group, self.info, cfg.topology, sharding.stage)
         shard = self.groups.shard
-        placement = Placement(plan, shard.rank, shard.size, cfg.torch_dtype, self.device,
-                              check_finite=cfg.dtype != DType.FP16)  # fp16 overflows are the loss scaler's
-        comm = CommFactory(self.groups, Compression.from_policy(cfg.compression), cfg.rounds)
-        micro = MicroBatchPlan(cfg.micro_batches, group.size, group.rank) if cfg.rounds.dealt else None
-        self.iteration = Iteration(cfg.grad_accum_steps, cfg.overlap.update, micro)
+        placement = Placement(plan, shard.rank, shard.size, precision.torch_dtype, self.device,
+                              check_finite=not precision.scales_loss)  # fp16 overflows are the loss scaler's
+        comm = CommFactory(self.groups, Compression.from_policy(cfg.compression), batch.rounds)
+        micro = MicroBatchPlan(batch.micro_batches, group.size, group.rank) if batch.rounds.dealt else None
+        self.iteration = Iteration(batch.grad_accum_steps, overlap.update, micro)
         """The accumulation window, its rounds and micro-batches: what each verb may do now (iteration.py)."""
-        cap = cfg.bucket_numel(torch.empty((), dtype=cfg.torch_dtype).element_size())
+        cap = sharding.bucket_numel(torch.empty((), dtype=precision.torch_dtype).element_size())
         # Swapped parameter shards are read ahead even when gathers are not prefetched: three units,
         # which on the capacity benchmark's disk hid most reads that one unit ahead left exposed.
-        ahead = cfg.prefetch_units or (3 if cfg.offload.params == Offload.NVME else 0)
-        overlap = dataclasses.replace(cfg.overlap, prefetch_units=ahead)
-        self.host_memory = offload.HostMemory(cfg.return_freed_memory, cfg.offload)
+        ahead = overlap.prefetch_units or (3 if cfg.offload.params == Offload.NVME else 0)
+        overlap = dataclasses.replace(overlap, prefetch_units=ahead)
+        self.host_memory = offload.HostMemory(cfg.offload)
         self.swapper = swapper = _open_swapper(cfg, group, self.rank)
         self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
         tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
                          cfg.offload.pin_memory, self._fence)
         self.sharded = ShardedModel(module, placement, comm,
-                                    ShardOptions(cap, placements, overlap, param_init, cfg.max_live_params,
-                                                 buffer_dtype=cfg.buffer_dtype),
+                                    ShardOptions(cap, placements, overlap, param_init, sharding.max_live_params,
+                                                 buffer_dtype=precision.buffer_dtype),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
@@ -157,10 +159,10 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """Forward: floating inputs are moved to the device and cast to the compute dtype. With
         micro_batches torch's generator is first seeded for the micro-batch about to run (its global index)."""
-        dtype, device = self.config.torch_dtype, self.device
+        dtype, device = self.config.precision.torch_dtype, self.device
         index = self.iteration.forward_index(training=torch.is_grad_enabled() and self.module.training)
         if index is not None:
-            torch.manual_seed(MicroBatchPlan.seed(self.config.seed, self._stats.steps, index))
+            torch.manual_seed(MicroBatchPlan.seed(self.config.runtime.seed, self._stats.steps, index))
 
         def place(x):
             if isinstance(x, torch.Tensor):
@@ -279,11 +281,11 @@ class Engine:
         return EngineSnapshot(
             counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state(),
                               schedules.saved_state(self.lr_scheduler)),
-            config=self.config, shard_group=shard,
+            config=SavedConfig.of(self.config), shard_group=shard,
             writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
             hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
             between_steps=self.iteration.idle, frozen=frozen, frozen_states=self.sharded,
-            frozen_dtype=self.config.torch_dtype,
+            frozen_dtype=self.config.precision.torch_dtype,
             replicated_frozen=tuple(n for n, _ in self.sharded.replicated_frozen()),
             residuals=tuple((b.layout.index, b.grad_codes.residual) for b in self.sharded.buckets
                             if b.grad_codes is not None and b.grad_codes.residual is not None),

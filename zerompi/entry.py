@@ -44,7 +44,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     store_for(cfg.checkpoint_layout)  # a layout this h5py cannot write fails now, not at the first save
     reliability = cfg.reliability
     if group is None:
-        group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.cuda_aware_mpi),
+        group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.runtime.cuda_aware_mpi),
                          debug=reliability.debug_collectives, separate_metadata=True)
     elif comm is not None:
         raise UsageError("initialize: pass comm (an MPI communicator) or group, not both")

@@ -19,7 +19,7 @@ def save_async(engine, root: str | os.PathLike, tag: str | None = None,
     Only per-rank files can be written without MPI: with checkpoint_layout='auto' an asynchronous
     save writes them even where h5py could write the shared file (both load alike); 'shared' is refused.
     """
-    layout = engine.config.checkpoint_layout
+    layout = engine.config.checkpointing.layout
     if layout in (CheckpointLayout.SHARED, CheckpointLayout.PER_NODE):
         how = "collectively through MPI-IO" if layout == CheckpointLayout.SHARED else \
             "one file per node from shards gathered over MPI"

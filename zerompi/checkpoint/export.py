@@ -27,7 +27,7 @@ def save_16bit(engine: Engine, save_dir, save_filename: str = "model.safetensors
     safetensors under ``save_dir`` (no pickle: a ``.bin`` name is refused)."""
     check_name(save_filename)
     full = engine.full_state_dict()  # collective: fp32, every rank
-    dtype = engine.config.torch_dtype
+    dtype = engine.config.precision.torch_dtype
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
     tensors = {n: t.to(dtype) for n, t in full.items() if not (exclude_frozen_parameters and n in frozen)}
     keep = set(engine.module.state_dict(keep_vars=True))  # persistent buffers (no data is read)
@@ -50,7 +50,7 @@ def state_dict_16bit(engine: Engine, prefix: str = "", exclude_frozen_parameters
     compute dtype, on the CPU, and its persistent buffers; ``exclude_frozen_parameters`` leaves
     the frozen ones out."""
     full = engine.full_state_dict()
-    dtype = engine.config.torch_dtype
+    dtype = engine.config.precision.torch_dtype
     named = {id(p): n for n, p in engine.module.named_parameters()}  # a tied parameter's first name
     out = {}
     for name, value in engine.module.state_dict(keep_vars=True).items():  # its order, tied names included

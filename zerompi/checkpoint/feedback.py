@@ -38,7 +38,7 @@ def _why_not(snap: EngineSnapshot, index: CheckpointIndex) -> str | None:
     if index.world_size != snap.shard_group.size:
         return f"written by {index.world_size} ranks, loaded by {snap.shard_group.size}"
     saved = (index.config.get("hierarchy"), index.config.get("ranks_per_node"))
-    if saved != (snap.config.hierarchy, snap.config.ranks_per_node):
+    if saved != (snap.config.topology.hierarchy, snap.config.topology.ranks_per_node):
         return f"written with hierarchy/ranks_per_node {saved}"
     ours = {s.layout.index: s.layout for s in snap.shards}
     for b in index.buckets:

@@ -49,7 +49,7 @@ import numpy as np
 from zerompi.blockio.direct import READ, PageWriter, transfer
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
-from zerompi.config.policies import CheckpointPolicy
+from zerompi.config.sections import CheckpointPolicy
 from zerompi.errors import CheckpointError
 
 SMALL = 64 << 10  # bytes: smaller datasets are written through h5py

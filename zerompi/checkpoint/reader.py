@@ -69,7 +69,7 @@ def _check_compatible(engine, snap: EngineSnapshot, index: CheckpointIndex, dire
     if problem:
         raise CheckpointError(f"{directory}: checkpoint of a different model: {problem}")
     saved = index.config.get("optimizer")
-    ours = snap.config.to_dict()["optimizer"]
+    ours = snap.config.keys["optimizer"]
     if index.optimizer.get("state_keys") and saved != ours:
         raise CheckpointError(f"{directory}: optimizer state was written by {saved!r}, this job uses {ours!r}")
 

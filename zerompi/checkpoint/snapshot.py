@@ -18,6 +18,7 @@ import torch
 from zerompi.offload.fence import ShardFence
 from zerompi.offload.residency import ShardState
 from zerompi.comm.group import ProcessGroup
+from zerompi.config.sections import CheckpointPolicy, TopologyPolicy
 from zerompi.shard.layout import BucketLayout, ShardRange
 
 
@@ -28,6 +29,18 @@ class Counters(NamedTuple):
     skipped_steps: int
     scaler: dict[str, Any] | None  # {"scale", "good_steps", "hysteresis_left"}, or None without fp16
     scheduler: dict[str, Any] | None = None  # the lr scheduler's state_dict, or None without one
+
+
+class SavedConfig(NamedTuple):
+    """What a checkpoint needs of the config: the keys it records, and the two sections it follows."""
+
+    keys: dict[str, Any]            # ZeroConfig.to_dict(), written to the index as it is
+    checkpointing: CheckpointPolicy  # how files are laid out and written
+    topology: TopologyPolicy        # the groups the shards were written under (error-feedback residuals)
+
+    @classmethod
+    def of(cls, cfg: Any) -> SavedConfig:
+        return cls(cfg.to_dict(), cfg.checkpointing, cfg.topology)
 
 
 class ShardSnapshot(NamedTuple):
@@ -81,7 +94,7 @@ class EngineSnapshot:
     """What a save needs of an engine, taken between steps."""
 
     counters: Counters
-    config: Any             # the ZeroConfig
+    config: SavedConfig
     shard_group: ProcessGroup  # the group the buckets are sharded over (one writer per member)
     writes: bool            # this rank saves a shard (with hsdp only the first node's ranks do)
     hierarchical: bool      # hsdp/hpz groups: per-rank RNG streams are not restored

@@ -98,11 +98,11 @@ def build_index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict
     replicated = list(snap.replicated_frozen if include_frozen else ()) + [n for n, _ in m.named_buffers()]
     frozen = _bucket_meta(snap.frozen) if include_frozen else []
     return CheckpointIndex(
-        tag=tag, world_size=snap.shard_group.size, stage=int(snap.config.stage), dtype=str(snap.config.dtype),
+        tag=tag, world_size=snap.shard_group.size, stage=snap.config.keys["stage"], dtype=snap.config.keys["dtype"],
         steps=snap.counters.steps, skipped_steps=snap.counters.skipped_steps,
         params=[{"name": n, "shape": list(p.shape), "trainable": p.requires_grad} for n, p in m.named_parameters()],
         buckets=_bucket_meta(snap.shards), optimizer=meta, replicated=replicated, client_state=client_state,
-        scaler=snap.counters.scaler, config=snap.config.to_dict(), save_id=save_id, layout=kind,
+        scaler=snap.counters.scaler, config=snap.config.keys, save_id=save_id, layout=kind,
         scheduler=snap.counters.scheduler, frozen_buckets=frozen,
         frozen_dtype=frozen_values.dtype_name(snap.frozen_dtype) if frozen else "", frozen_saved=include_frozen)
 
@@ -231,8 +231,8 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
          include_frozen: bool = True, layout=None) -> str:
     """Collective: write a checkpoint of ``engine`` under ``root``; returns the tag (``include_frozen``:
     see ``Engine.save_checkpoint``; ``layout``: a CheckpointLayout instead of the config's)."""
-    node = node_placement(engine.info, engine.config.ranks_per_node).node
-    job = begin(engine, root, tag, client_state, store_for(layout or engine.config.checkpoint_layout, node),
+    node = node_placement(engine.info, engine.config.topology.ranks_per_node).node
+    job = begin(engine, root, tag, client_state, store_for(layout or engine.config.checkpointing.layout, node),
                 include_frozen=include_frozen)
     snap = job.snap
     # One file per shard (or per node); with hsdp only the first node's ranks write (the others hold replicas).

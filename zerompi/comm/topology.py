@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from zerompi.comm.group import ProcessGroup
 from zerompi.config.choices import Hierarchy, Stage
-from zerompi.config.policies import TopologyPolicy
+from zerompi.config.sections import TopologyPolicy
 from zerompi.errors import ConfigError
 from zerompi.comm.launch import RankInfo
 

@@ -26,10 +26,10 @@ class HostMemory:
     shards then stream through memory block after block, and what is freed must leave the
     process. glibc's setting is process-wide, so a second engine can only add to it.
 
-    ``policy`` is the config's :class:`~zerompi.config.policies.OffloadPolicy`."""
+    ``policy`` is the config's :class:`~zerompi.config.sections.offload.OffloadPolicy`."""
 
-    def __init__(self, return_freed: bool, policy):
-        self.returns_freed = bool(return_freed or policy.uses_nvme) and return_freed_memory()
+    def __init__(self, policy):
+        self.returns_freed = bool(policy.return_freed_memory or policy.uses_nvme) and return_freed_memory()
         """Whether freed blocks now leave the process (False also where the C library or the
         environment's ``MALLOC_MMAP_THRESHOLD_`` decided otherwise)."""
 
@@ -37,7 +37,7 @@ class HostMemory:
 def open_swapper(policy, rank: int) -> NVMeSwapper | None:
     """This rank's swap file when the offload settings send anything to 'nvme'.
 
-    ``policy`` is the config's :class:`~zerompi.config.policies.OffloadPolicy`."""
+    ``policy`` is the config's :class:`~zerompi.config.sections.offload.OffloadPolicy`."""
     if not policy.uses_nvme:
         return None
     return NVMeSwapper(policy.nvme_path, rank, SwapConfig(

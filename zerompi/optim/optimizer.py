@@ -29,7 +29,7 @@ from zerompi.blockio.aligned import align_storage
 from zerompi.blockio.memory import trim_heap
 from zerompi.config.checks import FIELD_ARGS
 from zerompi.config.choices import NonFinite
-from zerompi.config.policies import OptimizerPolicy, PrecisionPolicy
+from zerompi.config.sections import OptimizerPolicy, PrecisionPolicy
 from zerompi.comm.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerompi.config.policies import PrecisionPolicy
+from zerompi.config.sections import PrecisionPolicy
 from zerompi.errors import ConfigError, ZeroMPIError
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from zerompi.config.choices import Schedule
-from zerompi.config.policies import LrSchedulePolicy
+from zerompi.config.sections import LrSchedulePolicy
 from zerompi.errors import UsageError
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]

@@ -136,7 +136,7 @@ class FaultTolerance:
         self.spec = spec
         self.spare = spare  # (model, param_groups) as given to initialize, deep-copied together
         self.directory = directory
-        self.points = points_for(engine.config.recovery_source, directory,
+        self.points = points_for(engine.config.recovery.source, directory,
                                  WriteOptions.from_policy(engine.config.checkpointing))
         self.reports: list[RecoveryReport] = []
         self.points.save(engine)
@@ -160,7 +160,7 @@ class FaultTolerance:
     # ---- recovery points --------------------------------------------------
     def after_step(self, engine) -> None:
         steps = engine.stats.steps
-        if steps % engine.config.recovery_every == 0 and steps > self.points.newest()[0]:
+        if steps % engine.config.recovery.every == 0 and steps > self.points.newest()[0]:
             self.points.save(engine)
 
     def close(self) -> None:
@@ -183,9 +183,9 @@ class FaultTolerance:
             survivors, gone, gone_world = ulfm.shrink(group)
             lost += gone
             lost_world += gone_world
-            if survivors.size < engine.config.min_ranks:
+            if survivors.size < engine.config.recovery.min_ranks:
                 raise ZeroMPIError(f"fault_tolerance: {survivors.size} rank(s) left after losing world rank(s) "
-                                   f"{lost_world}, fewer than min_ranks={engine.config.min_ranks}: giving up")
+                                   f"{lost_world}, fewer than min_ranks={engine.config.recovery.min_ranks}: giving up")
             built: list[Engine] = []
             try:
                 step, source = self._rebuild(survivors, built)
@@ -225,8 +225,8 @@ def _directory(engine) -> Path:
     else under rank 0's temporary directory)."""
     cfg, group = engine.config, engine.group
     name = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
-    if cfg.recovery_dir is not None:
-        return Path(cfg.recovery_dir) / f"job-{name}"
+    if cfg.recovery.directory is not None:
+        return Path(cfg.recovery.directory) / f"job-{name}"
     base = group.allgather_object(tempfile.gettempdir() if group.rank == 0 else None)[0]
     return Path(base) / f"zerompi-recovery-{name}"
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerompi.config.policies import CompressionPolicy
+from zerompi.config.sections import CompressionPolicy
 from zerompi.comm.codec import BlockCodec
 from zerompi.comm.compressed import CompressedGroup
 from zerompi.comm.group import ProcessGroup, Work

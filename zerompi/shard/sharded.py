@@ -22,7 +22,7 @@ from torch import nn
 
 from zerompi.blockio.memory import trim_heap
 from zerompi.config.choices import BufferDType, Progress, Rounds
-from zerompi.config.policies import OverlapPolicy
+from zerompi.config.sections import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger, log_rank0
 from zerompi.iteration import Backward

@@ -38,18 +38,29 @@ def test_defaults():
 
 
 def test_field_order_matches_spec():
+    # Section by section (config/sections/), as fields(), to_dict and the first error reported go.
     names = [f.name for f in dataclasses.fields(ZeroConfig)]
     assert names == [
-        "stage", "optimizer", "optimizer_kwargs", "lr", "betas", "eps", "weight_decay",
-        "momentum", "grad_accum_steps", "clip_grad_norm", "dtype", "buffer_dtype", "loss_scale",
-        "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-        "bucket_mb", "seed", "cpu_threads", "device", "cuda_aware_mpi", "offload_optimizer",
-        "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads", "nvme_buffers",
-        "nvme_verify", "return_freed_memory", "overlap_grad_reduce", "optimizer_in_backward", "prefetch_units", "mpi_progress", "hierarchy", "ranks_per_node", "nonfinite", "debug_collectives",
-        "collective_timeout", "hang_floor", "hang_dir", "abort_on_exception", "checkpoint_layout", "param_persistence_threshold", "max_live_params", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
-        "quantize_weights", "quantize_grads", "quant_block", "reproducible", "micro_batches", "grad_error_feedback",
-        "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib", "checkpoint_async_copy",
+        "stage", "bucket_mb", "param_persistence_threshold", "max_live_params", "hierarchy", "ranks_per_node",
+        "optimizer", "optimizer_kwargs", "lr", "betas", "eps", "weight_decay", "momentum", "clip_grad_norm",
+        "nonfinite", "lr_schedule", "warmup_steps", "total_steps", "min_lr",
+        "grad_accum_steps", "micro_batches", "reproducible",
+        "dtype", "buffer_dtype", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+        "min_loss_scale",
+        "seed", "cpu_threads", "device", "cuda_aware_mpi",
+        "offload_optimizer", "offload_params", "nvme_path", "pin_memory", "nvme_block_kib", "nvme_threads",
+        "nvme_buffers", "nvme_verify", "return_freed_memory",
+        "overlap_grad_reduce", "optimizer_in_backward", "prefetch_units", "mpi_progress",
+        "quantize_weights", "quantize_grads", "quant_block", "grad_error_feedback",
+        "checkpoint_layout", "checkpoint_verify", "checkpoint_direct_io", "checkpoint_align_kib",
+        "checkpoint_async_copy",
+        "debug_collectives", "collective_timeout", "hang_floor", "hang_dir", "abort_on_exception",
         "fault_tolerance", "recovery_every", "recovery_source", "recovery_dir", "min_ranks"]
+
+
+def test_keys_are_keywords_only():
+    with pytest.raises(TypeError):
+        ZeroConfig(3)
 
 
 @pytest.mark.parametrize("key,value", [

@@ -14,6 +14,7 @@ from zerompi.compat.deepspeed import config_from
 from zerompi.config import (UpdateSchedule, CheckpointLayout, CudaAware, Device, DType, Hierarchy, NonFinite, Offload,
                             OffloadPolicy, OverlapPolicy, PrecisionPolicy, Progress, ReliabilityPolicy, Stage,
                             TopologyPolicy, ZeroConfig)
+from zerompi.config.zero import SECTIONS
 from zerompi.errors import ConfigError
 
 # Each choice field, its enum and its allowed values exactly as a config spells them.
@@ -152,38 +153,59 @@ def test_overlap_topology_reliability_policies():
     assert cfg.optimization.nonfinite is NonFinite.SKIP
 
 
-@pytest.mark.parametrize("group", ["precision", "offload", "overlap", "topology", "reliability"])
-def test_policies_are_frozen(group):
-    view = getattr(ZeroConfig(), group)
+POLICIES = ("sharding", "topology", "optimization", "lr_policy", "batch", "precision", "runtime", "offload",
+            "overlap", "compression", "checkpointing", "reliability", "recovery")
+
+
+@pytest.mark.parametrize("group", POLICIES)
+def test_policies_are_frozen_and_built_once(group):
+    cfg = ZeroConfig()
+    view = getattr(cfg, group)
+    assert getattr(cfg, group) is view  # built once, not on each access
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(view, dataclasses.fields(view)[0].name, None)
 
 
-def test_policies_group_every_field_once():
-    # Each policy attribute maps back to a distinct ZeroConfig field with the same value.
+# A policy attribute's key where the names differ.
+RENAMED = {"sharding": {"persistence_threshold": "param_persistence_threshold"},
+           "offload": {"optimizer": "offload_optimizer", "params": "offload_params", "block_kib": "nvme_block_kib",
+                       "threads": "nvme_threads", "buffers": "nvme_buffers", "verify": "nvme_verify"},
+           "overlap": {"grad_reduce": "overlap_grad_reduce", "progress": "mpi_progress",
+                       "update": "optimizer_in_backward"},
+           "optimization": {"kwargs": "optimizer_kwargs", "deterministic": "reproducible"},
+           "lr_policy": {"schedule": "lr_schedule"},
+           "compression": {"weights": "quantize_weights", "grads": "quantize_grads", "block": "quant_block",
+                           "error_feedback": "grad_error_feedback"},
+           "checkpointing": {"layout": "checkpoint_layout", "verify": "checkpoint_verify",
+                             "direct_io": "checkpoint_direct_io", "align_kib": "checkpoint_align_kib",
+                             "async_copy": "checkpoint_async_copy"},
+           "recovery": {"enabled": "fault_tolerance", "every": "recovery_every", "source": "recovery_source",
+                        "directory": "recovery_dir"}}
+
+
+def test_every_key_is_in_one_section_and_read_by_its_policies():
     cfg = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme_path="/p", prefetch_units=3)
-    renamed = {"offload": {"optimizer": "offload_optimizer", "params": "offload_params",
-                           "block_kib": "nvme_block_kib", "threads": "nvme_threads",
-                           "buffers": "nvme_buffers", "verify": "nvme_verify"},
-               "overlap": {"grad_reduce": "overlap_grad_reduce", "progress": "mpi_progress",
-                           "update": "optimizer_in_backward"},
-               "optimization": {"kwargs": "optimizer_kwargs", "deterministic": "reproducible"}, "lr_policy": {"schedule": "lr_schedule"},
-               "checkpointing": {"layout": "checkpoint_layout", "verify": "checkpoint_verify",
-                                 "direct_io": "checkpoint_direct_io", "align_kib": "checkpoint_align_kib",
-                                 "async_copy": "checkpoint_async_copy"}}
-    seen = []
-    for group in ("precision", "offload", "overlap", "topology", "reliability", "optimization", "lr_policy",
-                  "checkpointing"):
+    declared = {}
+    for section in SECTIONS:
+        for f in dataclasses.fields(section):
+            assert f.name not in declared, f"{f.name} in {declared.get(f.name)} and {section.__name__}"
+            declared[f.name] = section
+    assert set(declared) == {f.name for f in dataclasses.fields(ZeroConfig)}
+    read = {}
+    for group in POLICIES:
         view = getattr(cfg, group)
         for f in dataclasses.fields(view):
-            field = renamed.get(group, {}).get(f.name, f.name)
+            key = RENAMED.get(group, {}).get(f.name, f.name)
             value = getattr(view, f.name)
-            if isinstance(value, UpdateSchedule):  # the schedule a bool field chooses
+            if isinstance(value, UpdateSchedule):  # the schedule a bool key chooses
                 value = value is UpdateSchedule.IN_BACKWARD
-            assert value == getattr(cfg, field), (group, f.name)
-            seen.append(field)
-    seen.remove("lr")  # the optimizer's, and the schedule's reference for min_lr
-    assert len(seen) == len(set(seen))
+            assert value == getattr(cfg, key), (group, f.name)
+            read.setdefault(key, []).append(group)
+    assert set(read) == set(declared)  # no key that no policy reads
+    # Read twice: lr by the optimizer and by the schedule (min_lr's reference); reproducible by the batch
+    # section and by the optimizer, whose kernel it picks.
+    assert {k: v for k, v in read.items() if len(v) > 1} == {
+        "lr": ["optimization", "lr_policy"], "reproducible": ["optimization", "batch"]}
 
 
 # --- import graph -----------------------------------------------------------------------
@@ -193,10 +215,11 @@ def _config_import_graph() -> dict[str, set[str]]:
     (including those inside functions, which is where a cycle would hide)."""
     folder = Path(zerompi.config.__file__).parent
     pkg = "zerompi.config"
-    submodules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    submodules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"} | {"sections"}
     graph: dict[str, set[str]] = {}
-    for py in folder.glob("*.py"):
-        name = pkg if py.stem == "__init__" else f"{pkg}.{py.stem}"
+    for py in folder.rglob("*.py"):
+        parts = py.relative_to(folder).with_suffix("").parts
+        name = ".".join((pkg, *parts[:-1], *parts[-1:])) if parts[-1] != "__init__" else ".".join((pkg, *parts[:-1]))
         edges = graph.setdefault(name, set())
         for node in ast.walk(ast.parse(py.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
@@ -234,7 +257,7 @@ def test_config_depends_only_on_itself_and_errors():
 def test_config_knows_no_dialect():
     """DeepSpeed lives in zerompi/compat/deepspeed; the config only offers dialects a registry."""
     folder = Path(zerompi.config.__file__).parent
-    for py in folder.glob("*.py"):
+    for py in folder.rglob("*.py"):
         code = ast.parse(py.read_text(encoding="utf-8"))
         names = {n.id for n in ast.walk(code) if isinstance(n, ast.Name)} | \
             {n.attr for n in ast.walk(code) if isinstance(n, ast.Attribute)}

@@ -21,7 +21,7 @@ if not hasattr(_libc(), "mallopt"):
 else:
     cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, device="cpu", return_freed_memory={flag},
                              offload_optimizer="{tier}", nvme_path="/tmp" if "{tier}" == "nvme" else None)
-    print(json.dumps(HostMemory(cfg.return_freed_memory, cfg.offload).returns_freed))
+    print(json.dumps(HostMemory(cfg.offload).returns_freed))
 """
 
 
