@@ -123,7 +123,7 @@ def swap_table(train: list[dict], raw: dict) -> list[str]:
     body = []
     for r, name in ((r, name) for r in train if r["mode"] == "nvme" for name in TRANSFERS):
         nbytes, secs = ([t[name][k] for t in r["transfers"]] for k in ("bytes", "seconds"))
-        rates = [b / GiB / t for b, t in zip(nbytes, secs)]
+        rates = [b / GiB / t if t else 0.0 for b, t in zip(nbytes, secs)]  # 0: no such transfer in the step
         body.append([r["dtype"], name.replace("_", " "), _slash([b / MiB for b in nbytes], "{:.0f}"),
                      _slash(secs, "{:.3f}"), _slash(rates, "{:.2f}"), f"{sum(rates):.2f}",
                      f"{raw[name.split('_')[1]]['median']:.2f}"])

@@ -71,18 +71,19 @@ def trace_transfers(swapper, events: list) -> None:
     for kind in ("read", "write"):
         submit = getattr(swapper, kind)
 
-        def traced(key, tensor, submit=submit, kind=kind):
+        def traced(key, tensor, *how, submit=submit, kind=kind, **kw):  # how, kw: the swapper's priority
             t0, what, nbytes = time.perf_counter(), "param" if key.endswith(".param") else "optimizer", tensor.nbytes
-            future = submit(key, tensor)
+            future = submit(key, tensor, *how, **kw)
             future.add_done_callback(lambda _: events.append((kind, what, nbytes, t0, time.perf_counter())))
             return future
         setattr(swapper, kind, traced)
 
 
 def busy(events: list) -> dict:
-    """Per (kind, what): bytes, and seconds with at least one such transfer in flight."""
+    """Per (kind, what): bytes, and seconds with at least one such transfer in flight (0 where none ran: a
+    step may move no parameters)."""
     out = {}
-    for kind, what in sorted({e[:2] for e in events}):
+    for kind, what in ((k, w) for k in ("read", "write") for w in ("optimizer", "param")):
         spans, seconds, end = sorted(e[3:] for e in events if e[:2] == (kind, what)), 0.0, float("-inf")
         for a, b in spans:  # the length of the union of the intervals
             seconds += max(0.0, b - max(a, end))
