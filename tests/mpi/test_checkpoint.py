@@ -1,26 +1,33 @@
 """Checkpoints across real jobs: exact resume, resharding, corruption, atomicity, consolidation.
 
-Each resume test runs two mpiexec jobs: the first trains 3 steps, saves, and
-trains 3 more; the second starts from a model with different initial values,
-loads, and trains the same 3 steps. At the same world size and stage the
+Each resume test runs two cases of workers/ckpt.py: the first trains 3 steps, saves,
+and trains 3 more; the second, in a later job, starts from a model with different
+initial values, loads, and trains the same 3 steps. At the same world size and stage the
 result must be bitwise identical; at another world size or stage, the loaded
 state must be bitwise identical and the 3 further steps agree within the
 parity bound of tolerance.py: only the order of the sums over ranks differs, so
 the resumed job also trains those steps with the global batch's rows reordered,
 and its distance from the saving job must stay within ORDER_K times what the
 reordering moved.
+
+The module's ckpt.py cases run as one job per world size for the saves, then one per world size
+for what loads them (tests/mpi/batch.py): starting a job costs more than a case.
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from zerompi.checkpoint import consolidate, load_full_state_dict
 
+from .batch import Batch, selected
 from .launcher import ROOT, TIMEOUT, mpi_env, run_mpi, run_worker_json
 from .tolerance import check_resume
 
@@ -37,18 +44,67 @@ RESUMES = [  # (np save, stage save) -> (np load, stage load), dtype, optimizer
 # at stages 0-3 (bitwise there), so 4 -> 3 at stage 2, 2 -> 5 at stage 3 and 1 -> 1 at stage 0 are not repeated.
 
 
-def _job(n, stage, mode, root, out, dtype, optimizer, *extra):
-    run_mpi(n, "ckpt.py", "--mode", mode, "--root", str(root), "--out", str(out), "--stage", str(stage),
-            "--dtype", dtype, "--optimizer", optimizer, *extra)
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    """The workers/ckpt.py runs of the module's selected tests: the saves as one job per world size,
+    then what loads them as one job per world size (workers/cases.py), instead of a job or two per
+    test. ``jobs(request)`` raises the test's own cases' failures and returns its directory."""
+    batch, planned = Batch("ckpt.py", tmp_path_factory), {}
+    items = [i for i in selected(request) if i.originalname in PHASES]
+    saved = _plan_saved(batch, tmp_path_factory) if any("saved" in i.fixturenames for i in selected(request)) \
+        else None
+    where = {i.name: tmp_path_factory.mktemp(re.sub(r"\W", "_", i.name[-40:])) for i in items}
+    for phase in (0, 1):
+        for item in items:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            args = PHASES[item.originalname][phase](where[item.name], saved, **params)
+            if args is not None:
+                name = f"{item.name}:{phase}"
+                batch.add(name, *args)
+                planned.setdefault(item.name, []).append(name)
+        batch.run()
+
+    def ran(req) -> Path:
+        for name in planned.get(req.node.name, ()):
+            batch.check(name)
+        return where[req.node.name]
+    ran.batch, ran.saved = batch, saved
+    return ran
+
+
+def _plan_saved(batch: Batch, tmp_path_factory) -> Path:
+    """A 2-rank stage-3 checkpoint root with two tags, first and second (latest), in the first phase."""
+    root = tmp_path_factory.mktemp("ckpt") / "root"
+    for tag, before in (("first", 2), ("second", 3)):
+        batch.add(f"saved/{tag}", 2, "--mode", "save", "--root", root, "--out", root.parent / f"{tag}.npz",
+                  "--before", before, "--after", "0", "--tag", tag)
+    return root
+
+
+@pytest.fixture(scope="module")
+def saved(jobs):
+    for tag in ("first", "second"):
+        jobs.batch.check(f"saved/{tag}")
+    return jobs.saved
+
+
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _resume(where, saved, save, load, dtype, optimizer, phase):
+    (n, stage), mode, out = (save, "save", "a.npz") if phase == 0 else (load, "resume", "b.npz")
+    extra = () if phase == 0 else ("--model-seed", "9", *(() if save == load else ("--orders",)))
+    return (n, "--mode", mode, "--root", where / "ckpt", "--out", where / out, "--stage", stage, "--dtype", dtype,
+            "--optimizer", optimizer, *extra)
 
 
 @pytest.mark.parametrize("save,load,dtype,optimizer", RESUMES,
                          ids=[f"np{s[0]}s{s[1]}-to-np{l[0]}s{l[1]}-{d}-{o}" for s, l, d, o in RESUMES])
-def test_resume(tmp_path, save, load, dtype, optimizer):
-    root = tmp_path / "ckpt"
-    _job(*save, "save", root, tmp_path / "a.npz", dtype, optimizer)
-    _job(*load, "resume", root, tmp_path / "b.npz", dtype, optimizer, "--model-seed", "9",
-         *(() if save == load else ("--orders",)))
+def test_resume(jobs, request, save, load, dtype, optimizer):
+    tmp_path = jobs(request)
     a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
     for key in a.files:
         if key.startswith("saved/"):
@@ -62,27 +118,6 @@ def test_resume(tmp_path, save, load, dtype, optimizer):
         check_resume(a, b, dtype)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A 2-rank stage-3 checkpoint root with two tags, first and second (latest)."""
-    root = tmp_path_factory.mktemp("ckpt") / "root"
-    for tag, before in (("first", 2), ("second", 3)):
-        run_mpi(2, "ckpt.py", "--mode", "save", "--root", str(root), "--out", str(root.parent / f"{tag}.npz"),
-                "--before", str(before), "--after", "0", "--tag", tag)
-    return root
-
-
-def _copy(src, dst):
-    import shutil
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _fail(n, root, out, *extra):
-    run_mpi(n, "ckpt.py", "--mode", "fail", "--root", str(root), "--out", str(out), *extra)
-    return json.loads(out.read_text())
-
-
 def _flip_byte_in_dataset(path, name):
     import h5py
     with h5py.File(path, "r") as f:
@@ -94,24 +129,35 @@ def _flip_byte_in_dataset(path, name):
         fh.write(bytes([byte[0] ^ 0x10]))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "missing_rank", "latest_garbage"])
-def test_damaged_checkpoint_is_named_on_every_rank_and_previous_loads(tmp_path, saved, damage):
-    root = _copy(saved, tmp_path / "root")
+def _damaged(where, saved, damage):
+    """A copy of ``saved`` damaged so: the words the error must hold."""
+    root = _copy(saved, where / "root")
     target = root / "second" / "rank00001.h5"
     if damage == "flip":
         _flip_byte_in_dataset(target, "b0/master")
-        expect = ["rank00001.h5", "b0/master", "checksum"]
-    elif damage == "truncate":
+        return ["rank00001.h5", "b0/master", "checksum"]
+    if damage == "truncate":
         target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
-        expect = ["rank00001.h5"]
-    elif damage == "missing_rank":
+        return ["rank00001.h5"]
+    if damage == "missing_rank":
         target.unlink()
-        expect = ["rank00001.h5", "missing"]
-    else:
-        (root / "latest").write_text("../../etc\n")
-        expect = ["latest", "not a valid checkpoint tag"]
+        return ["rank00001.h5", "missing"]
+    (root / "latest").write_text("../../etc\n")
+    return ["latest", "not a valid checkpoint tag"]
+
+
+def _load_damaged(where, saved, damage):
+    (where / "expect.json").write_text(json.dumps(_damaged(where, saved, damage)))
     # the same 3-rank job then loads the previous checkpoint: untouched, and nothing half-loaded stops it
-    messages = _fail(3, root, tmp_path / "err.json", "--then-load", "first", "--then-out", str(tmp_path / "prev.npz"))
+    return (3, "--mode", "fail", "--root", where / "root", "--out", where / "err.json", "--then-load", "first",
+            "--then-out", where / "prev.npz")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing_rank", "latest_garbage"])
+def test_damaged_checkpoint_is_named_on_every_rank_and_previous_loads(jobs, request, saved, damage):
+    tmp_path = jobs(request)
+    expect = json.loads((tmp_path / "expect.json").read_text())
+    messages = json.loads((tmp_path / "err.json").read_text())
     assert len(messages) == 3
     for m in messages:
         assert m.startswith("CheckpointError"), messages
@@ -123,8 +169,8 @@ def test_damaged_checkpoint_is_named_on_every_rank_and_previous_loads(tmp_path, 
             assert np.array_equal(prev[key], first[key])
 
 
-def test_different_model_is_refused(tmp_path, saved):
-    messages = _fail(2, saved, tmp_path / "err.json", "--n-embd", "32")
+def test_different_model_is_refused(jobs, request, saved):
+    messages = json.loads((jobs(request) / "err.json").read_text())
     for m in messages:
         assert m.startswith("CheckpointError") and "different model" in m and "shape" in m, m
 
@@ -132,16 +178,21 @@ def test_different_model_is_refused(tmp_path, saved):
 ASYNC = [(3, "fp32", "none", ()), (1, "bf16", "none", ("--async-copy",)), (2, "fp32", "nvme", ("--verify",))]
 
 
+def _async(where, saved, stage, dtype, offload, flags, phase):
+    extra = ("--stage", stage, "--offload", offload, "--dtype", dtype)
+    if phase == 0:
+        return (2, "--mode", "save", "--root", where / "ckpt", "--out", where / "a.npz", "--async-save",
+                "--slow-capture", "0.3", *extra, *flags)
+    return 2, "--mode", "resume", "--root", where / "ckpt", "--out", where / "b.npz", "--model-seed", "9", *extra
+
+
 @pytest.mark.parametrize("stage,dtype,offload,flags", ASYNC, ids=[f"s{s}-{d}-{o}{''.join(f)}" for s, d, o, f in ASYNC])
-def test_async_save_writes_the_state_of_the_call(tmp_path, stage, dtype, offload, flags):
+def test_async_save_writes_the_state_of_the_call(jobs, request, stage, dtype, offload, flags):
     """save_checkpoint(async_save=True) returns at once and the next steps run while the save takes each
     bucket (slowed down: they reach buckets it has not taken yet); the checkpoint still holds the state
     of the call, bitwise, and a job resumed from it continues exactly as the saving job did."""
-    root, extra = tmp_path / "ckpt", ("--offload", offload, "--dtype", dtype)
-    run_mpi(2, "ckpt.py", "--mode", "save", "--root", str(root), "--out", str(tmp_path / "a.npz"),
-            "--stage", str(stage), "--async-save", "--slow-capture", "0.3", *extra, *flags)
-    run_mpi(2, "ckpt.py", "--mode", "resume", "--root", str(root), "--out", str(tmp_path / "b.npz"),
-            "--stage", str(stage), "--model-seed", "9", *extra)
+    tmp_path = jobs(request)
+    root = tmp_path / "ckpt"
     a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
     assert (root / "latest").read_text().strip() == "step00000003" and not list(root.glob(".tmp-*"))
     for key in a.files:
@@ -161,16 +212,40 @@ def test_async_save_captures_every_item_at_the_call(tmp_path):
         assert all(r["same"].values()), r
 
 
-def test_failed_async_save_is_reported_on_every_rank_and_latest_stays(tmp_path, saved):
-    root = _copy(saved, tmp_path / "root")
-    run_mpi(3, "ckpt.py", "--mode", "save", "--root", str(root), "--out", str(tmp_path / "err.json"),
-            "--fail-write-rank", "1", "--tag", "third")
+def _failed_async(where, saved):
+    root = _copy(saved, where / "root")
+    return 3, "--mode", "save", "--root", root, "--out", where / "err.json", "--fail-write-rank", "1", "--tag", "third"
+
+
+def test_failed_async_save_is_reported_on_every_rank_and_latest_stays(jobs, request, saved):
+    tmp_path = jobs(request)
+    root = tmp_path / "root"
     messages = json.loads((tmp_path / "err.json").read_text())
     assert len(messages) == 3
     for m in messages:
         assert m.startswith("CheckpointError: asynchronous save of 'third' failed: rank 1: OSError"), m
         assert "No space left on device (test)" in m, m
     assert (root / "latest").read_text().strip() == "second" and not (root / "third").exists()
+
+
+def _later(plan):
+    """``plan`` in the second phase (it loads what the first saved), nothing in the first."""
+    def second(where, saved, **params):
+        return plan(where, saved, **params) if saved is not None and (saved / "latest").exists() else None
+    return lambda *a, **k: None, second
+
+
+def _different(where, saved):
+    return 2, "--mode", "fail", "--root", saved, "--out", where / "err.json", "--n-embd", "32"
+
+
+PHASES = {  # test -> what it runs in the first phase and in the second: (world, ckpt.py's arguments) or None
+    "test_resume": (partial(_resume, phase=0), partial(_resume, phase=1)),
+    "test_async_save_writes_the_state_of_the_call": (partial(_async, phase=0), partial(_async, phase=1)),
+    "test_damaged_checkpoint_is_named_on_every_rank_and_previous_loads": _later(_load_damaged),
+    "test_different_model_is_refused": _later(_different),
+    "test_failed_async_save_is_reported_on_every_rank_and_latest_stays": _later(_failed_async),
+}
 
 
 KILL = """

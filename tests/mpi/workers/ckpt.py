@@ -17,6 +17,7 @@
                delays the save's taking of each bucket by S seconds, so that the steps reach
                buckets it has not taken yet; --offload nvme puts the state in a swap file.
 The global batch (GLOBAL sequences) is the same at every world size, split evenly.
+--cases SPEC:  run several of these command lines, one after another, in one job (workers/cases.py).
 """
 import argparse
 
@@ -25,6 +26,7 @@ import torch
 from mpi4py import MPI
 
 import zerompi
+import cases
 from common import SEQ, VOCAB, gpt_loss, slow_capture, tiny_gpt, write_json
 
 GLOBAL = 120  # divisible by 1, 2, 3, 4, 5, 6, 8
@@ -68,24 +70,28 @@ def snapshot(engine) -> dict[str, np.ndarray]:
 def failing_async_save(engine, args) -> None:
     """An asynchronous save whose rank file fails on one rank: what wait_checkpoint raises, per rank."""
     from zerompi.checkpoint import stores
+    write = stores.write_rank_file
     if COMM.Get_rank() == args.fail_write_rank:
         def broken(*a, **k):
             raise OSError(28, "No space left on device (test)")
         stores.write_rank_file = broken
-    train(engine, 0, args.before)
-    engine.save_checkpoint(args.root, tag=args.tag, async_save=True)
     try:
-        engine.wait_checkpoint()
-        message = "no error"
-    except zerompi.CheckpointError as e:
-        message = f"CheckpointError: {e}"
+        train(engine, 0, args.before)
+        engine.save_checkpoint(args.root, tag=args.tag, async_save=True)
+        try:
+            engine.wait_checkpoint()
+            message = "no error"
+        except zerompi.CheckpointError as e:
+            message = f"CheckpointError: {e}"
+    finally:
+        stores.write_rank_file = write  # the next case of the job (workers/cases.py) writes again
     engine.close()  # nothing left in flight: no second report
     messages = COMM.allgather(message)
     if COMM.Get_rank() == 0:
         write_json(args.out, messages)
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("save", "resume", "fail"), required=True)
     p.add_argument("--root", required=True)
@@ -112,59 +118,74 @@ def main():
     p.add_argument("--then-out", default=None, help="fail: where --then-load's parameters go (.npz)")
     p.add_argument("--fail-write-rank", type=int, default=None,
                    help="async save: this rank's file write raises OSError; every rank's error goes to OUT (JSON)")
-    args = p.parse_args()
+    return p
+
+
+def save(engine, args, out: dict) -> None:
+    train(engine, 0, args.before)
+    if args.async_save:
+        out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
+        slow_capture(engine, args.slow_capture)
+        engine.save_checkpoint(args.root, tag=args.tag, client_state={"next_step": args.before}, async_save=True)
+        train(engine, args.before, args.after)  # while the save writes
+        engine.wait_checkpoint()
+    else:
+        engine.save_checkpoint(args.root, tag=args.tag, client_state={"next_step": args.before})
+        out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
+        train(engine, args.before, args.after)
+
+
+def resume(engine, args, out: dict) -> None:
+    state = engine.load_checkpoint(args.root, tag=args.tag)
+    out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
+    train(engine, state["next_step"], args.after)
+    for order in ORDERS if args.orders else ():
+        again = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
+        again.load_checkpoint(args.root, tag=args.tag)
+        train(again, state["next_step"], args.after, order)
+        out.update({f"{order}/{k}": v for k, v in snapshot(again).items()})
+        again.close()
+
+
+def fail(engine, args) -> None:
+    try:
+        engine.load_checkpoint(args.root, tag=args.tag)
+        message = "no error"
+    except zerompi.CheckpointError as e:
+        message = f"CheckpointError: {e}"
+    except Exception as e:  # noqa: BLE001 - any other type is a failure the test reports
+        message = f"OTHER {type(e).__name__}: {e}"
+    messages = COMM.allgather(message)
+    if COMM.Get_rank() == 0:
+        write_json(args.out, messages)
+    if args.then_load:  # the failed load changed nothing: the previous checkpoint still loads here
+        engine.load_checkpoint(args.root, tag=args.then_load)
+        loaded = {f"saved/{k}": v for k, v in snapshot(engine).items()}
+        if COMM.Get_rank() == 0:
+            np.savez(args.then_out, **loaded)
+
+
+def run(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
     if args.offload != "none" and COMM.Get_rank() == 0:
         import os
         os.makedirs(args.root + "-swap", exist_ok=True)
     COMM.Barrier()
     engine = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
-    out: dict[str, np.ndarray] = {}
     if args.mode == "save" and args.fail_write_rank is not None:
         failing_async_save(engine, args)
         return
-    if args.mode == "save":
-        train(engine, 0, args.before)
-        if args.async_save:
-            out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
-            slow_capture(engine, args.slow_capture)
-            engine.save_checkpoint(args.root, tag=args.tag, client_state={"next_step": args.before}, async_save=True)
-            train(engine, args.before, args.after)  # while the save writes
-            engine.wait_checkpoint()
-        else:
-            engine.save_checkpoint(args.root, tag=args.tag, client_state={"next_step": args.before})
-            out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
-            train(engine, args.before, args.after)
-    elif args.mode == "resume":
-        state = engine.load_checkpoint(args.root, tag=args.tag)
-        out.update({f"saved/{k}": v for k, v in snapshot(engine).items()})
-        train(engine, state["next_step"], args.after)
-        for order in ORDERS if args.orders else ():
-            again = zerompi.initialize(tiny_gpt(args.model_seed, n_embd=args.n_embd), config(args))
-            again.load_checkpoint(args.root, tag=args.tag)
-            train(again, state["next_step"], args.after, order)
-            out.update({f"{order}/{k}": v for k, v in snapshot(again).items()})
-            again.close()
-    else:
-        try:
-            engine.load_checkpoint(args.root, tag=args.tag)
-            message = "no error"
-        except zerompi.CheckpointError as e:
-            message = f"CheckpointError: {e}"
-        except Exception as e:  # noqa: BLE001 - any other type is a failure the test reports
-            message = f"OTHER {type(e).__name__}: {e}"
-        messages = COMM.allgather(message)
-        if COMM.Get_rank() == 0:
-            write_json(args.out, messages)
-        if args.then_load:  # the failed load changed nothing: the previous checkpoint still loads here
-            engine.load_checkpoint(args.root, tag=args.then_load)
-            loaded = {f"saved/{k}": v for k, v in snapshot(engine).items()}
-            if COMM.Get_rank() == 0:
-                np.savez(args.then_out, **loaded)
+    if args.mode == "fail":
+        fail(engine, args)
+        engine.close()
         return
+    out: dict[str, np.ndarray] = {}
+    (save if args.mode == "save" else resume)(engine, args, out)
     out.update({f"final/{k}": v for k, v in snapshot(engine).items()})
+    engine.close()
     if COMM.Get_rank() == 0:
         np.savez(args.out, **out)
 
 
 if __name__ == "__main__":
-    main()
+    cases.main(run)
