@@ -30,11 +30,17 @@ def commit(tree: Path) -> str:
 
 
 def one_round(tree: Path, args, out: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The row runners put ZEROMPI_BENCH_TREE first on sys.path (peers/rowlib.py): PYTHONPATH alone comes after
+    # the checkout they live in, so both sides would import this tree's package.
+    env = {**os.environ, "PYTHONPATH": str(tree), "ZEROMPI_BENCH_TREE": str(tree)}
     cmd = [sys.executable, str(HERE / "bench_peers.py"), "--cases", args.cases, "--rows", args.rows,
            "--steps", str(args.steps), "--warmup", "1", "--repeats", "1", "--mpich-yield", "--out", str(out)]
     launch.run(cmd, env, timeout=None).check()
-    return rows.split(rows.read(out.with_suffix(".jsonl")))[1]
+    got = rows.split(rows.read(out.with_suffix(".jsonl")))[1]
+    wrong = {r.get("package") for r in got if r.get("package") not in (None, str(tree))}
+    if wrong:  # a row that ran another tree's package would make the comparison meaningless
+        raise SystemExit(f"{tree}: rows imported zerompi from {sorted(map(str, wrong))}, not from the tree")
+    return got
 
 
 def main(argv=None) -> int:

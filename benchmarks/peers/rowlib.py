@@ -26,7 +26,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, installed or not
+# The package measured: ZEROMPI_BENCH_TREE's (ab_commits.py times another commit's tree), else this checkout's,
+# installed or not; every row records which one it imported.
+sys.path.insert(0, os.environ.get("ZEROMPI_BENCH_TREE") or str(Path(__file__).resolve().parents[2]))
 from mpi4py import MPI  # noqa: E402
 
 import calltrace  # noqa: E402
@@ -164,6 +166,7 @@ def _summarise(ranks: list[dict], args, params: int, trainer: Trainer, setup_s: 
         implicit_bytes_per_step=trainer.implicit_bytes_per_step,
         threads=sorted({r["threads"] for r in ranks}),
         info={k: v() if callable(v) else v for k, v in trainer.info.items()},
+        package=str(Path(sys.modules["zerompi"].__file__).resolve().parents[1]) if "zerompi" in sys.modules else None,
         **({"trace": ranks[0]["trace"]} if "trace" in ranks[0] else {}))
 
 

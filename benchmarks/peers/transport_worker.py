@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, os.environ.get("ZEROMPI_BENCH_TREE") or str(Path(__file__).resolve().parents[2]))  # as rowlib.py
 from mpi4py import MPI  # noqa: E402
 
 import rowlib  # noqa: E402
