@@ -8,7 +8,7 @@ counters see what is sent, under the kind ``<kind>.<codec>`` (monitor.py's
   (after adding its error-feedback residual, which the encoding then refreshes),
   an all-to-all moves chunk r to rank r, and rank r decodes the chunks it got and
   sums them in fp32 over the rank dimension, the arithmetic of the 16-bit
-  reduce-scatter (mpi.py): deterministic, the same on every run.
+  reduce-scatter (mpi/group.py): deterministic, the same on every run.
 * ``all_gather``: the owners encoded their chunks beforehand (parameters: once
   per step, see shard/compression.py); the packed chunks are gathered and every
   rank decodes all of them, its own included, so every rank holds the same values.

@@ -6,7 +6,7 @@ MPI libraries report CUDA support three ways, none of them everywhere:
 * Open MPI's ``MPIX_Query_cuda_support()`` (MPICH has it too),
 * MPICH's ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)``.
 
-mpi.py asks the library (:func:`zerompi.comm.mpi.cuda_probes`); this module only
+mpi/library.py asks the library (:func:`zerompi.comm.mpi.cuda_probes`); this module only
 weighs the answers, so every combination can be tested without a GPU or an MPI.
 """
 from __future__ import annotations

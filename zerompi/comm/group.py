@@ -1,7 +1,7 @@
 """What the rest of zerompi asks of a process group, and the handles its collectives return.
 
 The package outside ``comm/`` types groups as :class:`ProcessGroup` and never
-sees a communicator; ``comm/mpi.py`` (:class:`~zerompi.comm.mpi.MPIGroup`) is
+sees a communicator; ``comm/mpi/`` (:class:`~zerompi.comm.mpi.MPIGroup`) is
 the one implementation, and the only module that uses mpi4py. Collectives
 take flat, contiguous tensors and return a :class:`Work`.
 """

@@ -2,7 +2,7 @@
 
 An MPI that is not CUDA-aware reads and writes host memory only, so each collective copies its device
 tensors to pinned host buffers and the results back. A group of one rank skips MPI altogether
-(mpi.py): its collectives are local copies on the current stream, the same bits MPI would give, with
+(mpi/group.py): its collectives are local copies on the current stream, the same bits MPI would give, with
 no synchronisation and no trip through host memory (at one rank on a GPU the staging cost four times
 DDP's step time: benchmarks/results/gpu-h200-np1.md).
 """
@@ -37,7 +37,7 @@ def alone_copy(dst: torch.Tensor, src: torch.Tensor | None) -> None:
 
 
 def alone_reduce_scatter(full: torch.Tensor) -> torch.Tensor:
-    """One rank's reduce-scatter, as mpi.py's returns it: a new fp32 tensor (a 16-bit input summed over
+    """One rank's reduce-scatter, as mpi/group.py's returns it: a new fp32 tensor (a 16-bit input summed over
     its one row in fp32, as the Alltoall path sums over ranks)."""
     if full.dtype in shapes.SUM_DTYPES:
         return full.to(torch.float32, copy=True)

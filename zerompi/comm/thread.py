@@ -12,7 +12,7 @@ This is Horovod's background-thread design reduced to one FIFO. It needs
 ``MPI_THREAD_MULTIPLE``: the main thread still makes local MPI calls
 (ranks, communicators) and the checkpoint writer's MPI-IO, though never a
 collective while the thread holds one. The thread itself knows nothing of
-MPI; ``comm/mpi.py`` checks the thread level before starting it
+MPI; ``comm/mpi/group.py`` checks the thread level before starting it
 (``thread_support_error``).
 """
 from __future__ import annotations

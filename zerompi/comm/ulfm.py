@@ -13,7 +13,7 @@ ULFM is part of Open MPI 5 when ``mpiexec --with-ft ulfm`` started the job (it s
 the job does not wait for the lost rank; :func:`support_error` says why it is missing
 anywhere else. MPICH implements the same calls, but the PyPI wheel asserts at start-up with
 its fault tolerance switched on, so it is refused here rather than half-supported.
-mpi4py itself is imported by mpi.py alone; this module takes its handle from there.
+mpi4py itself is imported by mpi/library.py alone; this module takes its handle from there.
 """
 from __future__ import annotations
 

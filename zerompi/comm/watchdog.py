@@ -8,7 +8,7 @@ running median step time)`` (recorder.py), so no configuration is needed.
 
 When a wait is overdue, this rank prints what it waits in (the per-rank message) and asks every
 rank, over a side channel that does not depend on the stuck collective (point-to-point messages
-on a duplicate communicator, mpi.py), for its record: the ring of its last collectives and the
+on a duplicate communicator, mpi/side.py), for its record: the ring of its last collectives and the
 stack of its training thread. Every rank's watchdog thread polls that channel, so a rank in user
 code answers too. Each rank writes its record to ``hang_dir`` (for ``zerompi diagnose``); rank 0
 gathers the records for at most :data:`GATHER_WAIT` seconds, prints one report (diagnosis.py)

@@ -1,9 +1,8 @@
-"""The only user of mpi4py: :class:`MPIGroup`, collectives on flat, contiguous tensors.
+""":class:`MPIGroup`: collectives on flat, contiguous tensors over an MPI communicator.
 
-Besides the group, MPI answers here what the rest of comm/ asks of the library: the thread level the
-communication thread needs, the CUDA probes, the world rank and size. Everything else sees a
-``ProcessGroup`` (group.py). Every collective takes 1-D contiguous tensors and returns a :class:`Work`
-handle; shapes.py checks them and counts the bytes, as for every group.
+Everything outside comm/ sees a ``ProcessGroup`` (comm/group.py). Every collective takes 1-D
+contiguous tensors and returns a :class:`Work` handle; shapes.py checks them and counts the bytes,
+as for every group.
 
 MPI has no 16-bit floating reduction, so a 16-bit reduce-scatter is an ``Alltoall`` (same bytes) followed
 by a local fp32 sum over ranks, which is also more accurate than summing in 16 bits. staging.py says how
@@ -12,60 +11,22 @@ device tensors reach MPI, and what a group of one rank does instead.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from mpi4py import MPI
 
-from zerompi.comm import libmpi, shapes
-from zerompi.comm.cuda_aware import Probes
+from zerompi.comm import shapes
 from zerompi.comm.group import FutureWork, RequestWork, Work
 from zerompi.comm.monitor import Agreement, Entered, Monitor
+from zerompi.comm.mpi.library import MPI, thread_support_error
+from zerompi.comm.mpi.side import SideChannel
 from zerompi.comm.recorder import Event
 from zerompi.comm.staging import alone_copy, alone_reduce_scatter, stage
 from zerompi.comm.thread import CommThread
 from zerompi.comm.watchdog import HangPolicy, default_directory
 from zerompi.errors import ZeroMPIError
-
-
-def world_rank() -> int:
-    """This process's rank in ``MPI_COMM_WORLD``, whatever communicator the engine runs over."""
-    return MPI.COMM_WORLD.Get_rank()
-
-
-def world_size() -> int:
-    """The size of ``MPI_COMM_WORLD`` (a group over ``COMM_SELF`` under a multi-rank launch is legitimate)."""
-    return MPI.COMM_WORLD.Get_size()
-
-
-def thread_support_error() -> str | None:
-    """Why a communication thread (thread.py) cannot be used with this MPI, or None."""
-    provided = MPI.Query_thread()
-    if provided >= MPI.THREAD_MULTIPLE:
-        return None
-    names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
-    return (f"mpi_progress='thread' needs MPI_THREAD_MULTIPLE, but MPI was initialised with "
-            f"MPI_THREAD_{names.get(provided, provided)} (mpi4py.rc.thread_level, or an MPI built "
-            "without thread support); choose mpi_progress='none' or 'test'")
-
-
-def cuda_probes() -> Probes:
-    """Ask the MPI library, three ways, whether it takes CUDA device buffers (cuda_aware.py weighs it)."""
-    return Probes(memory_alloc_kinds(), libmpi.mpix_cuda_support(), libmpi.mpix_gpu_cuda_support(),
-                  torch.cuda.is_available())
-
-
-def memory_alloc_kinds() -> str | None:
-    """MPI 4.1's ``mpi_memory_alloc_kinds`` of MPI_COMM_WORLD, else of MPI_INFO_ENV; None if neither has it."""
-    try:
-        info = MPI.COMM_WORLD.Get_info()
-        value = info.Get("mpi_memory_alloc_kinds")
-        info.Free()
-        return value if value is not None else MPI.INFO_ENV.Get("mpi_memory_alloc_kinds")
-    except MPI.Exception:  # an MPI older than the key may refuse the query: no answer
-        return None
-
 
 _SHIFT_TAG = 17  # point-to-point on the job's communicator: never matched by a collective
 
@@ -76,40 +37,6 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 _JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
-
-
-class SideChannel:
-    """Pickled point-to-point messages on a duplicate communicator, for the hang report only.
-
-    Used from the watchdog thread while the training thread may sit in a collective (hence
-    ``MPI_THREAD_MULTIPLE``); nothing here ever waits on another rank.
-    """
-
-    def __init__(self, comm: MPI.Comm):
-        self.comm = comm
-        self._sent: list[MPI.Request] = []
-
-    def post(self, dest: int, tag: int, obj: Any) -> None:
-        if not MPI.Is_finalized():
-            self._sent.append(self.comm.isend(obj, dest=dest, tag=tag))
-
-    def poll(self, tag: int) -> list[tuple[int, Any]]:
-        """The messages with ``tag`` that have arrived, as ``(source, object)``."""
-        arrived: list[tuple[int, Any]] = []
-        if MPI.Is_finalized():
-            return arrived
-        status = MPI.Status()
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
-            source = status.Get_source()
-            arrived.append((source, self.comm.recv(source=source, tag=tag)))
-        return arrived
-
-    def flush(self) -> bool:
-        """Drive the posted messages; True when all have left."""
-        if MPI.Is_finalized():
-            return True
-        self._sent = [r for r in self._sent if not r.Test()]
-        return not self._sent
 
 
 class MPIGroup:
@@ -149,12 +76,12 @@ class MPIGroup:
         """Bytes sent per collective kind by every group of this process (shared counters)."""
         return self.monitor.counters.bytes_sent
 
-    def split(self, color: int, key: int, label: str) -> "MPIGroup":
+    def split(self, color: int, key: int, label: str) -> MPIGroup:
         """A sub-group (``MPI_Comm_split``) sharing this group's counters, debug mode and watchdog."""
         return MPIGroup(self._call(lambda: self.comm.Split(color, key)), cuda_aware=self.cuda_aware, label=label,
                         monitor=self.monitor)
 
-    def create_group(self, ranks: list[int], label: str = "") -> "MPIGroup":
+    def create_group(self, ranks: list[int], label: str = "") -> MPIGroup:
         """A sub-group of ``ranks`` (this group's ranks, in that order), made by those ranks alone
         (``MPI_Comm_create_group``: the others need not take part)."""
         sub = self.comm.Get_group().Incl(list(ranks))
@@ -223,7 +150,7 @@ class MPIGroup:
     def _issue(self, entered: Entered, blocking: Callable[[], Any], start: Callable[[], MPI.Request],
                finish: Callable[[], Any], async_op: bool) -> Work:
         """One collective: blocking, non-blocking (``start``), or on the communication thread."""
-        blocked = lambda: self._blocked(entered.desc, entered.event)  # noqa: E731
+        blocked = lambda: self._blocked(entered.desc, entered.event)
         if async_op:
             thread = self.monitor.comm_thread
             if thread is not None:
@@ -247,7 +174,7 @@ class MPIGroup:
         return entered
 
     # ---- topology -------------------------------------------------------
-    def split_shared(self) -> "MPIGroup":
+    def split_shared(self) -> MPIGroup:
         """Ranks sharing this node's memory (``MPI_COMM_TYPE_SHARED``)."""
         return MPIGroup(self._call(lambda: self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)),
                         cuda_aware=self.cuda_aware, label="node", monitor=self.monitor)
