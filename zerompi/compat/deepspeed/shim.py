@@ -145,6 +145,19 @@ def _world_size(comm) -> int:
     return ds_comm.get_world_size()
 
 
+def _own_options(options: dict[str, Any]) -> tuple[Any, dict[str, Any], Any]:
+    """``comm``, ``overrides`` and ``param_init`` taken out of ``initialize``'s keywords; DeepSpeed's
+    that zerompi cannot honour, or unknown ones, refused by name."""
+    comm, overrides = options.pop("comm", None), dict(options.pop("overrides", None) or {})
+    param_init = options.pop("param_init", None)
+    refused = {k: v for k, v in options.items() if k in _REFUSED and v is not None}
+    unknown = sorted(k for k in options if k not in _REFUSED and k not in _HARMLESS)
+    if refused or unknown:
+        raise UsageError("initialize() cannot honour: " + "; ".join(
+            [f"{k}= ({_REFUSED[k]})" for k in refused] + [f"{k}= (unknown keyword)" for k in unknown]))
+    return comm, overrides, param_init
+
+
 def initialize(model: nn.Module | None = None, model_parameters: Any = None, config: Any = None,
                lr_scheduler: Any = None, optimizer: Any = None, training_data: Any = None,
                collate_fn: Any = None, **options: Any):
@@ -168,13 +181,7 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
     if model is None:
         raise UsageError("initialize(model=...) is required")
     doc = _config_document(config, options)
-    comm, overrides = options.pop("comm", None), dict(options.pop("overrides", None) or {})
-    param_init = options.pop("param_init", None)
-    refused = {k: v for k, v in options.items() if k in _REFUSED and v is not None}
-    unknown = sorted(k for k in options if k not in _REFUSED and k not in _HARMLESS)
-    if refused or unknown:
-        raise UsageError("initialize() cannot honour: " + "; ".join(
-            [f"{k}= ({_REFUSED[k]})" for k in refused] + [f"{k}= (unknown keyword)" for k in unknown]))
+    comm, overrides, param_init = _own_options(options)
     param_groups = _param_groups(model, model_parameters)
     if optimizer is not None:
         if "optimizer" in doc:
