@@ -21,6 +21,7 @@ from torch import nn
 
 from zerompi.checkpoint import schema
 from zerompi.checkpoint import export
+from zerompi.compat.deepspeed import param_status
 from zerompi.compat.deepspeed.batch import Batch
 from zerompi.compat.deepspeed.timer import ThroughputTimer
 from zerompi.config import DType
@@ -55,6 +56,7 @@ class DeepSpeedEngine:
         self._no_sync = False
         self.tput_timer = ThroughputTimer(batch.train)
         """Started by each forward, stopped by each step(), as DeepSpeed's (timer.py)."""
+        param_status.mark(engine)  # stage 3: p.ds_status, which TRL reads before gathering a weight
         _LIVE.add(self)
 
     # ---- training ---------------------------------------------------------

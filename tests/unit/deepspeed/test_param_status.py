@@ -1,0 +1,64 @@
+"""``p.ds_status`` on a stage-3 engine's parameters (compat/deepspeed/param_status.py), on a world of one:
+NOT_AVAILABLE while sharded, AVAILABLE while its gather unit computes and inside GatheredParameters, and the
+test TRL's fused LM head makes before gathering a weight it reads outside its module's forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import zerompi.deepspeed as deepspeed
+from zerompi.compat.deepspeed.param_status import StatusParameter
+from zerompi.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from .test_deepspeed_zero import LOCAL, config
+
+AVAILABLE, NOT_AVAILABLE = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+
+
+def engine_of(stage: int):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    engine, *_ = deepspeed.initialize(model=m, config=config(stage), comm=MPI.COMM_SELF, overrides=LOCAL)
+    return engine, m
+
+
+def test_stage3_parameters_say_whether_they_are_gathered():
+    engine, m = engine_of(3)
+    full = engine.engine.full_state_dict()
+    assert all(isinstance(p, StatusParameter) and isinstance(p, nn.Parameter) for p in m.parameters())
+    assert {p.ds_status for p in m.parameters()} == {NOT_AVAILABLE}
+    seen = []
+    # registered after the engine's gather hook, which is prepended: runs once the unit is gathered
+    m[2].register_forward_pre_hook(lambda mod, _args: seen.append(mod.weight.ds_status))
+    engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+    engine.step()
+    assert seen == [AVAILABLE] and m[2].weight.ds_status is NOT_AVAILABLE  # released after the step
+    with deepspeed.zero.GatheredParameters(m[2].weight):
+        assert m[2].weight.ds_status is AVAILABLE and m[0].weight.ds_status is NOT_AVAILABLE
+    assert m[2].weight.ds_status is NOT_AVAILABLE
+    assert not torch.equal(engine.engine.full_state_dict()["2.weight"], full["2.weight"])  # it trained
+    engine.close()
+
+
+def test_trl_gathers_only_what_is_not_available():
+    """trl.trainer.utils.maybe_gather_lm_head_ctx: gather the weights whose ds_status is not AVAILABLE, then
+    read them directly (a fused LM head never calls the head module)."""
+    engine, m = engine_of(3)
+    full = engine.engine.full_state_dict()
+    head = (m[2].weight, m[2].bias)
+    to_gather = {id(p): p for p in head if p.ds_status != AVAILABLE}
+    assert len(to_gather) == 2
+    with deepspeed.zero.GatheredParameters(list(to_gather.values())):
+        y = torch.nn.functional.linear(torch.ones(1, 8), *head)
+    assert torch.equal(y, torch.nn.functional.linear(torch.ones(1, 8), full["2.weight"], full["2.bias"]))
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", (1, 2))
+def test_below_stage3_parameters_have_no_status(stage):
+    """DeepSpeed's ZeRO-1/2 parameters carry no ds_status either; nothing is re-classed."""
+    engine, m = engine_of(stage)
+    assert all(type(p) is nn.Parameter and not hasattr(p, "ds_status") for p in m.parameters())
+    engine.close()

@@ -1,0 +1,62 @@
+"""``param.ds_status`` on the parameters of a stage-3 engine: whether the full tensor is in place now, as
+DeepSpeed 0.19.8 keeps it on each ZeRO-3 parameter (``ZeroParamStatus``).
+
+Frameworks read it to decide whether to gather a parameter they use outside its module's forward: TRL's
+fused LM head multiplies by ``lm_head.weight`` directly and wraps that in ``GatheredParameters`` only where
+``p.ds_status != ZeroParamStatus.AVAILABLE`` (gathering a parameter that is already gathered, such as one
+tied to an embedding in use, would release it underneath its owner on leaving).
+
+zerompi keeps no per-parameter state to store: a parameter is a view into its bucket's full buffer, whose
+state the gather units change as forward and backward run. So the status is read, not stored: stage 3's
+parameters become a subclass of ``nn.Parameter`` (:class:`StatusParameter`, the same object, ``isinstance``
+unchanged) whose ``ds_status`` property asks the bucket. Only plain ``nn.Parameter``s are re-classed; another
+subclass (a quantised weight) keeps its class and has no ``ds_status``, as before. ``ds_id`` stays absent:
+scripts that select ``hasattr(p, "ds_id")`` parameters to gather still select none (see partition_parameters).
+"""
+from __future__ import annotations
+
+import weakref
+
+from torch import nn
+
+from zerompi.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from zerompi.shard.bucket import BucketState
+
+__all__ = ["StatusParameter", "mark"]
+
+_BUCKET = "_zerompi_status_bucket"  # a weak reference to the bucket whose buffer the parameter views
+
+_BY_STATE = {BucketState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, BucketState.GATHERING: ZeroParamStatus.INFLIGHT,
+             BucketState.GATHERED: ZeroParamStatus.AVAILABLE}
+
+
+class StatusParameter(nn.Parameter):
+    """An ``nn.Parameter`` of a stage-3 engine; ``ds_status`` says whether its full values are in place."""
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        ref = self.__dict__.get(_BUCKET)
+        bucket = ref() if ref is not None else None
+        if bucket is None or not bucket.plan.shard_params:  # replicated (persistent, or the engine is gone)
+            return ZeroParamStatus.AVAILABLE
+        if _storage(self.data) != _storage(bucket.param_full.tensor):
+            return ZeroParamStatus.AVAILABLE  # a whole copy in place: GatheredParameters' block
+        return _BY_STATE[bucket.state]
+
+
+def _storage(t) -> int:
+    return t.untyped_storage()._cdata  # the storage itself, whichever Python wrapper answers
+
+
+def mark(engine) -> None:
+    """Give every parameter of ``engine``'s module (a zerompi Engine at stage 3) its ``ds_status``."""
+    if int(engine.config.stage) != 3:
+        return  # DeepSpeed's ZeRO-1/2 parameters have no ds_status either
+    owner = {id(p): b for b in engine.sharded.all_buckets for p in b.params}
+    for p in engine.module.parameters():
+        if type(p) is not nn.Parameter:
+            continue
+        p.__class__ = StatusParameter  # the same object: buckets, optimizer groups and ties keep it
+        bucket = owner.get(id(p))
+        if bucket is not None:
+            setattr(p, _BUCKET, weakref.ref(bucket))
