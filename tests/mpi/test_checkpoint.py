@@ -10,24 +10,21 @@ the resumed job also trains those steps with the global batch's rows reordered,
 and its distance from the saving job must stay within ORDER_K times what the
 reordering moved.
 
-The module's ckpt.py cases run as one job per world size for the saves, then one per world size
-for what loads them (tests/mpi/batch.py): starting a job costs more than a case.
+The module's ckpt.py cases run several to a job, as few jobs as world sizes and dependencies allow
+(tests/mpi/batch.py): starting a job costs more than a case.
 """
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from zerompi.checkpoint import consolidate, load_full_state_dict
 
-from .batch import Batch, selected
+from .batch import Batch, run_planned, selected
 from .launcher import ROOT, TIMEOUT, mpi_env, run_mpi, run_worker_json
 from .tolerance import check_resume
 
@@ -46,45 +43,27 @@ RESUMES = [  # (np save, stage save) -> (np load, stage load), dtype, optimizer
 
 @pytest.fixture(scope="module")
 def jobs(request, tmp_path_factory):
-    """The workers/ckpt.py runs of the module's selected tests: the saves as one job per world size,
-    then what loads them as one job per world size (workers/cases.py), instead of a job or two per
-    test. ``jobs(request)`` raises the test's own cases' failures and returns its directory."""
-    batch, planned = Batch("ckpt.py", tmp_path_factory), {}
-    items = [i for i in selected(request) if i.originalname in PHASES]
-    saved = _plan_saved(batch, tmp_path_factory) if any("saved" in i.fixturenames for i in selected(request)) \
-        else None
-    where = {i.name: tmp_path_factory.mktemp(re.sub(r"\W", "_", i.name[-40:])) for i in items}
-    for phase in (0, 1):
-        for item in items:
-            params = item.callspec.params if hasattr(item, "callspec") else {}
-            args = PHASES[item.originalname][phase](where[item.name], saved, **params)
-            if args is not None:
-                name = f"{item.name}:{phase}"
-                batch.add(name, *args)
-                planned.setdefault(item.name, []).append(name)
-        batch.run()
-
-    def ran(req) -> Path:
-        for name in planned.get(req.node.name, ()):
-            batch.check(name)
-        return where[req.node.name]
+    """The workers/ckpt.py runs of the module's selected tests, as few jobs as world sizes and
+    dependencies allow (tests/mpi/batch.py), instead of a job or two per test. ``jobs(request)``
+    raises the test's own cases' failures and returns its directory."""
+    batch = Batch("ckpt.py", tmp_path_factory)
+    saved = tmp_path_factory.mktemp("ckpt") / "root"
+    if any("saved" in i.fixturenames for i in selected(request)):
+        for tag, before in (("first", 2), ("second", 3)):  # a 2-rank stage-3 root, second the latest
+            batch.add(f"saved/{tag}", 2, "--mode", "save", "--root", saved, "--out", saved.parent / f"{tag}.npz",
+                      "--before", before, "--after", "0", "--tag", tag)
+    ran = run_planned(request, batch, PLANS, saved)
     ran.batch, ran.saved = batch, saved
     return ran
 
 
-def _plan_saved(batch: Batch, tmp_path_factory) -> Path:
-    """A 2-rank stage-3 checkpoint root with two tags, first and second (latest), in the first phase."""
-    root = tmp_path_factory.mktemp("ckpt") / "root"
-    for tag, before in (("first", 2), ("second", 3)):
-        batch.add(f"saved/{tag}", 2, "--mode", "save", "--root", root, "--out", root.parent / f"{tag}.npz",
-                  "--before", before, "--after", "0", "--tag", tag)
-    return root
+SAVED = ("saved/first", "saved/second")
 
 
 @pytest.fixture(scope="module")
 def saved(jobs):
-    for tag in ("first", "second"):
-        jobs.batch.check(f"saved/{tag}")
+    for name in SAVED:
+        jobs.batch.check(name)
     return jobs.saved
 
 
@@ -94,11 +73,11 @@ def _copy(src, dst):
     return dst
 
 
-def _resume(where, saved, save, load, dtype, optimizer, phase):
-    (n, stage), mode, out = (save, "save", "a.npz") if phase == 0 else (load, "resume", "b.npz")
-    extra = () if phase == 0 else ("--model-seed", "9", *(() if save == load else ("--orders",)))
-    return (n, "--mode", mode, "--root", where / "ckpt", "--out", where / out, "--stage", stage, "--dtype", dtype,
-            "--optimizer", optimizer, *extra)
+def _resume(add, where, saved, save, load, dtype, optimizer):
+    common = ("--root", where / "ckpt", "--dtype", dtype, "--optimizer", optimizer)
+    first = add(save[0], "--mode", "save", "--out", where / "a.npz", "--stage", save[1], *common)
+    add(load[0], "--mode", "resume", "--out", where / "b.npz", "--stage", load[1], "--model-seed", "9", *common,
+        *(() if save == load else ("--orders",)), after=[first])
 
 
 @pytest.mark.parametrize("save,load,dtype,optimizer", RESUMES,
@@ -146,11 +125,12 @@ def _damaged(where, saved, damage):
     return ["latest", "not a valid checkpoint tag"]
 
 
-def _load_damaged(where, saved, damage):
-    (where / "expect.json").write_text(json.dumps(_damaged(where, saved, damage)))
+def _load_damaged(add, where, saved, damage):
+    def prepare():
+        (where / "expect.json").write_text(json.dumps(_damaged(where, saved, damage)))
     # the same 3-rank job then loads the previous checkpoint: untouched, and nothing half-loaded stops it
-    return (3, "--mode", "fail", "--root", where / "root", "--out", where / "err.json", "--then-load", "first",
-            "--then-out", where / "prev.npz")
+    add(3, "--mode", "fail", "--root", where / "root", "--out", where / "err.json", "--then-load", "first",
+        "--then-out", where / "prev.npz", after=SAVED, prepare=prepare)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing_rank", "latest_garbage"])
@@ -178,12 +158,10 @@ def test_different_model_is_refused(jobs, request, saved):
 ASYNC = [(3, "fp32", "none", ()), (1, "bf16", "none", ("--async-copy",)), (2, "fp32", "nvme", ("--verify",))]
 
 
-def _async(where, saved, stage, dtype, offload, flags, phase):
-    extra = ("--stage", stage, "--offload", offload, "--dtype", dtype)
-    if phase == 0:
-        return (2, "--mode", "save", "--root", where / "ckpt", "--out", where / "a.npz", "--async-save",
-                "--slow-capture", "0.3", *extra, *flags)
-    return 2, "--mode", "resume", "--root", where / "ckpt", "--out", where / "b.npz", "--model-seed", "9", *extra
+def _async(add, where, saved, stage, dtype, offload, flags):
+    extra = ("--root", where / "ckpt", "--stage", stage, "--offload", offload, "--dtype", dtype)
+    first = add(2, "--mode", "save", "--out", where / "a.npz", "--async-save", "--slow-capture", "0.3", *extra, *flags)
+    add(2, "--mode", "resume", "--out", where / "b.npz", "--model-seed", "9", *extra, after=[first])
 
 
 @pytest.mark.parametrize("stage,dtype,offload,flags", ASYNC, ids=[f"s{s}-{d}-{o}{''.join(f)}" for s, d, o, f in ASYNC])
@@ -212,9 +190,9 @@ def test_async_save_captures_every_item_at_the_call(tmp_path):
         assert all(r["same"].values()), r
 
 
-def _failed_async(where, saved):
-    root = _copy(saved, where / "root")
-    return 3, "--mode", "save", "--root", root, "--out", where / "err.json", "--fail-write-rank", "1", "--tag", "third"
+def _failed_async(add, where, saved):
+    add(3, "--mode", "save", "--root", where / "root", "--out", where / "err.json", "--fail-write-rank", "1",
+        "--tag", "third", after=SAVED, prepare=lambda: _copy(saved, where / "root"))
 
 
 def test_failed_async_save_is_reported_on_every_rank_and_latest_stays(jobs, request, saved):
@@ -228,23 +206,16 @@ def test_failed_async_save_is_reported_on_every_rank_and_latest_stays(jobs, requ
     assert (root / "latest").read_text().strip() == "second" and not (root / "third").exists()
 
 
-def _later(plan):
-    """``plan`` in the second phase (it loads what the first saved), nothing in the first."""
-    def second(where, saved, **params):
-        return plan(where, saved, **params) if saved is not None and (saved / "latest").exists() else None
-    return lambda *a, **k: None, second
+def _different(add, where, saved):
+    add(2, "--mode", "fail", "--root", saved, "--out", where / "err.json", "--n-embd", "32", after=SAVED)
 
 
-def _different(where, saved):
-    return 2, "--mode", "fail", "--root", saved, "--out", where / "err.json", "--n-embd", "32"
-
-
-PHASES = {  # test -> what it runs in the first phase and in the second: (world, ckpt.py's arguments) or None
-    "test_resume": (partial(_resume, phase=0), partial(_resume, phase=1)),
-    "test_async_save_writes_the_state_of_the_call": (partial(_async, phase=0), partial(_async, phase=1)),
-    "test_damaged_checkpoint_is_named_on_every_rank_and_previous_loads": _later(_load_damaged),
-    "test_different_model_is_refused": _later(_different),
-    "test_failed_async_save_is_reported_on_every_rank_and_latest_stays": _later(_failed_async),
+PLANS = {  # test -> add(world, *ckpt.py's arguments, after=..., prepare=...) for each of its cases
+    "test_resume": _resume,
+    "test_async_save_writes_the_state_of_the_call": _async,
+    "test_damaged_checkpoint_is_named_on_every_rank_and_previous_loads": _load_damaged,
+    "test_different_model_is_refused": _different,
+    "test_failed_async_save_is_reported_on_every_rank_and_latest_stays": _failed_async,
 }
 
 
