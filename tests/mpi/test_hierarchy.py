@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .launcher import run_mpi
+from .batch import Batch, run_planned
 from .matrix import PAIRWISE, combos_arg, parity_results
 from .tolerance import check_parity, check_resume
 
@@ -79,18 +79,29 @@ def test_hierarchical_bytes_and_memory(results, h, n, rpn, dtype, accum):
         assert r["model_state_bytes"] == state, stage
 
 
+def _moved(add, where, save, load):
+    """ckpt.py saving under one layout, then resuming under another (after the save's job, or in it)."""
+    def case(layout, mode, out, *extra, after=()):
+        h, n, rpn = layout
+        return add(n, "--mode", mode, "--root", where / "ckpt", "--out", where / out, "--stage", "3", "--hierarchy", h,
+                   *(("--ranks-per-node", rpn) if rpn else ()), *extra, after=after)
+    first = case(save, "save", "a.npz")
+    case(load, "resume", "b.npz", "--model-seed", "9", "--orders", after=[first])
+
+
+@pytest.fixture(scope="module")
+def moved(request, tmp_path_factory):
+    """Every selected checkpoint move, as few ckpt.py jobs as world sizes and dependencies allow
+    (tests/mpi/batch.py): 3 instead of 6."""
+    return run_planned(request, Batch("ckpt.py", tmp_path_factory), {"test_checkpoints_move_between_layouts": _moved})
+
+
 # hpz -> hsdp at 4 ranks each: one world size, shards over 4 ranks saved, over 2 loaded
 @pytest.mark.parametrize("save,load", [(("hsdp", 4, 2), ("flat", 3, None)), (("flat", 2, None), ("hpz", 4, 2)),
                                        (("hpz", 4, 2), ("hsdp", 4, 2))], ids=["hsdp-to-flat", "flat-to-hpz",
                                                                               "hpz-to-hsdp"])
-def test_checkpoints_move_between_layouts(tmp_path, save, load):
-    def job(layout, mode, out, *extra):
-        h, n, rpn = layout
-        args = ["--mode", mode, "--root", str(tmp_path / "ckpt"), "--out", str(out), "--stage", "3",
-                "--hierarchy", h, *(("--ranks-per-node", str(rpn)) if rpn else ()), *extra]
-        run_mpi(n, "ckpt.py", *args)
-    job(save, "save", tmp_path / "a.npz")
-    job(load, "resume", tmp_path / "b.npz", "--model-seed", "9", "--orders")
+def test_checkpoints_move_between_layouts(moved, request, save, load):
+    tmp_path = moved(request)
     a, b = dict(np.load(tmp_path / "a.npz")), dict(np.load(tmp_path / "b.npz"))
     for key in (k for k in a if k.startswith("saved/")):
         assert np.array_equal(a[key], b[key]), key
