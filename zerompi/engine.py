@@ -18,22 +18,23 @@ from torch import nn
 from zerompi import offload
 from zerompi.checkpoint.background import BackgroundSave
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, SavedConfig, ShardSnapshot
-from zerompi.config import Offload, ZeroConfig
 from zerompi.comm import launch
 from zerompi.comm.group import ProcessGroup
 from zerompi.comm.topology import build_groups
+from zerompi.config import Offload, ZeroConfig
 from zerompi.errors import UsageError, ZeroMPIError, all_ranks_ok
+from zerompi.implicit import ImplicitBackward
+from zerompi.iteration import Iteration
 from zerompi.log import get_logger, set_rank
 from zerompi.offload.fence import ShardFence
 from zerompi.offload.tiers import TierPlan
-from zerompi.optim import kinds, schedules
+from zerompi.optim import schedules
+from zerompi.optim.groups import group_optimizers
 from zerompi.optim.optimizer import ZeroOptimizer
-from zerompi.implicit import ImplicitBackward
-from zerompi.iteration import Iteration
 from zerompi.shard import deferred
+from zerompi.shard.agreement import check_configs_agree, check_models_agree
 from zerompi.shard.bucket import Placement
 from zerompi.shard.compression import Compression
-from zerompi.shard.agreement import check_configs_agree, check_models_agree
 from zerompi.shard.placement import optimizer_groups, place
 from zerompi.shard.rounds import MicroBatchPlan
 from zerompi.shard.sharded import ShardedModel, ShardOptions
@@ -90,12 +91,12 @@ class Engine:
         check_configs_agree(cfg, group)
         # The engine is where the config is taken apart: each component gets its section's policy.
         run, sharding, batch, precision, overlap = cfg.runtime, cfg.sharding, cfg.batch, cfg.precision, cfg.overlap
-        kinds.check_elementwise(cfg.optimization.optimizer, cfg.optimization.optimizer_class())  # before building
         self.device = launch.select_device(run.device, self.info.local_rank)
         if self.device.type == "cpu":
             torch.set_num_threads(launch.cpu_threads_for(run.cpu_threads, self.info.local_size))
         launch.seed_rank(run.seed, self.info.rank)
         membership, options = optimizer_groups(module, param_groups)
+        group_optimizers(cfg.optimization, options)  # a group's optimizer refused by name before building
         plan = plan_for(sharding.stage, rounds=batch.rounds)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],

@@ -17,15 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerompi.errors import CheckpointError, all_ranks_ok
-from zerompi.log import get_logger
 from zerompi.checkpoint import paths, schema
 from zerompi.checkpoint.entries import Entry, LoadContext, entries
 from zerompi.checkpoint.frozen import FrozenSource
-from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot
+from zerompi.checkpoint.stores import ShardFiles, store_named
+from zerompi.errors import CheckpointError, all_ranks_ok
+from zerompi.log import get_logger
 
 logger = get_logger(__name__)
 
@@ -68,10 +68,21 @@ def _check_compatible(engine, snap: EngineSnapshot, index: CheckpointIndex, dire
     problem = index.describe_mismatch(named)
     if problem:
         raise CheckpointError(f"{directory}: checkpoint of a different model: {problem}")
-    saved = index.config.get("optimizer")
-    ours = snap.config.keys["optimizer"]
-    if index.optimizer.get("state_keys") and saved != ours:
-        raise CheckpointError(f"{directory}: optimizer state was written by {saved!r}, this job uses {ours!r}")
+    if not index.optimizer.get("state_keys"):
+        return  # no state to misread
+    saved = index.optimizer.get("group_optimizers")
+    if saved is None:  # written before groups could choose: the config's optimizer ran every group
+        saved, ours = index.config.get("optimizer"), snap.config.keys["optimizer"]
+        if saved != ours:
+            raise CheckpointError(f"{directory}: optimizer state was written by {saved!r}, this job uses {ours!r}")
+        return
+    ours = snap.states.optimizer_names()
+    if not (isinstance(saved, list) and all(isinstance(s, str) for s in saved)):
+        raise CheckpointError(f"{directory}: the index's group_optimizers {saved!r} is not a list of class names")
+    for i, (s, o) in enumerate(zip(saved, ours)):
+        if s != o:
+            raise CheckpointError(f"{directory}: the optimizer state of param group {i} was written by {s}, "
+                                  f"this job runs {o} there")
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex, Source
 from zerompi.checkpoint.rawio import Reads, read_tasks
 from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
+from zerompi.errors import CheckpointError
 
 FP32 = "<f4"  # master shards and optimizer state are stored as little-endian fp32
 Part = tuple[str, np.ndarray]
@@ -71,6 +73,18 @@ def _scalar_tensor(value, dtype: str):
     if dtype in ("int", "float", "bool"):
         return {"int": int, "float": float, "bool": bool}[dtype](value)
     return torch.tensor(value, dtype=getattr(torch, dtype))
+
+
+def state_keys(meta: dict[str, Any], group: int) -> list[str]:
+    """The per-element state names a checkpoint holds for the buckets of param ``group`` (every group's,
+    in checkpoints written before groups could run optimizers of their own)."""
+    per_group = meta.get("group_state_keys")
+    if per_group is None:
+        return meta.get("state_keys", [])
+    keys = per_group[group] if isinstance(per_group, list) and group < len(per_group) else []
+    if not (isinstance(per_group, list) and isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise CheckpointError(f"the index's group_state_keys {per_group!r} is not a list of name lists")
+    return keys
 
 
 class OptimizerShards:
@@ -132,7 +146,7 @@ class OptimizerShards:
         for piece in shard.layout.pieces(own):
             sources += index.locate(slot_of, piece.fqn, piece.param_start, piece.numel, piece.local_start)
         sources = merge(sources)
-        keys = index.optimizer.get("state_keys", [])
+        keys = state_keys(index.optimizer, shard.layout.group)
         data = BucketData(np.empty(own.numel, dtype=np.float32),
                           {k: np.empty(own.numel, dtype=np.float32) for k in keys})
         for a, z in _uncovered(own.numel, sources):  # the reads fill the rest

@@ -71,6 +71,9 @@ class ShardStates(Protocol):
     def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
         """Overwrite bucket ``index``'s master and state, and publish it to the parameters."""
 
+    def optimizer_names(self) -> list[str]:
+        """Each optimizer param group's optimizer class, as ``module.QualName``."""
+
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Each optimizer param group's options (without the params)."""
 

@@ -19,9 +19,9 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from copy import deepcopy
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -51,21 +51,24 @@ def _scalar(v) -> list | None:
 def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
     """Param group options, per-element state keys, and scalar state per bucket (JSON)."""
     keys: list[str] = []
+    by_group: dict[int, list[str]] = {}  # a param group may run an optimizer of its own (optim/groups.py)
     scalars = []
-    for i in range(len(snap.shards)):
-        per_bucket = {}
+    for i, shard in enumerate(snap.shards):
+        per_bucket, mine = {}, by_group.setdefault(shard.layout.group, [])
         for k, v in snap.states.peek_state(i).items():  # names and scalars: nothing swapped in
             s = _scalar(v)
             if s is not None:
                 per_bucket[k] = s
             elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
-                if k not in keys:
-                    keys.append(k)
+                keys += [] if k in keys else [k]
+                mine += [] if k in mine else [k]
             else:
                 raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
                                       "only per-element tensors and scalars are supported")
         scalars.append(per_bucket)
-    return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars}
+    return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars,
+            "group_state_keys": [by_group.get(g, []) for g in range(max(by_group, default=-1) + 1)],
+            "group_optimizers": snap.states.optimizer_names()}
 
 
 def parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:

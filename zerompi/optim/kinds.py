@@ -13,6 +13,7 @@ presumed: a subclass of a listed class may change the arithmetic, so it declares
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -37,12 +38,12 @@ def is_elementwise(cls: type) -> bool:
     return cls in ELEMENTWISE or vars(cls).get("elementwise") is True
 
 
-def check_elementwise(value: Any, cls: type) -> None:
-    """Refuse (ConfigError naming the key) an optimizer ``cls`` the engine cannot run on flat shards;
-    ``value`` is the config's ``optimizer`` as given."""
+def check_elementwise(value: Any, cls: type, key: str = "optimizer") -> None:
+    """Refuse (ConfigError naming ``key``) an optimizer ``cls`` the engine cannot run on flat shards;
+    ``value`` is the optimizer as given (the config's ``optimizer``, or a param group's)."""
     if not is_elementwise(cls):
         raise ConfigError(
-            f"optimizer={value!r}: {cls.__module__}.{cls.__qualname__} is not known to update element-wise, and "
+            f"{key}={value!r}: {cls.__module__}.{cls.__qualname__} is not known to update element-wise, and "
             "the engine steps flat shards that cut across tensors (an optimizer that looks at a whole tensor, "
             "such as Adafactor or Muon, would train something else); allowed: torch.optim's "
             + ", ".join(c.__name__ for c in ELEMENTWISE) + ", or a class that declares a class attribute "
@@ -54,17 +55,16 @@ GROUP_KEYS = ("param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", 
 SWALR, ...) keep beside the constructor's options."""
 
 
-def check_group_options(cls: type, group_options: list[dict[str, Any]]) -> None:
+def check_group_options(cls: type, group_options: list[dict[str, Any]] | Mapping[int, dict[str, Any]]) -> None:
     """Refuse a param-group key ``cls`` does not take, naming it (torch would keep it and use it for
-    nothing: a group's ``"optimizer"``, say, would silently run ``cls``)."""
+    nothing). ``group_options``: every group's options, or some groups' by their index."""
     accepted = {name for base in cls.__mro__ if issubclass(base, torch.optim.Optimizer)
                 and base is not torch.optim.Optimizer  # a subclass's defaults include its bases' options
                 for name in inspect.signature(base).parameters} - {"params"} | set(GROUP_KEYS)
-    for i, options in enumerate(group_options):
+    indexed = group_options.items() if isinstance(group_options, Mapping) else enumerate(group_options)
+    for i, options in indexed:
         unknown = sorted(str(k) for k in options if k not in accepted)
         if unknown:
-            hint = (": every param group runs the config's optimizer (a group cannot choose its own)"
-                    if "optimizer" in unknown else "")
             raise UsageError(f"param_groups[{i}] sets {', '.join(repr(k) for k in unknown)}, which "
-                             f"{cls.__name__} does not take{hint}; allowed: "
-                             + ", ".join(sorted(accepted)))
+                             f"{cls.__name__} does not take; allowed: " + ", ".join(sorted(accepted))
+                             + " (and 'optimizer', a class of the group's own)")

@@ -27,18 +27,19 @@ import torch
 
 from zerompi.blockio.aligned import align_storage
 from zerompi.blockio.memory import trim_heap
+from zerompi.comm.group import ProcessGroup
 from zerompi.config.checks import FIELD_ARGS
 from zerompi.config.choices import NonFinite
 from zerompi.config.sections import OptimizerPolicy, PrecisionPolicy
-from zerompi.comm.group import ProcessGroup
 from zerompi.errors import ZeroMPIError
 from zerompi.log import get_logger
 from zerompi.offload.residency import ShardState
 from zerompi.offload.tiers import TierPlan
+from zerompi.optim import groups as group_optimizers
+from zerompi.optim.groups import KERNEL_KEYS
 from zerompi.optim.norms import grad_norm_for
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
-from zerompi.optim import kinds
 
 logger = get_logger(__name__)
 
@@ -48,8 +49,6 @@ class StepResult(NamedTuple):
     grad_norm: float | None
 
 
-KERNEL_KEYS = ("fused", "foreach", "differentiable", "capturable")
-"""optimizer_kwargs that choose torch's implementation themselves: with any of them, no default kernel."""
 
 
 def default_kernel(cls: type, device: torch.device | str) -> dict[str, Any]:
@@ -110,14 +109,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.norm = grad_norm_for(exact=policy.deterministic,
                                   replicated=not any(b.plan.shard_optimizer for b in buckets))
         self.scaler = LossScaler.from_policy(precision) if precision.scales_loss else None
-        kinds.check_group_options(policy.optimizer_class(), group_options)
-        groups = []
-        for gi, options in enumerate(group_options):
-            masters = [b.master for b in buckets if b.layout.group == gi]
-            if masters:
-                groups.append({**options, "params": masters})
+        specs = group_optimizers.group_optimizers(policy, group_options)
+        masters = [[b.master for b in buckets if b.layout.group == gi] for gi in range(len(specs))]
         # the kernel follows where the masters live: host memory (CPU device or 'cpu'/'nvme' offload)
-        self.inner = policy.optimizer_class()(groups, **optimizer_kwargs(policy, buckets[0].master.device))
+        device = buckets[0].master.device
+        self.inner, self.group_names = group_optimizers.build(specs, masters, policy,
+                                                              lambda p: optimizer_kwargs(p, device))
+        """The inner torch optimizers (one state), and each kept param group's optimizer class."""
         self.store = tiers.optimizer_store(buckets, self.inner)
         # torch.optim.Optimizer's bookkeeping over the inner optimizer's own group dicts (shared,
         # not copied) and state, so that schedulers and hooks see and change the real thing
@@ -286,6 +284,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for k, v in state.items()}
             bucket.publish()
         bucket.zero_grad()
+
+    def optimizer_names(self) -> list[str]:
+        """Each param group's optimizer class, as ``module.QualName`` (checkpoints record them)."""
+        return list(self.group_names)
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Each param group's plain options (numbers, bools, tuples), without its params."""

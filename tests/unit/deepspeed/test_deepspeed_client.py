@@ -65,7 +65,7 @@ def test_other_elementwise_optimizer_and_param_groups():
     opt = torch.optim.Adagrad([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 0.02}], lr=0.1,
                               lr_decay=0.01)
     engine, optimizer, *_ = start(m, optimizer=opt)
-    assert type(optimizer.inner) is torch.optim.Adagrad
+    assert [type(o) for o in optimizer.inner.optimizers] == [torch.optim.Adagrad]  # one over every group
     assert [(g["lr"], g["lr_decay"]) for g in optimizer.param_groups] == [(0.1, 0.01), (0.02, 0.01)]
     losses = train(engine, 3)[0]
     engine.close()
