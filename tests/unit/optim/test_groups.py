@@ -100,6 +100,23 @@ def test_each_group_trains_as_its_own_optimizer_bit_for_bit(stage, n):
             {k: float((got[k] - want[k]).abs().max()) for k in want}
 
 
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_offloaded_groups_train_the_same_bits(tmp_path, offload):
+    """The offload stores find each group's state by its master shard, whichever optimizer made it."""
+    want = _plain(STEPS)
+    extra = dict(offload_optimizer=offload, **({"nvme_path": str(tmp_path)} if offload == "nvme" else {}))
+
+    def rank(group):
+        net = _net()
+        engine = zerompi.initialize(net, ZeroConfig(stage=2, **CFG, **extra), group=group, param_groups=_groups(net))
+        _train(engine, range(STEPS))
+        got = engine.full_state_dict()
+        engine.close()
+        return got
+    for got in run_ranks(2, rank):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_checkpoint_of_mixed_groups_resumes_at_another_world_size(tmp_path, stage):
     """Saved at 2 ranks after 2 steps (SGD's momentum, Adagrad's sums, AdamW's moments), loaded at 3: the
