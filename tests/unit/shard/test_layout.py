@@ -9,7 +9,8 @@ import torch
 
 from tests.components import require_module
 from zerompi.shard.layout import (BucketLayout, ParamSlot, ParamSpec, Piece, ShardRange, choose_units,
-                            common_ancestor, padded_numel, parent_fqn, plan_buckets)
+                            assign_owners, common_ancestor, padded_numel, parent_fqn, plan_buckets,
+                            plan_owned_bucket)
 
 
 # --- random cases -------------------------------------------------------------
@@ -370,3 +371,48 @@ def test_descent_lists_the_modules_between_a_unit_and_its_parameters():
     assert descent("", "base_model.model") == ["base_model", "base_model.model"]
     assert descent("a", "a.b.c") == ["a.b", "a.b.c"]
     assert descent("a.b", "a.b") == [] and descent("", "") == []
+
+
+# --- owner-aligned buckets (optimizers that see whole tensors) -----------------
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_owned_buckets_hold_each_parameter_whole_in_its_owners_shard(seed):
+    specs, world, cap = random_case(seed)
+    align = 1 + seed % 3
+    whole = frozenset(g for g in range(3) if (seed >> g) & 1)
+    plain = plan_buckets(specs, world, cap, first_index=3, align=align)
+    owned = plan_buckets(specs, world, cap, first_index=3, align=align, whole=whole)
+    assert [(b.index, b.group, sorted(s.fqn for s in b.slots)) for b in owned] == \
+        [(b.index, b.group, sorted(s.fqn for s in b.slots)) for b in plain]  # the same cut into buckets
+    for b, p in zip(owned, plain):
+        if b.group not in whole:
+            assert b == p
+            continue
+        assert b.numel == sum(s.numel for s in b.slots) and b.shard_numel % align == 0
+        spans = sorted((s.offset, s.offset + s.numel) for s in b.slots)
+        assert all(z <= a for (_, z), (a, _) in zip(spans, spans[1:]))  # no two slots overlap
+        for slot in b.slots:  # inside one shard, so its owner updates it whole
+            assert slot.offset // b.shard_numel == (slot.offset + max(slot.numel, 1) - 1) // b.shard_numel
+        pieces = [pc for r in range(world) for pc in b.pieces(b.shard(r))]
+        assert sorted((pc.fqn, pc.param_start, pc.numel) for pc in pieces) == \
+            sorted((s.fqn, 0, s.numel) for s in b.slots if s.numel)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_owners_are_balanced_by_size_and_the_same_everywhere(seed):
+    rng = random.Random(seed)
+    numels = [rng.choice([1, 64, 256, 1024, 4096]) for _ in range(rng.randint(1, 40))]
+    world = 1 + seed % 8
+    owners = assign_owners(numels, world)
+    assert owners == assign_owners(list(numels), world) and set(owners) <= set(range(world))
+    load = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(world)]
+    assert max(load) <= sum(numels) / world + max(numels)  # greedy largest-first's bound
+
+
+def test_owned_bucket_worked_example():
+    """Two 4x4 matrices and two 4-vectors over 2 ranks: a matrix and a vector each, shards of 20."""
+    specs = [ParamSpec("a", (4, 4), 0), ParamSpec("b", (4,), 0), ParamSpec("c", (4, 4), 0), ParamSpec("d", (4,), 0)]
+    b = plan_owned_bucket(0, 0, specs, 2)
+    assert assign_owners([16, 4, 16, 4], 2) == (0, 0, 1, 1)
+    assert (b.shard_numel, b.padded_numel, b.numel) == (20, 40, 40)
+    assert [(s.fqn, s.offset) for s in b.slots] == [("a", 0), ("b", 16), ("c", 20), ("d", 36)]
