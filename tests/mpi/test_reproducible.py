@@ -9,15 +9,15 @@ without frozen parameters must end in its bits at every world size, with or with
 engine's gradient norm must be the exactly summed one within the rounding of its pairwise chunk sums."""
 from __future__ import annotations
 
-import pytest
-
 import base64
+import json
 
 import numpy as np
+import pytest
 import torch
 
 from . import plain_loop
-from .launcher import run_worker_json
+from .batch import Batch, run_planned
 
 WORLDS = (1, 2, 3, 4, 5, 6)  # 1..G: 4 and 5 uneven
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -25,9 +25,23 @@ U = 2.0 ** -53  # fp64's unit roundoff
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def jobs(request, tmp_path_factory):
+    """The worker's runs as one job per world size (tests/mpi/batch.py): every row at each world size,
+    and in the same jobs the selected resumes' saves and loads (the saving world size's job first)."""
+    batch = Batch("reproducible.py", tmp_path_factory)
     base = tmp_path_factory.mktemp("reproducible")
-    return {n: run_worker_json(n, "reproducible.py", base / f"np{n}.json") for n in WORLDS}
+    for n in WORLDS:
+        batch.add(f"np{n}", n, "--out", base / f"np{n}.json")
+    ran = run_planned(request, batch, {"test_resume_at_another_world_size_continues_bitwise": _resume})
+    ran.batch, ran.base = batch, base
+    return ran
+
+
+@pytest.fixture(scope="module")
+def runs(jobs):
+    for n in WORLDS:
+        jobs.batch.check(f"np{n}")
+    return {n: json.loads((jobs.base / f"np{n}.json").read_text()) for n in WORLDS}
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +133,17 @@ def test_round_robin_indices(runs):
     assert runs[4]["rows"]["2-fp32-none-False"]["indices"] == [0, 4]  # rank 0 of 4: one more than ranks 2-3
 
 
+RESUMED = "3-fp32-none-False,2-bf16-cpu-True,0-fp32-none-True,3-bf16-nvme-True"
+
+
+def _resume(add, where, saved, loaded):
+    first = add(saved, "--out", where / "saved.json", "--save-after", "2", "--ckpt", where / "ckpt", "--rows", RESUMED)
+    add(loaded, "--out", where / "resumed.json", "--resume", where / "ckpt", "--rows", RESUMED, after=[first])
+
+
 @pytest.mark.parametrize("saved,loaded", [(4, 3), (3, 5)])
-def test_resume_at_another_world_size_continues_bitwise(runs, saved, loaded, tmp_path):
-    ckpt, rows = tmp_path / "ckpt", "3-fp32-none-False,2-bf16-cpu-True,0-fp32-none-True,3-bf16-nvme-True"
-    run_worker_json(saved, "reproducible.py", tmp_path / "saved.json", "--save-after", "2", "--ckpt", str(ckpt),
-                    "--rows", rows)
-    resumed = run_worker_json(loaded, "reproducible.py", tmp_path / "resumed.json", "--resume", str(ckpt),
-                              "--rows", rows)
-    assert sorted(resumed["rows"]) == sorted(rows.split(","))
+def test_resume_at_another_world_size_continues_bitwise(jobs, request, runs, saved, loaded):
+    resumed = json.loads((jobs(request) / "resumed.json").read_text())
+    assert sorted(resumed["rows"]) == sorted(RESUMED.split(","))
     for key, got in resumed["rows"].items():
         assert got["digest"] == runs[1]["rows"][key]["digest"], key

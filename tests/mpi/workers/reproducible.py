@@ -6,7 +6,8 @@ STEPS steps on G = 6 micro-batches per step, whose data comes from (step, global
 gradient clipping that bites (the "noclip" rows without it). For stages 0-3, fp32/bf16, offload none/cpu
 (and two NVMe rows), rank 0 writes the SHA-256 of the parameters, masters, optimizer state and gradient
 norms after each step, and the final state of the rows without frozen parameters. ``--save-after K --ckpt D``
-saves after K steps and stops; ``--resume D`` loads D and trains the remaining steps.
+saves after K steps and stops; ``--resume D`` loads D and trains the remaining steps. ``--cases SPEC`` runs
+several of these command lines in one job (workers/cases.py).
 """
 import argparse
 import base64
@@ -15,6 +16,7 @@ import tempfile
 
 from mpi4py import MPI
 
+import cases
 import zerompi
 from common import state_digest, state_items, write_json
 from repro_model import CLIP, G, LR, SEED, STEPS, WEIGHT_DECAY, batch, loss_of, model
@@ -71,7 +73,7 @@ def train(row, save_after=None, ckpt=None, resume=None) -> dict:
     return out
 
 
-def main() -> None:
+def run(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--save-after", type=int)
@@ -79,7 +81,7 @@ def main() -> None:
     p.add_argument("--resume")
     p.add_argument("--rows", help="comma list of row keys (default: all)")
     p.add_argument("--device", default="cpu", help="cuda: compute on the GPU (the ranks share it)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     global DEVICE
     DEVICE = a.device
     rows = {}
@@ -92,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cases.main(run)
