@@ -1,6 +1,7 @@
 """No hangs, clear errors: a misbehaving rank ends the job or makes every rank raise (workers/reliability.py)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,7 +10,8 @@ import time
 
 import pytest
 
-from .launcher import ROOT, WORKERS, mpi_env, mpiexec, run_worker_json
+from .batch import Batch, run_planned
+from .launcher import ROOT, WORKERS, mpi_env, mpiexec
 
 ABORT_WITHIN = 30.0  # seconds from the failure to every rank gone
 
@@ -47,8 +49,26 @@ def test_rank_killed_mid_training_ends_the_job(tmp_path):
     assert time.monotonic() - killed < ABORT_WITHIN
 
 
-def test_rank_dependent_control_flow_raises_on_every_rank(tmp_path):
-    rows = run_worker_json(2, "reliability.py", tmp_path / "r.json", "--case", "mismatch")
+def _case(case, world=2, *extra):
+    """A case that raises on every rank (or on none): it leaves no rank behind, so several share a job."""
+    return lambda add, where, **params: add(params.get("n", world), "--case", case, "--out", where / "r.json", *extra)
+
+
+@pytest.fixture(scope="module")
+def raised(request, tmp_path_factory):
+    """The selected tests' mismatch and NaN cases as one reliability.py job per world size (tests/mpi/batch.py)."""
+    return run_planned(request, Batch("reliability.py", tmp_path_factory), {
+        "test_rank_dependent_control_flow_raises_on_every_rank": _case("mismatch"),
+        "test_nan_gradient_raises_on_every_rank_naming_rank_and_parameter": _case("nan"),
+        "test_nan_gradient_skip_mode_skips_everywhere": _case("nan", 3, "--nonfinite", "skip")})
+
+
+def _rows(raised, request) -> list[dict]:
+    return json.loads((raised(request) / "r.json").read_text())
+
+
+def test_rank_dependent_control_flow_raises_on_every_rank(raised, request):
+    rows = _rows(raised, request)
     for row in rows:
         assert row["error"].startswith("CollectiveMismatchError: ranks are at different collectives"), row
         assert "rank 0: " in row["error"] and "module 'mid'" in row["error"], row
@@ -65,15 +85,15 @@ def test_watchdog_aborts_a_job_stuck_in_a_collective(tmp_path):
 
 
 @pytest.mark.parametrize("n", (2, 3))
-def test_nan_gradient_raises_on_every_rank_naming_rank_and_parameter(tmp_path, n):
-    rows = run_worker_json(n, "reliability.py", tmp_path / "r.json", "--case", "nan")
+def test_nan_gradient_raises_on_every_rank_naming_rank_and_parameter(raised, request, n):
+    rows = _rows(raised, request)
     for row in rows:
         assert row["error"].startswith("ZeroMPIError: non-finite (NaN/Inf) gradient from rank"), row
         assert f"rank {n - 1}: fc1.bias" in row["error"], row
 
 
-def test_nan_gradient_skip_mode_skips_everywhere(tmp_path):
-    rows = run_worker_json(3, "reliability.py", tmp_path / "r.json", "--case", "nan", "--nonfinite", "skip")
+def test_nan_gradient_skip_mode_skips_everywhere(raised, request):
+    rows = _rows(raised, request)
     for row in rows:
         assert row["error"] == "no error" and row["skipped"] == 1, row
         assert row["stepped_at_nan"] is False and row["unchanged"] is True, row

@@ -5,6 +5,7 @@
 --case mismatch  debug_collectives on; rank N-1 skips a module (rank-dependent control flow)
 --case watchdog  collective_timeout=3; rank N-1 sleeps 120 s before its backward
 --case nan       rank N-1's loss is NaN at step 1; --nonfinite raise|skip
+--cases SPEC     several of the cases that raise on every rank (mismatch, nan) in one job (workers/cases.py)
 """
 import argparse
 import os
@@ -14,6 +15,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+import cases
 import zerompi
 from common import write_json
 
@@ -51,12 +53,12 @@ def step(engine, model, i, args):
     return engine.step()
 
 
-def main():
+def run(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--nonfinite", default="raise")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cfg = zerompi.ZeroConfig(stage=3, bucket_mb=1e-4, optimizer="sgd", lr=0.1, nonfinite=args.nonfinite,
                              debug_collectives=args.case == "mismatch",
                              collective_timeout=3.0 if args.case == "watchdog" else None)
@@ -80,10 +82,11 @@ def main():
     except zerompi.ZeroMPIError as e:
         result["error"] = f"{type(e).__name__}: {e}"
     result["skipped"] = engine.stats.skipped_steps
+    engine.close()
     rows = COMM.allgather(result)
     if RANK == 0:
         write_json(args.out, rows)
 
 
 if __name__ == "__main__":
-    main()
+    cases.main(run)
