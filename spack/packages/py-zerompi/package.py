@@ -32,5 +32,8 @@ class PyZerompi(PythonPackage):
     depends_on("py-accelerate@1.0:", type="test")
     depends_on("py-peft@0.13:", type="test")
     depends_on("py-deepspeed@0.16:", type="test")
+    depends_on("py-trl@1.16:", type="test")
+    depends_on("py-datasets@4.7:", type="test")
+    depends_on("py-lightning@2.6:", type="test")
 
     import_modules = ["zerompi", "zerompi.checkpoint", "zerompi.models"]
