@@ -29,7 +29,7 @@ from zerompi.log import get_logger, set_rank
 from zerompi.offload.fence import ShardFence
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim import schedules
-from zerompi.optim.groups import group_optimizers
+from zerompi.optim.groups import check_tensors, group_optimizers
 from zerompi.optim.optimizer import ZeroOptimizer
 from zerompi.shard import deferred
 from zerompi.shard.agreement import check_configs_agree, check_models_agree
@@ -73,6 +73,14 @@ def _open_swapper(cfg: ZeroConfig, group: ProcessGroup, rank: int) -> offload.NV
     return swapper
 
 
+def _whole_groups(cfg: ZeroConfig, module: nn.Module, membership: dict, options: list[dict]) -> frozenset[int]:
+    """Each param group's optimizer checked before anything is built (a class the engine runs, options it
+    takes, tensors it accepts); the groups whose optimizer steps whole tensors (optim/whole.py)."""
+    specs = group_optimizers(cfg.optimization, options, offloaded=cfg.offload.optimizer is not Offload.NONE)
+    check_tensors(specs, [(n, tuple(p.shape), membership[p]) for n, p in module.named_parameters() if p in membership])
+    return frozenset(i for i, s in enumerate(specs) if not s.elementwise)
+
+
 class Engine:
     """Trains ``module`` with ZeRO over the ranks of ``group``; build it with :func:`initialize`."""
 
@@ -96,7 +104,7 @@ class Engine:
             torch.set_num_threads(launch.cpu_threads_for(run.cpu_threads, self.info.local_size))
         launch.seed_rank(run.seed, self.info.rank)
         membership, options = optimizer_groups(module, param_groups)
-        group_optimizers(cfg.optimization, options)  # a group's optimizer refused by name before building
+        whole = _whole_groups(cfg, module, membership, options)
         plan = plan_for(sharding.stage, rounds=batch.rounds)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
@@ -123,7 +131,8 @@ class Engine:
                          cfg.offload.pin_memory, self._fence)
         self.sharded = ShardedModel(module, placement, comm,
                                     ShardOptions(cap, placements, overlap, param_init, sharding.max_live_params,
-                                                 buffer_dtype=precision.buffer_dtype),
+                                                 buffer_dtype=precision.buffer_dtype,
+                                                 whole_groups=whole),
                                     tiers)
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))

@@ -38,6 +38,7 @@ from zerompi.checkpoint.snapshot import EngineSnapshot
 from zerompi.checkpoint.stores import ShardStore, store_for
 from zerompi.comm.topology import node_placement
 from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
+from zerompi.optim.whole import NotPerElement
 
 
 def _scalar(v) -> list | None:
@@ -62,6 +63,8 @@ def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
             elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
                 keys += [] if k in keys else [k]
                 mine += [] if k in mine else [k]
+            elif isinstance(v, NotPerElement):
+                raise CheckpointError(v.message())
             else:
                 raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
                                       "only per-element tensors and scalars are supported")
@@ -207,11 +210,16 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
     except (TypeError, ValueError) as e:
         raise UsageError(f"client_state must be JSON-serialisable ({e})") from e
     group, root = engine.group, Path(root)
+    meta, error = None, None
+    try:  # state a checkpoint cannot hold may be on some ranks only (a whole tensor's, on its owner)
+        meta = optimizer_meta(snap)
+    except CheckpointError as e:
+        error = str(e)
+    all_ranks_ok(group, error, CheckpointError)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None
     all_ranks_ok(group, error, CheckpointError)
-    meta = optimizer_meta(snap)
     index, replicated = None, {}
     if group.rank == 0:
         index = build_index(engine, snap, tag, client_state, meta, nonce, store.kind.value, include_frozen)

@@ -4,12 +4,14 @@ A group without an ``"optimizer"`` key runs the config's optimizer, with the con
 defaults and its own keys on top, as in torch. A group with one runs that class (a class, or its dotted
 name), built with its own keys only: ``lr`` defaults to the config's (the built-in schedules are relative
 to each group's lr), the kernel is chosen as for the config's optimizer (optim/optimizer.py), and nothing
-else of the config's hyperparameters reaches it. Every class must update element-wise (kinds.py): a group's
-is refused naming ``param_groups[i]['optimizer']``.
+else of the config's hyperparameters reaches it. A class that updates element-wise (kinds.py) steps the
+group's flat master shards; any other steps whole tensors, on their owners (whole.py); one the engine cannot
+run at all (a closure, sparse gradients) is refused naming ``param_groups[i]['optimizer']``.
 
-When no group chooses, one torch optimizer runs every group, as before; otherwise there is one per group.
-Either way they share one ``state`` dict keyed by master shard (:class:`InnerOptimizers`), so the offload
-stores and checkpoints that look a bucket's state up by its master do not see how many there are.
+When every group runs the config's element-wise optimizer, one torch optimizer runs them all, as before;
+otherwise there is one per group. They share one ``state`` dict (:class:`InnerOptimizers`), keyed by master
+shard for flat groups, so the offload stores and checkpoints that look a bucket's state up by its master do
+not see how many there are.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from zerompi.config import checks
 from zerompi.config.sections import OptimizerPolicy
 from zerompi.errors import ConfigError
 from zerompi.optim import kinds
+from zerompi.optim.whole import TensorViews
 
 KEY = "optimizer"
 """The param-group key that chooses a group's own optimizer."""
@@ -37,30 +40,53 @@ class GroupOptimizer(NamedTuple):
     name: str       # module.QualName, as checkpoints record it
     own: bool       # the group chose it (else the config's)
     options: dict[str, Any]
+    elementwise: bool = True  # steps flat shards (else whole tensors, on their owners)
 
 
 def _path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def group_optimizers(policy: OptimizerPolicy, group_options: list[dict[str, Any]]) -> list[GroupOptimizer]:
-    """Each group's optimizer, checked: an element-wise class, options it takes (ConfigError or UsageError
-    naming the group and key)."""
+def group_optimizers(policy: OptimizerPolicy, group_options: list[dict[str, Any]],
+                     offloaded: bool = False) -> list[GroupOptimizer]:
+    """Each group's optimizer, checked: a class the engine runs, options it takes (ConfigError or UsageError
+    naming the group and key). ``offloaded``: the optimizer state lives in host memory or on NVMe, where a
+    whole-tensor optimizer's state cannot go yet."""
     out = []
     for i, options in enumerate(group_options):
         own = KEY in options
         key = f"param_groups[{i}][{KEY!r}]" if own else "optimizer"
         value = options[KEY] if own else policy.optimizer
         cls = checks.optimizer_class(key, value)
-        kinds.check_elementwise(value, cls, key=key)
+        kinds.check_supported(value, cls, key=key)
+        elementwise = kinds.is_elementwise(cls)
+        if offloaded and not elementwise:
+            raise ConfigError(f"{key}={value!r} steps whole tensors, whose state cannot be offloaded yet; allowed "
+                              "with offload_optimizer='none', or an element-wise optimizer (kinds.py)")
         rest = {k: v for k, v in options.items() if k != KEY}
         kinds.check_group_options(cls, {i: rest})
         kernels = [k for k in ("fused", "foreach") if rest.get(k)]
         if policy.deterministic and kernels:  # as config/reproducible.py refuses them in optimizer_kwargs
             raise ConfigError(f"param_groups[{i}][{kernels[0]!r}]=True with reproducible=True: the for-loop "
                               "kernel computes an element the same way wherever shards cut; allowed: False")
-        out.append(GroupOptimizer(cls, _path(cls), own, rest))
+        out.append(GroupOptimizer(cls, _path(cls), own, rest, elementwise))
     return out
+
+
+def check_tensors(specs: list[GroupOptimizer], params: list[tuple[str, tuple[int, ...], int]]) -> None:
+    """Refuse, naming the parameter, a tensor a whole-tensor optimizer refuses (Muon: not 2-D); ``params``:
+    (name, shape, group) of every trainable parameter. The optimizer itself is asked, on a meta tensor."""
+    for name, shape, gi in params:
+        spec = specs[gi]
+        if spec.elementwise:
+            continue
+        options = {k: v for k, v in spec.options.items() if k not in KERNEL_KEYS}
+        try:
+            spec.cls([torch.empty(shape, device="meta")], **options)
+        except (ValueError, TypeError, RuntimeError) as e:
+            key = f"param_groups[{gi}][{KEY!r}]" if spec.own else "optimizer"
+            raise ConfigError(f"{key}: {spec.cls.__name__} refuses parameter {name!r} of shape {list(shape)}: {e}; "
+                              "put it in a group of another optimizer") from None
 
 
 class InnerOptimizers:
@@ -70,7 +96,7 @@ class InnerOptimizers:
         self.optimizers = optimizers
         self.state = optimizers[0].state
         for other in optimizers[1:]:
-            other.state = self.state  # keys are master shards, each in one optimizer only
+            other.state = self.state  # keys are master shards (or tensor views), each in one optimizer only
         self.param_groups = [g for o in optimizers for g in o.param_groups]
         self.defaults = optimizers[0].defaults
 
@@ -79,21 +105,26 @@ class InnerOptimizers:
             o.step()
 
 
-def build(specs: list[GroupOptimizer], masters: list[list[torch.Tensor]], policy: OptimizerPolicy,
-          kwargs_for: Callable[[OptimizerPolicy], dict[str, Any]]) -> tuple[InnerOptimizers, list[str]]:
-    """The inner optimizers over each group's ``masters`` (groups without any are left out, as torch
-    would hold them empty), and the class name of each group kept, in order. ``kwargs_for(policy)``: the
-    constructor arguments a policy gives (optimizer.py's ``optimizer_kwargs`` on the masters' device)."""
-    kept = [(spec, m) for spec, m in zip(specs, masters) if m]
-    if not any(spec.own for spec, _ in kept):  # every group runs the config's optimizer: one over all
-        groups = [{**spec.options, "params": m} for spec, m in kept]
-        return InnerOptimizers([policy.optimizer_class()(groups, **kwargs_for(policy))]), [s.name for s, _ in kept]
+def build(specs: list[GroupOptimizer], buckets: list, policy: OptimizerPolicy,
+          kwargs_for: Callable[[OptimizerPolicy], dict[str, Any]]) -> tuple[InnerOptimizers, list[str], TensorViews]:
+    """The inner optimizers over the trainable ``buckets`` of each group (groups without any are left out),
+    the class name of each group kept, in order, and the tensor views of the whole-tensor groups' buckets.
+    ``kwargs_for(policy)``: the constructor arguments a policy gives (optimizer.py's ``optimizer_kwargs``
+    on the masters' device)."""
+    of_group = [[b for b in buckets if b.layout.group == gi] for gi in range(len(specs))]
+    kept = [(spec, bs) for spec, bs in zip(specs, of_group) if bs]
+    views = TensorViews([b for spec, bs in kept if not spec.elementwise for b in bs])
+    names = [spec.name for spec, _ in kept]
+    if all(spec.elementwise and not spec.own for spec, _ in kept):  # the config's optimizer over every group
+        groups = [{**spec.options, "params": [b.master for b in bs]} for spec, bs in kept]
+        return InnerOptimizers([policy.optimizer_class()(groups, **kwargs_for(policy))]), names, views
     optimizers = []
-    for spec, m in kept:
+    for spec, bs in kept:
+        params = [b.master for b in bs] if spec.elementwise else [v for b in bs for v in views.params(b.layout.index)]
         if spec.own:  # the group's keys are its options; lr defaults to the config's, the kernel as for it
             kernel = {k: v for k, v in spec.options.items() if k in KERNEL_KEYS}
-            own = dataclasses.replace(policy, optimizer=spec.cls, kwargs=kernel)
-            optimizers.append(spec.cls([{**spec.options, "params": m}], **kwargs_for(own)))
+            group_policy = dataclasses.replace(policy, optimizer=spec.cls, kwargs=kernel)
         else:
-            optimizers.append(spec.cls([{**spec.options, "params": m}], **kwargs_for(policy)))
-    return InnerOptimizers(optimizers), [s.name for s, _ in kept]
+            group_policy = policy
+        optimizers.append(spec.cls([{**spec.options, "params": params}], **kwargs_for(group_policy)))
+    return InnerOptimizers(optimizers), names, views

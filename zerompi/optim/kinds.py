@@ -1,14 +1,16 @@
-"""Which optimizers the engine runs correctly: those whose update is element-wise.
+"""Which optimizers step flat shards, which step whole tensors, and which the engine cannot run.
 
 The engine steps one flat fp32 shard per bucket. That is the per-tensor update exactly when each
 element's step depends on its own gradient and state alone (Adam, AdamW, SGD, ...). An optimizer
-that looks at a whole tensor (Adafactor's factored second moment, Muon's orthogonalisation, LBFGS's
-line search, a norm-based trust ratio) would see a 1-D slice of several tensors instead, and train
-something else without an error; such classes are refused by name.
+that looks at a whole tensor (Adafactor's factored second moment, Muon's orthogonalisation, a
+norm-based trust ratio) would see a 1-D slice of several tensors instead, so its groups step whole
+tensors, each on one owner rank (optim/whole.py). LBFGS (a closure) and SparseAdam (sparse
+gradients) cannot run at all and are refused by name.
 
 A class is element-wise when it is one of torch's listed below, or when it declares so itself
 with a class attribute ``elementwise = True`` (the :class:`ElementWise` protocol). Nothing else is
-presumed: a subclass of a listed class may change the arithmetic, so it declares it too.
+presumed: a subclass of a listed class may change the arithmetic, so it steps whole tensors unless
+it declares itself element-wise too.
 """
 from __future__ import annotations
 
@@ -38,16 +40,20 @@ def is_elementwise(cls: type) -> bool:
     return cls in ELEMENTWISE or vars(cls).get("elementwise") is True
 
 
-def check_elementwise(value: Any, cls: type, key: str = "optimizer") -> None:
-    """Refuse (ConfigError naming ``key``) an optimizer ``cls`` the engine cannot run on flat shards;
+UNSUPPORTED: dict[type[torch.optim.Optimizer], str] = {
+    _O.LBFGS: "its step needs a closure that evaluates the loss again, several times, which a step over "
+              "sharded gradients cannot",
+    _O.SparseAdam: "it takes sparse gradients, and the engine reduces dense ones"}
+"""torch optimizers the engine cannot run at all, and why."""
+
+
+def check_supported(value: Any, cls: type, key: str = "optimizer") -> None:
+    """Refuse (ConfigError naming ``key``) an optimizer the engine cannot run, element-wise or not;
     ``value`` is the optimizer as given (the config's ``optimizer``, or a param group's)."""
-    if not is_elementwise(cls):
-        raise ConfigError(
-            f"{key}={value!r}: {cls.__module__}.{cls.__qualname__} is not known to update element-wise, and "
-            "the engine steps flat shards that cut across tensors (an optimizer that looks at a whole tensor, "
-            "such as Adafactor or Muon, would train something else); allowed: torch.optim's "
-            + ", ".join(c.__name__ for c in ELEMENTWISE) + ", or a class that declares a class attribute "
-            "elementwise = True")
+    for refused, why in UNSUPPORTED.items():
+        if issubclass(cls, refused):
+            raise ConfigError(f"{key}={value!r}: {cls.__module__}.{cls.__qualname__} cannot run here: {why}; "
+                              "allowed: any other torch.optim optimizer")
 
 
 GROUP_KEYS = ("param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")

@@ -110,12 +110,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                   replicated=not any(b.plan.shard_optimizer for b in buckets))
         self.scaler = LossScaler.from_policy(precision) if precision.scales_loss else None
         specs = group_optimizers.group_optimizers(policy, group_options)
-        masters = [[b.master for b in buckets if b.layout.group == gi] for gi in range(len(specs))]
         # the kernel follows where the masters live: host memory (CPU device or 'cpu'/'nvme' offload)
         device = buckets[0].master.device
-        self.inner, self.group_names = group_optimizers.build(specs, masters, policy,
-                                                              lambda p: optimizer_kwargs(p, device))
-        """The inner torch optimizers (one state), and each kept param group's optimizer class."""
+        self.inner, self.group_names, self.views = group_optimizers.build(specs, buckets, policy,
+                                                                          lambda p: optimizer_kwargs(p, device))
+        """The inner torch optimizers (one state), each kept param group's optimizer class, and the tensor
+        views a whole-tensor group steps instead of its buckets' flat masters (whole.py)."""
         self.store = tiers.optimizer_store(buckets, self.inner)
         # torch.optim.Optimizer's bookkeeping over the inner optimizer's own group dicts (shared,
         # not copied) and state, so that schedulers and hooks see and change the real thing
@@ -199,11 +199,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _update(self, buckets: list[Bucket], grads: list[torch.Tensor]) -> None:
         for b, g in zip(buckets, grads):
-            b.master.grad = g
+            if b.layout.index in self.views.of:  # a whole-tensor group: the views of its tensors take the grad
+                self.views.set_grads(b.layout.index, g)
+            else:
+                b.master.grad = g
         self.inner.step()  # parameters without .grad are skipped by every torch optimizer
         moved = False
         for b in buckets:
             b.master.grad = None
+            if b.layout.index in self.views.of:
+                self.views.set_grads(b.layout.index, None)
             for v in self.inner.state.get(b.master, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim():
                     moved |= align_storage(v)  # once, after torch allocated it: saves write it with O_DIRECT, uncopied
@@ -258,11 +263,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bucket ``index``'s master and optimizer state, in memory for the block."""
         with self.store.resident(index, load=load):
             master = self.buckets[index].master
-            yield ShardState(master, self.inner.state.get(master, {}))
+            yield ShardState(master, self._state_of(index))
 
     def peek_state(self, index: int) -> dict[str, Any]:
         """Bucket ``index``'s optimizer state dict as it is (offloaded tensors may be empty): keys and scalars."""
-        return dict(self.inner.state.get(self.buckets[index].master, {}))
+        return dict(self._state_of(index))
 
     @contextmanager
     def fenced_state(self, index: int) -> Iterator[ShardState]:
@@ -272,6 +277,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             state = {k: readable(v) if isinstance(v, torch.Tensor) else v for k, v in self.peek_state(index).items()}
             yield ShardState(readable(master), state)
 
+    def _state_of(self, index: int) -> dict[str, Any]:
+        """Bucket ``index``'s optimizer state per element: the inner optimizer's own for a flat group, the
+        tensors' states packed over the shard for a whole-tensor group (a copy)."""
+        master = self.buckets[index].master
+        if index in self.views.of:
+            return self.views.pack(index, self.inner.state, master.numel(), master.device)
+        return self.inner.state.get(master, {})
+
     def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
         """Overwrite bucket ``index``'s master and state (tensors move to the master's device),
         publish it to the compute parameters and forget its gradient."""
@@ -279,9 +292,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with self.store.resident(index, load=False):  # offloaded: overwritten, then swapped out
             with torch.no_grad():
                 bucket.master.copy_(master)
-            self.inner.state[bucket.master] = {
-                k: v.to(bucket.master.device) if isinstance(v, torch.Tensor) and v.dim() else v
-                for k, v in state.items()}
+            if index in self.views.of:
+                self.views.unpack(index, self.inner.state, state)
+            else:
+                self.inner.state[bucket.master] = {
+                    k: v.to(bucket.master.device) if isinstance(v, torch.Tensor) and v.dim() else v
+                    for k, v in state.items()}
             bucket.publish()
         bucket.zero_grad()
 

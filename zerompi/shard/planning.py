@@ -17,10 +17,13 @@ from zerompi.shard.units import Unit, owners_of
 
 
 def plan_layouts(module: nn.Module, placed: list[ParamPlacement], stage: StagePlan, world: int, cap: int,
-                 align: int = 1) -> tuple[list[BucketLayout], list[Unit], dict[str, str]]:
-    """(every bucket's layout in build order, stage 3's units, each sharded parameter's unit)."""
+                 align: int = 1, whole: frozenset[int] = frozenset()) -> tuple[list[BucketLayout], list[Unit],
+                                                                         dict[str, str]]:
+    """(every bucket's layout in build order, stage 3's units, each sharded parameter's unit). ``whole``:
+    optimizer groups whose buckets are owner-aligned where the optimizer state is sharded (stages 1-3)."""
+    whole = whole if stage.shard_optimizer else frozenset()  # stage 0: every rank updates every tensor
     gathered = [pl.spec for pl in reversed(placed) if pl.residence is Residence.GATHERED]
-    layouts = plan_buckets(gathered, world, cap, align=align)
+    layouts = plan_buckets(gathered, world, cap, align=align, whole=whole)
     units: list[Unit] = []
     unit_of_param: dict[str, str] = {}
     if not stage.shard_params:
@@ -41,7 +44,8 @@ def plan_layouts(module: nn.Module, placed: list[ParamPlacement], stage: StagePl
         for trainable in (True, False):
             specs = [pl.spec for pl, _ in mine if pl.trainable == trainable]
             if specs:
-                new = plan_buckets(specs, world, 2**62, first_index=counts[trainable], unit=fqn, align=align)
+                new = plan_buckets(specs, world, 2**62, first_index=counts[trainable], unit=fqn, align=align,
+                                   whole=whole if trainable else frozenset())
                 counts[trainable] += len(new)
                 layouts += new
         unit_of_param.update((pl.fqn, fqn) for pl, _ in mine)

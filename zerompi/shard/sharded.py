@@ -58,6 +58,8 @@ class ShardOptions:
     """Stage 3: prefetch no more than this many elements, the unit computing included."""
     buffer_dtype: BufferDType = BufferDType.COMPUTE
     """'compute': floating buffers are cast to the compute dtype; 'model': each keeps its own."""
+    whole_groups: frozenset[int] = frozenset()
+    """Optimizer groups whose optimizer sees whole tensors: their buckets are owner-aligned (layout.py)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class ShardedModel:
         self._round_gathers: list[Bucket] = []  # micro_batches: the gathers of the round in progress
         self._last_round: list[Bucket] = []     # ... and of the last complete one
         self._align = NORM_CHUNK if self.rounds is Rounds.ORDERED else 1  # reproducible: shards of whole norm chunks
+        self._whole = options.whole_groups
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
@@ -142,7 +145,7 @@ class ShardedModel:
     def _plan(self, cap: int) -> list[BucketLayout]:
         """Every bucket's layout, in build order (planning.py); stage 3's units and their placements."""
         layouts, self.units, units_of = plan_layouts(self.module, list(self.placements.values()), self.plan,
-                                                     self.placement.world_size, cap, self._align)
+                                                     self.placement.world_size, cap, self._align, self._whole)
         for fqn, unit in units_of.items():
             self.placements[fqn] = dataclasses.replace(self.placements[fqn], unit=unit)
         self._unit = {u.fqn: u for u in self.units}

@@ -161,8 +161,8 @@ def test_a_checkpoint_is_refused_by_a_job_whose_group_runs_another_optimizer(tmp
 
 
 @pytest.mark.parametrize("value,match", [
-    (torch.optim.Muon, r"param_groups\[1\]\['optimizer'\]=.*Muon.*is not known to update element-wise"),
-    ("torch.optim.Adafactor", r"param_groups\[1\]\['optimizer'\]='torch.optim.Adafactor'.*element-wise"),
+    (torch.optim.LBFGS, r"param_groups\[1\]\['optimizer'\]=.*LBFGS.*cannot run here: .*closure"),
+    ("torch.optim.Muon", r"param_groups\[1\]\['optimizer'\]: Muon refuses parameter '2.bias'"),
     ("torch.optim.NoSuchThing", r"param_groups\[1\]\['optimizer'\]"),
 ])
 def test_a_group_optimizer_the_engine_cannot_run_is_refused_naming_the_group(value, match):
