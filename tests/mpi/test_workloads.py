@@ -1,4 +1,7 @@
-"""The example workloads end to end on 2 real ranks: each reaches the quality its README section states."""
+"""The example workloads end to end on 2 real ranks: each reaches the quality its README section states.
+
+Their runs are cases of one 2-rank job (workers/job_script.py, tests/mpi/batch.py), each run's output
+kept apart: starting a job costs more than most of these runs."""
 from __future__ import annotations
 
 import json
@@ -8,64 +11,95 @@ import torch
 
 from tests.components import require_module
 
-from .launcher import ROOT, run_mpi
+from .batch import Batch, run_planned
+from .launcher import ROOT
 
 
 def records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def output(prefix) -> tuple[str, str]:
+    """A run's stdout and stderr, every rank's, as mpiexec gathers them (workers/job_script.py)."""
+    return tuple("".join(p.read_text() for p in sorted(prefix.parent.glob(f"{prefix.name}.*.{kind}")))
+                 for kind in ("out", "err"))
+
+
+def _one(script, *args):
+    return lambda add, where, **params: add(2, where / "job", script, "--out", where,
+                                            *[a.format(**params) for a in args])
+
+
+def _resumed(script, whole, part):
+    """``whole`` steps straight (a); ``part`` steps and a checkpoint (b), then a run resuming b to ``whole``."""
+    def plan(add, where):
+        add(2, where / "a", script, "--out", where / "a", "--steps", whole)
+        first = add(2, where / "b", script, "--out", where / "b", "--steps", part, "--save-every", part)
+        add(2, where / "resumed", script, "--out", where / "b", "--steps", whole, "--resume", after=[first])
+    return plan
+
+
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory):
+    return run_planned(request, Batch("job_script.py", tmp_path_factory), {
+        "test_linear_regression_reaches_least_squares": _one("jobs/linear_regression.py", "--stage", "{stage}"),
+        "test_cnn_reaches_95_percent_on_digits": _one("jobs/train_cnn.py", "--stage", "3"),
+        "test_cnn_resumes_exactly": _resumed("jobs/train_cnn.py", 20, 10),
+        "test_classifier_beats_chance_after_mlm_warmup_with_frozen_embeddings":
+            _one("jobs/train_classifier.py", "--stage", "3"),
+        "test_lora_finetune_job_saves_adapters_and_resumes_exactly": _resumed("jobs/finetune_lora.py", 6, 3)})
+
+
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
-def test_linear_regression_reaches_least_squares(tmp_path, stage):
-    proc = run_mpi(2, "jobs/linear_regression.py", "--out", str(tmp_path), "--stage", str(stage))
-    distance = float(proc.stdout.split("distance to the least-squares solution ")[1].split()[0])
-    assert distance <= 1e-4, proc.stdout
-    assert "converged" in proc.stdout and "NOT" not in proc.stdout
+def test_linear_regression_reaches_least_squares(ran, request, stage):
+    tmp_path = ran(request)
+    stdout, _ = output(tmp_path / "job")
+    distance = float(stdout.split("distance to the least-squares solution ")[1].split()[0])
+    assert distance <= 1e-4, stdout
+    assert "converged" in stdout and "NOT" not in stdout
     rows = records(tmp_path)
     assert rows[-1]["step"] == 60 and rows[-1]["loss"] < 0.02 and rows[-1]["val_loss"] < 0.02
     assert all("samples_per_s" in r and "lr" in r for r in rows)
 
 
-def test_cnn_reaches_95_percent_on_digits(tmp_path):
+def test_cnn_reaches_95_percent_on_digits(ran, request):
     require_module("sklearn", extra="examples")
-    proc = run_mpi(2, "jobs/train_cnn.py", "--out", str(tmp_path), "--stage", "3")
-    accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
-    assert accuracy >= 0.95, proc.stdout
+    tmp_path = ran(request)
+    stdout, _ = output(tmp_path / "job")
+    accuracy = float(stdout.split("test accuracy ")[1].split()[0])
+    assert accuracy >= 0.95, stdout
     last = records(tmp_path)[-1]
     assert abs(last["val_accuracy"] - accuracy) < 1e-4 and last["accuracy"] > 0.9
 
 
-def test_cnn_resumes_exactly(tmp_path):
+def test_cnn_resumes_exactly(ran, request):
     """BatchNorm running statistics and dropout included: 10 steps + checkpoint + 10 resumed == 20 straight."""
     require_module("sklearn", extra="examples")
-    run_mpi(2, "jobs/train_cnn.py", "--out", str(tmp_path / "a"), "--steps", "20")
-    run_mpi(2, "jobs/train_cnn.py", "--out", str(tmp_path / "b"), "--steps", "10", "--save-every", "10")
-    proc = run_mpi(2, "jobs/train_cnn.py", "--out", str(tmp_path / "b"), "--steps", "20", "--resume")
-    assert "resumed from" in proc.stderr
+    tmp_path = ran(request)
+    assert "resumed from" in output(tmp_path / "resumed")[1]
     a, b = records(tmp_path / "a")[-1], records(tmp_path / "b")[-1]
     assert a["step"] == b["step"] == 20
     assert (a["loss"], a["val_loss"], a["val_accuracy"]) == (b["loss"], b["val_loss"], b["val_accuracy"])
 
 
-def test_classifier_beats_chance_after_mlm_warmup_with_frozen_embeddings(tmp_path):
+def test_classifier_beats_chance_after_mlm_warmup_with_frozen_embeddings(ran, request):
     """The default config: 60 masked-LM steps, then 240 fine-tuning steps with the embeddings frozen."""
-    proc = run_mpi(2, "jobs/train_classifier.py", "--out", str(tmp_path), "--stage", "3")
-    accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
-    assert accuracy >= 0.5, proc.stdout  # chance: 0.25; the README states ~0.68
+    tmp_path = ran(request)
+    stdout, _ = output(tmp_path / "job")
+    accuracy = float(stdout.split("test accuracy ")[1].split()[0])
+    assert accuracy >= 0.5, stdout  # chance: 0.25; the README states ~0.68
     rows = records(tmp_path)
     assert [r["phase"] for r in rows if r["step"] in (60, 70)] == ["mlm", "finetune"]
     assert rows[-1]["step"] == 300 and "val_accuracy" in rows[-1]
 
 
-def test_lora_finetune_job_saves_adapters_and_resumes_exactly(tmp_path):
+def test_lora_finetune_job_saves_adapters_and_resumes_exactly(ran, request):
     """jobs/finetune_lora.py: a meta-device Llama base sharded at stage 3, LoRA from peft. Its
     checkpoints leave the base out; a resumed run rebuilds it and repeats the uninterrupted one."""
-    from tests.components import require_module
     require_module("peft", "transformers")
-    run_mpi(2, "jobs/finetune_lora.py", "--out", str(tmp_path / "a"), "--steps", "6")
-    run_mpi(2, "jobs/finetune_lora.py", "--out", str(tmp_path / "b"), "--steps", "3", "--save-every", "3")
-    proc = run_mpi(2, "jobs/finetune_lora.py", "--out", str(tmp_path / "b"), "--steps", "6", "--resume")
-    assert "resumed from" in proc.stderr and "adapters in" in proc.stdout
+    tmp_path = ran(request)
+    stdout, stderr = output(tmp_path / "resumed")
+    assert "resumed from" in stderr and "adapters in" in stdout
     a, b = records(tmp_path / "a")[-1], records(tmp_path / "b")[-1]
     assert a["step"] == b["step"] == 6 and (a["loss"], a["val_loss"]) == (b["loss"], b["val_loss"])
     assert records(tmp_path / "a")[0]["loss"] > a["loss"]
