@@ -87,7 +87,7 @@ def test_other_elementwise_optimizer_and_param_groups():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda p: torch.optim.LBFGS(p), "element-wise"),
+    (lambda p: torch.optim.LBFGS(p), "cannot run here: its step needs a closure"),
     (lambda p: FusedAdam(p, amsgrad=True), "amsgrad"),
     (lambda p: DeepSpeedCPUAdam(p, fp32_optimizer_states=False), "fp32"),
 ])
@@ -249,3 +249,25 @@ def test_accelerates_loop_one_step_per_window_and_the_config():
     ours.backward(ours(torch.randn(2, 4)).pow(2).mean())
     with pytest.raises(UsageError, match=r"set_gradient_accumulation_boundary\(True\) after 1 backward call"):
         ours.step()
+
+
+def test_a_built_whole_tensor_optimizer_is_rebuilt_and_steps_whole_tensors():
+    """Adafactor factors each matrix's second moment: rebuilt on the engine, it trains as torch's Adafactor
+    on the model's own tensors (optim/whole.py), not on flat shards."""
+    m = model()
+    engine, optimizer, *_ = start(m, optimizer=torch.optim.Adafactor(m.parameters(), lr=0.01))
+    losses = train(engine, 3)[0]
+    engine.close()
+    ref = model()
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    expected = []
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(2, 4, generator=g)
+            loss = (ref(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            (loss / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)

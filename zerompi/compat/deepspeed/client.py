@@ -2,10 +2,9 @@
 
 DeepSpeed wraps the script's optimizer; zerompi's optimizer must run on its own flat
 shards, so a built optimizer is *rebuilt* there: same class, same defaults, same param
-groups (their options, ``lr`` and ``initial_lr`` included). That is exact for optimizers
-whose update is element-wise (each element's step depends on its own gradient and state
-alone); others (LBFGS, Adafactor, Muon, SparseAdam, subclasses of unknown arithmetic)
-are refused. A built scheduler is re-pointed at the rebuilt optimizer: its state
+groups (their options, ``lr`` and ``initial_lr`` included). Element-wise optimizers step
+flat shards, others (Muon, Adafactor) whole tensors on their owners (optim/whole.py); what
+the engine cannot run (LBFGS's closure, SparseAdam's sparse gradients) is refused. A built scheduler is re-pointed at the rebuilt optimizer: its state
 (``base_lrs``, step counts) is the optimizer's no more than its own, so the learning
 rates it sets follow the same sequence. A dataset becomes DeepSpeed's loader: each rank
 its share through a DistributedSampler (shuffled, seed 0, as DeepSpeed's), micro-batches
@@ -22,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from zerompi.compat.deepspeed.ops.adam import DeepSpeedAdam
 from zerompi.config.checks import FIELD_ARGS
-from zerompi.errors import UsageError
+from zerompi.errors import ConfigError, UsageError
 from zerompi.optim import kinds
 from zerompi.torch_private import track_scheduler_steps
 
@@ -36,15 +35,13 @@ def optimizer_settings(optimizer: Any, model: nn.Module) -> tuple[dict[str, Any]
     """The ZeroConfig overrides and engine param groups that rebuild ``optimizer`` on the shards."""
     if isinstance(optimizer, DeepSpeedAdam):
         cls, name = optimizer.torch_class, optimizer.zerompi_name
-    elif kinds.is_elementwise(type(optimizer)):
+    else:
         cls = type(optimizer)
         name = _NAMES.get(cls, cls)
-    else:
-        raise UsageError(f"optimizer={type(optimizer).__name__}: zerompi rebuilds the optimizer on its shards, "
-                         "which is exact only for element-wise updates: torch's "
-                         + ", ".join(c.__name__ for c in kinds.ELEMENTWISE) + " (optim/kinds.py), and "
-                         "deepspeed.ops.adam's FusedAdam and DeepSpeedCPUAdam; or describe it in the config's "
-                         "optimizer block")
+        try:
+            kinds.check_supported(cls, cls, key="optimizer")
+        except ConfigError as e:
+            raise UsageError(f"{e} (zerompi rebuilds the optimizer on its shards)") from None
     # Adagrad makes its (step 0) state at construction; any other state means it has stepped.
     if any(float(state.get("step", 1)) > 0 for state in optimizer.state.values()):
         raise UsageError(f"optimizer={type(optimizer).__name__} has already stepped: its state cannot move onto "
