@@ -28,7 +28,7 @@ from zerompi.iteration import Iteration
 from zerompi.log import get_logger, set_rank
 from zerompi.offload.fence import ShardFence
 from zerompi.offload.tiers import TierPlan
-from zerompi.optim import schedules
+from zerompi.optim import presets, schedules
 from zerompi.optim.groups import check_tensors, group_optimizers
 from zerompi.optim.optimizer import ZeroOptimizer
 from zerompi.shard import deferred
@@ -103,7 +103,7 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(launch.cpu_threads_for(run.cpu_threads, self.info.local_size))
         launch.seed_rank(run.seed, self.info.rank)
-        membership, options = optimizer_groups(module, param_groups)
+        membership, options = optimizer_groups(module, presets.expand(module, param_groups, cfg.optimization))
         whole = _whole_groups(cfg, module, membership, options)
         plan = plan_for(sharding.stage, rounds=batch.rounds)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}

@@ -25,11 +25,12 @@ E = TypeVar("E", bound=Enum)
 Check = Callable[[str, Any], Any]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+    "muon": torch.optim.AdamW}  # Muon on the hidden matrices, this on the rest (optim/presets.py)
 """The optimizers ``optimizer`` may name by a short string."""
 _ADAM_ARGS = ("lr", "betas", "eps", "weight_decay")
 FIELD_ARGS: dict[str, tuple[str, ...]] = {
-    "adamw": _ADAM_ARGS, "adam": _ADAM_ARGS, "sgd": ("lr", "momentum", "weight_decay"),
+    "adamw": _ADAM_ARGS, "adam": _ADAM_ARGS, "sgd": ("lr", "momentum", "weight_decay"), "muon": _ADAM_ARGS,
     "zerompi.optim.adam.UncorrectedAdam": _ADAM_ARGS}
 """Optimizer arguments the engine fills from fields (``lr`` alone for other optimizers);
 repeating one in optimizer_kwargs would be a second spelling of the same setting."""

@@ -57,7 +57,8 @@ class OptimizationKeys:
     """The optimization section's keys (ZeroConfig's fields) and its policy."""
 
     optimizer: str | type[torch.optim.Optimizer] = "adamw"
-    """'adamw', 'adam', 'sgd', an Optimizer subclass or 'package.module.ClassName' to one."""
+    """'adamw', 'adam', 'sgd', an Optimizer subclass or 'package.module.ClassName' to one; or 'muon': Muon on
+    the hidden matrices and AdamW on the rest (optim/presets.py states the rule), optimizer_kwargs for Muon."""
     optimizer_kwargs: dict = field(default_factory=dict)
     """Extra optimizer arguments; str keys other than 'params' and those set by fields."""
     lr: float = 1e-3
