@@ -78,7 +78,8 @@ _NONNEG = st.one_of(st.just(0.0), _POS, st.integers(0, 10**6))
 _TAKEN = {"params", "lr", "betas", "eps", "weight_decay", "momentum"}
 _KNOWN_VALID = {
     "stage": st.integers(0, 3),
-    "optimizer": st.sampled_from(["adamw", "adam", "sgd", "torch.optim.RMSprop", "torch.optim.Adagrad"]),
+    "optimizer": st.sampled_from(["adamw", "adam", "sgd", "muon", "torch.optim.RMSprop", "torch.optim.Adagrad",
+                                  "torch.optim.Adafactor", "torch.optim.Muon"]),
     "optimizer_kwargs": st.dictionaries(TEXT.filter(lambda k: k not in _TAKEN),
                                         st.one_of(st.booleans(), st.integers(-5, 5), _POS), max_size=3),
     "lr": _POS, "betas": st.lists(st.floats(0, 0.999), min_size=2, max_size=2), "eps": _POS,
