@@ -76,7 +76,7 @@ def _open_swapper(cfg: ZeroConfig, group: ProcessGroup, rank: int) -> offload.NV
 def _whole_groups(cfg: ZeroConfig, module: nn.Module, membership: dict, options: list[dict]) -> frozenset[int]:
     """Each param group's optimizer checked before anything is built (a class the engine runs, options it
     takes, tensors it accepts); the groups whose optimizer steps whole tensors (optim/whole.py)."""
-    specs = group_optimizers(cfg.optimization, options, offloaded=cfg.offload.optimizer is not Offload.NONE)
+    specs = group_optimizers(cfg.optimization, options, swapped=cfg.offload.optimizer is Offload.NVME)
     check_tensors(specs, [(n, tuple(p.shape), membership[p]) for n, p in module.named_parameters() if p in membership])
     return frozenset(i for i, s in enumerate(specs) if not s.elementwise)
 

@@ -48,10 +48,10 @@ def _path(cls: type) -> str:
 
 
 def group_optimizers(policy: OptimizerPolicy, group_options: list[dict[str, Any]],
-                     offloaded: bool = False) -> list[GroupOptimizer]:
+                     swapped: bool = False) -> list[GroupOptimizer]:
     """Each group's optimizer, checked: a class the engine runs, options it takes (ConfigError or UsageError
-    naming the group and key). ``offloaded``: the optimizer state lives in host memory or on NVMe, where a
-    whole-tensor optimizer's state cannot go yet."""
+    naming the group and key). ``swapped``: the optimizer state is swapped to NVMe bucket by bucket, which a
+    whole-tensor optimizer's per-tensor state cannot follow yet (host memory, 'cpu', it can)."""
     out = []
     for i, options in enumerate(group_options):
         own = KEY in options
@@ -60,9 +60,9 @@ def group_optimizers(policy: OptimizerPolicy, group_options: list[dict[str, Any]
         cls = checks.optimizer_class(key, value)
         kinds.check_supported(value, cls, key=key)
         elementwise = kinds.is_elementwise(cls)
-        if offloaded and not elementwise:
-            raise ConfigError(f"{key}={value!r} steps whole tensors, whose state cannot be offloaded yet; allowed "
-                              "with offload_optimizer='none', or an element-wise optimizer (kinds.py)")
+        if swapped and not elementwise:
+            raise ConfigError(f"{key}={value!r} steps whole tensors, whose state cannot be swapped to NVMe yet; "
+                              "allowed with offload_optimizer='none' or 'cpu', or an element-wise optimizer")
         rest = {k: v for k, v in options.items() if k != KEY}
         kinds.check_group_options(cls, {i: rest})
         kernels = [k for k in ("fused", "foreach") if rest.get(k)]

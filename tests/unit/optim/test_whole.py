@@ -17,7 +17,7 @@ from torch import nn
 import zerompi
 from zerompi.comm.local import run_ranks
 from zerompi.config import ZeroConfig
-from zerompi.errors import CheckpointError
+from zerompi.errors import CheckpointError, ConfigError
 
 G, STEPS = 6, 3
 CFG = dict(optimizer="adamw", lr=1e-2, weight_decay=0.01, cpu_threads=1, device="cpu", reproducible=True,
@@ -111,6 +111,32 @@ def test_whole_tensor_optimizers_train_the_plain_loops_bits(stage, n, mode):
         return got
     for got in run_ranks(n, rank):
         assert got.keys() == want.keys() and not _differences(got, want), _differences(got, want)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_whole_tensor_state_offloaded_to_host_memory_trains_the_same_bits(stage):
+    want = _plain("muon+adamw", STEPS)
+
+    def rank(group):
+        net = _net()
+        engine = zerompi.initialize(net, ZeroConfig(stage=stage, **CFG, offload_optimizer="cpu",
+                                                    **({"offload_params": "cpu"} if stage == 3 else {})),
+                                    group=group, param_groups=_muon_groups(net))
+        _train(engine, range(STEPS))
+        got = engine.full_state_dict()
+        engine.close()
+        return got
+    for got in run_ranks(2, rank):
+        assert not _differences(got, want), _differences(got, want)
+
+
+def test_whole_tensor_state_is_not_swapped_to_nvme(tmp_path):
+    def rank(group):
+        net = _net()
+        with pytest.raises(ConfigError, match=r"param_groups\[0\]\['optimizer'\]=.*cannot be swapped to NVMe"):
+            zerompi.initialize(net, ZeroConfig(stage=2, **CFG, offload_optimizer="nvme", nvme_path=str(tmp_path)),
+                               group=group, param_groups=_muon_groups(net))
+    run_ranks(2, rank)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
