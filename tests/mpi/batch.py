@@ -150,3 +150,9 @@ def _outcome(where: Path, index: int, world: int, name: str, argv: list[str], jo
     if not all(p.exists() for p in status):
         return f"case {name} ({' '.join(argv)}) did not reach its end: {job}"
     return None
+
+
+def job_output(prefix: Path) -> tuple[str, str]:
+    """The stdout and stderr of a case of workers/job_script.py, every rank's, as mpiexec gathers them."""
+    return tuple("".join(p.read_text() for p in sorted(prefix.parent.glob(f"{prefix.name}.*.{kind}")))
+                 for kind in ("out", "err"))

@@ -1,4 +1,7 @@
-"""The main job, end to end on 2 real ranks: it trains, logs, and its loss falls."""
+"""The main job, end to end on 2 real ranks: it trains, logs, and its loss falls.
+
+Its runs are cases of one job per world size (workers/job_script.py, tests/mpi/batch.py), each run's
+output kept apart; the run stopped by SIGUSR1 has a job of its own, the signal being mpiexec's."""
 from __future__ import annotations
 
 import json
@@ -6,13 +9,41 @@ import sys
 
 import pytest
 
+from .batch import Batch, job_output, run_planned
 from .launcher import run_mpi
+
+TINY = ("jobs/train_gpt.py", "--config", "jobs/configs/tiny.toml")
+
+
+def _tiny(add, where, stage):
+    add(2, where / "job", *TINY, "--out", where, "--stage", stage)
+
+
+def _resumed(add, where):
+    add(2, where / "a", *TINY, "--out", where / "a")
+    first = add(2, where / "b", *TINY, "--out", where / "b", "--steps", "10", "--save-every", "10")
+    add(2, where / "resumed", *TINY, "--out", where / "b", "--resume", after=[first])
+
+
+def _reproducible(add, where):
+    flags = (*TINY, "--reproducible", "--micro-batches", "6", "--steps", "4")
+    add(2, where / "np2", *flags, "--out", where / "np2", "--save-every", "4")
+    add(3, where / "np3", *flags, "--out", where / "np3", "--save-every", "4")
+    first = add(2, where / "moved", *flags, "--out", where / "moved", "--save-every", "2", "--steps", "2")
+    add(3, where / "resumed", *flags, "--out", where / "moved", "--save-every", "4", "--resume", after=[first])
+
+
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory):
+    return run_planned(request, Batch("job_script.py", tmp_path_factory), {
+        "test_train_gpt_tiny": _tiny, "test_train_gpt_resumes_exactly": _resumed,
+        "test_train_gpt_reproducible_trains_the_same_model_at_2_and_3_ranks_and_across_a_resume": _reproducible})
 
 
 @pytest.mark.parametrize("stage", (1, 3))
-def test_train_gpt_tiny(tmp_path, stage):
-    proc = run_mpi(2, "jobs/train_gpt.py", "--config", "jobs/configs/tiny.toml", "--out", str(tmp_path),
-                   "--stage", str(stage))
+def test_train_gpt_tiny(ran, request, stage):
+    tmp_path = ran(request)
+    stdout, stderr = job_output(tmp_path / "job")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["step"] == 1 and records[-1]["step"] == 20
     assert records[-1]["loss"] < records[0]["loss"] - 1.0, [r["loss"] for r in records]
@@ -21,16 +52,13 @@ def test_train_gpt_tiny(tmp_path, stage):
     assert last["model_state_bytes"] > 0
     kinds = set(last["bytes_sent_total"])
     assert {"all_gather", "reduce_scatter"} <= kinds
-    assert "done: 20 steps, world size 2, stage %d" % stage in proc.stdout + proc.stderr
+    assert "done: 20 steps, world size 2, stage %d" % stage in stdout + stderr
 
 
-def test_train_gpt_resumes_exactly(tmp_path):
+def test_train_gpt_resumes_exactly(ran, request):
     """20 steps straight, versus 10 steps + checkpoint + a new job resuming to 20: same loss, bit for bit."""
-    tiny = ("--config", "jobs/configs/tiny.toml")
-    run_mpi(2, "jobs/train_gpt.py", *tiny, "--out", str(tmp_path / "a"))
-    run_mpi(2, "jobs/train_gpt.py", *tiny, "--out", str(tmp_path / "b"), "--steps", "10", "--save-every", "10")
-    proc = run_mpi(2, "jobs/train_gpt.py", *tiny, "--out", str(tmp_path / "b"), "--resume")
-    assert "resumed from" in proc.stderr
+    tmp_path = ran(request)
+    assert "resumed from" in job_output(tmp_path / "resumed")[1]
     a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert a[-1]["step"] == b[-1]["step"] == 20
@@ -72,19 +100,15 @@ def test_train_gpt_checkpoints_on_sigusr1_and_the_loss_curve_continues(tmp_path)
     assert all(resumed[step] == straight[step] for step in resumed), (resumed, straight)
 
 
-def test_train_gpt_reproducible_trains_the_same_model_at_2_and_3_ranks_and_across_a_resume(tmp_path):
+def test_train_gpt_reproducible_trains_the_same_model_at_2_and_3_ranks_and_across_a_resume(ran, request):
     """--reproducible: 6 micro-batches per step dealt over 2 or 3 ranks train the same parameters, bit
     for bit; a job saved at 2 ranks and resumed at 3 ends where the uninterrupted one does."""
     import torch
 
     from zerompi.checkpoint.consolidate import load_full_state_dict
 
-    flags = ("--config", "jobs/configs/tiny.toml", "--reproducible", "--micro-batches", "6", "--steps", "4")
-    run_mpi(2, "jobs/train_gpt.py", *flags, "--out", str(tmp_path / "np2"), "--save-every", "4")
-    run_mpi(3, "jobs/train_gpt.py", *flags, "--out", str(tmp_path / "np3"), "--save-every", "4")
-    run_mpi(2, "jobs/train_gpt.py", *flags, "--out", str(tmp_path / "moved"), "--save-every", "2", "--steps", "2")
-    proc = run_mpi(3, "jobs/train_gpt.py", *flags, "--out", str(tmp_path / "moved"), "--save-every", "4", "--resume")
-    assert "resumed from" in proc.stderr
+    tmp_path = ran(request)
+    assert "resumed from" in job_output(tmp_path / "resumed")[1]
     states = {run: dict(load_full_state_dict(tmp_path / run / "checkpoints")) for run in ("np2", "np3", "moved")}
     assert states["np2"].keys() == states["np3"].keys() == states["moved"].keys()
     for name, ref in states["np2"].items():

@@ -11,18 +11,12 @@ import torch
 
 from tests.components import require_module
 
-from .batch import Batch, run_planned
+from .batch import Batch, job_output, run_planned
 from .launcher import ROOT
 
 
 def records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def output(prefix) -> tuple[str, str]:
-    """A run's stdout and stderr, every rank's, as mpiexec gathers them (workers/job_script.py)."""
-    return tuple("".join(p.read_text() for p in sorted(prefix.parent.glob(f"{prefix.name}.*.{kind}")))
-                 for kind in ("out", "err"))
 
 
 def _one(script, *args):
@@ -53,7 +47,7 @@ def ran(request, tmp_path_factory):
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
 def test_linear_regression_reaches_least_squares(ran, request, stage):
     tmp_path = ran(request)
-    stdout, _ = output(tmp_path / "job")
+    stdout, _ = job_output(tmp_path / "job")
     distance = float(stdout.split("distance to the least-squares solution ")[1].split()[0])
     assert distance <= 1e-4, stdout
     assert "converged" in stdout and "NOT" not in stdout
@@ -65,7 +59,7 @@ def test_linear_regression_reaches_least_squares(ran, request, stage):
 def test_cnn_reaches_95_percent_on_digits(ran, request):
     require_module("sklearn", extra="examples")
     tmp_path = ran(request)
-    stdout, _ = output(tmp_path / "job")
+    stdout, _ = job_output(tmp_path / "job")
     accuracy = float(stdout.split("test accuracy ")[1].split()[0])
     assert accuracy >= 0.95, stdout
     last = records(tmp_path)[-1]
@@ -76,7 +70,7 @@ def test_cnn_resumes_exactly(ran, request):
     """BatchNorm running statistics and dropout included: 10 steps + checkpoint + 10 resumed == 20 straight."""
     require_module("sklearn", extra="examples")
     tmp_path = ran(request)
-    assert "resumed from" in output(tmp_path / "resumed")[1]
+    assert "resumed from" in job_output(tmp_path / "resumed")[1]
     a, b = records(tmp_path / "a")[-1], records(tmp_path / "b")[-1]
     assert a["step"] == b["step"] == 20
     assert (a["loss"], a["val_loss"], a["val_accuracy"]) == (b["loss"], b["val_loss"], b["val_accuracy"])
@@ -85,7 +79,7 @@ def test_cnn_resumes_exactly(ran, request):
 def test_classifier_beats_chance_after_mlm_warmup_with_frozen_embeddings(ran, request):
     """The default config: 60 masked-LM steps, then 240 fine-tuning steps with the embeddings frozen."""
     tmp_path = ran(request)
-    stdout, _ = output(tmp_path / "job")
+    stdout, _ = job_output(tmp_path / "job")
     accuracy = float(stdout.split("test accuracy ")[1].split()[0])
     assert accuracy >= 0.5, stdout  # chance: 0.25; the README states ~0.68
     rows = records(tmp_path)
@@ -98,7 +92,7 @@ def test_lora_finetune_job_saves_adapters_and_resumes_exactly(ran, request):
     checkpoints leave the base out; a resumed run rebuilds it and repeats the uninterrupted one."""
     require_module("peft", "transformers")
     tmp_path = ran(request)
-    stdout, stderr = output(tmp_path / "resumed")
+    stdout, stderr = job_output(tmp_path / "resumed")
     assert "resumed from" in stderr and "adapters in" in stdout
     a, b = records(tmp_path / "a")[-1], records(tmp_path / "b")[-1]
     assert a["step"] == b["step"] == 6 and (a["loss"], a["val_loss"]) == (b["loss"], b["val_loss"])
