@@ -109,11 +109,13 @@ def _make_bucket(index: int, group: int, specs: Sequence[ParamSpec], world_size:
                         world_size, unit)
 
 
-def assign_owners(numels: Sequence[int], world_size: int) -> tuple[int, ...]:
+def assign_owners(numels: Sequence[int], world_size: int, load: list[int] | None = None) -> tuple[int, ...]:
     """Each tensor's owner rank, balanced by size: largest first (the earlier of equals), each to the
     least loaded rank (the lowest of equals), so that every rank computes the same answer. No rank's
-    load exceeds the mean load plus the largest tensor."""
-    load, owner = [0] * world_size, [0] * len(numels)
+    load exceeds the mean load plus the largest tensor. ``load``: each rank's load so far (the group's
+    earlier buckets), updated in place, so that the balance holds over all of them."""
+    load = [0] * world_size if load is None else load
+    owner = [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
         r = min(range(world_size), key=lambda r: (load[r], r))
         owner[i], load[r] = r, load[r] + numels[i]
@@ -121,16 +123,16 @@ def assign_owners(numels: Sequence[int], world_size: int) -> tuple[int, ...]:
 
 
 def plan_owned_bucket(index: int, group: int, specs: Sequence[ParamSpec], world_size: int,
-                      unit: str = "", align: int = 1) -> BucketLayout:
+                      unit: str = "", align: int = 1, load: list[int] | None = None) -> BucketLayout:
     """A bucket in which every parameter lies whole inside one rank's shard, its owner's, for an
     optimizer that must see whole tensors: rank r's shard holds the parameters assigned to r
     (:func:`assign_owners`) in their given order, then padding. The shard size is the largest owner's
-    load (a multiple of ``align``); ``numel`` counts the parameters' elements, which padding now
-    separates."""
+    load in this bucket (a multiple of ``align``); ``numel`` counts the parameters' elements, which
+    padding now separates. ``load``: as :func:`assign_owners`'."""
     numels = [math.prod(spec.shape) for spec in specs]
-    owners = assign_owners(numels, world_size)
-    load = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(world_size)]
-    shard = max(1, math.ceil(max(load) / align)) * align
+    owners = assign_owners(numels, world_size, load)
+    here = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(world_size)]
+    shard = max(1, math.ceil(max(here) / align)) * align
     fill, slots = [r * shard for r in range(world_size)], []
     for spec, n, r in zip(specs, numels, owners):
         slots.append(ParamSlot(spec.fqn, tuple(spec.shape), n, fill[r]))
@@ -141,15 +143,17 @@ def plan_owned_bucket(index: int, group: int, specs: Sequence[ParamSpec], world_
 
 def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,
                  first_index: int = 0, unit: str = "", align: int = 1,
-                 whole: frozenset[int] = frozenset()) -> list[BucketLayout]:
+                 whole: frozenset[int] = frozenset(), loads: dict[int, list[int]] | None = None) -> list[BucketLayout]:
     """Cut ``specs`` (in order) into buckets of at most ``cap_numel`` elements.
 
     Each optimizer group is cut separately; a parameter larger than the cap
     gets a bucket of its own. Buckets come out ordered by their first parameter.
     ``align``: every shard is a multiple of this many elements (reproducible=True's norm chunks).
     ``whole``: groups whose optimizer sees whole tensors: their buckets are owner-aligned
-    (:func:`plan_owned_bucket`).
+    (:func:`plan_owned_bucket`), balanced over all of a group's buckets (``loads``: each group's
+    per-rank loads so far, kept across calls by the caller).
     """
+    loads = {} if loads is None else loads
     if world_size < 1 or cap_numel < 1:
         raise ValueError(f"world_size={world_size} and cap_numel={cap_numel} must be >= 1")
     chunks: list[tuple[int, int, list[ParamSpec]]] = []  # (position of first param, group, params)
@@ -164,7 +168,8 @@ def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,
         open_chunk[spec.group] = (start, members, size + numel)
     chunks.extend((start, group, members) for group, (start, members, _) in open_chunk.items())
     chunks.sort(key=lambda c: c[0])
-    return [plan_owned_bucket(first_index + i, group, members, world_size, unit, align) if group in whole else
+    return [plan_owned_bucket(first_index + i, group, members, world_size, unit, align,
+                              loads.setdefault(group, [0] * world_size)) if group in whole else
             _make_bucket(first_index + i, group, members, world_size, unit, align)
             for i, (_, group, members) in enumerate(chunks)]
 

@@ -42,6 +42,9 @@ class ParamPlacement:
     """Optimizer param group (frozen parameters: 0); buckets never mix groups."""
     unit: str | None = None
     """Stage 3: the gather unit whose forward gathers it (sharded parameters, once units are chosen)."""
+    owner: int | None = None
+    """The rank whose shard holds it whole, for an optimizer that sees whole tensors (stages 1-3, once
+    its owner-aligned bucket is laid out: layout.py's ``plan_owned_bucket``); None for the others."""
 
     @property
     def numel(self) -> int:

@@ -23,7 +23,8 @@ def plan_layouts(module: nn.Module, placed: list[ParamPlacement], stage: StagePl
     optimizer groups whose buckets are owner-aligned where the optimizer state is sharded (stages 1-3)."""
     whole = whole if stage.shard_optimizer else frozenset()  # stage 0: every rank updates every tensor
     gathered = [pl.spec for pl in reversed(placed) if pl.residence is Residence.GATHERED]
-    layouts = plan_buckets(gathered, world, cap, align=align, whole=whole)
+    loads: dict[int, list[int]] = {}  # each whole-tensor group's per-rank load, over all its buckets
+    layouts = plan_buckets(gathered, world, cap, align=align, whole=whole, loads=loads)
     units: list[Unit] = []
     unit_of_param: dict[str, str] = {}
     if not stage.shard_params:
@@ -45,7 +46,7 @@ def plan_layouts(module: nn.Module, placed: list[ParamPlacement], stage: StagePl
             specs = [pl.spec for pl, _ in mine if pl.trainable == trainable]
             if specs:
                 new = plan_buckets(specs, world, 2**62, first_index=counts[trainable], unit=fqn, align=align,
-                                   whole=whole if trainable else frozenset())
+                                   whole=whole if trainable else frozenset(), loads=loads)
                 counts[trainable] += len(new)
                 layouts += new
         unit_of_param.update((pl.fqn, fqn) for pl, _ in mine)

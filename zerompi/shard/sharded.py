@@ -148,6 +148,11 @@ class ShardedModel:
                                                      self.placement.world_size, cap, self._align, self._whole)
         for fqn, unit in units_of.items():
             self.placements[fqn] = dataclasses.replace(self.placements[fqn], unit=unit)
+        for layout in layouts:  # owner-aligned buckets: the rank whose shard holds each tensor
+            if layout.group in self._whole and self.plan.shard_optimizer:
+                for slot in layout.slots:
+                    self.placements[slot.fqn] = dataclasses.replace(self.placements[slot.fqn],
+                                                                    owner=slot.offset // layout.shard_numel)
         self._unit = {u.fqn: u for u in self.units}
         return layouts
 

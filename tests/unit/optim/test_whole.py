@@ -113,6 +113,23 @@ def test_whole_tensor_optimizers_train_the_plain_loops_bits(stage, n, mode):
         assert got.keys() == want.keys() and not _differences(got, want), _differences(got, want)
 
 
+def test_each_matrix_has_one_owner_on_its_placement_record_balanced_by_size():
+    def rank(group):
+        net = _net()
+        engine = zerompi.initialize(net, ZeroConfig(stage=2, **CFG), group=group, param_groups=_muon_groups(net))
+        owners = {n: pl.owner for n, pl in engine.sharded.placements.items()}
+        state = engine.optimizer.state_bytes()
+        engine.close()
+        return owners, state
+    got = run_ranks(3, rank)
+    owners = got[0][0]
+    assert all(o == owners for o, _ in got)  # every rank agrees
+    mats = {n: p.numel() for n, p in _TEMPLATE.named_parameters() if p.dim() == 2}
+    assert {n for n, o in owners.items() if o is not None} == set(mats)  # AdamW's biases have none
+    load = [sum(k for n, k in mats.items() if owners[n] == r) for r in range(3)]
+    assert max(load) <= sum(mats.values()) / 3 + max(mats.values())
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_whole_tensor_state_offloaded_to_host_memory_trains_the_same_bits(stage):
     want = _plain("muon+adamw", STEPS)
