@@ -89,7 +89,7 @@ def _trainer(python: Path, tmp: Path, stage: str) -> tuple[dict, dict[str, torch
     return json.loads((tmp / "run.json").read_text()), load_file(str(out / "model.safetensors"))
 
 
-@pytest.mark.parametrize("stage", ["2", "3"])
+@pytest.mark.parametrize("stage", ["3"])  # ZeRO-3: where transformers asks DeepSpeed the most (zero.Init, gathers)
 def test_trainer_without_deepspeed_trains_the_same_bits(python, tmp_path, stage):
     """transformers' Trainer with ``--deepspeed`` (HF's "auto" config) under the runner, without DeepSpeed
     installed: the losses, gradient norms and saved weights of the same run with DeepSpeed installed, bitwise."""
