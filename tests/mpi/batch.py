@@ -66,8 +66,9 @@ class Case:
 class Batch:
     """The cases of one worker script, run as few jobs as their world sizes and dependencies allow."""
 
-    def __init__(self, script: str, tmp_path_factory):
-        self.script, self.tmp = script, tmp_path_factory
+    def __init__(self, script: str, tmp_path_factory, whole_file: bool = False):
+        """``whole_file``: the worker does not call workers/cases.py's main itself; each case runs its file."""
+        self.script, self.tmp, self.whole_file = script, tmp_path_factory, whole_file
         self._waiting: dict[str, Case] = {}
         self._outcome: dict[str, str | None] = {}  # name -> None (passed) or what went wrong
 
@@ -126,7 +127,8 @@ class Batch:
         where = self.tmp.mktemp(f"{Path(self.script).stem}-np{world}-cases")
         spec = where / "spec.json"
         spec.write_text(json.dumps({"dir": str(where), "cases": [argv for _, argv in cases]}))
-        cmd = [*mpiexec(), "-n", str(world), sys.executable, "-m", "mpi4py", str(WORKERS / self.script),
+        script = [str(WORKERS / "cases.py")] if self.whole_file else []
+        cmd = [*mpiexec(), "-n", str(world), sys.executable, "-m", "mpi4py", *script, str(WORKERS / self.script),
                "--cases", str(spec)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=mpi_env(), cwd=ROOT,

@@ -10,9 +10,11 @@ world size bitwise the same losses and parameters; at another world size the lea
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from .launcher import WorkerResults, run_worker_json
+from .batch import Batch, selected
 from .tolerance import check_parity
 
 WORLDS = (1, 2, 3)
@@ -24,16 +26,38 @@ SCHEDULES = ("config", "user")
 BY_HAND = [0.5, 1.0, 1.0, 0.7525, 0.2575, 0.01]
 
 
+def _key(rows: list[dict]) -> dict:
+    return {(r["stage"], r["schedule"]): r for r in rows}
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return WorkerResults("schedule.py", lambda r: (r["stage"], r["schedule"]), tmp_path_factory)
+def jobs(request, tmp_path_factory):
+    """workers/schedule.py's runs as one job per world size (tests/mpi/batch.py): the parity rows at each
+    world size the selected tests name, and the mid-schedule save (2 ranks) and resumes (2 and 3 ranks)
+    in the jobs of their world sizes. ``jobs(name)`` checks a run and returns its rows by (stage, schedule)."""
+    batch = Batch("schedule.py", tmp_path_factory, whole_file=True)
+    where = tmp_path_factory.mktemp("schedule")
+    tests = selected(request)
+    for world in sorted({i.callspec.params["world"] for i in tests if i.originalname == "test_schedule_parity"}):
+        batch.add(f"np{world}", world, "--out", where / f"np{world}.json")
+    if any(i.originalname == "test_resume_mid_schedule" for i in tests):
+        common = ("--root", where / "ckpt")
+        batch.add("save", 2, "--out", where / "save.json", "--mode", "save", *common)
+        batch.add("same", 2, "--out", where / "same.json", "--mode", "resume", *common, after=["save"])
+        batch.add("other", 3, "--out", where / "other.json", "--mode", "resume", *common, after=["save"])
+    batch.run()
+
+    def rows(name: str) -> dict:
+        batch.check(name)
+        return _key(json.loads((where / f"{name}.json").read_text()))
+    return rows
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"np{w}")
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stage", range(4))
-def test_schedule_parity(results, world, stage, schedule):
-    r = results(world)[(stage, schedule)]
+def test_schedule_parity(jobs, world, stage, schedule):
+    r = jobs(f"np{world}")[(stage, schedule)]
     assert r["lrs"] == r["ref_lrs"]
     if schedule == "config":
         assert [a for a, _ in r["lrs"]] == pytest.approx([1e-2 * f for f in BY_HAND], rel=1e-12, abs=0)
@@ -44,14 +68,8 @@ def test_schedule_parity(results, world, stage, schedule):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("schedule_resume")
-    root = str(tmp / "ckpt")
-    saved = run_worker_json(2, "schedule.py", tmp / "save.json", "--mode", "save", "--root", root)
-    same = run_worker_json(2, "schedule.py", tmp / "same.json", "--mode", "resume", "--root", root)
-    other = run_worker_json(3, "schedule.py", tmp / "other.json", "--mode", "resume", "--root", root)
-    key = lambda rows: {(r["stage"], r["schedule"]): r for r in rows}  # noqa: E731
-    return key(saved), key(same), key(other)
+def resumed(jobs):
+    return jobs("save"), jobs("same"), jobs("other")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

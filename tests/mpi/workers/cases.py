@@ -7,10 +7,14 @@ DIR/i.RANK: "ok", or the traceback of what the case raised, so that a failing ca
 test only and the next case runs. A case that raised on some ranks may have left the others inside
 one of its collectives: then the job cannot go on, and it is aborted (the cases not reached have no
 file, and their tests say so).
+
+A worker that does not call ``main`` itself runs as ``python -m mpi4py cases.py WORKER --cases SPEC``:
+each case is then a run of the worker's file as __main__, with the case's command line as sys.argv.
 """
 from __future__ import annotations
 
 import json
+import runpy
 import sys
 import time
 import traceback
@@ -49,3 +53,14 @@ def main(run) -> None:
             sys.stderr.write(f"rank {rank}: case {i} raised and the other ranks are still inside it\n")
             sys.stderr.flush()
             book.Abort(1)
+
+
+def _run_file(path: str):
+    def run(argv: list[str]) -> None:
+        sys.argv = [path, *argv]
+        runpy.run_path(path, run_name="__main__")
+    return run
+
+
+if __name__ == "__main__":
+    main(_run_file(sys.argv.pop(1)))
