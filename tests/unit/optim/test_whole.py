@@ -60,17 +60,23 @@ MODES = {  # name: (config changes, param groups, the reference's optimizers ove
 }
 
 
-def _plain(mode: str, steps: int) -> dict[str, torch.Tensor]:
+def _plain(mode: str, steps: int, chunks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
+    """``chunks``: another summation order, for the order noise: each chunk's micro-batches summed, then
+    the chunks (the engine's default mode sums each rank's, then the ranks'); None: in index order."""
     net = _net()
     opts = MODES[mode][2](net)
     for step in range(steps):
         total = [torch.zeros_like(p) for p in net.parameters()]
-        for index in range(G):
-            x, y = _batch(step, index)
-            net.zero_grad(set_to_none=True)
-            (F.mse_loss(net(x), y) * (1.0 / G)).backward()
-            for t, p in zip(total, net.parameters()):
-                t.add_(p.grad)
+        for chunk in chunks or [[i] for i in range(G)]:
+            part = [torch.zeros_like(p) for p in net.parameters()]
+            for index in chunk:
+                x, y = _batch(step, index)
+                net.zero_grad(set_to_none=True)
+                (F.mse_loss(net(x), y) * (1.0 / G)).backward()
+                for t, p in zip(part, net.parameters()):
+                    t.add_(p.grad)
+            for t, q in zip(total, part):
+                t.add_(q)
         for p, t in zip(net.parameters(), total):
             p.grad = t
         for o in opts:
@@ -154,6 +160,33 @@ def test_whole_tensor_state_is_not_swapped_to_nvme(tmp_path):
             zerompi.initialize(net, ZeroConfig(stage=2, **CFG, offload_optimizer="nvme", nvme_path=str(tmp_path)),
                                group=group, param_groups=_muon_groups(net))
     run_ranks(2, rank)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_default_mode_is_within_the_order_noise(stage, n):
+    """Without reproducible=True the ranks' sums meet in MPI's order: each tensor within ORDER_K times what
+    other summation orders of the plain loop move it (tests/mpi/tolerance.py), Muon's iterations included."""
+    from tests.mpi.tolerance import tensor_failures
+    want = _plain("muon+adamw", STEPS)
+    orders = [[list(range(G))[::-1]], [list(range(r, G, n)) for r in range(n)], [list(range(r, G, 2)) for r in range(2)]]
+    scale = {k: float(v.abs().max()) for k, v in want.items()}
+    noise = {k: 0.0 for k in want}
+    for chunks in orders:
+        alt = _plain("muon+adamw", STEPS, chunks)
+        noise = {k: max(noise[k], float((alt[k] - want[k]).abs().max()) / scale[k]) for k in want}
+
+    def rank(group):
+        net = _net()
+        cfg = {**CFG, "reproducible": False}
+        engine = zerompi.initialize(net, ZeroConfig(stage=stage, **cfg), group=group, param_groups=_muon_groups(net))
+        _train(engine, range(STEPS))
+        got = engine.full_state_dict()
+        engine.close()
+        return got
+    for got in run_ranks(n, rank):
+        err = {k: float((got[k] - want[k]).abs().max()) / scale[k] for k in want}
+        assert not tensor_failures(err, noise), tensor_failures(err, noise)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
