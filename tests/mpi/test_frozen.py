@@ -10,25 +10,42 @@ backward is over: sampled as each module's backward starts, not only after the s
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from .launcher import run_worker_json
+from .batch import Batch, selected
 from .tolerance import check_parity
 
 WORLDS = (2, 3)
 
 
 @pytest.fixture(scope="module")
-def train(tmp_path_factory):
-    """The train phase's results, one mpiexec per world size."""
-    cache: dict[int, dict] = {}
+def jobs(request, tmp_path_factory):
+    """workers/frozen.py's phases as one job per world size (tests/mpi/batch.py): the train phase at each
+    world size the selected tests name, and the save (3 ranks) before the load (2 ranks) in those jobs.
+    ``jobs(name)`` checks a phase's run and returns its results."""
+    batch = Batch("frozen.py", tmp_path_factory, whole_file=True)
+    tests, where = selected(request), {}
+    for world in sorted({i.callspec.params["world"] for i in tests if "train" in i.fixturenames}):
+        where[f"np{world}"] = out = tmp_path_factory.mktemp(f"frozen{world}")
+        batch.add(f"np{world}", world, "--out", out / "r.json", "--dir", out)
+    if any("loaded" in i.fixturenames for i in tests):
+        where["save"] = where["load"] = root = tmp_path_factory.mktemp("frozen-ckpt")
+        batch.add("save", 3, "--out", root / "save.json", "--phase", "save", "--dir", root)
+        batch.add("load", 2, "--out", root / "load.json", "--phase", "load", "--dir", root, after=["save"])
+    batch.run()
 
-    def run(world: int) -> dict:
-        if world not in cache:
-            out = tmp_path_factory.mktemp(f"frozen{world}")
-            cache[world] = run_worker_json(world, "frozen.py", out / "r.json", "--dir", str(out))
-        return cache[world]
-    return run
+    def results(name: str) -> dict:
+        batch.check(name)
+        return json.loads((where[name] / ("r.json" if name.startswith("np") else f"{name}.json")).read_text())
+    return results
+
+
+@pytest.fixture(scope="module")
+def train(jobs):
+    """The train phase's results at a world size."""
+    return lambda world: jobs(f"np{world}")
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"np{w}")
@@ -96,11 +113,9 @@ def test_frozen_sets_that_differ_between_ranks_are_refused(train, world):
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def loaded(jobs):
     """Saved by 3 ranks at stage 3 (and 1), loaded by 2 ranks."""
-    root = tmp_path_factory.mktemp("frozen-ckpt")
-    saved = run_worker_json(3, "frozen.py", root / "save.json", "--phase", "save", "--dir", str(root))
-    return saved, run_worker_json(2, "frozen.py", root / "load.json", "--phase", "load", "--dir", str(root))
+    return jobs("save"), jobs("load")
 
 
 @pytest.mark.parametrize("case", ("full->stage3", "full->stage1", "stage1->stage3", "async-nvme->stage3", "adapters"))
