@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository: 
 import zerompi  # noqa: E402
 from zerompi.config import ZeroConfig  # noqa: E402
 
+from tests.unit.optim import loop  # noqa: E402
 from tests.unit.optim import test_whole as w  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def main() -> None:
             net = w._net()
             engine = zerompi.initialize(net, ZeroConfig(stage=stage, **{**w.CFG, **changes}),
                                         param_groups=groups(net) if groups else None)
-            w._train(engine, range(w.STEPS))
+            loop.train(engine, range(w.STEPS))
             state = engine.full_state_dict()
             if engine.rank == 0:
                 rows.append({"mode": mode, "stage": stage, "world": engine.world_size, "digests": digests(state)})

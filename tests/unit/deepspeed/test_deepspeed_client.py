@@ -70,20 +70,26 @@ def test_other_elementwise_optimizer_and_param_groups():
     losses = train(engine, 3)[0]
     engine.close()
     # the same arithmetic as torch's Adagrad on the whole model
+    expected = _torch_losses(lambda ref: torch.optim.Adagrad(
+        [{"params": ref[0].parameters()}, {"params": ref[2].parameters(), "lr": 0.02}], lr=0.1, lr_decay=0.01))
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def _torch_losses(make, steps: int = 3) -> list[float]:
+    """The last micro-batch's loss of each step of ``train``'s loop, run by torch's own ``make(model)``."""
     ref = model()
-    ref_opt = torch.optim.Adagrad([{"params": ref[0].parameters()}, {"params": ref[2].parameters(), "lr": 0.02}],
-                                  lr=0.1, lr_decay=0.01)
+    opt = make(ref)
     g = torch.Generator().manual_seed(1)
     expected = []
-    for _ in range(3):
+    for _ in range(steps):
         for _ in range(2):
             x = torch.randn(2, 4, generator=g)
             loss = (ref(x) - x.sum(1, keepdim=True)).pow(2).mean()
             (loss / 2).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         expected.append(loss.item())
-    assert losses == pytest.approx(expected, rel=1e-5)
+    return expected
 
 
 @pytest.mark.parametrize("make, match", [
@@ -258,16 +264,5 @@ def test_a_built_whole_tensor_optimizer_is_rebuilt_and_steps_whole_tensors():
     engine, optimizer, *_ = start(m, optimizer=torch.optim.Adafactor(m.parameters(), lr=0.01))
     losses = train(engine, 3)[0]
     engine.close()
-    ref = model()
-    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    expected = []
-    for _ in range(3):
-        for _ in range(2):
-            x = torch.randn(2, 4, generator=g)
-            loss = (ref(x) - x.sum(1, keepdim=True)).pow(2).mean()
-            (loss / 2).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        expected.append(loss.item())
-    assert losses == pytest.approx(expected, rel=1e-5)
+    assert losses == pytest.approx(_torch_losses(lambda ref: torch.optim.Adafactor(ref.parameters(), lr=0.01)),
+                                   rel=1e-5)

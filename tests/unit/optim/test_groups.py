@@ -7,11 +7,8 @@ written at 2 ranks and resumed at 3 included. A choice the engine cannot run is 
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zerompi
@@ -19,26 +16,14 @@ from zerompi.comm.local import run_ranks
 from zerompi.config import ZeroConfig
 from zerompi.errors import ConfigError, UsageError
 
-G, STEPS = 6, 3
+from .loop import G, Template, plain, train
+
+STEPS = 3
 CFG = dict(optimizer="adamw", lr=1e-2, weight_decay=0.01, cpu_threads=1, device="cpu", reproducible=True,
            micro_batches=G, bucket_mb=1e-4, checkpoint_layout="per_rank")
 
 
-def _build() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-_TEMPLATE = _build()  # built once: thread ranks drawing from torch's one global generator at once would race
-
-
-def _net() -> nn.Sequential:
-    return copy.deepcopy(_TEMPLATE)
-
-
-def _batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + index)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+_net = Template(lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)))
 
 
 def _groups(net: nn.Sequential) -> list[dict]:
@@ -55,27 +40,7 @@ def _plain(steps: int) -> dict[str, torch.Tensor]:
             torch.optim.Adagrad(net[2].parameters(), lr=1e-2, foreach=False),
             torch.optim.AdamW(net[4].parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                               foreach=False)]
-    for step in range(steps):
-        total = [torch.zeros_like(p) for p in net.parameters()]
-        for index in range(G):
-            x, y = _batch(step, index)
-            net.zero_grad(set_to_none=True)
-            (F.mse_loss(net(x), y) * (1.0 / G)).backward()
-            for t, p in zip(total, net.parameters()):
-                t.add_(p.grad)
-        for p, t in zip(net.parameters(), total):
-            p.grad = t
-        for o in opts:
-            o.step()
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
-
-
-def _train(engine, steps: range) -> None:
-    for step in steps:
-        for index in engine.micro_batch_indices():
-            x, y = _batch(step, index)
-            engine.backward(F.mse_loss(engine(x), y))
-        assert engine.step()
+    return plain(net, opts, steps)
 
 
 def _engine(group, stage: int):
@@ -90,7 +55,7 @@ def test_each_group_trains_as_its_own_optimizer_bit_for_bit(stage, n):
 
     def rank(group):
         engine = _engine(group, stage)
-        _train(engine, range(STEPS))
+        train(engine, range(STEPS))
         got = engine.full_state_dict()
         engine.close()
         return got
@@ -109,7 +74,7 @@ def test_offloaded_groups_train_the_same_bits(tmp_path, offload):
     def rank(group):
         net = _net()
         engine = zerompi.initialize(net, ZeroConfig(stage=2, **CFG, **extra), group=group, param_groups=_groups(net))
-        _train(engine, range(STEPS))
+        train(engine, range(STEPS))
         got = engine.full_state_dict()
         engine.close()
         return got
@@ -123,14 +88,14 @@ def test_a_checkpoint_of_mixed_groups_resumes_at_another_world_size(tmp_path, st
     third step ends in the plain loop's bits."""
     def save(group):
         engine = _engine(group, stage)
-        _train(engine, range(2))
+        train(engine, range(2))
         engine.save_checkpoint(tmp_path, "step2")
         engine.close()
 
     def resume(group):
         engine = _engine(group, stage)
         engine.load_checkpoint(tmp_path, "step2")
-        _train(engine, range(2, 3))
+        train(engine, range(2, 3))
         got = engine.full_state_dict()
         engine.close()
         return got
@@ -144,7 +109,7 @@ def test_a_checkpoint_of_mixed_groups_resumes_at_another_world_size(tmp_path, st
 def test_a_checkpoint_is_refused_by_a_job_whose_group_runs_another_optimizer(tmp_path):
     def save(group):
         engine = _engine(group, 2)
-        _train(engine, range(1))
+        train(engine, range(1))
         engine.save_checkpoint(tmp_path, "s")
         engine.close()
 

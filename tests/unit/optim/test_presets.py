@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import zerompi
 from zerompi.comm.local import run_ranks
@@ -13,7 +12,8 @@ from zerompi.errors import ConfigError
 from zerompi.models.gpt import GPT, GPTConfig
 from zerompi.optim.presets import muon_parameters
 
-from .test_whole import CFG, G, _batch, _net, _train
+from .loop import plain, train
+from .test_whole import CFG, _net
 
 
 def _muon_names(model) -> list[str]:
@@ -47,21 +47,9 @@ def _plain(steps: int, momentum: float = 0.95) -> dict[str, torch.Tensor]:
     net = _net()
     mats = [p for p in net.parameters() if p.dim() == 2]
     rest = [p for p in net.parameters() if p.dim() != 2]
-    opts = [torch.optim.Muon(mats, lr=1e-2, weight_decay=0.01, momentum=momentum, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW(rest, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False)]
-    for step in range(steps):
-        total = [torch.zeros_like(p) for p in net.parameters()]
-        for index in range(G):
-            x, y = _batch(step, index)
-            net.zero_grad(set_to_none=True)
-            (F.mse_loss(net(x), y) * (1.0 / G)).backward()
-            for t, p in zip(total, net.parameters()):
-                t.add_(p.grad)
-        for p, t in zip(net.parameters(), total):
-            p.grad = t
-        for o in opts:
-            o.step()
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
+    return plain(net, [
+        torch.optim.Muon(mats, lr=1e-2, weight_decay=0.01, momentum=momentum, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(rest, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False)], steps)
 
 
 @pytest.mark.parametrize("stage,n", [(0, 1), (2, 2), (3, 3)])
@@ -71,7 +59,7 @@ def test_muon_preset_trains_the_two_torch_optimizers_bits(stage, n):
     def rank(group):
         engine = zerompi.initialize(_net(), ZeroConfig(stage=stage, **{**CFG, "optimizer": "muon"},
                                                        optimizer_kwargs={"momentum": 0.9}), group=group)
-        _train(engine, range(3))
+        train(engine, range(3))
         got = engine.full_state_dict()
         engine.close()
         return got

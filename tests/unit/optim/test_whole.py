@@ -7,11 +7,8 @@ after a checkpoint written at 2 ranks and resumed at 3.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zerompi
@@ -19,29 +16,18 @@ from zerompi.comm.local import run_ranks
 from zerompi.config import ZeroConfig
 from zerompi.errors import CheckpointError, ConfigError
 
-G, STEPS = 6, 3
+from .loop import G, Template, plain, train
+
+STEPS = 3
 CFG = dict(optimizer="adamw", lr=1e-2, weight_decay=0.01, cpu_threads=1, device="cpu", reproducible=True,
            micro_batches=G, bucket_mb=0.01, checkpoint_layout="per_rank")
 
 
-def _build() -> nn.Sequential:
-    torch.manual_seed(0)
-    # Matrices larger than a norm chunk (1024 elements, the shard granule of reproducible=True), so that a
-    # flat layout would cut them across ranks: owner alignment is what keeps each whole.
-    return nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(),
-                         nn.Linear(40, 3))
-
-
-_TEMPLATE = _build()  # built once: thread ranks drawing from torch's one global generator at once would race
-
-
-def _net() -> nn.Sequential:
-    return copy.deepcopy(_TEMPLATE)
-
-
-def _batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + index)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+# Matrices larger than a norm chunk (1024 elements, the shard granule of reproducible=True), so that a flat
+# layout would cut them across ranks: owner alignment is what keeps each whole.
+_net = Template(lambda: nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 40),
+                                      nn.Tanh(), nn.Linear(40, 3)))
+_TEMPLATE = _net.model
 
 
 def _muon_groups(net: nn.Sequential) -> list[dict]:
@@ -61,27 +47,8 @@ MODES = {  # name: (config changes, param groups, the reference's optimizers ove
 
 
 def _plain(mode: str, steps: int, chunks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
-    """``chunks``: another summation order, for the order noise: each chunk's micro-batches summed, then
-    the chunks (the engine's default mode sums each rank's, then the ranks'); None: in index order."""
     net = _net()
-    opts = MODES[mode][2](net)
-    for step in range(steps):
-        total = [torch.zeros_like(p) for p in net.parameters()]
-        for chunk in chunks or [[i] for i in range(G)]:
-            part = [torch.zeros_like(p) for p in net.parameters()]
-            for index in chunk:
-                x, y = _batch(step, index)
-                net.zero_grad(set_to_none=True)
-                (F.mse_loss(net(x), y) * (1.0 / G)).backward()
-                for t, p in zip(part, net.parameters()):
-                    t.add_(p.grad)
-            for t, q in zip(total, part):
-                t.add_(q)
-        for p, t in zip(net.parameters(), total):
-            p.grad = t
-        for o in opts:
-            o.step()
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
+    return plain(net, MODES[mode][2](net), steps, chunks)
 
 
 def _engine(group, stage: int, mode: str):
@@ -89,14 +56,6 @@ def _engine(group, stage: int, mode: str):
     net = _net()
     return zerompi.initialize(net, ZeroConfig(stage=stage, **{**CFG, **changes}), group=group,
                               param_groups=groups(net) if groups else None)
-
-
-def _train(engine, steps: range) -> None:
-    for step in steps:
-        for index in engine.micro_batch_indices():
-            x, y = _batch(step, index)
-            engine.backward(F.mse_loss(engine(x), y))
-        assert engine.step()
 
 
 def _differences(got, want) -> dict[str, float]:
@@ -111,7 +70,7 @@ def test_whole_tensor_optimizers_train_the_plain_loops_bits(stage, n, mode):
 
     def rank(group):
         engine = _engine(group, stage, mode)
-        _train(engine, range(STEPS))
+        train(engine, range(STEPS))
         got = engine.full_state_dict()
         engine.close()
         return got
@@ -145,7 +104,7 @@ def test_whole_tensor_state_offloaded_to_host_memory_trains_the_same_bits(stage)
         engine = zerompi.initialize(net, ZeroConfig(stage=stage, **CFG, offload_optimizer="cpu",
                                                     **({"offload_params": "cpu"} if stage == 3 else {})),
                                     group=group, param_groups=_muon_groups(net))
-        _train(engine, range(STEPS))
+        train(engine, range(STEPS))
         got = engine.full_state_dict()
         engine.close()
         return got
@@ -180,7 +139,7 @@ def test_the_default_mode_is_within_the_order_noise(stage, n):
         net = _net()
         cfg = {**CFG, "reproducible": False}
         engine = zerompi.initialize(net, ZeroConfig(stage=stage, **cfg), group=group, param_groups=_muon_groups(net))
-        _train(engine, range(STEPS))
+        train(engine, range(STEPS))
         got = engine.full_state_dict()
         engine.close()
         return got
@@ -194,14 +153,14 @@ def test_muon_state_resumes_at_another_world_size(tmp_path, stage):
     """Muon's momentum lives on each matrix's owner; saved at 2 ranks, loaded at 3 (other owners)."""
     def save(group):
         engine = _engine(group, stage, "muon+adamw")
-        _train(engine, range(2))
+        train(engine, range(2))
         engine.save_checkpoint(tmp_path, "step2")
         engine.close()
 
     def resume(group):
         engine = _engine(group, stage, "muon+adamw")
         engine.load_checkpoint(tmp_path, "step2")
-        _train(engine, range(2, 3))
+        train(engine, range(2, 3))
         got = engine.full_state_dict()
         engine.close()
         return got
@@ -215,7 +174,7 @@ def test_state_that_is_not_per_element_is_refused_by_name_when_saved(tmp_path):
     """Adafactor's factored statistics cannot be laid out per element yet: the save says so."""
     def rank(group):
         engine = _engine(group, 2, "adafactor")
-        _train(engine, range(1))
+        train(engine, range(1))
         with pytest.raises(CheckpointError, match=r"optimizer state 'row_var' of shape .* is not per element|"
                                                   r"state that is not per element"):
             engine.save_checkpoint(tmp_path, "s")
