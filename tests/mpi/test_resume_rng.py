@@ -1,7 +1,7 @@
 """A resumed job with dropout continues bitwise: the per-rank RNG state comes back with the checkpoint.
 
-Two real mpiexec jobs of 2 ranks (each covers stages 1 and 3: starting a job
-costs more than the training). The first trains a GPT with dropout 0.2 for 4
+Two runs of 2 ranks, one after the other in one mpiexec job (tests/mpi/batch.py; each covers
+stages 1 and 3: starting a job costs more than the training). The first trains a GPT with dropout 0.2 for 4
 steps uninterrupted, and, from the same start, 2 steps and a save. The second
 builds a fresh model with other initial values, loads, and trains steps 3-4.
 Every rank's loss at every step and the final parameters must be bitwise
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from .launcher import run_mpi
+from .batch import Batch
 
 STAGES = (1, 3)
 STEPS, SAVE_AT = 4, 2
@@ -26,8 +26,12 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume_rng")
     stages = [str(s) for s in STAGES]
     common = ("--root", str(tmp / "ckpt"), "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--stages", *stages)
-    run_mpi(2, "resume_rng.py", "--mode", "save", "--out", str(tmp / "save.npz"), *common, timeout=300)
-    run_mpi(2, "resume_rng.py", "--mode", "resume", "--out", str(tmp / "resume.npz"), *common, timeout=300)
+    batch = Batch("resume_rng.py", tmp_path_factory, whole_file=True)  # both runs in one job, one after the other
+    batch.add("save", 2, "--mode", "save", "--out", tmp / "save.npz", *common)
+    batch.add("resume", 2, "--mode", "resume", "--out", tmp / "resume.npz", *common, after=["save"])
+    batch.run()
+    batch.check("save")
+    batch.check("resume")
     return np.load(tmp / "save.npz"), np.load(tmp / "resume.npz")
 
 
