@@ -22,6 +22,7 @@ from zerompi.optim import adam as uncorrected
 from zerompi.config import ZeroConfig
 from zerompi.config.checks import CHECKS, boolean, integer, listing, real, reject_unknown
 from zerompi.config.choices import BufferDType, DType
+from zerompi.compat.deepspeed import muon as ds_muon
 from zerompi.compat.deepspeed.auto import is_auto, resolve_auto
 from zerompi.compat.deepspeed.batch import BatchKeys, read_batch_keys
 from zerompi.compat.deepspeed.keys import (ADAM_PARAMS, COMPILE, COMPILE_OFF, COMPUTE_DTYPE_KEYS, DTYPES, MONITORS,
@@ -130,13 +131,15 @@ def _ds_dtypes(d: Mapping, compute: str) -> BufferDType:
     return buffers
 
 
-def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
+def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> ds_muon.MuonSettings | None:
     if "optimizer" not in d:
-        return
+        return None
     found, kind = _ds_get(d, "optimizer.type")
+    if ds_muon.is_muon(kind):
+        return ds_muon.read(d["optimizer"].get("params", {}), kwargs)
     if not isinstance(kind, str) or kind.lower() not in {t.lower() for t in _DS_OPTIMIZERS}:
         shown = repr(kind) if found else "(missing)"
-        raise ConfigError(f"optimizer.type={shown} is not one of {listing(_DS_OPTIMIZERS)} "
+        raise ConfigError(f"optimizer.type={shown} is not one of {listing(_DS_OPTIMIZERS + ('Muon',))} "
                           "(case-insensitive)")
     kind = kind.lower()
     params = d["optimizer"].get("params", {})
@@ -156,6 +159,7 @@ def _ds_optimizer(d: Mapping, kwargs: dict[str, Any]) -> None:
             kwargs["optimizer_kwargs"] = {"decoupled": False}
     # DeepSpeed's optimizers default to no weight decay; keep that meaning.
     kwargs["weight_decay"] = 0.0
+    return None
 
 
 def _ds_no_effect(d: Mapping, stage3: bool) -> list[str]:
@@ -250,6 +254,8 @@ class Translation(NamedTuple):
     """Dotted keys accepted without any effect in zerompi (to be named in one warning)."""
     gather_16bit: bool = False
     """stage3_gather_16bit_weights_on_model_save (in any spelling): save_16bit_model may gather at stage 3."""
+    muon: ds_muon.MuonSettings | None = None
+    """type Muon's halves: zerompi.deepspeed.initialize cuts the param groups by them (muon.py)."""
 
 
 def translate(d: Mapping[str, Any], model: nn.Module | None = None, overrides: Mapping[str, Any] | None = None,
@@ -275,8 +281,10 @@ def _translate(d: Mapping[str, Any], ignored: list[str], model: nn.Module | None
     _ds_zero(d, kwargs)
     ignored += read_swap(d, kwargs)
     _ds_precision(d, kwargs)
-    _ds_optimizer(d, kwargs)
+    muon = _ds_optimizer(d, kwargs)
     for dotted, name in _DS_DIRECT:
+        if muon is not None and dotted.startswith("optimizer."):
+            continue  # read by ds_muon.read, half by half
         found, value = _ds_get(d, dotted)
         if found:
             kwargs[name] = CHECKS[name](dotted, value)
@@ -288,7 +296,7 @@ def _translate(d: Mapping[str, Any], ignored: list[str], model: nn.Module | None
         _ds_stage3(d, kwargs, real("bucket_mb", bucket_mb, gt=0))
         _ds_zeropp(d, kwargs)
     return Translation(kwargs, read_schedule(d, auto_warmup), read_batch_keys(d),
-                       tuple(ignored + _ds_no_effect(d, stage3)), _ds_flag(d, SAVE_16BIT))
+                       tuple(ignored + _ds_no_effect(d, stage3)), _ds_flag(d, SAVE_16BIT), muon)
 
 
 def deepspeed_kwargs(d: Mapping[str, Any], model: nn.Module | None = None,
@@ -336,6 +344,10 @@ def config_from(d: Mapping[str, Any], model: nn.Module | None = None, **override
     "auto" values resolve from ``overrides`` or the defaults, tuning sizes from ``model``'s hidden
     size (auto.py). A scheduler block is checked here and applied by ``zerompi.deepspeed.initialize``."""
     cfg, t = translate_config(d, model, overrides)
+    if t.muon is not None:
+        raise ConfigError("optimizer.type='Muon' cuts the model's parameters into a Muon and an Adam half, which "
+                          "a config alone cannot give zerompi.initialize: train through zerompi.deepspeed.initialize "
+                          "(or give zerompi.initialize param_groups with an 'optimizer' of their own)")
     text = warning_text(t, cfg.lr, schedule_applied=False)
     if text:
         warnings.warn(text, stacklevel=2)

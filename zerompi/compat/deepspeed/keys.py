@@ -16,6 +16,9 @@ AIO = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "ov
        "thread_count")
 ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction")
 SGD_PARAMS = ("lr", "momentum", "weight_decay")
+MUON_PARAMS = ("lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "ns_method", "betas", "eps",
+               "adam_w_mode", "torch_adam", "per_head_muon")
+"""optimizer.params read for type Muon (muon.py; torch_adam picks DeepSpeed's Adam kernel, same arithmetic)."""
 ACTIVATION_CHECKPOINTING = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
                             "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
 DATA_TYPES = ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")
@@ -107,7 +110,7 @@ SCHEMA: dict[str, Any] = {
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "min_loss_scale", "auto_cast", "consecutive_hysteresis",
              "fp16_master_weights_and_grads"),
-    "optimizer": {"type": None, "legacy_fusion": None, "params": tuple(dict.fromkeys(ADAM_PARAMS + SGD_PARAMS))},
+    "optimizer": {"type": None, "legacy_fusion": None, "params": tuple(dict.fromkeys(ADAM_PARAMS + SGD_PARAMS + MUON_PARAMS))},
     "scheduler": {"type": None, "params": ALL_PARAMS},
     # Data loader settings: zerompi.deepspeed checks and derives them (batch.py); drop_last shapes the
     # DataLoader initialize builds from training_data=.

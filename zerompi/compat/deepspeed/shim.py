@@ -34,6 +34,7 @@ from torch import nn
 
 from zerompi.compat.deepspeed import client
 from zerompi.compat.deepspeed import comm as ds_comm
+from zerompi.compat.deepspeed import muon as ds_muon
 from zerompi.compat.deepspeed.batch import complete_batch
 from zerompi.compat.deepspeed.comm import init_distributed
 from zerompi.compat.deepspeed.config import translate_config, warning_text
@@ -191,6 +192,9 @@ def initialize(model: nn.Module | None = None, model_parameters: Any = None, con
     if comm is None:
         ds_comm.init_distributed()  # deepspeed.comm answers from here on, as after DeepSpeed's initialize
     cfg, t = translate_config(doc, model, overrides)
+    if t.muon is not None:
+        ds_muon.check(cfg.stage, cfg.clip_grad_norm, cfg.torch_dtype)
+        param_groups = ds_muon.param_groups(model, param_groups, t.muon)
     if cfg.fault_tolerance:
         raise UsageError("overrides fault_tolerance=True is not offered through the DeepSpeed shim: a DeepSpeed "
                          "script deals its data itself (its DataLoader's sampler, fixed at the world size), which "
