@@ -270,7 +270,7 @@ class Engine:
         """Collective: every entry of ``named_parameters()`` as a full fp32 CPU tensor, on every rank."""
         out: dict[str, torch.Tensor] = {}
         for i, b in enumerate(self.sharded.buckets):
-            with self.optimizer.shard_state(i):
+            with self.optimizer.resident(i):
                 full = b.full_master().cpu()
             for slot in b.layout.slots:
                 out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()

@@ -61,12 +61,18 @@ GROUP_KEYS = ("param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", 
 SWALR, ...) keep beside the constructor's options."""
 
 
+def group_keys(cls: type) -> set[str]:
+    """The param-group keys ``cls`` takes: its constructor's options and its optimizer bases' (a
+    subclass's defaults include them), and GROUP_KEYS."""
+    return {name for base in cls.__mro__ if issubclass(base, torch.optim.Optimizer)
+            and base is not torch.optim.Optimizer
+            for name in inspect.signature(base).parameters} - {"params"} | set(GROUP_KEYS)
+
+
 def check_group_options(cls: type, group_options: list[dict[str, Any]] | Mapping[int, dict[str, Any]]) -> None:
     """Refuse a param-group key ``cls`` does not take, naming it (torch would keep it and use it for
     nothing). ``group_options``: every group's options, or some groups' by their index."""
-    accepted = {name for base in cls.__mro__ if issubclass(base, torch.optim.Optimizer)
-                and base is not torch.optim.Optimizer  # a subclass's defaults include its bases' options
-                for name in inspect.signature(base).parameters} - {"params"} | set(GROUP_KEYS)
+    accepted = group_keys(cls)
     indexed = group_options.items() if isinstance(group_options, Mapping) else enumerate(group_options)
     for i, options in indexed:
         unknown = sorted(str(k) for k in options if k not in accepted)

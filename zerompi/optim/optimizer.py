@@ -259,10 +259,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.store.streams
 
     @contextmanager
+    def resident(self, index: int, *, load: bool = True) -> Iterator[torch.Tensor]:
+        """Bucket ``index``'s master, in memory for the block (its optimizer state is not looked at: a
+        whole-tensor group's would be packed for nothing)."""
+        with self.store.resident(index, load=load):
+            yield self.buckets[index].master
+
+    @contextmanager
     def shard_state(self, index: int, *, load: bool = True) -> Iterator[ShardState]:
         """Bucket ``index``'s master and optimizer state, in memory for the block."""
-        with self.store.resident(index, load=load):
-            master = self.buckets[index].master
+        with self.resident(index, load=load) as master:
             yield ShardState(master, self._state_of(index))
 
     def peek_state(self, index: int) -> dict[str, Any]:

@@ -13,13 +13,13 @@ that its optimizer takes; a group that names its own optimizer is left as it is.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from zerompi.config.sections import OptimizerPolicy
+from zerompi.optim.kinds import group_keys
 
 NAME = "muon"
 HEADS = ("lm_head", "head", "output", "classifier")
@@ -33,11 +33,6 @@ def muon_parameters(module: nn.Module) -> set[int]:
              for p in m.parameters(recurse=False)}
     return {id(p) for p in module.parameters()
             if p.requires_grad and p.dim() == 2 and id(p) not in embedded and id(p) not in heads}
-
-
-def _takes(cls: type) -> set[str]:
-    return {n for base in cls.__mro__ if issubclass(base, torch.optim.Optimizer) and base is not torch.optim.Optimizer
-            for n in inspect.signature(base).parameters} - {"params"}
 
 
 def expand(module: nn.Module, param_groups: list[dict[str, Any]] | None,
@@ -56,6 +51,7 @@ def muon_groups(module: nn.Module, param_groups: list[dict[str, Any]] | None,
              "weight_decay": policy.weight_decay}
     given = param_groups or [{"params": [p for p in module.parameters() if p.requires_grad]}]
     chosen, out = muon_parameters(module), []
+    either = group_keys(torch.optim.Muon) | group_keys(torch.optim.AdamW)
     for group in given:
         if "optimizer" in group:
             out.append(group)
@@ -65,8 +61,7 @@ def muon_groups(module: nn.Module, param_groups: list[dict[str, Any]] | None,
         for base, mine in ((muon, [p for p in params if id(p) in chosen]),
                            (adamw, [p for p in params if id(p) not in chosen])):
             if mine:
-                takes = _takes(base["optimizer"])
-                kept = {k: v for k, v in options.items() if k in takes or k not in _takes(torch.optim.Muon) | _takes(
-                    torch.optim.AdamW)}  # a key neither takes stays, and is refused by name
+                takes = group_keys(base["optimizer"])  # a key neither takes stays, and is refused by name
+                kept = {k: v for k, v in options.items() if k in takes or k not in either}
                 out.append({**base, **kept, "params": mine})
     return out

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import torch
 
 
-
 class NotPerElement(NamedTuple):
     """Optimizer state of another shape than its tensor (Adafactor's row and column statistics), which a
     bucket's flat state cannot hold: training reads past it, a checkpoint refuses it by name."""

@@ -215,9 +215,9 @@ class _Gathered:
             self.engine.sharded.load_frozen(index, full[own])
             return
         optimizer = self.engine.optimizer
-        with optimizer.shard_state(index) as state:
+        with optimizer.resident(index) as master:
             full = bucket.full_master()
             for _, s, value in entries:
                 full[s.offset:s.offset + s.numel] = value.reshape(-1).float()
-            state.master.copy_(full[own])
+            master.copy_(full[own])
             bucket.publish()
