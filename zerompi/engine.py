@@ -29,7 +29,7 @@ from zerompi.log import get_logger, set_rank
 from zerompi.offload.fence import ShardFence
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim import presets, schedules
-from zerompi.optim.groups import check_tensors, group_optimizers
+from zerompi.optim.groups import GroupOptimizer, check_tensors, group_optimizers
 from zerompi.optim.optimizer import ZeroOptimizer
 from zerompi.shard import deferred
 from zerompi.shard.agreement import check_configs_agree, check_models_agree
@@ -73,12 +73,13 @@ def _open_swapper(cfg: ZeroConfig, group: ProcessGroup, rank: int) -> offload.NV
     return swapper
 
 
-def _whole_groups(cfg: ZeroConfig, module: nn.Module, membership: dict, options: list[dict]) -> frozenset[int]:
-    """Each param group's optimizer checked before anything is built (a class the engine runs, options it
-    takes, tensors it accepts); the groups whose optimizer steps whole tensors (optim/whole.py)."""
+def _group_optimizers(cfg: ZeroConfig, module: nn.Module, membership: dict,
+                      options: list[dict]) -> tuple[list[GroupOptimizer], frozenset[int]]:
+    """Each param group's optimizer, checked before anything is built (a class the engine runs, options it
+    takes, tensors it accepts), and the groups whose optimizer steps whole tensors (optim/whole.py)."""
     specs = group_optimizers(cfg.optimization, options, swapped=cfg.offload.optimizer is Offload.NVME)
     check_tensors(specs, [(n, tuple(p.shape), membership[p]) for n, p in module.named_parameters() if p in membership])
-    return frozenset(i for i, s in enumerate(specs) if not s.elementwise)
+    return specs, frozenset(i for i, s in enumerate(specs) if not s.elementwise)
 
 
 class Engine:
@@ -104,7 +105,7 @@ class Engine:
             torch.set_num_threads(launch.cpu_threads_for(run.cpu_threads, self.info.local_size))
         launch.seed_rank(run.seed, self.info.rank)
         membership, options = optimizer_groups(module, presets.expand(module, param_groups, cfg.optimization))
-        whole = _whole_groups(cfg, module, membership, options)
+        specs, whole = _group_optimizers(cfg, module, membership, options)
         plan = plan_for(sharding.stage, rounds=batch.rounds)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
@@ -137,7 +138,7 @@ class Engine:
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
         self._saving: BackgroundSave | None = None
-        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg.optimization, cfg.precision, group, options, tiers)
+        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg.optimization, cfg.precision, group, specs, tiers)
         self.sharded.register_backward_steps(self.optimizer)  # used by backwards that update (iteration.py)
         self._stats = Stats()
         self.implicit = ImplicitBackward(self.begin_backward, self.end_backward)

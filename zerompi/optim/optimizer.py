@@ -94,14 +94,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         policy: the optimizer, its hyperparameters, clipping, non-finite handling (cfg.optimization).
         precision: the compute dtype and fp16 loss scaling (cfg.precision).
         group: the group whose shards cover every element once (for the norm all-reduce).
-        group_options: per optimizer param group overrides (e.g. weight_decay).
+        specs: each optimizer param group's optimizer and options, checked (optim/groups.py's
+            ``group_optimizers``, which the engine runs before anything is built).
         tiers: where master and optimizer state live (their store streams them for the step, and
             hands out a bucket an asynchronous save still reads only once the save has it).
     """
 
     def __init__(self, buckets: list[Bucket], policy: OptimizerPolicy, precision: PrecisionPolicy,
                  group: ProcessGroup,
-                 group_options: list[dict[str, Any]], tiers: TierPlan = TierPlan()):
+                 specs: list[group_optimizers.GroupOptimizer], tiers: TierPlan = TierPlan()):
         self.buckets = buckets
         self.group = group
         self.clip = policy.clip_grad_norm
@@ -109,7 +110,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.norm = grad_norm_for(exact=policy.deterministic,
                                   replicated=not any(b.plan.shard_optimizer for b in buckets))
         self.scaler = LossScaler.from_policy(precision) if precision.scales_loss else None
-        specs = group_optimizers.group_optimizers(policy, group_options)
         # the kernel follows where the masters live: host memory (CPU device or 'cpu'/'nvme' offload)
         device = buckets[0].master.device
         self.inner, self.group_names, self.views = group_optimizers.build(specs, buckets, policy,
