@@ -7,7 +7,7 @@ full_state_dict, and checks that training
 finishes on the survivors with the SHA-256 of the parameters, fp32 masters and optimizer state equal
 to the failure-free run's (reproducible=True, G = 6, run at 3 ranks without fault tolerance), and that
 each recovery was reported. Stage 3 is covered case by case, stages 1 and 2 with one case each, CPU
-offload with one; recovery points in memory (the default) and on disk. Without reproducible=True the
+offload with one, Muon's whole-tensor groups with two; recovery points in memory (the default) and on disk. Without reproducible=True the
 recovered state is judged within summation-order noise instead.
 """
 from __future__ import annotations
@@ -49,16 +49,18 @@ def job(venv, tmp_path, n: int, *args: str, launch=FLAGS) -> tuple[subprocess.Co
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
-_REFERENCES: dict[int, str] = {}
+_REFERENCES: dict[tuple, str] = {}
+TRAINING_ARGS = ("--muon",)  # worker arguments that change what is trained (the rest change how it survives)
 
 
-def reference(venv, tmp_path, stage: int) -> str:
+def reference(venv, tmp_path, stage: int, extra: tuple[str, ...] = ()) -> str:
     """The failure-free digest, at 3 ranks without fault tolerance (reproducible: any world size)."""
-    if stage not in _REFERENCES:
-        proc, result = job(venv, tmp_path, 3, "--stage", str(stage), "--ft", "off", launch=())
+    key = (stage, *(a for a in extra if a in TRAINING_ARGS))
+    if key not in _REFERENCES:
+        proc, result = job(venv, tmp_path, 3, "--stage", *map(str, key), "--ft", "off", launch=())
         assert result is not None, proc.stderr[-6000:]
-        _REFERENCES[stage] = result["digest"]
-    return _REFERENCES[stage]
+        _REFERENCES[key] = result["digest"]
+    return _REFERENCES[key]
 
 
 CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, in the default suite)
@@ -85,6 +87,9 @@ CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, i
     "disk-step": (3, "1:step:2", ("--source", "disk"), 3, True),
     "disk-two-at-once": (3, "1:backward:1,3:backward:1", ("--source", "disk"), 2, False),
     "disk-recovery-save": (3, "2:recovery_save:1", ("--source", "disk"), 3, False),
+    # Muon on the matrices: whole tensors on owner ranks, whose owners change with the world size
+    "muon-stage3": (3, "1:step:2", ("--muon",), 3, True),
+    "muon-stage2-rank0": (2, "0:backward:1", ("--muon",), 3, True),
 }
 
 NOTICED_IN = {"end-backward": "end_backward", "full-state-dict": "full_state_dict"}
@@ -98,7 +103,8 @@ def test_survives_lost_ranks(openmpi, tmp_path, case):
     proc, result = job(openmpi, tmp_path, 4, "--stage", str(stage), "--kill", kills, *extra)
     assert result is not None, proc.stderr[-8000:]
     assert result["world"] == left and result["steps"] == 4
-    assert result["digest"] == reference(openmpi, tmp_path, stage), "the trained bits differ from the failure-free run"
+    assert result["digest"] == reference(openmpi, tmp_path, stage, extra), \
+        "the trained bits differ from the failure-free run"
     lost = sorted(r for report in result["reports"] for r in report["lost_world"])
     assert lost == sorted(int(k.split(":")[0]) for k in kills.split(",")), result["reports"]
     for report in result["reports"]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -130,14 +130,17 @@ class ProcessGroup(Protocol):
         """Bytes sent per collective kind by every group of this process."""
 
     # ---- collectives on flat tensors ------------------------------------
+    # ``used`` (all_gather, reduce_scatter, all_to_all): the buffer is one equal chunk per rank, and
+    # only the first ``used[r]`` elements of chunk r are live; the rest is padding that never travels
+    # (an owner-aligned bucket's: shard/layout.py), and the padding of what the call returns is zeros.
     def all_gather(self, shard: torch.Tensor | None, out: torch.Tensor, *, kind: str = "all_gather",
-                   async_op: bool = False, what: str = "") -> Work: ...
+                   async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work: ...
     def reduce_scatter(self, full: torch.Tensor, *, kind: str = "reduce_scatter",
-                       async_op: bool = False, what: str = "") -> Work: ...
+                       async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work: ...
     def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
                    what: str = "") -> Work: ...
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
-                   async_op: bool = False, what: str = "") -> Work: ...
+                   async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work: ...
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None: ...
     def gather(self, t: torch.Tensor, out: torch.Tensor | None, root: int = 0, *, kind: str = "gather",
                what: str = "") -> None:

@@ -22,7 +22,7 @@ import copy
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -112,19 +112,25 @@ class LocalGroup:
 
     # ---- collectives on flat tensors ------------------------------------
     def all_gather(self, shard: torch.Tensor | None, out: torch.Tensor, *, kind: str = "all_gather",
-                   async_op: bool = False, what: str = "") -> Work:
-        desc = self._enter(kind, out, what, shapes.all_gather_bytes(shard, out, self.size))
+                   async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work:
+        desc = self._enter(kind, out, what, shapes.all_gather_bytes(shard, out, self.size, used, self.rank))
         own = (out[self._mine(out)] if shard is None else shard).detach().clone()
         out.copy_(torch.cat(self._exchange(desc, own)))
+        if used is not None:  # what MPI's Allgatherv leaves: padding that never travelled, zeroed
+            shapes.clear_padding(out, self.size, used)
         return Work.done()
 
     def reduce_scatter(self, full: torch.Tensor, *, kind: str = "reduce_scatter",
-                       async_op: bool = False, what: str = "") -> Work:
-        desc = self._enter(kind, full, what, shapes.reduce_scatter_bytes(full, self.size))
+                       async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work:
+        desc = self._enter(kind, full, what, shapes.reduce_scatter_bytes(full, self.size, used, self.rank))
         chunks = [t[self._mine(t)] for t in self._exchange(desc, full.detach().clone())]
         if full.dtype in shapes.SUM_DTYPES:  # summed in the input's precision, as MPI_SUM does
-            return Work.done(_rank_order_sum(chunks).float())
-        return Work.done(torch.stack(chunks).float().sum(dim=0))
+            total = _rank_order_sum(chunks).float()
+        else:
+            total = torch.stack(chunks).float().sum(dim=0)
+        if used is not None:
+            total[used[self.rank]:].zero_()
+        return Work.done(total)
 
     def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
                    what: str = "") -> Work:
@@ -137,9 +143,11 @@ class LocalGroup:
         return self._exchange(desc, t.detach().clone())[(self.rank - offset) % self.size]
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
-                   async_op: bool = False, what: str = "") -> Work:
-        desc = self._enter(kind, send, what, shapes.all_to_all_bytes(send, recv, self.size))
+                   async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work:
+        desc = self._enter(kind, send, what, shapes.all_to_all_bytes(send, recv, self.size, used, self.rank))
         recv.copy_(torch.cat([v[self._mine(v)] for v in self._exchange(desc, send.detach().clone())]))
+        if used is not None:
+            shapes.clear_padding(recv, self.size, [used[self.rank]] * self.size)
         return Work.done()
 
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:

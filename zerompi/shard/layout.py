@@ -74,6 +74,19 @@ class BucketLayout:
     padded_numel: int
     world_size: int
     unit: str = ""  # stage 3: fully qualified name of the module whose forward gathers it
+    owned: bool = False  # owner-aligned (plan_owned_bucket): each shard's parameters, then padding
+
+    @property
+    def used(self) -> tuple[int, ...] | None:
+        """An owner-aligned bucket's live elements per rank, at the front of each shard: its collectives
+        carry only those (comm/group.py's ``used``), so padding never travels. None for a flat bucket,
+        whose padding is a few elements at the end."""
+        if not self.owned:
+            return None
+        counts = [0] * self.world_size
+        for slot in self.slots:
+            counts[slot.offset // self.shard_numel] += slot.numel
+        return tuple(counts)
 
     @property
     def shard_numel(self) -> int:
@@ -138,7 +151,7 @@ def plan_owned_bucket(index: int, group: int, specs: Sequence[ParamSpec], world_
         slots.append(ParamSlot(spec.fqn, tuple(spec.shape), n, fill[r]))
         fill[r] += n
     slots.sort(key=lambda slot: slot.offset)
-    return BucketLayout(index, group, tuple(slots), sum(numels), shard * world_size, world_size, unit)
+    return BucketLayout(index, group, tuple(slots), sum(numels), shard * world_size, world_size, unit, owned=True)
 
 
 def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,

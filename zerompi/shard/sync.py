@@ -34,6 +34,8 @@ from zerompi.shard.compression import GradCodes, WeightCodes
 from zerompi.shard.layout import BucketLayout
 from zerompi.shard.stages import StagePlan
 
+Used = tuple[int, ...] | None  # an owner-aligned bucket's live elements per rank (BucketLayout.used)
+
 
 class ParamSync(Protocol):
     """How a bucket's parameters travel."""
@@ -68,27 +70,28 @@ class Whole:
 
 
 class GatherAfterStep(Whole):
-    """Stages 1-2: parameters stay whole; each rank's updated shard is all-gathered after the step."""
+    """Stages 1-2: parameters stay whole; each rank's updated shard is all-gathered after the step
+    (``used``: an owner-aligned bucket's live elements per rank, all that travels)."""
 
     publishes = True
 
-    def __init__(self, group: ProcessGroup):
-        self.group = group
+    def __init__(self, group: ProcessGroup, used: Used = None):
+        self.group, self.used = group, used
 
     def publish(self, shard: torch.Tensor, full: torch.Tensor, what: str) -> None:
-        self.group.all_gather(None, full, what=what)  # the shard is a view of ``full``: in place
+        self.group.all_gather(None, full, what=what, used=self.used)  # the shard is a view of ``full``: in place
 
 
 class GatherForUse(Whole):
     """Stage 3: only the shard persists; the unit's forward and backward gather it."""
 
-    def __init__(self, group: ProcessGroup):
-        self.group = group
+    def __init__(self, group: ProcessGroup, used: Used = None):
+        self.group, self.used = group, used
 
     def gather(self, shard: ShardTier, out: torch.Tensor, *, async_op: bool, what: str) -> Work:
         async_op = async_op and shard.stays_resident  # a swapped shard is gone after its block
         with shard.loaded() as tensor:
-            return self.group.all_gather(tensor, out, async_op=async_op, what=what)
+            return self.group.all_gather(tensor, out, async_op=async_op, what=what, used=self.used)
 
 
 class NodeCopy(Whole):
@@ -129,15 +132,18 @@ class QuantizedWeights(Whole):
         self.codes.publish(shard, full if self.after_step else None, what)
 
 
-def param_sync_for(plan: StagePlan, groups, codes: WeightCodes | None, node_copy: Resident | None) -> ParamSync:
+def param_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: WeightCodes | None,
+                   node_copy: Resident | None) -> ParamSync:
     """The parameter strategy of a bucket running ``plan`` (``codes``: quantized weights;
-    ``node_copy``: hpZ's secondary copy)."""
+    ``node_copy``: hpZ's secondary copy). Quantized codes and hpZ's node copy carry an
+    owner-aligned bucket's padding too; plain gathers carry its live elements only."""
     if codes is not None:
         return QuantizedWeights(codes, plan.gather_after_step)
     if plan.shard_params:
-        inner = GatherForUse(groups.gather)
-        return inner if node_copy is None else NodeCopy(inner, groups.secondary, node_copy)
-    return GatherAfterStep(groups.shard) if plan.gather_after_step else Whole()
+        if node_copy is not None:
+            return NodeCopy(GatherForUse(groups.gather), groups.secondary, node_copy)
+        return GatherForUse(groups.gather, layout.used)
+    return GatherAfterStep(groups.shard, layout.used) if plan.gather_after_step else Whole()
 
 
 class GradSync(Protocol):
@@ -167,10 +173,10 @@ class AllReduce:
         self.group, self.layout, self.world_size = group, layout, world_size
 
     def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None:
-        mine = self.layout.shard(self.group.rank)
-        reduced = self.group.reduce_scatter(full, kind="all_reduce", what=what).wait()
+        mine, used = self.layout.shard(self.group.rank), self.layout.used
+        reduced = self.group.reduce_scatter(full, kind="all_reduce", what=what, used=used).wait()
         full[mine.start:mine.stop].copy_(reduced.div_(self.world_size))
-        self.group.all_gather(None, full, kind="all_reduce", what=what)
+        self.group.all_gather(None, full, kind="all_reduce", what=what, used=used)
         return None
 
     def finish(self, work: Work, what: str) -> list[torch.Tensor]:
@@ -184,12 +190,14 @@ class ReduceScatter:
     in_place = False
 
     def __init__(self, group: ProcessGroup, world_size: int, per_micro_batch: bool,
-                 codes: GradCodes | None = None, replicate: ProcessGroup | None = None):
+                 codes: GradCodes | None = None, replicate: ProcessGroup | None = None, used: Used = None):
         self.group, self.world_size, self.per_micro_batch = group, world_size, per_micro_batch
-        self.codes, self.replicate = codes, replicate
+        self.codes, self.replicate, self.used = codes, replicate, used
 
     def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None:
-        return (self.codes or self.group).reduce_scatter(full, what=what, async_op=async_op)
+        if self.codes is not None:  # quantized chunks carry the padding of an owner-aligned bucket too
+            return self.codes.reduce_scatter(full, what=what, async_op=async_op)
+        return self.group.reduce_scatter(full, what=what, async_op=async_op, used=self.used)
 
     def finish(self, work: Work, what: str) -> list[torch.Tensor]:
         reduced = work.wait()
@@ -211,14 +219,14 @@ class OrderedRounds:
     in_place, per_micro_batch = False, True
 
     def __init__(self, group: ProcessGroup, layout: BucketLayout):
-        self.group, self.chunk = group, layout.shard_numel
+        self.group, self.chunk, self.used = group, layout.shard_numel, layout.used
 
     def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None:
         """The round: this rank's chunk of the first ``sources`` ranks' ``full``, in rank order."""
         if sources is None:
             raise ZeroMPIError(f"{what}: ordered rounds reduce once per round, given its sources")
         recv = torch.empty_like(full)
-        self.group.all_to_all(full, recv, kind="reduce_scatter", what=what)
+        self.group.all_to_all(full, recv, kind="reduce_scatter", what=what, used=self.used)
         return Work.done([recv[r * self.chunk:(r + 1) * self.chunk] for r in range(sources)])
 
     def finish(self, work: Work, what: str) -> list[torch.Tensor]:
@@ -232,15 +240,15 @@ class SummedRounds:
 
     in_place, per_micro_batch = False, True
 
-    def __init__(self, group: ProcessGroup, replicate: ProcessGroup | None = None):
-        self.group, self.replicate = group, replicate
+    def __init__(self, group: ProcessGroup, replicate: ProcessGroup | None = None, used: Used = None):
+        self.group, self.replicate, self.used = group, replicate, used
 
     def start(self, full: torch.Tensor, *, async_op: bool, what: str, sources: int | None = None) -> Work | None:
         """The round: this rank's chunk of its sum (each loss already scaled by 1/micro_batches), summed
         across nodes under HSDP."""
         if sources is None:
             raise ZeroMPIError(f"{what}: rounds reduce once per round, given its sources")
-        reduced = self.group.reduce_scatter(full, what=what).wait()
+        reduced = self.group.reduce_scatter(full, what=what, used=self.used).wait()
         if self.replicate is not None:
             self.replicate.all_reduce(reduced, what=what)
         return Work.done([reduced])
@@ -255,7 +263,7 @@ def grad_sync_for(plan: StagePlan, groups, layout: BucketLayout, codes: GradCode
     if rounds is Rounds.ORDERED:
         return OrderedRounds(groups.shard, layout)
     if rounds is Rounds.SUMMED:
-        return SummedRounds(groups.shard, groups.replicate)
+        return SummedRounds(groups.shard, groups.replicate, layout.used)
     if plan.all_reduce_grads:
         return AllReduce(groups.shard, layout, groups.world.size)
-    return ReduceScatter(groups.shard, groups.world.size, plan.shard_grads, codes, groups.replicate)
+    return ReduceScatter(groups.shard, groups.world.size, plan.shard_grads, codes, groups.replicate, layout.used)

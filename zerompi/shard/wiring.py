@@ -70,5 +70,5 @@ class CommFactory:
             grad_codes = None if codec is None else GradCodes(
                 codec, groups.shard, layout.padded_numel, self.compression.error_feedback, device)
             grad = grad_sync_for(plan, groups, layout, grad_codes, rounds=self.rounds)
-        return BucketComm(param_sync_for(plan, groups, weight_codes, secondary), grad, weight_codes,
+        return BucketComm(param_sync_for(plan, groups, layout, weight_codes, secondary), grad, weight_codes,
                           grad_codes, secondary, groups.shard)

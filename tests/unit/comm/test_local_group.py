@@ -96,6 +96,58 @@ def test_collectives_compute_what_mpi_would(size):
             "all_to_all": (size - 1) * 6 * 4} | ({"broadcast": (size - 1) * 5 * 4} if r == size - 1 else {})
 
 
+def counted_failures(g: ProcessGroup, chunk: int = 7) -> list[str]:
+    """The verbs given ``used`` (an owner-aligned bucket's live elements per rank) on ``g``, against what
+    they must compute: live values as without ``used``, padding zeros, and only live elements counted.
+    Shared with the MPI job of tests/mpi/test_whole_tensor.py, which runs it over MPIGroup."""
+    size, rank = g.size, g.rank
+    used = [0 if q == 1 else chunk - (q % 3) * 2 for q in range(size)]  # rank 1's chunk holds nothing
+    n, failures = chunk * size, []
+
+    def padded(t: torch.Tensor, counts) -> torch.Tensor:
+        t = t.clone()
+        for c, u in zip(t.view(size, -1), counts):
+            c[u:] = 0
+        return t
+
+    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.equal(got, want):
+            failures.append(f"{name}: {got.tolist()} != {want.tolist()}")
+
+    full = [padded(_data(q, n), used) for q in range(size)]
+    mine = slice(rank * chunk, (rank + 1) * chunk)
+    for async_op in (False, True):
+        out = torch.full((n,), -1.0)
+        g.all_gather(full[rank][mine].clone(), out, async_op=async_op, used=used).wait()
+        check(f"all_gather async={async_op}", out, padded(torch.cat([f.view(size, -1)[q] for q, f in enumerate(full)]),
+                                                          used))
+        in_place = torch.full((n,), -1.0)
+        in_place[mine] = full[rank][mine]
+        g.all_gather(None, in_place, async_op=async_op, used=used).wait()
+        check(f"all_gather in place async={async_op}", in_place, out)
+        check(f"reduce_scatter fp32 async={async_op}",
+              g.reduce_scatter(_data(rank, n), async_op=async_op, used=used).wait(), sum(f[mine] for f in full))
+        half = [padded(_data(q, n, torch.bfloat16), used) for q in range(size)]
+        check(f"reduce_scatter bf16 async={async_op}",
+              g.reduce_scatter(_data(rank, n, torch.bfloat16), async_op=async_op, used=used).wait(),
+              torch.stack([h[mine] for h in half]).float().sum(0))
+        recv = torch.full((n,), -1.0)
+        g.all_to_all(_data(rank, n), recv, async_op=async_op, used=used).wait()
+        check(f"all_to_all async={async_op}", recv, torch.cat([f[mine] for f in full]))
+    others = sum(used) - used[rank]
+    want = {"all_gather": 4 * 4 * (size - 1) * used[rank],  # 4 calls of 4-byte elements "reduce_scatter": 2 * others * (4 + 2),
+            "all_to_all": 2 * others * 4}
+    got = {k: v for k, v in g.bytes_sent.items() if k in want}
+    if got != want:
+        failures.append(f"bytes counted {got} != the live elements' {want}")
+    return failures
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_counted_collectives_move_live_elements_only(size):
+    assert run_ranks(size, counted_failures) == [[]] * size
+
+
 def test_split_makes_sub_groups_ordered_by_key():
     def body(g: LocalGroup):
         sub = g.split(g.rank % 2, -g.rank, "parity")

@@ -148,6 +148,26 @@ def test_the_default_mode_is_within_the_order_noise(stage, n):
         assert not tensor_failures(err, noise), tensor_failures(err, noise)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_sends_no_more_bytes_than_adamw_s(stage, n):
+    """Owner alignment pads each shard to the bucket's largest owner (here up to 2.6x the bytes when the
+    padding travels); the collectives carry each rank's live elements only (comm/group.py's ``used``)."""
+    def sent(muon: bool):
+        def rank(group):
+            net = _net()
+            engine = zerompi.initialize(net, ZeroConfig(stage=stage, **{**CFG, "reproducible": False}), group=group,
+                                        param_groups=_muon_groups(net) if muon else None)
+            train(engine, range(1))
+            before = dict(group.bytes_sent)
+            train(engine, range(1, STEPS))
+            engine.close()
+            return sum(v - before.get(k, 0) for k, v in group.bytes_sent.items()
+                       if k in ("all_gather", "reduce_scatter"))
+        return sum(run_ranks(n, rank))
+    assert sent(muon=True) <= sent(muon=False)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_muon_state_resumes_at_another_world_size(tmp_path, stage):
     """Muon's momentum lives on each matrix's owner; saved at 2 ranks, loaded at 3 (other owners)."""

@@ -33,13 +33,13 @@ class Recording(MPIGroup):
         super().__init__(MPI.COMM_SELF)
         self.log: list[tuple[str, str, bool]] = []
 
-    def all_gather(self, shard, out, *, kind="all_gather", async_op=False, what=""):
+    def all_gather(self, shard, out, *, kind="all_gather", async_op=False, what="", used=None):
         self.log.append(("all_gather" + (" in place" if shard is None else ""), kind, async_op))
-        return super().all_gather(shard, out, kind=kind, async_op=async_op, what=what)
+        return super().all_gather(shard, out, kind=kind, async_op=async_op, what=what, used=used)
 
-    def reduce_scatter(self, full, *, kind="reduce_scatter", async_op=False, what=""):
+    def reduce_scatter(self, full, *, kind="reduce_scatter", async_op=False, what="", used=None):
         self.log.append(("reduce_scatter", kind, async_op))
-        return super().reduce_scatter(full, kind=kind, async_op=async_op, what=what)
+        return super().reduce_scatter(full, kind=kind, async_op=async_op, what=what, used=used)
 
     def all_reduce(self, t, *, kind="all_reduce", async_op=False, what=""):
         self.log.append(("all_reduce", kind, async_op))

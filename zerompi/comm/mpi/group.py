@@ -11,7 +11,7 @@ device tensors reach MPI, and what a group of one rank does instead.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -197,47 +197,75 @@ class MPIGroup:
 
     # ---- collectives ----------------------------------------------------
     def all_gather(self, shard: torch.Tensor | None, out: torch.Tensor, *, kind: str = "all_gather",
-                   async_op: bool = False, what: str = "") -> Work:
-        """``out[r*S:(r+1)*S] = shard of rank r``; ``shard`` may be ``None`` for in place."""
-        self._count(kind, shapes.all_gather_bytes(shard, out, self.size))
+                   async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work:
+        """``out[r*S:(r+1)*S] = shard of rank r``; ``shard`` may be ``None`` for in place.
+
+        ``used`` (group.py): ``Allgatherv`` of the live elements, into their places in ``out``."""
+        self._count(kind, shapes.all_gather_bytes(shard, out, self.size, used, self.rank))
         entered = self._enter(kind, out, what)
         if self.size == 1:
             return self._alone(entered, lambda: alone_copy(out, shard))
+        if used is not None:
+            shapes.clear_padding(out, self.size, used)
         if shard is None:
             (o,), back = stage((out,), self.cuda_aware)
             send = MPI.IN_PLACE
         else:
             (s, o), back = stage((shard, out), self.cuda_aware)
-            send = _raw(s)
+            send = _raw(s) if used is None else _raw(s)[:used[self.rank]]
+        if used is not None:
+            recv = [_raw(o), (list(used), shapes.displacements(o, self.size))]
+            return self._issue(entered, lambda: self.comm.Allgatherv(send, recv),
+                               lambda: self.comm.Iallgatherv(send, recv), back, async_op)
         return self._issue(entered, lambda: self.comm.Allgather(send, _raw(o)),
                            lambda: self.comm.Iallgather(send, _raw(o)), back, async_op)
 
     def reduce_scatter(self, full: torch.Tensor, *, kind: str = "reduce_scatter",
-                       async_op: bool = False, what: str = "") -> Work:
+                       async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work:
         """Sum ``full`` over ranks; ``wait()`` returns this rank's chunk in fp32.
 
-        fp32/fp64 use ``Reduce_scatter_block``; 16-bit inputs use ``Alltoall``
-        and sum the received chunks in fp32 in rank order.
+        fp32/fp64 use ``Reduce_scatter_block`` (``used``: ``Reduce_scatter`` of the live elements,
+        packed back to back first); 16-bit inputs use ``Alltoall`` (``Alltoallv``) and sum the
+        received chunks in fp32 in rank order.
         """
-        self._count(kind, shapes.reduce_scatter_bytes(full, self.size))
+        self._count(kind, shapes.reduce_scatter_bytes(full, self.size, used, self.rank))
         n = full.numel() // self.size
         entered = self._enter(kind, full, what)
         if self.size == 1:
             return self._alone(entered, lambda: alone_reduce_scatter(full))
         if full.dtype in shapes.SUM_DTYPES:
-            out = torch.empty(n, dtype=full.dtype, device=full.device)
-            (f, o), back = stage((full, out), self.cuda_aware)
-            return self._issue(entered, lambda: self.comm.Reduce_scatter_block(f, o, op=MPI.SUM),
-                               lambda: self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM),
-                               lambda: (back(), out.float())[1], async_op)
-        recv = torch.empty_like(full)
+            out = torch.empty(n, dtype=full.dtype, device=full.device) if used is None else \
+                torch.zeros(n, dtype=full.dtype, device=full.device)
+            if used is None:
+                (f, o), back = stage((full, out), self.cuda_aware)
+                blocking = lambda: self.comm.Reduce_scatter_block(f, o, op=MPI.SUM)
+                start = lambda: self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM)
+            else:
+                (f, o), back = stage((shapes.live(full, self.size, used), out), self.cuda_aware)
+                mine, counts = o[:used[self.rank]], list(used)
+                blocking = lambda: self.comm.Reduce_scatter(f, mine, counts, op=MPI.SUM)
+                start = lambda: self.comm.Ireduce_scatter(f, mine, counts, op=MPI.SUM)
+            return self._issue(entered, blocking, start, lambda: (back(), out.float())[1], async_op)
+        recv = torch.empty_like(full) if used is None else torch.zeros_like(full)
         (f, r), back = stage((full, recv), self.cuda_aware)
 
         def finish() -> torch.Tensor:
             back()
             return recv.view(self.size, n).float().sum(dim=0)
-        return self._issue(entered, lambda: self.comm.Alltoall(_raw(f), _raw(r)),
-                           lambda: self.comm.Ialltoall(_raw(f), _raw(r)), finish, async_op)
+        send, into = self._exchanged(f, r, used)
+        return self._issue(entered, send, into, finish, async_op)
+
+    def _exchanged(self, send: torch.Tensor, recv: torch.Tensor, used: Sequence[int] | None
+                   ) -> tuple[Callable[[], Any], Callable[[], MPI.Request]]:
+        """An all-to-all of ``send``'s chunks into ``recv`` (counted: ``Alltoallv`` of the live
+        elements), as the blocking call and the one starting a request."""
+        if used is None:
+            return (lambda: self.comm.Alltoall(_raw(send), _raw(recv)),
+                    lambda: self.comm.Ialltoall(_raw(send), _raw(recv)))
+        displs = shapes.displacements(send, self.size)
+        s = [_raw(send), (list(used), displs)]
+        r = [_raw(recv), ([used[self.rank]] * self.size, displs)]
+        return lambda: self.comm.Alltoallv(s, r), lambda: self.comm.Ialltoallv(s, r)
 
     def all_reduce(self, t: torch.Tensor, *, kind: str = "all_reduce", async_op: bool = False,
                    what: str = "") -> Work:
@@ -251,15 +279,17 @@ class MPIGroup:
                            lambda: self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), back, async_op)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, *, kind: str = "all_to_all",
-                   async_op: bool = False, what: str = "") -> Work:
+                   async_op: bool = False, what: str = "", used: Sequence[int] | None = None) -> Work:
         """``recv[r*n:(r+1)*n]`` = chunk ``rank`` of rank r's ``send`` (the bytes of any dtype, moved as they are)."""
-        self._count(kind, shapes.all_to_all_bytes(send, recv, self.size))
+        self._count(kind, shapes.all_to_all_bytes(send, recv, self.size, used, self.rank))
         entered = self._enter(kind, send, what)
         if self.size == 1:
             return self._alone(entered, lambda: alone_copy(recv, send))
+        if used is not None:
+            shapes.clear_padding(recv, self.size, [used[self.rank]] * self.size)
         (s, r), back = stage((send, recv), self.cuda_aware)
-        return self._issue(entered, lambda: self.comm.Alltoall(_raw(s), _raw(r)),
-                           lambda: self.comm.Ialltoall(_raw(s), _raw(r)), back, async_op)
+        blocking, start = self._exchanged(s, r, used)
+        return self._issue(entered, blocking, start, back, async_op)
 
     def broadcast(self, t: torch.Tensor, root: int = 0, *, kind: str = "broadcast", what: str = "") -> None:
         """In-place broadcast from ``root`` (used once, at initialisation)."""
