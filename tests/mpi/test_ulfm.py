@@ -7,7 +7,7 @@ full_state_dict, and checks that training
 finishes on the survivors with the SHA-256 of the parameters, fp32 masters and optimizer state equal
 to the failure-free run's (reproducible=True, G = 6, run at 3 ranks without fault tolerance), and that
 each recovery was reported. Stage 3 is covered case by case, stages 1 and 2 with one case each, CPU
-offload with one, Muon's whole-tensor groups with two; recovery points in memory (the default) and on disk. Without reproducible=True the
+offload with one, Muon's and Adafactor's whole-tensor groups with three; recovery points in memory (the default) and on disk. Without reproducible=True the
 recovered state is judged within summation-order noise instead.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def job(venv, tmp_path, n: int, *args: str, launch=FLAGS) -> tuple[subprocess.Co
 
 
 _REFERENCES: dict[tuple, str] = {}
-TRAINING_ARGS = ("--muon",)  # worker arguments that change what is trained (the rest change how it survives)
+TRAINING_ARGS = ("--muon", "--adafactor")  # worker arguments that change what is trained (the rest change how it survives)
 
 
 def reference(venv, tmp_path, stage: int, extra: tuple[str, ...] = ()) -> str:
@@ -90,6 +90,7 @@ CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, i
     # Muon on the matrices: whole tensors on owner ranks, whose owners change with the world size
     "muon-stage3": (3, "1:step:2", ("--muon",), 3, True),
     "muon-stage2-rank0": (2, "0:backward:1", ("--muon",), 3, True),
+    "adafactor-stage3": (3, "2:step:2", ("--adafactor",), 3, True),  # factored state, whole per tensor
 }
 
 NOTICED_IN = {"end-backward": "end_backward", "full-state-dict": "full_state_dict"}

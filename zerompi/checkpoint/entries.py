@@ -4,6 +4,7 @@ Each entry is one kind of sharded state, reached through the engine's public sna
 (snapshot.py), never through a component's privates:
 
 - ``OptimizerShards`` (shards.py): every bucket's fp32 master and optimizer state;
+- ``TensorStates`` (tensors.py): optimizer state held per tensor (a factored moment), whole;
 - ``FrozenShards``: stage 3's frozen parameter shards;
 - ``Residuals``: this rank's error-feedback residuals (feedback.py);
 - ``RngState``: this process's CPU (and CUDA) generator state.
@@ -34,6 +35,7 @@ from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
 from zerompi.checkpoint.shards import OptimizerShards, Part
 from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
+from zerompi.checkpoint.tensors import TensorStates
 from zerompi.log import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -215,4 +217,5 @@ def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
 def entries(snap: EngineSnapshot, keys: list[str], include_frozen: bool = True) -> list[Entry]:
     """The entries of an engine's checkpoint, in the order their datasets are written and applied
     (``keys``: the optimizer's per-element state names)."""
-    return [OptimizerShards(snap, keys), FrozenShards(snap, include_frozen), Residuals(snap), RngState(snap)]
+    return [OptimizerShards(snap, keys), TensorStates(snap), FrozenShards(snap, include_frozen), Residuals(snap),
+            RngState(snap)]

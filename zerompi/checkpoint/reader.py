@@ -68,7 +68,7 @@ def _check_compatible(engine, snap: EngineSnapshot, index: CheckpointIndex, dire
     problem = index.describe_mismatch(named)
     if problem:
         raise CheckpointError(f"{directory}: checkpoint of a different model: {problem}")
-    if not index.optimizer.get("state_keys"):
+    if not index.optimizer.get("state_keys") and not index.optimizer.get("tensor_states"):
         return  # no state to misread
     saved = index.optimizer.get("group_optimizers")
     if saved is None:  # written before groups could choose: the config's optimizer ran every group

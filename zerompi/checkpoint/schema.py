@@ -61,6 +61,11 @@ def state(bucket: int, key: str) -> str:
     return f"b{bucket}/state/{key}"
 
 
+def tensor_state(name: str, key: str) -> str:
+    """Optimizer state ``key`` of the tensor ``name`` that is not per element (Adafactor's row_var), whole."""
+    return f"t/{name}/{key}"
+
+
 def frozen(bucket: int) -> str:
     """Frozen bucket ``bucket``'s parameter shard (stage 3), in the compute dtype (frozen.py)."""
     return f"f{bucket}/param"

@@ -71,6 +71,16 @@ class ShardStates(Protocol):
     def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
         """Overwrite bucket ``index``'s master and state, and publish it to the parameters."""
 
+    partial_state: bool
+    """Some buckets' state is on their tensors' owners alone (what the index records is gathered)."""
+
+    def tensor_states(self, index: int) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+        """(parameter name, offset in the shard, state) of bucket ``index``'s tensors whose optimizer
+        state is not per element (a factored moment), for those this rank steps."""
+
+    def load_tensor_state(self, index: int, name: str, saved: dict[str, torch.Tensor]) -> None:
+        """Add tensor ``name``'s saved per-tensor state, after ``load_shard`` of its bucket."""
+
     def optimizer_names(self) -> list[str]:
         """Each optimizer param group's optimizer class, as ``module.QualName``."""
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from zerompi.checkpoint import frozen as frozen_values
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import schema, tensors
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.checkpoint.entries import entries
 from zerompi.checkpoint.index import CheckpointIndex
@@ -38,7 +38,6 @@ from zerompi.checkpoint.snapshot import EngineSnapshot
 from zerompi.checkpoint.stores import ShardStore, store_for
 from zerompi.comm.topology import node_placement
 from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
-from zerompi.optim.whole import NotPerElement
 
 
 def _scalar(v) -> list | None:
@@ -63,15 +62,26 @@ def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
             elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
                 keys += [] if k in keys else [k]
                 mine += [] if k in mine else [k]
-            elif isinstance(v, NotPerElement):
-                raise CheckpointError(v.message())
             else:
                 raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
                                       "only per-element tensors and scalars are supported")
         scalars.append(per_bucket)
+    whole = tensors.meta(snap)
     return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars,
             "group_state_keys": [by_group.get(g, []) for g in range(max(by_group, default=-1) + 1)],
-            "group_optimizers": snap.states.optimizer_names()}
+            "group_optimizers": snap.states.optimizer_names(), **({"tensor_states": whole} if whole else {})}
+
+
+def gathered_meta(group, snap: EngineSnapshot) -> dict[str, Any]:
+    """Collective: ``optimizer_meta``, refused on every rank if any cannot save its state (a whole tensor's
+    is on its owner alone), and merged over the ranks where owners alone hold some (tensors.py)."""
+    meta, error = None, None
+    try:
+        meta = optimizer_meta(snap)
+    except CheckpointError as e:
+        error = str(e)
+    all_ranks_ok(group, error, CheckpointError)
+    return tensors.agreed(group, snap, meta)
 
 
 def parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
@@ -115,9 +125,9 @@ def build_index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict
 
 def replicated_tensors(engine, index: CheckpointIndex, copy: bool) -> dict[str, torch.Tensor]:
     """The frozen parameters and buffers the index lists (copies, for a save that writes them later)."""
-    tensors = dict(engine.module.named_parameters())
-    tensors.update(engine.module.named_buffers())
-    return {n: tensors[n].detach().clone() if copy else tensors[n] for n in index.replicated}
+    named = dict(engine.module.named_parameters())
+    named.update(engine.module.named_buffers())
+    return {n: named[n].detach().clone() if copy else named[n] for n in index.replicated}
 
 
 def write_index(tensors: dict[str, torch.Tensor], path: Path, index: CheckpointIndex) -> None:
@@ -210,12 +220,7 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
     except (TypeError, ValueError) as e:
         raise UsageError(f"client_state must be JSON-serialisable ({e})") from e
     group, root = engine.group, Path(root)
-    meta, error = None, None
-    try:  # state a checkpoint cannot hold may be on some ranks only (a whole tensor's, on its owner)
-        meta = optimizer_meta(snap)
-    except CheckpointError as e:
-        error = str(e)
-    all_ranks_ok(group, error, CheckpointError)
+    meta = gathered_meta(group, snap)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None

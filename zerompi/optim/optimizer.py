@@ -307,6 +307,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket.publish()
         bucket.zero_grad()
 
+    @property
+    def partial_state(self) -> bool:
+        """Some buckets' state is on their tensors' owners alone (whole-tensor groups): what a checkpoint
+        records of it is gathered from every rank."""
+        return bool(self.views.of)
+
+    def tensor_states(self, index: int) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+        """(name, offset in the shard, state) of bucket ``index``'s tensors whose state is not per element
+        (whole.py), for those this rank steps; the live tensors."""
+        return self.views.tensor_states(index, self.inner.state) if index in self.views.of else []
+
+    def load_tensor_state(self, index: int, name: str, saved: dict[str, torch.Tensor]) -> None:
+        """Add the per-tensor state ``saved`` of tensor ``name`` (bucket ``index``), after ``load_shard``."""
+        self.views.load_tensor_state(index, self.inner.state, name, saved)
+
     def optimizer_names(self) -> list[str]:
         """Each param group's optimizer class, as ``module.QualName`` (checkpoints record them)."""
         return list(self.group_names)

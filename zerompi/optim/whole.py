@@ -8,29 +8,18 @@ every rank the updated tensor. Here the owner's master shard is cut back into it
 optimizer steps views of the master with the parameters' shapes (every tensor at stage 0, where each
 rank updates all), and its state lives only on the owner.
 
-Checkpoints see a bucket's state per element, as for any other bucket: the per-tensor states are packed
-into flat tensors of the shard's length (zeros in the padding) and unpacked on load. State that is not
-per element (Adafactor's row and column statistics) cannot be saved that way and is refused by name.
+Checkpoints save each tensor's state whole, under the tensor's name (:meth:`TensorViews.tensor_states`,
+checkpoint/tensors.py): per-element state (Muon's momentum) and state of another shape (Adafactor's
+factored row and column statistics) alike, so that a load hands each tensor exactly its own state on
+whichever rank owns it then. Only plain Python values (a step count kept as an int) travel with the
+bucket, as every other bucket's scalars do. (Checkpoints written before kept per-element state packed
+flat over the shard; :meth:`TensorViews.unpack` still reads those.)
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-
-
-class NotPerElement(NamedTuple):
-    """Optimizer state of another shape than its tensor (Adafactor's row and column statistics), which a
-    bucket's flat state cannot hold: training reads past it, a checkpoint refuses it by name."""
-
-    key: str
-    shape: tuple[int, ...]
-    tensor_shape: tuple[int, ...]
-
-    def message(self) -> str:
-        return (f"optimizer state {self.key!r} of shape {list(self.shape)} belongs to a tensor of shape "
-                f"{list(self.tensor_shape)}: state that is not per element (a factored second moment) "
-                "cannot be saved in a checkpoint yet")
 
 
 class TensorViews:
@@ -38,13 +27,15 @@ class TensorViews:
 
     def __init__(self, buckets):
         self.of: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
+        self.names: dict[int, list[str]] = {}  # each view's parameter name, in the same order
         for b in buckets:
-            own, views = b.own, []
+            own, views, names = b.own, [], []
             for slot in b.layout.slots:
                 a, z = slot.offset - own.start, slot.offset - own.start + slot.numel
                 if slot.numel and 0 <= a and z <= own.numel:  # owner-aligned: whole inside, or outside
                     views.append((b.master[a:z].view(slot.shape), a, z))
-            self.of[b.layout.index] = views
+                    names.append(slot.fqn)
+            self.of[b.layout.index], self.names[b.layout.index] = views, names
 
     def params(self, index: int) -> list[torch.Tensor]:
         return [v for v, _, _ in self.of[index]]
@@ -55,18 +46,13 @@ class TensorViews:
             v.grad = None if grad is None else grad[a:z].view(v.shape)
 
     def pack(self, index: int, state: dict, numel: int, device) -> dict[str, Any]:
-        """The bucket's optimizer state as a checkpoint sees it: per-element tensors flat over the shard,
-        scalars as the first tensor's (every tensor of a group steps together)."""
+        """The bucket's optimizer state as a bucket's checkpoint datasets see it: the plain values of its
+        tensors' states (the first tensor's: every tensor of a group steps together); tensors' state
+        goes whole, per tensor (``tensor_states``)."""
         out: dict[str, Any] = {}
-        for v, a, z in self.of[index]:
+        for v, _, _ in self.of[index]:
             for k, value in state.get(v, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim():
-                    if value.shape != v.shape:  # a checkpoint refuses it, naming it (NotPerElement)
-                        out[k] = NotPerElement(k, tuple(value.shape), tuple(v.shape))
-                        continue
-                    flat = out.setdefault(k, torch.zeros(numel, dtype=value.dtype, device=device))
-                    flat[a:z] = value.reshape(-1)
-                else:
+                if not isinstance(value, torch.Tensor):
                     out.setdefault(k, value)
         return out
 
@@ -75,3 +61,18 @@ class TensorViews:
         for v, a, z in self.of[index]:
             state[v] = {k: (x[a:z].reshape(v.shape).to(v.device, copy=True) if x.dim() else x.clone())
                         if isinstance(x, torch.Tensor) else x for k, x in saved.items()}  # a step count each
+
+    def tensor_states(self, index: int, state: dict) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+        """(parameter name, its offset in the shard, its state tensors) of each tensor of bucket ``index``
+        this rank steps that has any (the live tensors)."""
+        out = []
+        for (v, a, _), name in zip(self.of[index], self.names[index]):
+            mine = {k: x for k, x in state.get(v, {}).items() if isinstance(x, torch.Tensor)}
+            if mine:
+                out.append((name, a, mine))
+        return out
+
+    def load_tensor_state(self, index: int, state: dict, name: str, saved: dict[str, torch.Tensor]) -> None:
+        """Add ``saved`` (``tensor_states``' form, read back) to the state of the tensor ``name``."""
+        view = self.of[index][self.names[index].index(name)][0]
+        state.setdefault(view, {}).update({k: x.to(view.device, copy=True) for k, x in saved.items()})

@@ -10,7 +10,8 @@ with ``--source disk``), while writing its shard file of the checkpoint the loop
 ``--save-at``, or before the ``full_state_dict()`` the loop then takes (``--consolidate``). The survivors
 recover (zerompi.Recovered) and finish; rank 0 of the final group writes the SHA-256 of the
 parameters, fp32 masters and optimizer state, the final world size and the recovery reports.
-``--muon`` trains the matrices with torch.optim.Muon (owner ranks, whole tensors), the rest with AdamW.
+``--muon`` trains the matrices with torch.optim.Muon (owner ranks, whole tensors), the rest with AdamW;
+``--adafactor`` every tensor with torch.optim.Adafactor (its factored state is saved per tensor).
 ``--remove-points`` has rank 0 delete the recovery points (``--source disk``) in the step a rank dies, so
 the recovery itself fails. ``--ft off`` trains the same without fault tolerance (the failure-free reference). ``--reproducible off``
 trains without reproducible=True (summed in MPI's order) and writes the state itself too, to be judged
@@ -129,6 +130,7 @@ def main() -> None:
     p.add_argument("--halves", action="store_true", help="backward as begin_backward, autograd, end_backward")
     p.add_argument("--consolidate", action="store_true", help="full_state_dict() after step --save-at")
     p.add_argument("--muon", action="store_true", help="torch.optim.Muon on the matrices (whole tensors on owners)")
+    p.add_argument("--adafactor", action="store_true", help="torch.optim.Adafactor on every tensor (whole tensors)")
     p.add_argument("--remove-points", action="store_true",
                    help="recovery points on disk (give --source disk), which rank 0 deletes in the step a rank dies")
     a = p.parse_args()
@@ -143,7 +145,8 @@ def main() -> None:
                              recovery_every=a.recovery_every, min_ranks=a.min_ranks, recovery_source=a.source,
                              collective_timeout=a.collective_timeout, offload_optimizer=a.offload,
                              offload_params=a.offload if a.stage == 3 else "none",
-                             hierarchy="hsdp" if a.hsdp else "flat", ranks_per_node=2 if a.hsdp else None)
+                             hierarchy="hsdp" if a.hsdp else "flat", ranks_per_node=2 if a.hsdp else None,
+                             optimizer="torch.optim.Adafactor" if a.adafactor else "adamw")
     net = Net()
     groups = [{"params": [p for p in net.parameters() if p.dim() == 2], "optimizer": torch.optim.Muon},
               {"params": [p for p in net.parameters() if p.dim() != 2]}] if a.muon else None

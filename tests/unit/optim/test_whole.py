@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 import zerompi
+from zerompi.checkpoint import schema
+from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.comm.local import run_ranks
 from zerompi.config import ZeroConfig
 from zerompi.errors import CheckpointError, ConfigError
@@ -168,35 +170,34 @@ def test_a_step_sends_no_more_bytes_than_adamw_s(stage, n):
     assert sent(muon=True) <= sent(muon=False)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_muon_state_resumes_at_another_world_size(tmp_path, stage):
-    """Muon's momentum lives on each matrix's owner; saved at 2 ranks, loaded at 3 (other owners)."""
+RESUMES = [("muon+adamw", 2, 2, 2, 3), ("muon+adamw", 3, 3, 2, 3), ("adafactor", 2, 2, 2, 3), ("adafactor", 3, 3, 3, 2),
+           ("adafactor", 0, 3, 2, 3), ("adafactor", 3, 1, 2, 1)]  # mode, stage saved, stage loaded, ranks saved, loaded
+
+
+@pytest.mark.parametrize("mode,saved,loaded,n,m", RESUMES, ids=[f"{c[0]}-s{c[1]}n{c[3]}-to-s{c[2]}n{c[4]}" for c in RESUMES])
+def test_whole_tensor_state_resumes_at_another_world_size_and_stage(tmp_path, mode, saved, loaded, n, m):
+    """Each tensor's state lives on its owner and is saved whole, by the tensor's name: Muon's momentum, and
+    Adafactor's factored row and column statistics beside its vectors' per-element variance
+    (checkpoint/tensors.py). Saved after 2 steps, loaded onto other owners, the
+    third step is the plain loop's bits."""
     def save(group):
-        engine = _engine(group, stage, "muon+adamw")
+        engine = _engine(group, saved, mode)
         train(engine, range(2))
         engine.save_checkpoint(tmp_path, "step2")
         engine.close()
 
     def resume(group):
-        engine = _engine(group, stage, "muon+adamw")
+        engine = _engine(group, loaded, mode)
         engine.load_checkpoint(tmp_path, "step2")
         train(engine, range(2, 3))
         got = engine.full_state_dict()
         engine.close()
         return got
-    run_ranks(2, save)
-    want = _plain("muon+adamw", 3)
-    for got in run_ranks(3, resume):
+    run_ranks(n, save)
+    index = CheckpointIndex.read(tmp_path / "step2" / schema.INDEX)
+    whole = {k for k, p in _TEMPLATE.named_parameters() if p.dim() == 2}
+    # Muon's group (the matrices) and Adafactor's (every tensor) keep their state per tensor
+    assert set(index.optimizer["tensor_states"]) == (whole if mode == "muon+adamw" else set(dict(_TEMPLATE.named_parameters())))
+    want = _plain(mode, 3)
+    for got in run_ranks(m, resume):
         assert not _differences(got, want), _differences(got, want)
-
-
-def test_state_that_is_not_per_element_is_refused_by_name_when_saved(tmp_path):
-    """Adafactor's factored statistics cannot be laid out per element yet: the save says so."""
-    def rank(group):
-        engine = _engine(group, 2, "adafactor")
-        train(engine, range(1))
-        with pytest.raises(CheckpointError, match=r"optimizer state 'row_var' of shape .* is not per element|"
-                                                  r"state that is not per element"):
-            engine.save_checkpoint(tmp_path, "s")
-        engine.close()
-    run_ranks(2, rank)
