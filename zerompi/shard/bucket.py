@@ -65,8 +65,11 @@ class Bucket:
         self.layout, self.params, self.placement = layout, params, placement
         plan, dtype, index = placement.plan, placement.dtype, layout.index
         self.plan = plan
+        trains = self.trains = layout.trainable
+        """It holds trainable parameters: a master, gradients and optimizer state (a frozen bucket holds
+        its parameter shard alone)."""
         more = " ..." if len(layout.slots) > 1 else ""
-        self.name = f"{'' if plan.trains else 'frozen '}bucket {index} [{layout.slots[0].fqn}{more}]" + \
+        self.name = f"{'' if trains else 'frozen '}bucket {index} [{layout.slots[0].fqn}{more}]" + \
             (f" of module '{layout.unit or '<root>'}'" if plan.shard_params else "")
         self._sums: list[tuple[str, torch.Tensor]] = []  # check_finite: each gradient's sum since the last step
         self._gather: Work | None = None   # a non-blocking all-gather in flight (GATHERING)
@@ -76,17 +79,17 @@ class Bucket:
         own = slice(self.own.start, self.own.stop)
         # a master apart from the parameters (frozen buckets have none; stages 1-2 with quantized
         # weights compute with decoded values, so their master is kept apart too)
-        self.separate = plan.trains and (dtype != torch.float32 or tiers.moves_state
+        self.separate = trains and (dtype != torch.float32 or tiers.moves_state
                                          or (comm.quantizes_weights(plan) and not plan.shard_params))
 
-        if init.dtype == dtype and not plan.trains:  # frozen: the values are all it keeps, in place
+        if init.dtype == dtype and not trains:  # frozen: the values are all it keeps, in place
             self.param_full = FlatBuffer.holding(init, reuse=tiers.reuse)
         else:
             self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device, reuse=tiers.reuse)
             self.param_full.tensor.copy_(init)
         if plan.shard_params:
             self.param_tier: ShardTier = tiers.param_tier(index, aligned_clone(self.param_full.tensor[own]),
-                                                          frozen=not plan.trains)
+                                                          frozen=not trains)
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
         self.comm = comm.build(layout, plan, placement.rank, placement.device, self.param_full.tensor)
@@ -95,7 +98,7 @@ class Bucket:
         self.grad_sync: GradSync | None = self.comm.grad  # None for a frozen bucket
         self.weight_codes, self.grad_codes, self.secondary = \
             self.comm.weight_codes, self.comm.grad_codes, self.comm.secondary
-        if plan.trains:
+        if trains:
             self._init_training(init, tiers)
         else:  # frozen: the parameter shard is all there is (no gradient hook ever reaches it)
             self.master = self.grad_full = self.grads = None
@@ -303,7 +306,7 @@ class Bucket:
         params = self.param_tier.nbytes if self.plan.shard_params else self.param_full.nbytes
         if self.secondary is not None:
             params += self.secondary.nbytes
-        if not self.plan.trains:
+        if not self.trains:
             return params
         master = self.master.numel() * self.master.element_size() if self.separate else 0
         grads = self.grads.nbytes if self.plan.shard_grads else self.grad_full.nbytes
@@ -313,7 +316,7 @@ class Bucket:
     def full_master(self) -> torch.Tensor:
         """Collective: the full padded fp32 master of this bucket, on every rank (a frozen bucket's
         parameters, widened to fp32)."""
-        if not self.plan.trains:
+        if not self.trains:
             return self.full_params().float()
         if not self.plan.shard_optimizer:
             return self.master.detach().clone()
@@ -332,7 +335,7 @@ class Bucket:
     def load_params(self, shard: torch.Tensor) -> None:
         """Overwrite a frozen bucket's parameter shard (a checkpoint load); collective under hpZ,
         whose node-local copy is rebuilt from the new shards."""
-        if self.plan.trains or self.state is not BucketState.SHARDED:
+        if self.trains or self.state is not BucketState.SHARDED:
             raise self._illegal("load_params()", "SHARDED, on a frozen bucket")
         with self.param_tier.loaded(load=False) as mine:
             mine.copy_(shard)  # then to where gathers read: the packed shard, hpZ's node copy

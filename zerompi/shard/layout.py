@@ -75,6 +75,7 @@ class BucketLayout:
     world_size: int
     unit: str = ""  # stage 3: fully qualified name of the module whose forward gathers it
     owned: bool = False  # owner-aligned (plan_owned_bucket): each shard's parameters, then padding
+    trainable: bool = True  # False: stage 3's frozen parameters (a shard of values; no gradient or state)
 
     @property
     def used(self) -> tuple[int, ...] | None:
@@ -112,14 +113,14 @@ class BucketLayout:
 
 
 def _make_bucket(index: int, group: int, specs: Sequence[ParamSpec], world_size: int,
-                 unit: str, align: int = 1) -> BucketLayout:
+                 unit: str, align: int = 1, trainable: bool = True) -> BucketLayout:
     slots, offset = [], 0
     for spec in specs:
         numel = math.prod(spec.shape)
         slots.append(ParamSlot(spec.fqn, tuple(spec.shape), numel, offset))
         offset += numel
     return BucketLayout(index, group, tuple(slots), offset, padded_numel(offset, world_size * align),
-                        world_size, unit)
+                        world_size, unit, trainable=trainable)
 
 
 def assign_owners(numels: Sequence[int], world_size: int, load: list[int] | None = None) -> tuple[int, ...]:
@@ -156,7 +157,8 @@ def plan_owned_bucket(index: int, group: int, specs: Sequence[ParamSpec], world_
 
 def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,
                  first_index: int = 0, unit: str = "", align: int = 1,
-                 whole: frozenset[int] = frozenset(), loads: dict[int, list[int]] | None = None) -> list[BucketLayout]:
+                 whole: frozenset[int] = frozenset(), loads: dict[int, list[int]] | None = None,
+                 trainable: bool = True) -> list[BucketLayout]:
     """Cut ``specs`` (in order) into buckets of at most ``cap_numel`` elements.
 
     Each optimizer group is cut separately; a parameter larger than the cap
@@ -164,7 +166,8 @@ def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,
     ``align``: every shard is a multiple of this many elements (reproducible=True's norm chunks).
     ``whole``: groups whose optimizer sees whole tensors: their buckets are owner-aligned
     (:func:`plan_owned_bucket`), balanced over all of a group's buckets (``loads``: each group's
-    per-rank loads so far, kept across calls by the caller).
+    per-rank loads so far, kept across calls by the caller). ``trainable``: False for stage 3's
+    frozen parameters (their buckets are never owner-aligned: nothing steps them).
     """
     loads = {} if loads is None else loads
     if world_size < 1 or cap_numel < 1:
@@ -183,7 +186,7 @@ def plan_buckets(specs: Sequence[ParamSpec], world_size: int, cap_numel: int, *,
     chunks.sort(key=lambda c: c[0])
     return [plan_owned_bucket(first_index + i, group, members, world_size, unit, align,
                               loads.setdefault(group, [0] * world_size)) if group in whole else
-            _make_bucket(first_index + i, group, members, world_size, unit, align)
+            _make_bucket(first_index + i, group, members, world_size, unit, align, trainable)
             for i, (_, group, members) in enumerate(chunks)]
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from zerompi.errors import UsageError
 from zerompi.shard.layout import ParamSpec
-from zerompi.shard.stages import FROZEN, StagePlan, plan_for
+from zerompi.shard.stages import StagePlan, plan_for
 
 
 class Residence(Enum):
@@ -64,10 +64,9 @@ class ParamPlacement:
         return ParamSpec(self.fqn, self.shape, self.group)
 
     def bucket_plan(self, stage: StagePlan) -> StagePlan:
-        """The stage-table row its bucket runs: a frozen shard keeps its values alone (FROZEN); a
-        trainable parameter kept whole at stage 3 is bucketed as at stage 2."""
-        if not self.trainable:
-            return FROZEN
+        """The stage-table row its bucket runs: a trainable parameter kept whole at stage 3 is bucketed
+        as at stage 2; a frozen one is bucketed only when sharded (stage 3), and its bucket's layout
+        says that it does not train."""
         if stage.shard_params and not self.sharded:
             return plan_for(2)
         return stage

@@ -46,7 +46,7 @@ def plan_layouts(module: nn.Module, placed: list[ParamPlacement], stage: StagePl
             specs = [pl.spec for pl, _ in mine if pl.trainable == trainable]
             if specs:
                 new = plan_buckets(specs, world, 2**62, first_index=counts[trainable], unit=fqn, align=align,
-                                   whole=whole if trainable else frozenset(), loads=loads)
+                                   whole=whole if trainable else frozenset(), loads=loads, trainable=trainable)
                 counts[trainable] += len(new)
                 layouts += new
         unit_of_param.update((pl.fqn, fqn) for pl, _ in mine)

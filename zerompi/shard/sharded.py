@@ -116,9 +116,9 @@ class ShardedModel:
         self.units: list[Unit] = []
         built = [self._build(layout) for layout in self._plan(options.cap_numel)]
         trim_heap()  # the full tensors each build copied out of, and the shards' unaligned first copies
-        self.buckets = [b for b in built if b.plan.trains]
+        self.buckets = [b for b in built if b.trains]
         """The trainable buckets, indexed by their layout's index (the optimizer's and the checkpoint's)."""
-        self.frozen = [b for b in built if not b.plan.trains]
+        self.frozen = [b for b in built if not b.trains]
         """Stage 3: the buckets of frozen parameters, indexed by their layout's index."""
         self.all_buckets = self.buckets + self.frozen
         """Trainable buckets, then frozen ones: what every bucket-wide walk visits."""
@@ -203,7 +203,7 @@ class ShardedModel:
     def _log_plan(self) -> None:
         if not logger.isEnabledFor(logging.INFO):
             return
-        rows = [f"  {'frozen' if not b.plan.trains else 'bucket'} {b.layout.index:3d} "
+        rows = [f"  {'frozen' if not b.trains else 'bucket'} {b.layout.index:3d} "
                 f"unit={b.layout.unit or '-':20s} params={len(b.layout.slots):3d} "
                 f"numel={b.layout.numel} padded={b.layout.padded_numel} shard={b.layout.shard_numel}"
                 for b in self.all_buckets]
@@ -220,7 +220,7 @@ class ShardedModel:
         if self.in_backward:  # recomputation under activation checkpointing
             return None
         self._prefetch(self.prefetcher.forward(unit, root=unit.fqn == ""))
-        if torch.is_grad_enabled() and any(b.plan.shard_params and not b.plan.trains for b in unit.buckets):
+        if torch.is_grad_enabled() and any(b.plan.shard_params and not b.trains for b in unit.buckets):
             # frozen buckets have no gradient to tell when their unit's backward is over: the
             # gradients of its inputs do (else they wait for the end of the backward)
             return self.hooks.after_backward_of(args, kwargs, lambda: self._post_backward(unit))
@@ -231,7 +231,7 @@ class ShardedModel:
         their gradients are reduced)."""
         logger.debug("post-backward %s", unit.fqn or "<root>")
         for b in unit.buckets:
-            if not b.plan.trains:
+            if not b.trains:
                 b.reshard()
 
     def _gather(self, unit: Unit) -> None:
@@ -263,7 +263,7 @@ class ShardedModel:
         ahead = self.prefetcher.backward(unit)
         self._prefetch(ahead)
         if self._backward is not None and self._backward.steps is not None:  # this unit's, then the prefetched
-            self._backward.steps.coming([b for u in [unit, *ahead] for b in u.buckets if b.plan.trains])
+            self._backward.steps.coming([b for u in [unit, *ahead] for b in u.buckets if b.trains])
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot_of[p]

@@ -12,7 +12,9 @@ stage  parameters (c)  fp32 master      gradients (c)      optimizer state
 =====  ==============  ===============  =================  ================
 
 Frozen parameters take no gradient, master or optimizer state: stages 0-2 keep
-them replicated, stage 3 shards them in buckets of their own (``FROZEN``).
+them replicated, stage 3 shards them in buckets of their own, which run stage 3's
+row for their parameters; that a bucket trains is a value of its layout
+(``BucketLayout.trainable``), not a row.
 
 Every behaviour that differs between stages reads a field of :class:`StagePlan`
 instead of comparing stage numbers where it lands.
@@ -40,9 +42,6 @@ class StagePlan(NamedTuple):
     """Gradients are all-reduced (as reduce-scatter + all-gather, so replicas stay bitwise equal)."""
     gather_after_step: bool
     """The updated shards are all-gathered into the full parameters right after the step."""
-    trains: bool = True
-    """The bucket holds trainable parameters: a master, gradients and optimizer state (frozen
-    buckets hold the parameter shard alone)."""
 
     @property
     def step_collectives(self) -> tuple[tuple[str, str], ...]:
@@ -67,12 +66,6 @@ PLANS = {
     3: StagePlan(3, shard_optimizer=True, shard_grads=True, shard_params=True,
                  all_reduce_grads=False, gather_after_step=False),
 }
-
-
-FROZEN = StagePlan(3, shard_optimizer=True, shard_grads=False, shard_params=True, all_reduce_grads=False,
-                   gather_after_step=False, trains=False)
-"""Stage 3's frozen parameters (requires_grad=False): sharded and gathered like trainable ones, in
-the compute dtype, with no gradient, master or optimizer state (stages 0-2 keep them replicated)."""
 
 
 def plan_for(stage: int, *, rounds: Rounds = Rounds.WINDOW) -> StagePlan:

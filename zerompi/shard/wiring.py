@@ -65,7 +65,7 @@ class CommFactory:
         if hpz and weight_codes is None:
             secondary = Resident(params[groups.secondary_block(layout.padded_numel)].clone())
         grad_codes, grad = None, None
-        if plan.trains:
+        if layout.trainable:
             codec = self.compression.grads
             grad_codes = None if codec is None else GradCodes(
                 codec, groups.shard, layout.padded_numel, self.compression.error_feedback, device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from zerompi.shard.placement import ParamPlacement, Residence, place
-from zerompi.shard.stages import FROZEN, plan_for
+from zerompi.shard.stages import plan_for
 
 PARAMS = [("emb", (8, 4), True), ("norm", (4,), True), ("base", (4, 4), False), ("bias", (2,), False)]
 GROUPS = {"emb": 1, "norm": 0}
@@ -22,7 +22,7 @@ def test_stage_3_shards_from_the_persistence_threshold():
     placed = {pl.fqn: pl for pl in place(PARAMS, plan_for(3), 5, GROUPS)}
     assert placed["emb"].residence is Residence.SHARDED and placed["emb"].bucket_plan(plan_for(3)) == plan_for(3)
     assert placed["norm"].residence is Residence.GATHERED and placed["norm"].bucket_plan(plan_for(3)) == plan_for(2)
-    assert placed["base"].residence is Residence.SHARDED and placed["base"].bucket_plan(plan_for(3)) is FROZEN
+    assert placed["base"].residence is Residence.SHARDED and placed["base"].bucket_plan(plan_for(3)) is plan_for(3)
     assert placed["bias"].residence is Residence.REPLICATED and not placed["bias"].bucketed
     assert placed["emb"].numel == 32 and placed["emb"].spec == ("emb", (8, 4), 1)
 
