@@ -61,6 +61,8 @@ class Net(nn.Module):
 
 # The single-process checkpoints carry error-feedback residuals (b<i>/feedback, per rank) as well.
 FEEDBACK = dict(quantize_grads="int8", grad_error_feedback=True)
+# ... or (the "whole" base) Adafactor's state per tensor (t/<name>/<key>, the index's tensor_states).
+WHOLE = dict(stage=2, optimizer="torch.optim.Adafactor")
 
 
 def one_config(**changes) -> zerompi.ZeroConfig:
@@ -98,6 +100,8 @@ def engine_state(engine, rng: bool = True) -> dict[str, Any]:
     for i, b in enumerate(engine.sharded.buckets):
         for k, v in inner.state.get(b.master, {}).items():
             out[f"state/{i}/{k}"] = _bits(v) if isinstance(v, torch.Tensor) else repr(v)
+        for name, _, state in engine.optimizer.tensor_states(i):  # whole-tensor groups: per tensor
+            out.update({f"tensor/{name}/{k}": _bits(v) for k, v in state.items()})
     for gi, g in enumerate(inner.param_groups):
         for k, v in g.items():
             if k != "params":
@@ -172,6 +176,8 @@ def dataset_names(path: Path) -> list[str]:
 def prepare_base(name: str, root: Path) -> Base:
     if name == "one":
         base = Base(name, root, lambda: zerompi.initialize(Net(), one_config(**FEEDBACK)), world=1)
+    elif name == "whole":  # Adafactor: its factored state saved per tensor
+        base = Base(name, root, lambda: zerompi.initialize(Net(), one_config(**WHOLE)), world=1)
     elif name == "frozen":  # stage 3 with a frozen bucket (f0/param), and an adapters-only tag
         base = Base(name, root, lambda: zerompi.initialize(Net(freeze_bias=True), one_config(dtype="bf16")),
                     world=1)
@@ -191,11 +197,13 @@ def prepare_base(name: str, root: Path) -> Base:
     return base
 
 
-def write_one(root: Path, frozen: bool = False) -> None:
+def write_one(root: Path, frozen: bool = False, whole: bool = False) -> None:
     """Single-process stage-3 engine: train 2 steps, save `prev`, train 1, save `good` (latest).
     ``frozen``: fc1's bias frozen, bf16 (its shard stored as raw bf16 bits), and `prev` without it;
-    else with quantized gradients and error feedback (the residuals are saved too)."""
-    engine = zerompi.initialize(Net(freeze_bias=frozen), one_config(**(dict(dtype="bf16") if frozen else FEEDBACK)))
+    else with quantized gradients and error feedback (the residuals are saved too); ``whole``: Adafactor
+    at stage 2 (its state is saved per tensor)."""
+    config = dict(dtype="bf16") if frozen else WHOLE if whole else FEEDBACK
+    engine = zerompi.initialize(Net(freeze_bias=frozen), one_config(**config))
     g = torch.Generator().manual_seed(3)
     for step in range(3):
         engine.backward(engine(torch.randn(6, 4, generator=g)))

@@ -68,7 +68,7 @@ from tests.unit import hostile  # noqa: E402
 from tests.unit.checkpoint.fuzzing import (HANG_S, Base, HypothesisDraw, LoadWorker, Mutation, Net,  # noqa: E402
                                            Result, _DTYPES, _bits, draw_flip, draw_truncate, engine_state,
                                            examine, gpt_config, make_gpt, one_config, prepare_base, read_full,
-                                           write_one, write_two)
+                                           WHOLE, write_one, write_two)
 
 FUZZ = dict(deadline=None, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -190,7 +190,8 @@ def bases(tmp_path_factory):
     top = tmp_path_factory.mktemp("fuzzckpt")
     write_one(top / "one")
     write_one(top / "frozen", frozen=True)
-    out = {"one": prepare_base("one", top / "one"), "frozen": prepare_base("frozen", top / "frozen")}
+    write_one(top / "whole", whole=True)
+    out = {name: prepare_base(name, top / name) for name in ("one", "frozen", "whole")}
     NOT_WRITTEN["two"] = write_two(top / "two")
     if not NOT_WRITTEN["two"]:
         out["two"] = prepare_base("two", top / "two")
@@ -401,6 +402,10 @@ FROZEN_VARIANTS = [  # the bf16 checkpoint with fc1's bias frozen (and sharded)
     ({}, dict(dtype="bf16"), True), ({}, dict(dtype="bf16", stage=1), True), ({}, dict(stage=3), True),
     (dict(freeze_bias=False), dict(dtype="bf16"), False), (dict(hidden=9, freeze_bias=True), dict(dtype="bf16"), False),
 ]
+WHOLE_VARIANTS = [  # Adafactor at stage 2, its state per tensor: other stages reshard it, AdamW is refused
+    ({}, dict(WHOLE, stage=3), True), ({}, dict(WHOLE, stage=1), True), ({}, dict(WHOLE, stage=0), True),
+    ({}, dict(stage=2), False), (dict(extra=True), WHOLE, False),
+]
 TWO_VARIANTS = [
     (dict(n_embd=24), {}, False), (dict(n_layer=1), {}, False), (dict(n_layer=3), {}, False),
     (dict(vocab_size=33), {}, False), (dict(bias=True), {}, False), (dict(block_size=32), {}, False),
@@ -416,9 +421,9 @@ def test_fuzz_other_model_or_layout(bases, data):
     or compute dtype loads the same fp32 values."""
     d = HypothesisDraw(data)
     base = bases[d.choice(sorted(bases))]
-    variants = {"one": ONE_VARIANTS, "frozen": FROZEN_VARIANTS, "two": TWO_VARIANTS}[base.name]
+    variants = {"one": ONE_VARIANTS, "frozen": FROZEN_VARIANTS, "whole": WHOLE_VARIANTS, "two": TWO_VARIANTS}[base.name]
     model_kw, cfg_kw, loads = d.choice(variants)
-    if base.name == "one":
+    if base.name in ("one", "whole"):
         engine = zerompi.initialize(Net(**model_kw), one_config(**cfg_kw))
     elif base.name == "frozen":
         engine = zerompi.initialize(Net(**{"freeze_bias": True, **model_kw}), one_config(**cfg_kw))
