@@ -33,12 +33,13 @@ def plain(net: nn.Module, opts: list[torch.optim.Optimizer], steps: int,
           chunks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """``net`` trained by ``opts``; ``chunks``: another summation order (each chunk's micro-batches summed,
     then the chunks, as the engine's default mode sums each rank's, then the ranks'); None: index order."""
+    device = next(net.parameters()).device  # the batches go where the model is (the GPU suite's runs)
     for step in range(steps):
         total = [torch.zeros_like(p) for p in net.parameters()]
         for chunk in chunks or [[i] for i in range(G)]:
             part = [torch.zeros_like(p) for p in net.parameters()]
             for index in chunk:
-                x, y = batch(step, index)
+                x, y = (t.to(device) for t in batch(step, index))
                 net.zero_grad(set_to_none=True)
                 (F.mse_loss(net(x), y) * (1.0 / G)).backward()
                 for t, p in zip(part, net.parameters()):
@@ -56,6 +57,6 @@ def train(engine, steps: range) -> None:
     """The engine over the micro-batches it is dealt (reproducible=True, micro_batches=G)."""
     for step in steps:
         for index in engine.micro_batch_indices():
-            x, y = batch(step, index)
+            x, y = (t.to(engine.device) for t in batch(step, index))
             engine.backward(F.mse_loss(engine(x), y))
         assert engine.step()
