@@ -94,6 +94,27 @@ def test_shared_file_resumes(mpio, shared_ckpt, tmp_path, n, stage, venv):
         check_resume(dict(a), b, "fp32")
 
 
+@pytest.mark.parametrize("layout", ["shared", "per_node"])
+def test_whole_tensor_state_in_the_layouts_that_write_every_rank_together(mpio, tmp_path, layout):
+    """Adafactor keeps its state per tensor, on owners (checkpoint/tensors.py): every rank writes it as one
+    dataset of one length, so the shared file (written collectively) and the per-node file (gathered)
+    take it like any other. Saved at 2 ranks, resumed at 2 in the main venv: bitwise."""
+    save = ("--mode", "save", "--root", str(tmp_path / "root"), "--out", str(tmp_path / "a.npz"),
+            "--optimizer", "adafactor", "--layout", layout)
+    if layout == "shared":
+        _openmpi_job(mpio, 2, *save)
+    else:
+        run_mpi(2, "ckpt.py", *save, "--ranks-per-node", "2")
+    tag = (tmp_path / "root" / "latest").read_text().strip()
+    written = sorted(p.name for p in (tmp_path / "root" / tag).iterdir())
+    assert written == (["index.h5", SHARED] if layout == "shared" else ["index.h5", "node00000.h5"]), written
+    run_mpi(2, "ckpt.py", "--mode", "resume", "--root", str(tmp_path / "root"), "--out", str(tmp_path / "b.npz"),
+            "--optimizer", "adafactor", "--model-seed", "9")
+    a, b = np.load(tmp_path / "a.npz"), dict(np.load(tmp_path / "b.npz"))
+    for key in (k for k in a.files if k.startswith(("saved/", "final/"))):
+        assert np.array_equal(a[key], b[key]), f"{key} differs"
+
+
 def test_shared_file_consolidates_and_inspects(shared_ckpt, tmp_path):
     root, a = shared_ckpt
     full = load_full_state_dict(root)

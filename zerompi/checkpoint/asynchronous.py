@@ -31,7 +31,7 @@ def save_async(engine, root: str | os.PathLike, tag: str | None = None,
     snap, write = job.snap, None
     try:
         if snap.writes:  # the entries take now what the next step would change (entries.py)
-            parts = later_parts(snap, job.meta["state_keys"], include_frozen)
+            parts = later_parts(snap, job.meta, include_frozen)
             # on the save's own thread alone, no I/O pool beside it: with O_DIRECT from page-aligned shards
             # a write costs little CPU, and the steps keep the cores. (A lowered priority was tried: the
             # save then lags, and a step that reaches a bucket it has not written waits at the fence.)

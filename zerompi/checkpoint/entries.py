@@ -214,8 +214,9 @@ def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
     return saved if restore else None
 
 
-def entries(snap: EngineSnapshot, keys: list[str], include_frozen: bool = True) -> list[Entry]:
+def entries(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool = True) -> list[Entry]:
     """The entries of an engine's checkpoint, in the order their datasets are written and applied
-    (``keys``: the optimizer's per-element state names)."""
-    return [OptimizerShards(snap, keys), TensorStates(snap), FrozenShards(snap, include_frozen), Residuals(snap),
-            RngState(snap)]
+    (``meta``: the optimizer metadata of the save, or the index's of the load: its per-element state
+    names, and where each whole tensor's state lies)."""
+    return [OptimizerShards(snap, meta.get("state_keys", [])), TensorStates(snap, meta.get("tensor_states")),
+            FrozenShards(snap, include_frozen), Residuals(snap), RngState(snap)]

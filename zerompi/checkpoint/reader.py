@@ -102,7 +102,7 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
     # every bucket's reads in flight while the next datasets are opened and checked
     ctx = LoadContext(index, files, directory, Reads(), source, engine.group.rank, engine.group.size)
     try:
-        read = [(entry, entry.read(ctx)) for entry in entries(snap, index.optimizer.get("state_keys", []))]
+        read = [(entry, entry.read(ctx)) for entry in entries(snap, index.optimizer)]
         replicated = _read_replicated(engine, snap, index, directory, source)
     finally:
         _quietly(ctx.reads.wait)  # no read may still use a file (a failure above is the one reported)

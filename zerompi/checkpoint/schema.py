@@ -40,6 +40,7 @@ _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 # Dataset names: every module reads and writes them through these, and nowhere else spells them.
 CPU_RNG, CUDA_RNG, CUDA_DEVICES = "rng/torch_cpu", "rng/torch_cuda", "rng/cuda_device_count"
+TENSOR_STATES = "t/states"  # a rank's whole-tensor optimizer states, back to back (tensors.py)
 
 
 def rank_file(rank: int) -> str:
@@ -59,11 +60,6 @@ def master(bucket: int) -> str:
 def state(bucket: int, key: str) -> str:
     """Bucket ``bucket``'s per-element optimizer state ``key`` (e.g. exp_avg)."""
     return f"b{bucket}/state/{key}"
-
-
-def tensor_state(name: str, key: str) -> str:
-    """Optimizer state ``key`` of the tensor ``name`` that is not per element (Adafactor's row_var), whole."""
-    return f"t/{name}/{key}"
 
 
 def frozen(bucket: int) -> str:

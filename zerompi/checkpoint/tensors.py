@@ -2,15 +2,18 @@
 
 An optimizer that sees whole tensors keeps its state per tensor, on the tensor's owner (optim/whole.py):
 per-element tensors (Muon's momentum) and tensors of other shapes (Adafactor's factored row and column
-statistics) alike. Each is saved whole, under its tensor's name (``t/<name>/<key>``), by the rank whose
-written range holds the tensor's first element: its owner (stages 1-3), or at stage 0 the replica whose
-slice starts it. The index records, per tensor, that rank and each state's shape and dtype
-(``optimizer["tensor_states"]``), so that a load at any world size and stage reads each tensor's state
-from the file that has it, onto the rank that steps the tensor now, which gets exactly that tensor's
-state (tensors of one group may keep different states: Adafactor's vectors and matrices).
+statistics) alike. Each tensor's states are saved whole, by the rank whose written range holds the
+tensor's first element (its owner at stages 1-3; at stage 0 the replica whose slice starts it), back to
+back in that rank's one dataset ``t/states`` (fp32; 16-bit states widen exactly). The index records, per
+tensor, that rank, the offset of its states there, and each state's shape and dtype
+(``optimizer["tensor_states"]``), so that a load at any world size and stage reads each tensor's states
+onto the rank that steps the tensor now, which gets exactly that tensor's state (tensors of one group
+may keep different states: Adafactor's vectors and matrices).
 
-Only owners know their tensors' state, so what the index records of it (these, and each bucket's plain
-scalars) is gathered from every rank (:func:`agreed`).
+Every rank writes ``t/states`` at the same length, the longest rank's (the rest zeros): the shared-file
+and per-node layouts write a dataset of every rank together. Only owners know their tensors' state, so
+what the index records of it (these records, each bucket's plain scalars) is gathered from every rank
+(:func:`agreed`).
 """
 from __future__ import annotations
 
@@ -22,30 +25,40 @@ import numpy as np
 import torch
 
 from zerompi.checkpoint import schema
-from zerompi.checkpoint.shards import Part, to_numpy
+from zerompi.checkpoint.shards import FP32, Part
 from zerompi.checkpoint.snapshot import EngineSnapshot
 from zerompi.errors import CheckpointError
 
-DTYPES = ("float32", "float64", "bfloat16", "float16")  # what a state is restored as (stored as <f4 or <f8)
+DTYPES = ("float32", "bfloat16", "float16")  # stored as fp32 exactly, restored as they were
 
 
-def _stored(dtype: str) -> str:
-    return "<f8" if dtype == "float64" else "<f4"
-
-
-def _written(snap: EngineSnapshot) -> Iterator[tuple[int, str, dict[str, torch.Tensor]]]:
-    """(bucket, tensor name, per-tensor state) of the tensors this rank writes."""
+def _written(snap: EngineSnapshot) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(tensor name, its state) of the tensors this rank writes, in the order they are packed (a tensor's
+    states by name: the index's JSON need not keep a dict's order)."""
     for i, shard in enumerate(snap.shards):
         for name, offset, state in snap.states.tensor_states(i):
             if shard.written.start <= shard.own.start + offset < shard.written.stop:
-                yield i, name, state
+                yield name, dict(sorted(state.items()))
 
 
 def meta(snap: EngineSnapshot) -> dict[str, dict[str, Any]]:
     """The index's record of the tensor states this rank writes (the key is left out of indexes without any)."""
-    return {name: {"rank": snap.shard_group.rank, "shapes": {k: list(v.shape) for k, v in state.items()},
-                   "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in state.items()}}
-            for _, name, state in _written(snap)}
+    out, at = {}, 0
+    for name, state in _written(snap):
+        for k, v in state.items():
+            dtype = str(v.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
+                raise CheckpointError(f"optimizer state {k!r} of tensor {name!r} is {dtype}: a checkpoint holds "
+                                      f"whole-tensor state of dtypes {list(DTYPES)}")
+        out[name] = {"rank": snap.shard_group.rank, "offset": at,
+                     "shapes": {k: list(v.shape) for k, v in state.items()},
+                     "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in state.items()}}
+        at += sum(v.numel() for v in state.values())
+    return out
+
+
+def _end(record: dict[str, Any]) -> int:
+    return record["offset"] + sum(math.prod(s) for s in record["shapes"].values())
 
 
 def agreed(group, snap: EngineSnapshot, mine: dict[str, Any]) -> dict[str, Any]:
@@ -71,11 +84,13 @@ def checked(saved: Any, world_size: int) -> dict[str, dict[str, Any]]:
         raise CheckpointError(f"the index's optimizer tensor_states {saved!r} is not a dict")
     for name, record in saved.items():
         where = f"the index's optimizer tensor_states[{name!r}]"
-        if not (isinstance(record, dict) and record.keys() == {"rank", "shapes", "dtypes"}):
-            raise CheckpointError(f"{where} is {record!r}, not {{'rank', 'shapes', 'dtypes'}}")
-        rank, shapes, dtypes = record["rank"], record["shapes"], record["dtypes"]
+        if not (isinstance(record, dict) and record.keys() == {"rank", "offset", "shapes", "dtypes"}):
+            raise CheckpointError(f"{where} is {record!r}, not {{'rank', 'offset', 'shapes', 'dtypes'}}")
+        rank, offset, shapes, dtypes = record["rank"], record["offset"], record["shapes"], record["dtypes"]
         if not (type(rank) is int and 0 <= rank < world_size):
             raise CheckpointError(f"{where}['rank'] = {rank!r} is not a rank of the {world_size} that wrote it")
+        if not (type(offset) is int and offset >= 0):
+            raise CheckpointError(f"{where}['offset'] = {offset!r} is not an offset")
         if not (isinstance(shapes, dict) and isinstance(dtypes, dict) and shapes.keys() == dtypes.keys()
                 and all(isinstance(k, str) and k for k in shapes)):
             raise CheckpointError(f"{where}: shapes {shapes!r} and dtypes {dtypes!r} must name the same states")
@@ -88,43 +103,50 @@ def checked(saved: Any, world_size: int) -> dict[str, dict[str, Any]]:
 
 
 class TensorStates:
-    """Entry: the optimizer state of the whole-tensor groups, per tensor (see the module docstring)."""
+    """Entry: the optimizer state of the whole-tensor groups, per tensor (see the module docstring).
+    ``records``: the save's (gathered from every rank) or the index's ``tensor_states``."""
 
     what = "whole-tensor optimizer state"
 
-    def __init__(self, snap: EngineSnapshot):
-        self.snap = snap
+    def __init__(self, snap: EngineSnapshot, records: dict[str, dict[str, Any]] | None):
+        self.snap, self.records = snap, records or {}
 
     def parts(self) -> Iterator[Part]:
-        for _, name, state in _written(self.snap):
-            for k, v in state.items():
-                yield schema.tensor_state(name, k), to_numpy(v).reshape(-1)
+        if not self.snap.states.partial_state:
+            return
+        packed = np.zeros(max(map(_end, self.records.values()), default=0), dtype=np.float32)
+        for name, state in _written(self.snap):
+            at = self.records[name]["offset"]
+            for v in state.values():
+                packed[at:at + v.numel()] = v.detach().float().cpu().reshape(-1).numpy()
+                at += v.numel()
+        yield schema.TENSOR_STATES, packed
 
     def later(self) -> Callable[[], Iterator[Part]]:
-        copies = [(name, data.copy()) for name, data in self.parts()]  # the next step changes them
-        return lambda: iter(copies)
+        now = list(self.parts())  # packed into a copy: the next step changes the states
+        return lambda: iter(now)
 
     def read(self, ctx) -> list[tuple[int, str, dict[str, np.ndarray]]]:
         """The saved state of every tensor this rank steps (each rank, stage 0: of every tensor)."""
-        saved = checked(ctx.index.optimizer.get("tensor_states"), ctx.index.world_size)
+        saved = checked(self.records, ctx.index.world_size)
         out = []
         for i, shard in enumerate(self.snap.shards):
             for slot in shard.layout.slots:
                 record = saved.get(slot.fqn)
                 if record is None or not shard.own.start <= slot.offset < shard.own.stop:
                     continue
-                state = {}
-                for k, shape in record["shapes"].items():
-                    ds = ctx.files.dataset(record["rank"], schema.tensor_state(slot.fqn, k), math.prod(shape),
-                                           _stored(record["dtypes"][k]))
-                    state[k] = schema.read_array(ds).reshape(shape)
+                data = schema.read_array(ctx.files.dataset(record["rank"], schema.TENSOR_STATES, dtype=FP32),
+                                         record["offset"], _end(record))
+                state, at = {}, 0
+                for k, shape in sorted(record["shapes"].items()):
+                    n = math.prod(shape)
+                    state[k] = data[at:at + n].reshape(shape)
+                    at += n
                 out.append((i, slot.fqn, state))
         return out
 
     def apply(self, data: list[tuple[int, str, dict[str, np.ndarray]]], ctx) -> None:
-        saved = ctx.index.optimizer.get("tensor_states") or {}
         for i, name, state in data:
-            dtypes = saved[name]["dtypes"]
+            dtypes = self.records[name]["dtypes"]
             self.snap.states.load_tensor_state(
-                i, name, {k: torch.from_numpy(np.ascontiguousarray(v)).to(getattr(torch, dtypes[k]))
-                          for k, v in state.items()})
+                i, name, {k: torch.from_numpy(np.array(v)).to(getattr(torch, dtypes[k])) for k, v in state.items()})

@@ -84,22 +84,23 @@ def gathered_meta(group, snap: EngineSnapshot) -> dict[str, Any]:
     return tensors.agreed(group, snap, meta)
 
 
-def parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
-    """(dataset name, this rank's data) of every entry (entries.py), one bucket in memory at a time."""
-    for entry in entries(snap, keys, include_frozen):
+def parts(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(dataset name, this rank's data) of every entry (entries.py), one bucket in memory at a time
+    (``meta``: the save's optimizer metadata, ``gathered_meta``)."""
+    for entry in entries(snap, meta, include_frozen):
         yield from entry.parts()
 
 
-def later_parts(snap: EngineSnapshot, keys: list[str], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
+def later_parts(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
     """What ``parts`` yields, for a background save: each entry takes now what the next step would change
     (the optimizer's buckets are held at the fence), and the datasets are produced on the save's thread."""
-    later = [entry.later() for entry in entries(snap, keys, include_frozen)]
+    later = [entry.later() for entry in entries(snap, meta, include_frozen)]
     return (part for run in later for part in run())
 
 
-def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, keys: list[str],
+def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, meta: dict[str, Any],
                   save_id: str, include_frozen: bool) -> list[list[int]] | None:
-    return store.write(directory, group, parts(snap, keys, include_frozen), save_id,
+    return store.write(directory, group, parts(snap, meta, include_frozen), save_id,
                        WriteOptions.from_policy(snap.config.checkpointing))
 
 
@@ -252,7 +253,7 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
                 include_frozen=include_frozen)
     snap = job.snap
     # One file per shard (or per node); with hsdp only the first node's ranks write (the others hold replicas).
-    files, error = _attempt_for(_write_shards, job.store, snap, snap.shard_group, job.tmp, job.meta["state_keys"],
+    files, error = _attempt_for(_write_shards, job.store, snap, snap.shard_group, job.tmp, job.meta,
                                 job.save_id, include_frozen) if snap.writes else (None, None)
     all_ranks_ok(engine.group, error, CheckpointError)
     if files is not None and engine.group.rank == 0:  # per-node: which ranks each file holds

@@ -54,8 +54,9 @@ def train(engine, first: int, count: int, order: str | None = None) -> None:
 
 
 def config(args) -> zerompi.ZeroConfig:
-    opt = (dict(optimizer="adamw", lr=1e-2, weight_decay=0.1) if args.optimizer == "adamw"
-           else dict(optimizer="sgd", lr=0.2, momentum=0.9))
+    opt = {"adamw": dict(optimizer="adamw", lr=1e-2, weight_decay=0.1),
+           "sgd": dict(optimizer="sgd", lr=0.2, momentum=0.9),
+           "adafactor": dict(optimizer="torch.optim.Adafactor", lr=1e-2)}[args.optimizer]  # state per tensor
     offload = dict(offload_optimizer=args.offload, nvme_path=args.root + "-swap") if args.offload != "none" else {}
     return zerompi.ZeroConfig(stage=args.stage, dtype=args.dtype, bucket_mb=args.bucket_mb, **opt,
                               hierarchy=args.hierarchy, ranks_per_node=args.ranks_per_node,

@@ -61,7 +61,7 @@ class Net(nn.Module):
 
 # The single-process checkpoints carry error-feedback residuals (b<i>/feedback, per rank) as well.
 FEEDBACK = dict(quantize_grads="int8", grad_error_feedback=True)
-# ... or (the "whole" base) Adafactor's state per tensor (t/<name>/<key>, the index's tensor_states).
+# ... or (the "whole" base) Adafactor's state per tensor (t/states, the index's tensor_states).
 WHOLE = dict(stage=2, optimizer="torch.optim.Adafactor")
 
 

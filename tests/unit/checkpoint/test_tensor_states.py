@@ -2,6 +2,8 @@
 malformed record or dataset is refused by name on every rank, and the engine keeps what it had."""
 from __future__ import annotations
 
+import math
+
 import h5py
 import pytest
 import torch
@@ -13,17 +15,19 @@ from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.comm.local import run_ranks
 from zerompi.errors import CheckpointError
 
-GOOD = {"rank": 1, "shapes": {"row_var": [40, 1], "step": []}, "dtypes": {"row_var": "float32", "step": "float32"}}
+GOOD = {"rank": 1, "offset": 0, "shapes": {"row_var": [40, 1], "step": []},
+        "dtypes": {"row_var": "float32", "step": "float32"}}
 
 
 @pytest.mark.parametrize("record,named", [
     ([1, 2], r"tensor_states\['w'\] is \[1, 2\]"),
     ({**GOOD, "rank": 2}, r"\['rank'\] = 2 is not a rank of the 2"),
     ({**GOOD, "rank": True}, r"\['rank'\] = True"),
+    ({**GOOD, "offset": -1}, r"\['offset'\] = -1 is not an offset"),
     ({**GOOD, "shapes": {"row_var": [40, -1], "step": []}}, r"\['shapes'\]\['row_var'\] = \[40, -1\] is not a shape"),
     ({**GOOD, "shapes": {"row_var": [40, 1]}}, r"must name the same states"),
     ({**GOOD, "dtypes": {"row_var": "object", "step": "float32"}}, r"\['dtypes'\]\['row_var'\] = 'object'"),
-    ({**GOOD, "extra": 1}, r"not \{'rank', 'shapes', 'dtypes'\}"),
+    ({**GOOD, "extra": 1}, r"not \{'rank', 'offset', 'shapes', 'dtypes'\}"),
 ])
 def test_a_malformed_record_is_refused_naming_its_field(record, named):
     assert tensors.checked({"w": GOOD}, 2) == {"w": GOOD}
@@ -45,15 +49,14 @@ def _save(tmp_path) -> None:
 def _damage(tmp_path, how: str) -> str:
     """Damage the saved row_var of the first matrix in its writer's file; the dataset's name."""
     index = CheckpointIndex.read(tmp_path / "good" / schema.INDEX)
-    name = next(n for n, r in index.optimizer["tensor_states"].items() if "row_var" in r["shapes"])
-    writer = index.optimizer["tensor_states"][name]["rank"]
-    dataset = schema.tensor_state(name, "row_var")
-    with h5py.File(tmp_path / "good" / schema.rank_file(writer), "r+") as f:
+    record = next(r for r in index.optimizer["tensor_states"].values() if "row_var" in r["shapes"])
+    at = record["offset"] + sum(math.prod(s) for k, s in record["shapes"].items() if k < "row_var")  # by name
+    with h5py.File(tmp_path / "good" / schema.rank_file(record["rank"]), "r+") as f:
         if how == "missing":
-            del f[dataset]
+            del f[schema.TENSOR_STATES]
         else:
-            f[dataset][0] = f[dataset][0] + 1.0
-    return dataset
+            f[schema.TENSOR_STATES][at] = f[schema.TENSOR_STATES][at] + 1.0
+    return schema.TENSOR_STATES
 
 
 @pytest.mark.parametrize("how", ["flip", "missing"])
