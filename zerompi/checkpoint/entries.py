@@ -4,7 +4,7 @@ Each entry is one kind of sharded state, reached through the engine's public sna
 (snapshot.py), never through a component's privates:
 
 - ``OptimizerShards`` (shards.py): every bucket's fp32 master and optimizer state;
-- ``TensorStates`` (tensors.py): optimizer state held per tensor (a factored moment), whole;
+- ``TensorStates`` (tensors.py): the state of optimizers that see whole tensors, per tensor;
 - ``FrozenShards``: stage 3's frozen parameter shards;
 - ``Residuals``: this rank's error-feedback residuals (feedback.py);
 - ``RngState``: this process's CPU (and CUDA) generator state.

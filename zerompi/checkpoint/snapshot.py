@@ -75,11 +75,11 @@ class ShardStates(Protocol):
     """Some buckets' state is on their tensors' owners alone (what the index records is gathered)."""
 
     def tensor_states(self, index: int) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
-        """(parameter name, offset in the shard, state) of bucket ``index``'s tensors whose optimizer
-        state is not per element (a factored moment), for those this rank steps."""
+        """(parameter name, offset in the shard, state tensors) of the tensors of bucket ``index`` that this
+        rank steps, when the bucket's optimizer sees whole tensors (its state is kept per tensor)."""
 
     def load_tensor_state(self, index: int, name: str, saved: dict[str, torch.Tensor]) -> None:
-        """Add tensor ``name``'s saved per-tensor state, after ``load_shard`` of its bucket."""
+        """Add tensor ``name``'s saved state tensors, after ``load_shard`` of its bucket."""
 
     def optimizer_names(self) -> list[str]:
         """Each optimizer param group's optimizer class, as ``module.QualName``."""

@@ -45,14 +45,13 @@ def meta(snap: EngineSnapshot) -> dict[str, dict[str, Any]]:
     """The index's record of the tensor states this rank writes (the key is left out of indexes without any)."""
     out, at = {}, 0
     for name, state in _written(snap):
-        for k, v in state.items():
-            dtype = str(v.dtype).removeprefix("torch.")
+        dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in state.items()}
+        for k, dtype in dtypes.items():
             if dtype not in DTYPES:
                 raise CheckpointError(f"optimizer state {k!r} of tensor {name!r} is {dtype}: a checkpoint holds "
                                       f"whole-tensor state of dtypes {list(DTYPES)}")
         out[name] = {"rank": snap.shard_group.rank, "offset": at,
-                     "shapes": {k: list(v.shape) for k, v in state.items()},
-                     "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in state.items()}}
+                     "shapes": {k: list(v.shape) for k, v in state.items()}, "dtypes": dtypes}
         at += sum(v.numel() for v in state.values())
     return out
 
@@ -127,22 +126,27 @@ class TensorStates:
         return lambda: iter(now)
 
     def read(self, ctx) -> list[tuple[int, str, dict[str, np.ndarray]]]:
-        """The saved state of every tensor this rank steps (each rank, stage 0: of every tensor)."""
+        """The saved state of every tensor this rank steps (each rank, stage 0: of every tensor): from each
+        writer's ``t/states``, the span holding them read once (its checksum blocks checked once)."""
         saved = checked(self.records, ctx.index.world_size)
+        wanted = [(i, slot.fqn, saved[slot.fqn]) for i, shard in enumerate(self.snap.shards)
+                  for slot in shard.layout.slots
+                  if slot.fqn in saved and shard.own.start <= slot.offset < shard.own.stop]
+        spans: dict[int, tuple[int, np.ndarray]] = {}
+        for writer in {record["rank"] for _, _, record in wanted}:
+            mine = [r for _, _, r in wanted if r["rank"] == writer]
+            lo = min(r["offset"] for r in mine)
+            spans[writer] = lo, schema.read_array(ctx.files.dataset(writer, schema.TENSOR_STATES, dtype=FP32),
+                                                  lo, max(map(_end, mine)))
         out = []
-        for i, shard in enumerate(self.snap.shards):
-            for slot in shard.layout.slots:
-                record = saved.get(slot.fqn)
-                if record is None or not shard.own.start <= slot.offset < shard.own.stop:
-                    continue
-                data = schema.read_array(ctx.files.dataset(record["rank"], schema.TENSOR_STATES, dtype=FP32),
-                                         record["offset"], _end(record))
-                state, at = {}, 0
-                for k, shape in sorted(record["shapes"].items()):
-                    n = math.prod(shape)
-                    state[k] = data[at:at + n].reshape(shape)
-                    at += n
-                out.append((i, slot.fqn, state))
+        for i, name, record in wanted:
+            lo, data = spans[record["rank"]]
+            state, at = {}, record["offset"] - lo
+            for k, shape in sorted(record["shapes"].items()):
+                n = math.prod(shape)
+                state[k] = data[at:at + n].reshape(shape)
+                at += n
+            out.append((i, name, state))
         return out
 
     def apply(self, data: list[tuple[int, str, dict[str, np.ndarray]]], ctx) -> None:

@@ -288,7 +288,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         tensors' states packed over the shard for a whole-tensor group (a copy)."""
         master = self.buckets[index].master
         if index in self.views.of:
-            return self.views.pack(index, self.inner.state, master.numel(), master.device)
+            return self.views.pack(index, self.inner.state)
         return self.inner.state.get(master, {})
 
     def load_shard(self, index: int, master: torch.Tensor, state: dict[str, Any]) -> None:
@@ -314,12 +314,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return bool(self.views.of)
 
     def tensor_states(self, index: int) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
-        """(name, offset in the shard, state) of bucket ``index``'s tensors whose state is not per element
-        (whole.py), for those this rank steps; the live tensors."""
+        """(name, offset in the shard, state tensors) of bucket ``index``'s tensors that this rank steps, for
+        a whole-tensor group's bucket (whole.py; none for a flat one); the live tensors."""
         return self.views.tensor_states(index, self.inner.state) if index in self.views.of else []
 
     def load_tensor_state(self, index: int, name: str, saved: dict[str, torch.Tensor]) -> None:
-        """Add the per-tensor state ``saved`` of tensor ``name`` (bucket ``index``), after ``load_shard``."""
+        """Add the saved state tensors ``saved`` of tensor ``name`` (bucket ``index``), after ``load_shard``."""
         self.views.load_tensor_state(index, self.inner.state, name, saved)
 
     def optimizer_names(self) -> list[str]:

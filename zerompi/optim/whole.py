@@ -45,7 +45,7 @@ class TensorViews:
         for v, a, z in self.of[index]:
             v.grad = None if grad is None else grad[a:z].view(v.shape)
 
-    def pack(self, index: int, state: dict, numel: int, device) -> dict[str, Any]:
+    def pack(self, index: int, state: dict) -> dict[str, Any]:
         """The bucket's optimizer state as a bucket's checkpoint datasets see it: the plain values of its
         tensors' states (the first tensor's: every tensor of a group steps together); tensors' state
         goes whole, per tensor (``tensor_states``)."""

@@ -234,13 +234,13 @@ class MPIGroup:
         if self.size == 1:
             return self._alone(entered, lambda: alone_reduce_scatter(full))
         if full.dtype in shapes.SUM_DTYPES:
-            out = torch.empty(n, dtype=full.dtype, device=full.device) if used is None else \
-                torch.zeros(n, dtype=full.dtype, device=full.device)
             if used is None:
+                out = torch.empty(n, dtype=full.dtype, device=full.device)
                 (f, o), back = stage((full, out), self.cuda_aware)
                 blocking = lambda: self.comm.Reduce_scatter_block(f, o, op=MPI.SUM)
                 start = lambda: self.comm.Ireduce_scatter_block(f, o, op=MPI.SUM)
-            else:
+            else:  # the padding of this rank's chunk never arrives: zeros
+                out = torch.zeros(n, dtype=full.dtype, device=full.device)
                 (f, o), back = stage((shapes.live(full, self.size, used), out), self.cuda_aware)
                 mine, counts = o[:used[self.rank]], list(used)
                 blocking = lambda: self.comm.Reduce_scatter(f, mine, counts, op=MPI.SUM)
@@ -252,8 +252,8 @@ class MPIGroup:
         def finish() -> torch.Tensor:
             back()
             return recv.view(self.size, n).float().sum(dim=0)
-        send, into = self._exchanged(f, r, used)
-        return self._issue(entered, send, into, finish, async_op)
+        blocking, start = self._exchanged(f, r, used)
+        return self._issue(entered, blocking, start, finish, async_op)
 
     def _exchanged(self, send: torch.Tensor, recv: torch.Tensor, used: Sequence[int] | None
                    ) -> tuple[Callable[[], Any], Callable[[], MPI.Request]]:
