@@ -65,6 +65,16 @@ def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[.
     return step
 
 
+def engine_step(engine) -> Callable[..., float]:
+    """One training step through an engine that owns backward and the update (zerompi's, DeepSpeed's)."""
+    def step(x, y) -> float:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    return step
+
+
 def parse_args(variants: tuple[str, ...]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="one benchmark row (run under mpiexec)")
     p.add_argument("--size", choices=sorted(MODEL_SIZES), default="20M")

@@ -41,13 +41,7 @@ def build(model, args, comm) -> rowlib.Trainer:
     config = ds_config(args)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
-    def step(x, y) -> float:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
-    return rowlib.Trainer(step=step, bytes_sent=commcount.bytes_sent,
+    return rowlib.Trainer(step=rowlib.engine_step(engine), bytes_sent=commcount.bytes_sent,
                           info=dict(deepspeed=deepspeed.__version__, config=config))
 
 

@@ -81,16 +81,10 @@ def build(model, args, comm) -> rowlib.Trainer:
                                   weight_decay=args.weight_decay)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw, config=config)
 
-    def step(x, y) -> float:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
     info = dict(deepspeed=deepspeed.__version__, config=config, optimizer=opt, per_rank=per_rank_of(engine),
                 basic_optimizer=type(engine.optimizer.optimizer).__name__,
                 aux_optimizer=type(getattr(engine.optimizer.optimizer, "aux_optimizer", None)).__name__)
-    return rowlib.Trainer(step=step, bytes_sent=commcount.bytes_sent, info=info)
+    return rowlib.Trainer(step=rowlib.engine_step(engine), bytes_sent=commcount.bytes_sent, info=info)
 
 
 if __name__ == "__main__":

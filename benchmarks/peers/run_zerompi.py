@@ -18,15 +18,10 @@ def build(model, args, comm) -> rowlib.Trainer:
                              mpi_progress=next((f for f in flags if f in ("test", "thread")), "none"))
     engine = zerompi.initialize(model, cfg, comm=comm)
 
-    def step(x, y) -> float:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
     info = dict(stage=cfg.stage, bucket_mb=cfg.bucket_mb,
                 model_state_bytes=lambda: engine.stats.model_state_bytes)
-    return rowlib.Trainer(step=step, bytes_sent=lambda: dict(engine.stats.bytes_sent), info=info)
+    return rowlib.Trainer(step=rowlib.engine_step(engine), bytes_sent=lambda: dict(engine.stats.bytes_sent),
+                          info=info)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,6 @@ def build(model, args, comm) -> rowlib.Trainer:
                   {"params": rest}]
     engine = zerompi.initialize(model, cfg, comm=comm, param_groups=groups)
 
-    def step(x, y) -> float:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
     def per_rank() -> dict:
         views = engine.optimizer.views.of
         return dict(opt_state_bytes=engine.optimizer.state_bytes(),
@@ -41,7 +35,8 @@ def build(model, args, comm) -> rowlib.Trainer:
 
     info = dict(stage=cfg.stage, bucket_mb=cfg.bucket_mb, optimizer=opt, per_rank=per_rank,
                 groups=engine.optimizer.group_names)
-    return rowlib.Trainer(step=step, bytes_sent=lambda: dict(engine.stats.bytes_sent), info=info)
+    return rowlib.Trainer(step=rowlib.engine_step(engine), bytes_sent=lambda: dict(engine.stats.bytes_sent),
+                          info=info)
 
 
 if __name__ == "__main__":
