@@ -53,6 +53,24 @@ def run_json(n: int, worker: str, out: Path, *args: str) -> dict | list:
         return run_worker_json(n, f"{WORKERS}/{worker}", out, "--device", DEVICE, *args)
 
 
+def rows_by_cuda_aware(tmp_path_factory, worker: str):
+    """``get(setting)``: ``worker``'s rows on 2 ranks with ``--cuda-aware setting``, one job per setting and
+    module; a setting initialize refuses (the worker writes ``{"skipped": its ConfigError}``) skips the
+    tests that ask for it, with MPI's own answer."""
+    def start(setting):
+        out = tmp_path_factory.mktemp(f"{Path(worker).stem}-{setting}") / "rows.json"
+        return run_json(2, worker, out, "--cuda-aware", setting)
+
+    jobs = Jobs(start)
+
+    def get(setting: str) -> list[dict]:
+        got = jobs(setting)
+        if isinstance(got, dict):
+            pytest.skip(f"cuda_aware_mpi={setting!r} refused: {got['skipped']}")
+        return got
+    return get
+
+
 def run(n: int, worker: str, *args: str, device: str = DEVICE, gpus: str | None = None) -> None:
     """``tests/gpu/workers/WORKER`` on ``n`` ranks; ``gpus`` sets CUDA_VISIBLE_DEVICES ("" hides them)."""
     with visible_devices(gpus):

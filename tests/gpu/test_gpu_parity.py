@@ -15,7 +15,7 @@ import pytest
 
 from ..mpi.matrix import collective_bytes, zero_volume
 from ..mpi.tolerance import check_parity
-from .support import DEVICE, Jobs, requires_cuda, run_json
+from .support import DEVICE, requires_cuda, rows_by_cuda_aware
 
 pytestmark = requires_cuda
 
@@ -31,18 +31,9 @@ def combo_id(combo) -> str:
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    def start(setting):
-        out = tmp_path_factory.mktemp(f"gpu-parity-{setting}") / "rows.json"
-        return run_json(2, "gpu_parity.py", out, "--cuda-aware", setting)
-
-    jobs = Jobs(start)
-
-    def get(setting: str) -> dict:
-        got = jobs(setting)
-        if isinstance(got, dict):  # {"skipped": the ConfigError of initialize}
-            pytest.skip(f"cuda_aware_mpi={setting!r} refused: {got['skipped']}")
-        return {(r["stage"], r["dtype"], (r["accum"], r["clip"]), r["optimizer"]): r for r in got}
-    return get
+    get = rows_by_cuda_aware(tmp_path_factory, "gpu_parity.py")
+    return lambda setting: {(r["stage"], r["dtype"], (r["accum"], r["clip"]), r["optimizer"]): r
+                            for r in get(setting)}
 
 
 @pytest.mark.parametrize("setting", SETTINGS)

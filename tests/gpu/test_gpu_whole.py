@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from .support import DEVICE, Jobs, requires_cuda, run_json
+from .support import DEVICE, requires_cuda, rows_by_cuda_aware
 
 pytestmark = requires_cuda
 
@@ -17,18 +17,7 @@ SETTINGS = ("off", "on")
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    def start(setting):
-        out = tmp_path_factory.mktemp(f"gpu-whole-{setting}") / "rows.json"
-        return run_json(2, "gpu_whole.py", out, "--cuda-aware", setting)
-
-    jobs = Jobs(start)
-
-    def get(setting: str) -> list[dict]:
-        got = jobs(setting)
-        if isinstance(got, dict):
-            pytest.skip(f"cuda_aware_mpi={setting!r} refused: {got['skipped']}")
-        return got
-    return get
+    return rows_by_cuda_aware(tmp_path_factory, "gpu_whole.py")
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
