@@ -17,7 +17,8 @@ from torch import nn
 
 from zerompi import offload
 from zerompi.checkpoint.background import BackgroundSave
-from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, SavedConfig, ShardSnapshot
+from zerompi.checkpoint.entries import PROCESS_RNG
+from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, SavedConfig, ShardSnapshot, ShardView
 from zerompi.comm import launch
 from zerompi.comm.group import ProcessGroup
 from zerompi.comm.topology import build_groups
@@ -289,18 +290,16 @@ class Engine:
         s, shard = self._stats, self.groups.shard
         shards = tuple(ShardSnapshot(b.layout, b.own, b.layout.shard(shard.rank)) for b in self.sharded.buckets)
         frozen = tuple(ShardSnapshot(b.layout, b.own, b.own) for b in self.sharded.frozen)
+        view = ShardView(shard, writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
+                         hierarchical=self.groups.hierarchical, shards=shards, frozen=frozen,
+                         config=SavedConfig.of(self.config), fence=self._fence)
         return EngineSnapshot(
             counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state(),
                               schedules.saved_state(self.lr_scheduler)),
-            config=SavedConfig.of(self.config), shard_group=shard,
-            writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
-            hierarchical=self.groups.hierarchical, shards=shards, states=self.optimizer,
-            between_steps=self.iteration.idle, frozen=frozen, frozen_states=self.sharded,
-            frozen_dtype=self.config.precision.torch_dtype,
+            view=view, between_steps=self.iteration.idle, states=self.optimizer,
+            sources=(self.optimizer, self.sharded, PROCESS_RNG),
             replicated_frozen=tuple(n for n, _ in self.sharded.replicated_frozen()),
-            residuals=tuple((b.layout.index, b.grad_codes.residual) for b in self.sharded.buckets
-                            if b.grad_codes is not None and b.grad_codes.residual is not None),
-            fence=self._fence)
+            frozen_dtype=self.config.precision.torch_dtype)
 
     def restore(self, counters: Counters) -> None:
         """After a checkpoint's shards are loaded: its counters, and a new accumulation window."""

@@ -30,18 +30,18 @@ def save_async(engine, root: str | os.PathLike, tag: str | None = None,
     job = begin(engine, root, tag, client_state, store, copy=True, include_frozen=include_frozen)
     snap, write = job.snap, None
     try:
-        if snap.writes:  # the entries take now what the next step would change (entries.py)
+        if snap.view.writes:  # the entries take now what the next step would change (entries.py)
             parts = later_parts(snap, job.meta, include_frozen)
             # on the save's own thread alone, no I/O pool beside it: with O_DIRECT from page-aligned shards
             # a write costs little CPU, and the steps keep the cores. (A lowered priority was tried: the
             # save then lags, and a step that reaches a bucket it has not written waits at the fence.)
-            options = WriteOptions.from_policy(snap.config.checkpointing)._replace(threads=1)
+            options = WriteOptions.from_policy(snap.view.config.checkpointing)._replace(threads=1)
             def write():  # noqa: E306 - on the save's thread
-                store.write(job.tmp, snap.shard_group, parts, job.save_id, options)
+                store.write(job.tmp, snap.view.group, parts, job.save_id, options)
         publisher = (lambda: publish(job)) if engine.group.rank == 0 else None
-        save = BackgroundSave(job.tag, job.tmp, write, snap.shard_group.rank, snap.shard_group.size, publisher,
-                              snap.fence)
+        save = BackgroundSave(job.tag, job.tmp, write, snap.view.group.rank, snap.view.group.size, publisher,
+                              snap.view.fence)
         return job.tag, save.start()
     except BaseException:  # no thread: nothing will release the buckets
-        snap.fence.release_all()
+        snap.view.fence.release_all()
         raise

@@ -1,21 +1,22 @@
 """What a rank's checkpoint file holds, as entries: the writer, the reader and the background save iterate them.
 
-Each entry is one kind of sharded state, reached through the engine's public snapshot
-(snapshot.py), never through a component's privates:
+Each component that holds checkpointed state declares it as entries (``checkpoint_entries``,
+snapshot.py's ``StateSource``), reading only its own state and the engine's public
+``ShardView``:
 
-- ``OptimizerShards`` (shards.py): every bucket's fp32 master and optimizer state;
-- ``TensorStates`` (tensors.py): the state of optimizers that see whole tensors, per tensor;
-- ``FrozenShards``: stage 3's frozen parameter shards;
-- ``Residuals``: this rank's error-feedback residuals (feedback.py);
-- ``RngState``: this process's CPU (and CUDA) generator state.
+- the optimizer: ``OptimizerShards`` (shards.py), every bucket's fp32 master and optimizer
+  state, and ``TensorStates`` (tensors.py), the state of optimizers that see whole tensors;
+- the sharded model: ``FrozenShards``, stage 3's frozen parameter shards, and ``Residuals``,
+  its codecs' error-feedback residuals on this rank (feedback.py);
+- the process: ``RngState``, its CPU (and CUDA) generator state (``PROCESS_RNG``).
 
 An entry says which datasets this rank writes (``parts``, one bucket in memory at a
 time), what a background save must take now and what it writes later on its thread
 (``later``), what a load reads and checks while touching nothing (``read``, phase 1)
 and how that is applied once every rank has read (``apply``, phase 2). The index
 (counters, loss scaler, scheduler, the tensors every rank holds whole) is rank 0's and
-stays with the writer and the reader. A new kind of state is a new entry here and in
-``entries()``; the writer and reader do not change.
+stays with the writer and the reader. A new kind of state is a new entry that its
+component returns; the writer and reader do not change.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,9 +34,9 @@ from zerompi.checkpoint import frozen as frozen_values
 from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
-from zerompi.checkpoint.shards import OptimizerShards, Part
-from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
-from zerompi.checkpoint.tensors import TensorStates
+from zerompi.checkpoint.shards import Part
+from zerompi.checkpoint.snapshot import EngineSnapshot, Entry, ShardSnapshot, ShardView
+from zerompi.checkpoint.snapshot import FrozenHolder
 from zerompi.log import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -54,24 +55,6 @@ class LoadContext:
     world_size: int
 
 
-class Entry(Protocol):
-    what: str
-    """How messages name it."""
-
-    def parts(self) -> Iterator[Part]:
-        """(dataset name, data) this rank writes, now."""
-
-    def later(self) -> Callable[[], Iterator[Part]]:
-        """For a background save: take now what the next step would change, and return what yields
-        this rank's datasets on the save's thread."""
-
-    def read(self, ctx: LoadContext) -> Any:
-        """Phase 1: read and check this rank's part; touch no engine state."""
-
-    def apply(self, data: Any, ctx: LoadContext) -> None:
-        """Phase 2 (every rank read successfully): overwrite the engine's state with ``data``."""
-
-
 class FrozenShards:
     """Entry: stage 3's frozen parameter shards (``f<i>/param``, in the compute dtype). They do not
     change while training runs (a load waits for a save in flight first), and ``frozen_shard`` may be
@@ -79,12 +62,12 @@ class FrozenShards:
 
     what = "frozen shards"
 
-    def __init__(self, snap: EngineSnapshot, include: bool):
-        self.snap, self.include = snap, include
+    def __init__(self, view: ShardView, holder: FrozenHolder, include: bool):
+        self.view, self.holder, self.include = view, holder, include
 
     def parts(self) -> Iterator[Part]:
-        for i in range(len(self.snap.frozen) if self.include else 0):
-            with self.snap.frozen_states.frozen_shard(i) as held:
+        for i in range(len(self.view.frozen) if self.include else 0):
+            with self.holder.frozen_shard(i) as held:
                 yield schema.frozen(i), frozen_values.encode(held)
 
     def later(self) -> Callable[[], Iterator[Part]]:
@@ -93,11 +76,11 @@ class FrozenShards:
     def read(self, ctx: LoadContext) -> list[np.ndarray] | None:
         if not ctx.index.frozen_saved:
             return None
-        return [_read_frozen(shard, ctx.frozen) for shard in self.snap.frozen]
+        return [_read_frozen(shard, ctx.frozen) for shard in self.view.frozen]
 
     def apply(self, data: list[np.ndarray] | None, ctx: LoadContext) -> None:
         for i, shard in enumerate(data or []):  # the same buckets on every rank (hpZ: collective)
-            self.snap.frozen_states.load_frozen(i, torch.from_numpy(shard))
+            self.holder.load_frozen(i, torch.from_numpy(shard))
 
 
 def _read_frozen(shard: ShardSnapshot, source: FrozenSource) -> np.ndarray:
@@ -114,21 +97,21 @@ class Residuals:
 
     what = "error-feedback residuals"
 
-    def __init__(self, snap: EngineSnapshot):
-        self.snap = snap
+    def __init__(self, view: ShardView, residuals: tuple[tuple[int, torch.Tensor], ...]):
+        self.view, self.residuals = view, residuals  # (bucket, this rank's residual), live
 
     def parts(self) -> Iterator[Part]:
-        return feedback.parts(self.snap)
+        return feedback.parts(self.residuals)
 
     def later(self) -> Callable[[], Iterator[Part]]:
-        copies = [(name, data.copy()) for name, data in feedback.parts(self.snap)]  # the next step changes them
+        copies = [(name, data.copy()) for name, data in feedback.parts(self.residuals)]  # the next step changes them
         return lambda: iter(copies)
 
     def read(self, ctx: LoadContext) -> dict[int, np.ndarray] | None:
-        return feedback.read(self.snap, ctx.index, ctx.files, ctx.directory)
+        return feedback.read(self.view, self.residuals, ctx.index, ctx.files, ctx.directory)
 
     def apply(self, data: dict[int, np.ndarray] | None, ctx: LoadContext) -> None:
-        feedback.restore(self.snap, data)
+        feedback.restore(self.residuals, data)
 
 
 class RngState:
@@ -137,8 +120,8 @@ class RngState:
 
     what = "RNG state"
 
-    def __init__(self, snap: EngineSnapshot):
-        self.snap = snap
+    def __init__(self, view: ShardView):
+        self.view = view
 
     def parts(self) -> Iterator[Part]:
         return iter(rng_parts())
@@ -148,10 +131,10 @@ class RngState:
         return lambda: iter(now)
 
     def read(self, ctx: LoadContext) -> tuple[np.ndarray, np.ndarray | None] | None:
-        if ctx.index.world_size != ctx.world_size or self.snap.hierarchical:
+        if ctx.index.world_size != ctx.world_size or self.view.hierarchical:
             log_rank0(logger, logging.INFO, "%s: RNG state not restored (written by %d ranks, hierarchical "
                       "layout: %s); each rank keeps its current RNG state", ctx.directory, ctx.index.world_size,
-                      self.snap.hierarchical)
+                      self.view.hierarchical)
             return None
         cpu = schema.read_array(ctx.files.dataset(ctx.rank, schema.CPU_RNG, dtype="u1"))
         return cpu, _read_cuda_rng(ctx.files, ctx.rank, ctx.directory)
@@ -214,9 +197,18 @@ def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
     return saved if restore else None
 
 
+class ProcessRng:
+    """The process's generators as a state source: not a component of any one engine."""
+
+    def checkpoint_entries(self, view: ShardView, meta: dict[str, Any], include_frozen: bool) -> list[Entry]:
+        return [RngState(view)]
+
+
+PROCESS_RNG = ProcessRng()
+
+
 def entries(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool = True) -> list[Entry]:
-    """The entries of an engine's checkpoint, in the order their datasets are written and applied
-    (``meta``: the optimizer metadata of the save, or the index's of the load: its per-element state
-    names, and where each whole tensor's state lies)."""
-    return [OptimizerShards(snap, meta.get("state_keys", [])), TensorStates(snap, meta.get("tensor_states")),
-            FrozenShards(snap, include_frozen), Residuals(snap), RngState(snap)]
+    """The entries of an engine's checkpoint: each source's, in the snapshot's order (``meta``: the optimizer
+    metadata of the save, or the index's of the load: its per-element state names, and where each whole
+    tensor's state lies)."""
+    return [entry for source in snap.sources for entry in source.checkpoint_entries(snap.view, meta, include_frozen)]

@@ -20,56 +20,60 @@ import torch
 
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex
-from zerompi.checkpoint.snapshot import EngineSnapshot
+from zerompi.checkpoint.snapshot import ShardView
 from zerompi.log import get_logger, log_rank0
 
 logger = get_logger(__name__)
 FP32 = "<f4"
 
 
-def parts(snap: EngineSnapshot) -> Iterator[tuple[str, np.ndarray]]:
+Residuals = tuple[tuple[int, torch.Tensor], ...]  # (bucket, this rank's residual), live
+
+
+def parts(residuals: Residuals) -> Iterator[tuple[str, np.ndarray]]:
     """(dataset name, data) of this rank's residuals, as the writer saves them."""
-    for index, residual in snap.residuals:
+    for index, residual in residuals:
         yield schema.feedback(index), residual.detach().cpu().numpy()
 
 
-def _why_not(snap: EngineSnapshot, index: CheckpointIndex) -> str | None:
+def _why_not(view: ShardView, index: CheckpointIndex) -> str | None:
     """Why this job cannot take the checkpoint's residuals back (None: it can)."""
-    if index.world_size != snap.shard_group.size:
-        return f"written by {index.world_size} ranks, loaded by {snap.shard_group.size}"
+    if index.world_size != view.group.size:
+        return f"written by {index.world_size} ranks, loaded by {view.group.size}"
     saved = (index.config.get("hierarchy"), index.config.get("ranks_per_node"))
-    if saved != (snap.config.topology.hierarchy, snap.config.topology.ranks_per_node):
+    if saved != (view.config.topology.hierarchy, view.config.topology.ranks_per_node):
         return f"written with hierarchy/ranks_per_node {saved}"
-    ours = {s.layout.index: s.layout for s in snap.shards}
+    ours = {s.layout.index: s.layout for s in view.shards}
     for b in index.buckets:
         lay = ours.get(b["index"])
         if lay is None or b["padded_numel"] != lay.padded_numel or \
                 [tuple(x) for x in b["slots"]] != [(s.fqn, s.offset, s.numel) for s in lay.slots]:
             return "written with another bucket layout"
-    if not snap.writes:
+    if not view.writes:
         return "this rank's node did not write (hsdp replicas)"
     return None
 
 
-def read(snap: EngineSnapshot, index: CheckpointIndex, files, directory: Path) -> dict[int, np.ndarray] | None:
+def read(view: ShardView, residuals: Residuals, index: CheckpointIndex, files,
+         directory: Path) -> dict[int, np.ndarray] | None:
     """This rank's saved residuals, verified, when they can be restored here; else None (and a note)."""
-    if not snap.residuals:
+    if not residuals:
         return None
-    why = _why_not(snap, index)
-    rank = snap.shard_group.rank
-    if why is None and not all(files.has(rank, schema.feedback(i)) for i, _ in snap.residuals):
+    why = _why_not(view, index)
+    rank = view.group.rank
+    if why is None and not all(files.has(rank, schema.feedback(i)) for i, _ in residuals):
         why = "it holds none (written without grad_error_feedback)"
     if why is not None:
         log_rank0(logger, logging.INFO, "%s: error-feedback residuals not restored (%s); they start from zero",
                   directory, why)
         return None
     return {i: schema.read_array(files.dataset(rank, schema.feedback(i), t.numel(), FP32))
-            for i, t in snap.residuals}
+            for i, t in residuals}
 
 
-def restore(snap: EngineSnapshot, saved: dict[int, np.ndarray] | None) -> None:
+def restore(residuals: Residuals, saved: dict[int, np.ndarray] | None) -> None:
     """Overwrite this engine's residuals with the checkpoint's, or start them from zero."""
-    for i, residual in snap.residuals:
+    for i, residual in residuals:
         if saved is None:
             residual.zero_()
         else:

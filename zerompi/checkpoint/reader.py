@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from zerompi.checkpoint import paths, schema
-from zerompi.checkpoint.entries import Entry, LoadContext, entries
+from zerompi.checkpoint.entries import LoadContext, entries
 from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
-from zerompi.checkpoint.snapshot import Counters, EngineSnapshot
+from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, Entry
 from zerompi.checkpoint.stores import ShardFiles, store_named
 from zerompi.errors import CheckpointError, all_ranks_ok
 from zerompi.log import get_logger
@@ -72,7 +72,7 @@ def _check_compatible(engine, snap: EngineSnapshot, index: CheckpointIndex, dire
         return  # no state to misread
     saved = index.optimizer.get("group_optimizers")
     if saved is None:  # written before groups could choose: the config's optimizer ran every group
-        saved, ours = index.config.get("optimizer"), snap.config.keys["optimizer"]
+        saved, ours = index.config.get("optimizer"), snap.view.config.keys["optimizer"]
         if saved != ours:
             raise CheckpointError(f"{directory}: optimizer state was written by {saved!r}, this job uses {ours!r}")
         return

@@ -51,8 +51,8 @@ def take(engine, save_id: str) -> torch.Tensor:
     # Frozen parameters are left out (a save's include_frozen=False): training never changes them, and the
     # rebuild starts from the model as initialize had it. Views of memory-resident state (NVMe is refused).
     data = list(parts(snap, meta, False))
-    header: dict[str, Any] = dict(step=snap.counters.steps, rank=snap.shard_group.rank,
-                                  world_size=snap.shard_group.size, save_id=save_id, index=None)
+    header: dict[str, Any] = dict(step=snap.counters.steps, rank=snap.view.group.rank,
+                                  world_size=snap.view.group.size, save_id=save_id, index=None)
     blobs = [(name, np.ascontiguousarray(a).reshape(-1).view(np.uint8), a.dtype.str, list(a.shape)) for name, a in data]
     if engine.group.rank == 0:
         index = build_index(engine, snap, schema.step_tag(snap.counters.steps), None, meta, save_id, CheckpointLayout.PER_RANK.value, False)

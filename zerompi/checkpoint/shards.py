@@ -18,7 +18,7 @@ import torch
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex, Source
 from zerompi.checkpoint.rawio import Reads, read_tasks
-from zerompi.checkpoint.snapshot import EngineSnapshot, ShardSnapshot
+from zerompi.checkpoint.snapshot import ShardSnapshot, ShardStates, ShardView
 from zerompi.errors import CheckpointError
 
 FP32 = "<f4"  # master shards and optimizer state are stored as little-endian fp32
@@ -93,8 +93,8 @@ class OptimizerShards:
 
     what = "optimizer shards"
 
-    def __init__(self, snap: EngineSnapshot, keys: list[str]):
-        self.snap, self.keys = snap, keys
+    def __init__(self, view: ShardView, states: ShardStates, keys: list[str]):
+        self.view, self.states, self.keys = view, states, keys
 
     def _bucket_parts(self, shard: ShardSnapshot, held) -> list[tuple[str, torch.Tensor]]:
         index = shard.layout.index
@@ -102,8 +102,8 @@ class OptimizerShards:
             [(schema.state(index, k), _my_part(shard, held.state[k])) for k in self.keys if k in held.state]
 
     def parts(self) -> Iterator[Part]:
-        for i, shard in enumerate(self.snap.shards):
-            with self.snap.states.shard_state(i) as held:  # offloaded state: one bucket in memory at a time
+        for i, shard in enumerate(self.view.shards):
+            with self.states.shard_state(i) as held:  # offloaded state: one bucket in memory at a time
                 yield from ((name, to_numpy(t)) for name, t in self._bucket_parts(shard, held))
 
     def later(self) -> Callable[[], Iterator[Part]]:
@@ -113,21 +113,21 @@ class OptimizerShards:
         (``checkpoint_async_copy``: all buckets before the first is written, so that steps wait only
         for the copies), or, when the state streams from the swap file, read from it (a private copy)
         and written before the next is read (one bucket in memory)."""
-        snap = self.snap
-        snap.fence.hold(range(len(snap.shards)))
-        copy = snap.config.checkpointing.async_copy
+        view, states = self.view, self.states
+        view.fence.hold(range(len(view.shards)))
+        copy = view.config.checkpointing.async_copy
 
         def run() -> Iterator[Part]:
-            streams, taken, last = snap.states.streams, [], len(snap.shards) - 1
+            streams, taken, last = states.streams, [], len(view.shards) - 1
             private = streams or copy
-            for i, shard in enumerate(snap.shards):
-                with snap.states.fenced_state(i) as held:
+            for i, shard in enumerate(view.shards):
+                with states.fenced_state(i) as held:
                     parts = self._bucket_parts(shard, held)
                     if not private:  # written before the bucket is released
                         yield from ((name, to_numpy(t)) for name, t in parts)
                     elif copy and not streams:
                         parts = [(name, t.detach().to("cpu", copy=True)) for name, t in parts]
-                snap.fence.release(i)
+                view.fence.release(i)
                 taken += [parts] if private else []
                 while taken and (streams or i == last):
                     yield from ((name, to_numpy(t)) for name, t in taken.pop(0))
@@ -136,7 +136,7 @@ class OptimizerShards:
     def read(self, ctx) -> list[BucketData]:
         """Every bucket's arrays, read and checked (the reads run on ``ctx.reads``' threads)."""
         slot_of = ctx.index.slot_of()
-        buckets = [self._read_bucket(shard, ctx.index, ctx.files, slot_of, ctx.reads) for shard in self.snap.shards]
+        buckets = [self._read_bucket(shard, ctx.index, ctx.files, slot_of, ctx.reads) for shard in self.view.shards]
         ctx.reads.wait()
         return buckets
 
@@ -170,5 +170,5 @@ class OptimizerShards:
         for i, data in enumerate(buckets):
             state = {k: torch.from_numpy(v) for k, v in data.state.items()}
             state.update({k: _scalar_tensor(*v) for k, v in data.scalars.items()})
-            self.snap.states.load_shard(i, torch.from_numpy(data.master), state)
-        self.snap.states.load_hyperparameters(ctx.index.optimizer.get("groups", []))
+            self.states.load_shard(i, torch.from_numpy(data.master), state)
+        self.states.load_hyperparameters(ctx.index.optimizer.get("groups", []))

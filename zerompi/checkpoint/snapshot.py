@@ -1,16 +1,19 @@
 """What a checkpoint reads from an engine and gives back to it: public snapshots, no privates.
 
 The engine produces an :class:`EngineSnapshot` (``engine.snapshot()``) between
-steps; the writer saves from it and the reader computes, from its shards, the
-byte ranges this rank must read. The per-bucket fp32 master and optimizer state
-come through the engine's :class:`ShardStates` (the optimizer), one bucket in
-memory at a time, and go back through it; counters go back through
+steps: its counters, a :class:`ShardView` of where this rank's shards lie, and the
+components that hold checkpointed state (:class:`StateSource`). Each component
+declares its own state as entries (checkpoint/entries.py's protocol): the optimizer
+its buckets' masters and state, the sharded model its frozen shards and the codecs'
+residuals, the process its RNG. The writer, the reader, the background save and the
+recovery points iterate those entries; counters go back through
 ``engine.restore(Counters)``.
 """
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -91,7 +94,7 @@ class ShardStates(Protocol):
         """Restore the numeric options of each param group."""
 
 
-class FrozenShards(Protocol):
+class FrozenHolder(Protocol):
     """Access to stage 3's frozen parameter shards (the engine's sharded model)."""
 
     def frozen_shard(self, index: int) -> AbstractContextManager[torch.Tensor]:
@@ -102,21 +105,54 @@ class FrozenShards(Protocol):
         """Collective: overwrite frozen bucket ``index``'s shard (every rank, in bucket order)."""
 
 
+class ShardView(NamedTuple):
+    """Where this rank's shards lie, as every entry reads it."""
+
+    group: ProcessGroup     # the group the buckets are sharded over (one writer per member)
+    writes: bool            # this rank saves a shard (with hsdp only the first node's ranks do)
+    hierarchical: bool      # hsdp/hpz groups: per-rank RNG streams are not restored
+    shards: tuple[ShardSnapshot, ...]
+    frozen: tuple[ShardSnapshot, ...]  # stage 3's frozen buckets (numbered apart)
+    config: SavedConfig
+    fence: ShardFence | None  # what a background save holds until it has each bucket
+
+
+class Entry(Protocol):
+    """One kind of checkpointed state (entries.py has the engine's own)."""
+
+    what: str
+    """How messages name it."""
+
+    def parts(self) -> Iterator[tuple[str, Any]]:
+        """(dataset name, numpy data) this rank writes, now."""
+
+    def later(self) -> Callable[[], Iterator[tuple[str, Any]]]:
+        """For a background save: take now what the next step would change, and return what yields
+        this rank's datasets on the save's thread."""
+
+    def read(self, ctx: Any) -> Any:
+        """Phase 1 (``ctx``: entries.py's LoadContext): read and check this rank's part; touch no engine state."""
+
+    def apply(self, data: Any, ctx: Any) -> None:
+        """Phase 2 (every rank read successfully): overwrite the engine's state with ``data``."""
+
+
+class StateSource(Protocol):
+    """A component that holds checkpointed state: it declares that state as entries."""
+
+    def checkpoint_entries(self, view: ShardView, meta: dict[str, Any], include_frozen: bool) -> list[Entry]:
+        """Its entries, in the order their datasets are written and applied (``meta``: the optimizer
+        metadata of the save, or the index's of the load)."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """What a save needs of an engine, taken between steps."""
 
     counters: Counters
-    config: SavedConfig
-    shard_group: ProcessGroup  # the group the buckets are sharded over (one writer per member)
-    writes: bool            # this rank saves a shard (with hsdp only the first node's ranks do)
-    hierarchical: bool      # hsdp/hpz groups: per-rank RNG streams are not restored
-    shards: tuple[ShardSnapshot, ...]
-    states: ShardStates
+    view: ShardView
     between_steps: bool     # no accumulation window is open (a save needs this)
-    frozen: tuple[ShardSnapshot, ...] = ()  # stage 3's frozen buckets (numbered apart)
-    frozen_states: FrozenShards | None = None
-    frozen_dtype: torch.dtype = torch.float32  # the compute dtype their shards hold
+    states: ShardStates     # the optimizer, for what the index records of it
+    sources: tuple[StateSource, ...]  # the components whose entries the files hold, in order
     replicated_frozen: tuple[str, ...] = ()    # frozen parameters held whole (in index.h5)
-    residuals: tuple[tuple[int, torch.Tensor], ...] = ()  # (bucket, this rank's error-feedback residual), live
-    fence: ShardFence | None = None  # what a background save holds until it has each bucket
+    frozen_dtype: torch.dtype = torch.float32  # the compute dtype the frozen shards hold

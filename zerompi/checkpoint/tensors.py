@@ -26,31 +26,31 @@ import torch
 
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.shards import FP32, Part
-from zerompi.checkpoint.snapshot import EngineSnapshot
+from zerompi.checkpoint.snapshot import ShardStates, ShardView
 from zerompi.errors import CheckpointError
 
 DTYPES = ("float32", "bfloat16", "float16")  # stored as fp32 exactly, restored as they were
 
 
-def _written(snap: EngineSnapshot) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+def _written(view: ShardView, states: ShardStates) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """(tensor name, its state) of the tensors this rank writes, in the order they are packed (a tensor's
     states by name: the index's JSON need not keep a dict's order)."""
-    for i, shard in enumerate(snap.shards):
-        for name, offset, state in snap.states.tensor_states(i):
+    for i, shard in enumerate(view.shards):
+        for name, offset, state in states.tensor_states(i):
             if shard.written.start <= shard.own.start + offset < shard.written.stop:
                 yield name, dict(sorted(state.items()))
 
 
-def meta(snap: EngineSnapshot) -> dict[str, dict[str, Any]]:
+def meta(view: ShardView, states: ShardStates) -> dict[str, dict[str, Any]]:
     """The index's record of the tensor states this rank writes (the key is left out of indexes without any)."""
     out, at = {}, 0
-    for name, state in _written(snap):
+    for name, state in _written(view, states):
         dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in state.items()}
         for k, dtype in dtypes.items():
             if dtype not in DTYPES:
                 raise CheckpointError(f"optimizer state {k!r} of tensor {name!r} is {dtype}: a checkpoint holds "
                                       f"whole-tensor state of dtypes {list(DTYPES)}")
-        out[name] = {"rank": snap.shard_group.rank, "offset": at,
+        out[name] = {"rank": view.group.rank, "offset": at,
                      "shapes": {k: list(v.shape) for k, v in state.items()}, "dtypes": dtypes}
         at += sum(v.numel() for v in state.values())
     return out
@@ -60,10 +60,10 @@ def _end(record: dict[str, Any]) -> int:
     return record["offset"] + sum(math.prod(s) for s in record["shapes"].values())
 
 
-def agreed(group, snap: EngineSnapshot, mine: dict[str, Any]) -> dict[str, Any]:
+def agreed(group, states: ShardStates, mine: dict[str, Any]) -> dict[str, Any]:
     """Collective where owners alone hold some state: the optimizer metadata of every rank, merged (state
     names in rank order, each bucket's scalars from the first rank that has them, every tensor's record)."""
-    if not snap.states.partial_state:
+    if not states.partial_state:
         return mine
     metas = group.allgather_object(mine)
     out = dict(mine)
@@ -107,14 +107,14 @@ class TensorStates:
 
     what = "whole-tensor optimizer state"
 
-    def __init__(self, snap: EngineSnapshot, records: dict[str, dict[str, Any]] | None):
-        self.snap, self.records = snap, records or {}
+    def __init__(self, view: ShardView, states: ShardStates, records: dict[str, dict[str, Any]] | None):
+        self.view, self.states, self.records = view, states, records or {}
 
     def parts(self) -> Iterator[Part]:
-        if not self.snap.states.partial_state:
+        if not self.states.partial_state:
             return
         packed = np.zeros(max(map(_end, self.records.values()), default=0), dtype=np.float32)
-        for name, state in _written(self.snap):
+        for name, state in _written(self.view, self.states):
             at = self.records[name]["offset"]
             for v in state.values():
                 packed[at:at + v.numel()] = v.detach().float().cpu().reshape(-1).numpy()
@@ -129,7 +129,7 @@ class TensorStates:
         """The saved state of every tensor this rank steps (each rank, stage 0: of every tensor): from each
         writer's ``t/states``, the span holding them read once (its checksum blocks checked once)."""
         saved = checked(self.records, ctx.index.world_size)
-        wanted = [(i, slot.fqn, saved[slot.fqn]) for i, shard in enumerate(self.snap.shards)
+        wanted = [(i, slot.fqn, saved[slot.fqn]) for i, shard in enumerate(self.view.shards)
                   for slot in shard.layout.slots
                   if slot.fqn in saved and shard.own.start <= slot.offset < shard.own.stop]
         spans: dict[int, tuple[int, np.ndarray]] = {}
@@ -152,5 +152,5 @@ class TensorStates:
     def apply(self, data: list[tuple[int, str, dict[str, np.ndarray]]], ctx) -> None:
         for i, name, state in data:
             dtypes = self.records[name]["dtypes"]
-            self.snap.states.load_tensor_state(
+            self.states.load_tensor_state(
                 i, name, {k: torch.from_numpy(np.array(v)).to(getattr(torch, dtypes[k])) for k, v in state.items()})

@@ -53,7 +53,7 @@ def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
     keys: list[str] = []
     by_group: dict[int, list[str]] = {}  # a param group may run an optimizer of its own (optim/groups.py)
     scalars = []
-    for i, shard in enumerate(snap.shards):
+    for i, shard in enumerate(snap.view.shards):
         per_bucket, mine = {}, by_group.setdefault(shard.layout.group, [])
         for k, v in snap.states.peek_state(i).items():  # names and scalars: nothing swapped in
             s = _scalar(v)
@@ -66,7 +66,7 @@ def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
                 raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
                                       "only per-element tensors and scalars are supported")
         scalars.append(per_bucket)
-    whole = tensors.meta(snap)
+    whole = tensors.meta(snap.view, snap.states)
     return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars,
             "group_state_keys": [by_group.get(g, []) for g in range(max(by_group, default=-1) + 1)],
             "group_optimizers": snap.states.optimizer_names(), **({"tensor_states": whole} if whole else {})}
@@ -81,7 +81,7 @@ def gathered_meta(group, snap: EngineSnapshot) -> dict[str, Any]:
     except CheckpointError as e:
         error = str(e)
     all_ranks_ok(group, error, CheckpointError)
-    return tensors.agreed(group, snap, meta)
+    return tensors.agreed(group, snap.states, meta)
 
 
 def parts(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
@@ -101,7 +101,7 @@ def later_parts(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool
 def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, meta: dict[str, Any],
                   save_id: str, include_frozen: bool) -> list[list[int]] | None:
     return store.write(directory, group, parts(snap, meta, include_frozen), save_id,
-                       WriteOptions.from_policy(snap.config.checkpointing))
+                       WriteOptions.from_policy(snap.view.config.checkpointing))
 
 
 def _bucket_meta(shards) -> list[dict[str, Any]]:
@@ -113,13 +113,14 @@ def build_index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict
            kind: str, include_frozen: bool) -> CheckpointIndex:
     m = engine.module
     replicated = list(snap.replicated_frozen if include_frozen else ()) + [n for n, _ in m.named_buffers()]
-    frozen = _bucket_meta(snap.frozen) if include_frozen else []
+    frozen = _bucket_meta(snap.view.frozen) if include_frozen else []
+    keys = snap.view.config.keys
     return CheckpointIndex(
-        tag=tag, world_size=snap.shard_group.size, stage=snap.config.keys["stage"], dtype=snap.config.keys["dtype"],
+        tag=tag, world_size=snap.view.group.size, stage=keys["stage"], dtype=keys["dtype"],
         steps=snap.counters.steps, skipped_steps=snap.counters.skipped_steps,
         params=[{"name": n, "shape": list(p.shape), "trainable": p.requires_grad} for n, p in m.named_parameters()],
-        buckets=_bucket_meta(snap.shards), optimizer=meta, replicated=replicated, client_state=client_state,
-        scaler=snap.counters.scaler, config=snap.config.keys, save_id=save_id, layout=kind,
+        buckets=_bucket_meta(snap.view.shards), optimizer=meta, replicated=replicated, client_state=client_state,
+        scaler=snap.counters.scaler, config=keys, save_id=save_id, layout=kind,
         scheduler=snap.counters.scheduler, frozen_buckets=frozen,
         frozen_dtype=frozen_values.dtype_name(snap.frozen_dtype) if frozen else "", frozen_saved=include_frozen)
 
@@ -253,8 +254,8 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
                 include_frozen=include_frozen)
     snap = job.snap
     # One file per shard (or per node); with hsdp only the first node's ranks write (the others hold replicas).
-    files, error = _attempt_for(_write_shards, job.store, snap, snap.shard_group, job.tmp, job.meta,
-                                job.save_id, include_frozen) if snap.writes else (None, None)
+    files, error = _attempt_for(_write_shards, job.store, snap, snap.view.group, job.tmp, job.meta,
+                                job.save_id, include_frozen) if snap.view.writes else (None, None)
     all_ranks_ok(engine.group, error, CheckpointError)
     if files is not None and engine.group.rank == 0:  # per-node: which ranks each file holds
         job = job._replace(index=dataclasses.replace(job.index, files=files))

@@ -27,6 +27,9 @@ import torch
 
 from zerompi.blockio.aligned import align_storage
 from zerompi.blockio.memory import trim_heap
+from zerompi.checkpoint.shards import OptimizerShards
+from zerompi.checkpoint.snapshot import Entry, ShardView
+from zerompi.checkpoint.tensors import TensorStates
 from zerompi.comm.group import ProcessGroup
 from zerompi.config.checks import FIELD_ARGS
 from zerompi.config.choices import NonFinite
@@ -321,6 +324,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_tensor_state(self, index: int, name: str, saved: dict[str, torch.Tensor]) -> None:
         """Add the saved state tensors ``saved`` of tensor ``name`` (bucket ``index``), after ``load_shard``."""
         self.views.load_tensor_state(index, self.inner.state, name, saved)
+
+    def checkpoint_entries(self, view: ShardView, meta: dict[str, Any], include_frozen: bool) -> list[Entry]:
+        """Its state as checkpoint entries (checkpoint/snapshot.py's StateSource): each bucket's master and
+        per-element state, and the whole-tensor groups' state per tensor (``meta``: the save's or the index's
+        optimizer metadata)."""
+        return [OptimizerShards(view, self, meta.get("state_keys", [])),
+                TensorStates(view, self, meta.get("tensor_states"))]
 
     def optimizer_names(self) -> list[str]:
         """Each param group's optimizer class, as ``module.QualName`` (checkpoints record them)."""

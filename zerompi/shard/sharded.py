@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from zerompi.blockio.memory import trim_heap
+from zerompi.checkpoint.entries import FrozenShards, Residuals
+from zerompi.checkpoint.snapshot import Entry, ShardView
 from zerompi.config.choices import BufferDType, Progress, Rounds
 from zerompi.config.sections import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
@@ -368,7 +370,16 @@ class ShardedModel:
             if stuck:
                 raise ZeroMPIError(f"buckets {stuck} are still gathered after backward")
 
-    # ---- frozen shards, for checkpoints (checkpoint/snapshot.py's FrozenShards) ----
+    # ---- checkpointed state (checkpoint/snapshot.py's StateSource and FrozenHolder) ----
+    def checkpoint_entries(self, view: ShardView, meta: dict, include_frozen: bool) -> list[Entry]:
+        """Stage 3's frozen shards (unless left out) and this rank's error-feedback residuals."""
+        return [FrozenShards(view, self, include_frozen), Residuals(view, self.residuals())]
+
+    def residuals(self) -> tuple[tuple[int, torch.Tensor], ...]:
+        """(bucket, this rank's error-feedback residual) of each bucket whose codec keeps one; the live tensors."""
+        return tuple((b.layout.index, b.grad_codes.residual) for b in self.buckets
+                     if b.grad_codes is not None and b.grad_codes.residual is not None)
+
     @contextmanager
     def frozen_shard(self, index: int) -> Iterator[torch.Tensor]:
         with self.frozen[index].param_tier.snapshot() as shard:  # a background save reads it too

@@ -39,7 +39,7 @@ class Tracked(torch.optim.lr_scheduler.LambdaLR):
 
 def state(engine, position: dict) -> dict:
     """Every item the save captures, as copies."""
-    return dict(residuals=[r.detach().clone() for _, r in engine.snapshot().residuals],
+    return dict(residuals=[r.detach().clone() for _, r in engine.sharded.residuals()],
                 scaler=engine.optimizer.scaler_state(), steps=engine.stats.steps,
                 scheduler=json.dumps(engine.lr_scheduler.state_dict(), sort_keys=True),
                 rng=torch.get_rng_state(), position=json.loads(json.dumps(position)))

@@ -244,7 +244,7 @@ def resume_row(stage: int) -> dict:
     engine = zerompi.initialize(tiny_gpt(seed=1), cfg)
     engine_train(engine, batches[:2])
     engine.save_checkpoint(root, tag="mid")
-    residual_norm = sum(float(r.norm()) for _, r in engine.snapshot().residuals)
+    residual_norm = sum(float(r.norm()) for _, r in engine.sharded.residuals())
     straight = engine_train(engine, batches[2:])
     engine.close()
     engine = zerompi.initialize(tiny_gpt(seed=2), cfg)
@@ -255,10 +255,10 @@ def resume_row(stage: int) -> dict:
                residual_norm=residual_norm)
     if rank == 0:  # the same checkpoint into one rank: masters load, residuals start from zero
         single = zerompi.initialize(tiny_gpt(seed=3), cfg, comm=MPI.COMM_SELF)
-        for _, r in single.snapshot().residuals:
+        for _, r in single.sharded.residuals():
             r.fill_(1.0)
         single.load_checkpoint(root, tag="mid")
-        row["other_world_residuals"] = [float(r.abs().max()) for _, r in single.snapshot().residuals]
+        row["other_world_residuals"] = [float(r.abs().max()) for _, r in single.sharded.residuals()]
         row["other_world_loaded"] = {k: float(v.abs().max()) for k, v in single.full_state_dict().items()}
         single.close()
     MPI.COMM_WORLD.Barrier()
@@ -286,14 +286,14 @@ def nonfinite_row(name: str, **kw) -> dict:
             engine.backward(engine(x, y)[1])
             stepped.append(engine.step())
             if not stepped[-1]:  # a skipped step leaves no residual behind
-                after_skip = max(gather(max(float(r.abs().max()) for _, r in engine.snapshot().residuals)))
+                after_skip = max(gather(max(float(r.abs().max()) for _, r in engine.sharded.residuals())))
         except ZeroMPIError as e:
             error = str(e)
             break
         finally:
             if handle is not None:
                 handle.remove()
-    residuals_finite = all(bool(torch.isfinite(r).all()) for _, r in engine.snapshot().residuals)
+    residuals_finite = all(bool(torch.isfinite(r).all()) for _, r in engine.sharded.residuals())
     params_finite = all(bool(torch.isfinite(v).all()) for v in engine.full_state_dict().values())
     row = dict(case=f"nonfinite/{name}", world=world, error=error, stepped=stepped,
                skipped=engine.stats.skipped_steps, loss_scale=engine.stats.loss_scale, residual_after_skip=after_skip,

@@ -106,7 +106,7 @@ def engine_state(engine, rng: bool = True) -> dict[str, Any]:
         for k, v in g.items():
             if k != "params":
                 out[f"group/{gi}/{k}"] = repr(v)
-    for i, residual in engine.snapshot().residuals:
+    for i, residual in engine.sharded.residuals():
         out[f"feedback/{i}"] = _bits(residual)
     out["counters"] = (engine.stats.steps, engine.stats.skipped_steps)
     if rng:

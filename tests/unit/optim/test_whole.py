@@ -16,7 +16,7 @@ from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.comm.local import run_ranks
 from zerompi.config import ZeroConfig
-from zerompi.errors import CheckpointError, ConfigError
+from zerompi.errors import ConfigError
 
 from .loop import G, Template, plain, train
 
