@@ -35,8 +35,7 @@ from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
 from zerompi.checkpoint.shards import Part
-from zerompi.checkpoint.snapshot import EngineSnapshot, Entry, ShardSnapshot, ShardView
-from zerompi.checkpoint.snapshot import FrozenHolder
+from zerompi.checkpoint.snapshot import EngineSnapshot, Entry, FrozenHolder, ShardSnapshot, ShardView
 from zerompi.log import get_logger, log_rank0
 
 logger = get_logger(__name__)

@@ -11,9 +11,9 @@ recovery points iterate those entries; counters go back through
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
