@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -42,24 +40,16 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(cmd: list[str], env: dict) -> tuple[float, float, str | None]:
-    """(wall s, CPU s of the process and its children, error or None)."""
-    cpu, started = children_cpu(), time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=900)
-    wall, used = time.monotonic() - started, children_cpu() - cpu
-    return wall, used, None if proc.returncode == 0 else launch.tail(proc.stderr)
-
-
 def measure(item: str, repeat: int, out: Path) -> dict:
-    env = launch.job_env(mpich_yield=True)
     if item in IMPORTS:
         cmd = [sys.executable, "-c", f"import {IMPORTS[item]}" if IMPORTS[item] else "pass"]
     else:
         cmd = launch.mpi_command(JOBS[item], HERE.parent / "tests/mpi/workers/reproducible.py",
                                  "--out", str(out / f"{JOBS[item]}.json"))
-    wall, cpu, error = timed(cmd, env)
-    return {"row": item, "status": "ok" if error is None else "failed", "wall_s": round(wall, 3),
-            "cpu_s": round(cpu, 3), **({"error": error} if error else {})}
+    cpu = children_cpu()
+    outcome = launch.run(cmd, launch.job_env(mpich_yield=True), timeout=900)  # reaped: its CPU is counted
+    return {"row": item, "status": outcome.status.value, "wall_s": round(outcome.wall_s, 3),
+            "cpu_s": round(children_cpu() - cpu, 3), **({} if outcome.ok else {"error": outcome.error()})}
 
 
 def report(rows: list[dict], path: Path) -> None:
