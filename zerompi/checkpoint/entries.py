@@ -96,8 +96,8 @@ class Residuals:
 
     what = "error-feedback residuals"
 
-    def __init__(self, view: ShardView, residuals: tuple[tuple[int, torch.Tensor], ...]):
-        self.view, self.residuals = view, residuals  # (bucket, this rank's residual), live
+    def __init__(self, view: ShardView, residuals: feedback.HeldResiduals):
+        self.view, self.residuals = view, residuals
 
     def parts(self) -> Iterator[Part]:
         return feedback.parts(self.residuals)

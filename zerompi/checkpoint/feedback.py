@@ -27,10 +27,10 @@ logger = get_logger(__name__)
 FP32 = "<f4"
 
 
-Residuals = tuple[tuple[int, torch.Tensor], ...]  # (bucket, this rank's residual), live
+HeldResiduals = tuple[tuple[int, torch.Tensor], ...]  # (bucket, this rank's residual), live
 
 
-def parts(residuals: Residuals) -> Iterator[tuple[str, np.ndarray]]:
+def parts(residuals: HeldResiduals) -> Iterator[tuple[str, np.ndarray]]:
     """(dataset name, data) of this rank's residuals, as the writer saves them."""
     for index, residual in residuals:
         yield schema.feedback(index), residual.detach().cpu().numpy()
@@ -54,7 +54,7 @@ def _why_not(view: ShardView, index: CheckpointIndex) -> str | None:
     return None
 
 
-def read(view: ShardView, residuals: Residuals, index: CheckpointIndex, files,
+def read(view: ShardView, residuals: HeldResiduals, index: CheckpointIndex, files,
          directory: Path) -> dict[int, np.ndarray] | None:
     """This rank's saved residuals, verified, when they can be restored here; else None (and a note)."""
     if not residuals:
@@ -71,7 +71,7 @@ def read(view: ShardView, residuals: Residuals, index: CheckpointIndex, files,
             for i, t in residuals}
 
 
-def restore(residuals: Residuals, saved: dict[int, np.ndarray] | None) -> None:
+def restore(residuals: HeldResiduals, saved: dict[int, np.ndarray] | None) -> None:
     """Overwrite this engine's residuals with the checkpoint's, or start them from zero."""
     for i, residual in residuals:
         if saved is None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from zerompi.blockio.memory import trim_heap
 from zerompi.checkpoint.entries import FrozenShards, Residuals
+from zerompi.checkpoint.feedback import HeldResiduals
 from zerompi.checkpoint.snapshot import Entry, ShardView
 from zerompi.config.choices import BufferDType, Progress, Rounds
 from zerompi.config.sections import OverlapPolicy
@@ -375,7 +376,7 @@ class ShardedModel:
         """Stage 3's frozen shards (unless left out) and this rank's error-feedback residuals."""
         return [FrozenShards(view, self, include_frozen), Residuals(view, self.residuals())]
 
-    def residuals(self) -> tuple[tuple[int, torch.Tensor], ...]:
+    def residuals(self) -> HeldResiduals:
         """(bucket, this rank's error-feedback residual) of each bucket whose codec keeps one; the live tensors."""
         return tuple((b.layout.index, b.grad_codes.residual) for b in self.buckets
                      if b.grad_codes is not None and b.grad_codes.residual is not None)
