@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
 
 
 def selected(request) -> list:
@@ -128,7 +127,7 @@ class Batch:
         spec = where / "spec.json"
         spec.write_text(json.dumps({"dir": str(where), "cases": [argv for _, argv in cases]}))
         script = [str(WORKERS / "cases.py")] if self.whole_file else []
-        cmd = [*mpiexec(), "-n", str(world), sys.executable, "-m", "mpi4py", *script, str(WORKERS / self.script),
+        cmd = [*mpiexec(), "-n", str(world), *rank_python(), "-m", "mpi4py", *script, str(WORKERS / self.script),
                "--cases", str(spec)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=mpi_env(), cwd=ROOT,

@@ -1,16 +1,21 @@
 """Start real MPI jobs from pytest: ``mpiexec -n N python -m mpi4py SCRIPT``."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 from zerompi.tools.mpirun import mpi_env as _mpi_env
 from zerompi.tools.mpirun import mpiexec
 
-__all__ = ["ROOT", "WORKERS", "mpi_env", "mpiexec", "run_mpi"]
+__all__ = ["ROOT", "WORKERS", "mpi_env", "mpiexec", "rank_python", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -18,6 +23,47 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 
 def mpi_env() -> dict[str, str]:
     return _mpi_env(ROOT)
+
+
+SERVERS = 2  # fork servers (tests/mpi/forkserver.py): rank r asks server r mod SERVERS
+_servers: list[str] | None = None
+_servers_lock = threading.Lock()
+
+
+def rank_python() -> list[str]:
+    """What mpiexec starts on each rank in place of ``sys.executable``: rank_python.py handing the rank
+    to a fork server with torch imported (tests/mpi/forkserver.py), or this Python where
+    ``ZEROMPI_TEST_FORKSERVER=0`` or no server started."""
+    global _servers
+    with _servers_lock:
+        if _servers is None:
+            _servers = _start_servers() if os.environ.get("ZEROMPI_TEST_FORKSERVER", "1") != "0" else []
+    if not _servers:
+        return [sys.executable]
+    return [sys.executable, "-I", "-S", str(Path(__file__).with_name("rank_python.py")), ",".join(_servers)]
+
+
+def _start_servers() -> list[str]:
+    where = Path(tempfile.mkdtemp(prefix="zerompi-fork-"))
+    log = open(where / "servers.log", "ab")
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")), str(where / f"{i}.sock")],
+                              env=mpi_env(), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+             for i in range(SERVERS)]
+
+    def stop() -> None:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        shutil.rmtree(where, ignore_errors=True)
+    atexit.register(stop)
+    paths = [str(where / f"{i}.sock") for i in range(SERVERS)]
+    end = time.monotonic() + 120
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > end or any(p.poll() is not None for p in procs):
+            return []  # every rank starts Python instead; servers.log says why
+        time.sleep(0.02)
+    return paths
 
 
 TIMEOUT = float(os.environ.get("ZEROMPI_TEST_TIMEOUT", 600))  # seconds per job; more on a crowded machine
@@ -31,7 +77,7 @@ def run_mpi(n: int, script: str, *args: str, timeout: float | None = None,
     """
     timeout = TIMEOUT if timeout is None else timeout
     path = ROOT / script if "/" in script else WORKERS / script
-    cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(path), *args]
+    cmd = [*mpiexec(), "-n", str(n), *rank_python(), "-m", "mpi4py", str(path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**mpi_env(), **(env or {})},
                           cwd=ROOT)
     if proc.returncode != 0:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
 
 NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 
@@ -15,7 +14,7 @@ NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 def run(tmp_path, **given: str) -> list[dict]:
     env = {k: v for k, v in mpi_env().items() if k not in NAMES}  # as a shell with none of them set
     out = tmp_path / "rows.json"
-    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(WORKERS / "ds_launcher_env.py"), str(out)]
+    cmd = [*mpiexec(), "-n", "2", *rank_python(), "-m", "mpi4py", str(WORKERS / "ds_launcher_env.py"), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env={**env, **given}, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())

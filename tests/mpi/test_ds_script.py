@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -29,7 +28,7 @@ from zerompi.compat.deepspeed.schedule import read_schedule
 from zerompi.compat.deepspeed.lr_schedules import factor_for
 
 from ..peers import deepspeed_python
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, run_worker_json
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python, run_worker_json
 from .tolerance import FP32_FLOOR, loss_failures
 
 SCHEDULE = {"scheduler": {"type": "WarmupDecayLR", "params": {
@@ -110,7 +109,7 @@ def test_the_runner_aliases_deepspeeds_submodules(surface_zerompi, tmp_path):
     ``deepspeed.utils`` are zerompi's, and it trains the bits the script with zerompi's imports does."""
     out = tmp_path / "out.json"
     env = {**mpi_env(), "PYTHONPATH": os.pathsep.join([str(WORKERS), mpi_env()["PYTHONPATH"]])}
-    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(WORKERS / "ds_surface.py"),
+    cmd = [*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", str(WORKERS / "ds_surface.py"),
            "--impl", "deepspeed", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -127,7 +126,7 @@ def test_the_runner_aborts_on_an_exception_before_initialize(tmp_path):
                       "if MPI.COMM_WORLD.Get_rank() == 1:\n    raise RuntimeError('boom before initialize')\n"
                       "MPI.COMM_WORLD.Barrier()\n")
     started = time.monotonic()
-    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(script)],
+    proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", str(script)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=mpi_env())
     assert proc.returncode != 0 and time.monotonic() - started < 60
     assert "rank 1 of 2 failed with an uncaught RuntimeError: boom before initialize" in proc.stderr, proc.stderr[-3000:]

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from ..peers import deepspeed_python
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
 from .tolerance import FP32_FLOOR, loss_failures
 
 SCRIPT = WORKERS / "ds_torch_script.py"
@@ -50,7 +50,7 @@ def reference(tmp):
 
 
 def runner(tmp, cfg, *args: str) -> dict:
-    return run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(SCRIPT),
+    return run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", str(SCRIPT),
                 "--deepspeed_config", str(cfg), *args], tmp / f"runner{'_'.join(args)}.json")
 
 
@@ -77,7 +77,7 @@ def test_one_changed_import_and_engine_backward_give_the_same_bits(unchanged, re
     changed = tmp / "changed" / SCRIPT.name
     changed.parent.mkdir()
     changed.write_text(text.replace("\nimport deepspeed\n", "\nimport zerompi.deepspeed as deepspeed\n"))
-    r = run([*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(changed), "--deepspeed_config",
+    r = run([*mpiexec(), "-n", "2", *rank_python(), "-m", "mpi4py", str(changed), "--deepspeed_config",
              str(reference[1]), "--backward", "engine"], tmp / "changed.json")
     assert r["losses"] == unchanged["losses"] and r["lrs"] == unchanged["lrs"]
 

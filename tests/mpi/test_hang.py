@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from zerompi.comm.watchdog import HANG_CODE
 from zerompi.tools.cli import main
 
-from .launcher import ROOT, WORKERS, mpi_env, mpiexec
+from .launcher import ROOT, WORKERS, mpi_env, mpiexec, rank_python
 
 NAMED_WITHIN = 10.0  # seconds from the fault to the job's end: max(10 s, 3 median steps) at these step times
 
@@ -34,7 +33,7 @@ def named_within(load: float | None = None) -> float:
 class Job:
     def __init__(self, n: int, fault: str, directory: Path, *extra: str):
         self.directory = directory
-        cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKERS / "hang.py"),
+        cmd = [*mpiexec(), "-n", str(n), *rank_python(), "-m", "mpi4py", str(WORKERS / "hang.py"),
                "--fault", fault, "--dir", str(directory), *extra]
         proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=180)
         self.ended, self.load = time.time(), os.getloadavg()[0]

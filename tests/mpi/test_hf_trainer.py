@@ -21,7 +21,7 @@ import torch
 
 from tests.components import require_module
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
 from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
 
 SCRIPT = WORKERS / "hf_trainer.py"
@@ -95,7 +95,7 @@ def test_trainer_runs_unchanged_and_matches_one_process(reference, tmp_path, cas
     refs = reference(model)
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**AUTO, "zero_optimization": zero}))
-    got = run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(SCRIPT),
+    got = run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", str(SCRIPT),
                "--output_dir", str(tmp_path / "out"), "--deepspeed", str(cfg), *model_args(refs["dir"], model),
                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *COMMON],
               tmp_path / "out.json")
@@ -124,7 +124,7 @@ def test_resume_from_a_checkpoint_dir_continues_bitwise(tmp_path, stage):
     require_module("transformers", "accelerate", "safetensors")
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**AUTO, "zero_optimization": ZERO[stage]}))
-    common = [*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", str(SCRIPT), "--deepspeed", str(cfg),
+    common = [*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", str(SCRIPT), "--deepspeed", str(cfg),
               "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *COMMON,
               "--save_strategy", "steps", "--save_steps", "3"]
     whole = run([*common, "--output_dir", str(tmp_path / "whole")], tmp_path / "whole.json")
@@ -168,7 +168,7 @@ def test_accelerate_with_the_deepspeed_plugin(accelerate_reference, tmp_path, st
     from safetensors.torch import load_file
     script = str(WORKERS / "hf_accelerate.py")
     env = {**mpi_env(), "PYTHONPATH": _plain_env()["PYTHONPATH"]}
-    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed", script, "--out",
+    proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", script, "--out",
                            str(tmp_path / "ours.st"), "--stage", str(stage), *(["--offload"] if offload else [])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-6000:]

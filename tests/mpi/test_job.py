@@ -5,12 +5,11 @@ output kept apart; the run stopped by SIGUSR1 has a job of its own, the signal b
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from .batch import Batch, job_output, run_planned
-from .launcher import run_mpi
+from .launcher import rank_python, run_mpi
 
 TINY = ("jobs/train_gpt.py", "--config", "jobs/configs/tiny.toml")
 
@@ -75,7 +74,7 @@ def test_train_gpt_checkpoints_on_sigusr1_and_the_loss_curve_continues(tmp_path)
     import time
 
     from .launcher import ROOT, TIMEOUT, mpi_env, mpiexec
-    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "jobs/train_gpt.py", "--config",
+    cmd = [*mpiexec(), "-n", "2", *rank_python(), "-m", "mpi4py", "jobs/train_gpt.py", "--config",
            "jobs/configs/tiny.toml", "--out", str(tmp_path), "--steps", "150", "--save-every", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"

@@ -19,7 +19,7 @@ import torch
 
 from tests.components import require_module
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
 from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
 
 SCRIPT = WORKERS / "lightning_fit.py"
@@ -35,7 +35,7 @@ def run(cmd: list[str], out, env=None) -> dict:
 
 
 def ranks(n: int, out, *args: str) -> dict:
-    return run([*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(SCRIPT), *args], out)
+    return run([*mpiexec(), "-n", str(n), *rank_python(), "-m", "mpi4py", str(SCRIPT), *args], out)
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from .batch import Batch, run_planned
-from .launcher import ROOT, WORKERS, mpi_env, mpiexec
+from .launcher import ROOT, WORKERS, mpi_env, mpiexec, rank_python
 
 ABORT_WITHIN = 30.0  # seconds from the failure to every rank gone
 
 
 def _launch(n, case, out, *, module=True):
-    cmd = [*mpiexec(), "-n", str(n), sys.executable, *(("-m", "mpi4py") if module else ()),
+    cmd = [*mpiexec(), "-n", str(n), *rank_python(), *(("-m", "mpi4py") if module else ()),
            str(WORKERS / "reliability.py"), "--case", case, "--out", str(out)]
     return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -22,7 +22,7 @@ import pytest
 
 from tests.components import require_module
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
 from .test_hf_trainer import AUTO, ZERO, weights
 from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
 
@@ -85,7 +85,7 @@ def test_sft_runs_unchanged_and_matches_one_process(reference, tmp_path, case):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**AUTO, "zero_optimization": ZERO[stage]}))
     env = {**env_for(refs["root"]), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    got = run([*mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.deepspeed",
+    got = run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed",
                *sft_args(refs["root"], model, tmp_path / "out"), "--deepspeed", str(cfg),
                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"], tmp_path / "out.json", env)
     ref, alt = refs["ref"], refs["alt"]

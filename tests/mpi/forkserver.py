@@ -1,0 +1,226 @@
+"""Ranks that start with torch imported: a fork server for the suite's MPI jobs.
+
+Each rank of a test job used to pay Python's start and a torch import (about 1.3 CPU s; the suite
+starts about 600 ranks on 2 cores, so that was a third of its time). A server here imports torch,
+numpy and h5py once and waits on a UNIX socket; mpiexec starts ``rank_python.py`` on each rank
+instead of Python, which hands the server its command line, environment, working directory and
+open files (stdio, and MPICH's PMI_FD); the server forks, the child puts those files at their
+numbers, takes the environment and runs the command as ``python`` would, and the launcher's process
+waits for it and ends with its status. The ranks are still separate processes started by the real
+mpiexec, each calling MPI_Init itself; only the import is shared, copy-on-write.
+
+What could make a forked rank differ from a fresh one is declined, and the rank execs Python as
+before: a variable read at import (``SENSITIVE``: the interpreter's, OpenMP's, torch's, the
+allocator's...) that differs from the server's, or a command line other than ``-m MOD``, ``-c CODE``
+or ``SCRIPT``. zerompi itself is not pre-imported (zerompi.log reads the rank at import). Two
+servers run, rank r asking server r mod 2, so ranks do not share one hash seed. numpy's global
+generator is reseeded from the OS in each child; Python's ``random`` reseeds itself at fork.
+
+Off with ``ZEROMPI_TEST_FORKSERVER=0`` (every rank then starts Python); used by tests/mpi/launcher.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import sys
+from typing import Callable
+
+LENGTH = struct.Struct("!Q")
+PRELOAD = ("torch", "numpy", "h5py")
+SENSITIVE = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NVIDIA",
+             "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_")
+PR_SET_PDEATHSIG = 1
+HIGH_FD = 1000  # where received files wait before they move to their numbers
+
+
+def _die_with_parent(sig: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def _form(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """``python ARGV``'s form: ("module" | "code" | "script", what, its arguments), or None (declined)."""
+    if len(argv) >= 2 and argv[0] in ("-m", "-c"):
+        return ("module" if argv[0] == "-m" else "code"), argv[1], argv[2:]
+    if argv and not argv[0].startswith("-"):
+        return "script", argv[0], argv[1:]
+    return None
+
+
+def _same_at_import(env: dict[str, str]) -> bool:
+    keys = {k for k in (*env, *os.environ) if k.startswith(SENSITIVE)}
+    return all(env.get(k) == os.environ.get(k) for k in keys)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _alive(conn: socket.socket) -> bool:
+    """False once the launcher's end of ``conn`` has closed (it sends nothing else)."""
+    try:
+        return bool(conn.recv(1))
+    except OSError:
+        return False
+
+
+def _runner(form: tuple[str, str, list[str]], cwd: str) -> Callable[[], None]:
+    kind, what, args = form
+
+    def run() -> None:
+        if kind == "module":
+            sys.argv, sys.path[0] = ["-m", *args], cwd
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+        elif kind == "code":
+            sys.argv, sys.path[0] = ["-c", *args], ""
+            main = sys.modules["__main__"]
+            main.__dict__.pop("__file__", None)
+            exec(compile(what, "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv, sys.path[0] = [what, *args], os.path.dirname(os.path.realpath(what))
+            runpy.run_path(what, run_name="__main__")
+    return run
+
+
+def _become(request: dict, received: list[int]) -> None:
+    """In the child: the rank's files at their numbers (nothing else open), its environment and directory."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    _die_with_parent(signal.SIGKILL)
+    held = [fcntl.fcntl(fd, fcntl.F_DUPFD, HIGH_FD) for fd in received]
+    keep = set(held)
+    for fd in (int(f) for f in os.listdir("/proc/self/fd")):
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    for src, dst in zip(held, request["fds"]):
+        os.dup2(src, dst, inheritable=True)
+    for src in held:
+        if src not in request["fds"]:
+            os.close(src)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+class Server:
+    def __init__(self, path: str):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path + ".part")
+        self.listener.listen(64)
+        os.rename(path + ".part", path)  # the socket appears once it accepts
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.clients: dict[int, socket.socket] = {}  # child pid -> its launcher's connection
+
+    def serve(self) -> Callable[[], None]:
+        """Accept and fork until a child returns here with its work; exit when the test session is gone."""
+        parent = os.getppid()
+        while True:
+            if os.getppid() != parent:
+                sys.exit(0)
+            socks = {s.fileno(): (pid, s) for pid, s in self.clients.items()}
+            for fd in select.select([self.listener.fileno(), self.wake_r, *socks], [], [], 1.0)[0]:
+                if fd == self.wake_r:
+                    self._reap()
+                elif fd == self.listener.fileno():
+                    work = self._accept()
+                    if work is not None:
+                        return work
+                elif fd in socks and not _alive(socks[fd][1]):  # the launcher's process is gone
+                    try:
+                        os.kill(socks[fd][0], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+    def _accept(self) -> Callable[[], None] | None:
+        conn, _ = self.listener.accept()
+        body, received = None, []
+        try:
+            head, received, _, _ = socket.recv_fds(conn, LENGTH.size, 64)
+            body = _recv_exact(conn, LENGTH.unpack(head)[0]) if len(head) == LENGTH.size else None
+        except OSError:
+            pass
+        request = json.loads(body) if body else None
+        form = _form(request["argv"]) if request else None
+        if request is None or form is None or not _same_at_import(request["env"]) \
+                or len(received) != len(request["fds"]):
+            for fd in received:
+                os.close(fd)
+            try:
+                conn.sendall(LENGTH.pack(0))
+            except OSError:
+                pass
+            conn.close()
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            # the server's sockets must not close, when collected, whatever file the rank has at their numbers
+            for sock in (self.listener, conn, *self.clients.values()):
+                sock.detach()
+            _become(request, received)
+            return _runner(form, request["cwd"])
+        for fd in received:
+            os.close(fd)
+        self.clients[pid] = conn
+        try:
+            conn.sendall(LENGTH.pack(pid))
+        except OSError:  # the launcher's process died meanwhile
+            os.kill(pid, signal.SIGKILL)
+        return None
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                os.read(self.wake_r, 4096)
+            except BlockingIOError:
+                break
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.clients.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(LENGTH.pack(status))
+                except OSError:
+                    pass
+                conn.close()
+
+
+def main() -> None:
+    path = sys.argv[1]
+    for name in PRELOAD:
+        __import__(name)
+    work = Server(path).serve()
+    del sys.argv[1:]
+    work()
+
+
+if __name__ == "__main__":
+    main()

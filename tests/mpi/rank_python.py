@@ -1,0 +1,87 @@
+"""What mpiexec starts on each rank instead of Python, when tests/mpi/forkserver.py serves: hands this
+process's command line, environment, working directory and open files to a fork server that has
+torch imported already, and lives as long as the forked process, with its exit status or signal.
+
+``python -I -S rank_python.py SOCKET[,SOCKET...] ARGS...`` runs as ``python ARGS...`` would. Run with
+-I -S it imports nothing but the standard library's basics (a few ms): rank r asks server r mod the
+number of sockets (each server has its own hash seed, as separate processes would). Where no server
+answers or the server declines (another environment, another command-line form), it execs Python.
+Signals it receives go to the forked process; if this process is killed, the server kills that one.
+"""
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+LENGTH = struct.Struct("!Q")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT, signal.SIGALRM, signal.SIGPIPE, signal.SIGTSTP)
+
+
+def _exec_python(args):
+    os.execv(sys.executable, [sys.executable, *args])
+
+
+def _open_fds(skip):
+    return sorted(int(f) for f in os.listdir("/proc/self/fd") if int(f) != skip and _valid(int(f)))
+
+
+def _valid(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def main():
+    sockets, args = sys.argv[1].split(","), sys.argv[2:]
+    rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(sockets[rank % len(sockets)])
+    except OSError:
+        sock.close()
+        _exec_python(args)
+    fds = _open_fds(sock.fileno())
+    request = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode()
+    socket.send_fds(sock, [LENGTH.pack(len(request))], fds)
+    sock.sendall(request)
+    reply = _recv_exact(sock, LENGTH.size)
+    if reply is None:
+        sock.close()
+        _exec_python(args)
+    pid = LENGTH.unpack(reply)[0]
+    if pid == 0:  # declined: run as Python would
+        sock.close()
+        _exec_python(args)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _f: os.kill(pid, s))
+    for fd in fds:  # the forked process holds the files now (an inherited pipe stays open until it ends)
+        os.close(fd)
+    status = _recv_exact(sock, LENGTH.size)
+    if status is None:
+        os._exit(70)  # the server went away without a status
+    status = LENGTH.unpack(status)[0]
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+if __name__ == "__main__":
+    main()
