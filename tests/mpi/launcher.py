@@ -25,30 +25,47 @@ def mpi_env() -> dict[str, str]:
     return _mpi_env(ROOT)
 
 
-SERVERS = 2  # fork servers (tests/mpi/forkserver.py): rank r asks server r mod SERVERS
-_servers: list[str] | None = None
+SERVERS = 2  # fork servers per interpreter (tests/mpi/forkserver.py): rank r asks server r mod SERVERS
+_servers: dict[str, list[str]] = {}
 _servers_lock = threading.Lock()
 
 
-def rank_python() -> list[str]:
-    """What mpiexec starts on each rank in place of ``sys.executable``: rank_python.py handing the rank
-    to a fork server with torch imported (tests/mpi/forkserver.py), or this Python where
-    ``ZEROMPI_TEST_FORKSERVER=0`` or no server started."""
-    global _servers
+def rank_python(python: str | os.PathLike | None = None) -> list[str]:
+    """What mpiexec starts on each rank in place of ``python`` (default: this one): rank_python.py handing
+    the rank to a fork server of that interpreter with torch imported (tests/mpi/forkserver.py), or
+    ``python`` itself where ``ZEROMPI_TEST_FORKSERVER=0`` or no server started."""
+    python = str(python or sys.executable)
     with _servers_lock:
-        if _servers is None:
-            _servers = _start_servers() if os.environ.get("ZEROMPI_TEST_FORKSERVER", "1") != "0" else []
-    if not _servers:
-        return [sys.executable]
-    return [sys.executable, "-I", "-S", str(Path(__file__).with_name("rank_python.py")), ",".join(_servers)]
+        if python not in _servers:
+            on = os.environ.get("ZEROMPI_TEST_FORKSERVER", "1") != "0"
+            _servers[python] = _start_servers(python) if on else []
+    if not _servers[python]:
+        return [python]
+    return [python, "-I", "-S", str(Path(__file__).with_name("rank_python.py")), ",".join(_servers[python])]
 
 
-def _start_servers() -> list[str]:
+def _rank_env(python: str) -> dict[str, str]:
+    """mpi_env() as a rank of ``python``'s own mpiexec sees it: Open MPI's wheel adds LD_LIBRARY_PATH and
+    PYTHONUNBUFFERED, which a server must have to serve its ranks (forkserver.SENSITIVE)."""
+    env = mpi_env()
+    launcher = Path(python).with_name("mpiexec")
+    if launcher.exists():
+        show = "import json, os; print(json.dumps(dict(os.environ)))"
+        proc = subprocess.run([str(launcher), "-n", "1", python, "-I", "-S", "-c", show], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode == 0:
+            seen = json.loads(proc.stdout.strip().splitlines()[-1])
+            env.update((k, v) for k, v in seen.items() if k.startswith(("LD_", "PYTHON")) and k not in env)
+    return env
+
+
+def _start_servers(python: str) -> list[str]:
     where = Path(tempfile.mkdtemp(prefix="zerompi-fork-"))
     log = open(where / "servers.log", "ab")
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")), str(where / f"{i}.sock")],
-                              env=mpi_env(), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-             for i in range(SERVERS)]
+    paths = [str(where / f"{i}.sock") for i in range(SERVERS)]
+    env = _rank_env(python)
+    procs = [subprocess.Popen([python, str(Path(__file__).with_name("forkserver.py")), path], env=env, cwd=ROOT,
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log) for path in paths]
 
     def stop() -> None:
         for p in procs:
@@ -57,7 +74,6 @@ def _start_servers() -> list[str]:
             p.wait()
         shutil.rmtree(where, ignore_errors=True)
     atexit.register(stop)
-    paths = [str(where / f"{i}.sock") for i in range(SERVERS)]
     end = time.monotonic() + 120
     while not all(os.path.exists(p) for p in paths):
         if time.monotonic() > end or any(p.poll() is not None for p in procs):

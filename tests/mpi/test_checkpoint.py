@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ import pytest
 from zerompi.checkpoint import consolidate, load_full_state_dict
 
 from .batch import Batch, run_planned, selected
-from .launcher import ROOT, TIMEOUT, mpi_env, run_mpi, run_worker_json
+from .launcher import ROOT, TIMEOUT, mpi_env, rank_python, run_mpi, run_worker_json
 from .tolerance import check_resume
 
 RESUMES = [  # (np save, stage save) -> (np load, stage load), dtype, optimizer
@@ -254,7 +253,7 @@ def test_kill_during_save_keeps_latest_loadable(tmp_path, saved, module, point, 
     code = KILL.format(workers=str(workers), module=module, point=point, after=after, root=str(root),
                        out=str(tmp_path / "x.npz"), script=str(workers / "ckpt.py"),
                        steps="3" if asynchronous else "0", extra=["--async-save"] if asynchronous else [])
-    proc = subprocess.run([sys.executable, "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
+    proc = subprocess.run([*rank_python(), "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
                           timeout=TIMEOUT)
     assert proc.returncode == -9, proc.stderr[-2000:]
     latest = (root / "latest").read_text().strip()
@@ -284,7 +283,7 @@ def test_consolidate_and_inspect(tmp_path, saved):
         lo, hi = header[name]["data_offsets"]
         value = np.frombuffer(raw[8 + n + lo:8 + n + hi], dtype="<f4").reshape(header[name]["shape"])
         assert np.array_equal(value, ref[f"saved/{name}"])
-    cli = [sys.executable, "-m", "zerompi.tools.cli", "ckpt", "inspect", str(saved), "--json"]
+    cli = [*rank_python(), "-m", "zerompi.tools.cli", "ckpt", "inspect", str(saved), "--json"]
     report = json.loads(subprocess.run(cli, capture_output=True, text=True, check=True, cwd=ROOT,
                                        env=mpi_env()).stdout)
     assert [r["tag"] for r in report] == ["first", "second"]
@@ -316,7 +315,7 @@ def test_kill_while_replacing_a_tag_keeps_it_loadable(tmp_path, saved):
     workers = ROOT / "tests" / "mpi" / "workers"
     code = REPLACE_KILL.format(workers=str(workers), root=str(root), out=str(tmp_path / "x.npz"),
                                script=str(workers / "ckpt.py"))
-    proc = subprocess.run([sys.executable, "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
+    proc = subprocess.run([*rank_python(), "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
                           timeout=TIMEOUT)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not (root / "second").exists() and list(root.glob(".old-second-*"))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -44,7 +43,7 @@ def tmp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp):
     cfg = tmp / "ds_config.json"
-    ref = run([sys.executable, str(WORKERS / "ds_torch_model.py"), "--world", "2", "--config", str(cfg)],
+    ref = run([*rank_python(), str(WORKERS / "ds_torch_model.py"), "--world", "2", "--config", str(cfg)],
               tmp / "ref.json")
     return ref, cfg
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -67,7 +66,7 @@ def reference(tmp_path_factory):
     # one plain process: no launcher's variables (an in-process test in this pytest process may have set them)
     launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in {**mpi_env(), "CUDA_VISIBLE_DEVICES": ""}.items() if k not in launcher}
-    proc = subprocess.run([sys.executable, "-c", MAKE, str(WORKERS), str(tmp)], capture_output=True, text=True,
+    proc = subprocess.run([*rank_python(), "-c", MAKE, str(WORKERS), str(tmp)], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     done: dict[str, dict] = {}
@@ -76,7 +75,7 @@ def reference(tmp_path_factory):
         if model not in done:
             out = {}
             for name, micro, accum in (("ref", 2, 4), ("alt", 4, 2)):
-                result = run([sys.executable, str(SCRIPT), "--output_dir", str(tmp / model / name), "--optim",
+                result = run([*rank_python(), str(SCRIPT), "--output_dir", str(tmp / model / name), "--optim",
                               "adamw_torch", "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps",
                               str(accum), *model_args(tmp, model), *COMMON], tmp / f"{model}-{name}.json", env)
                 out[name] = dict(result, weights=weights(tmp / model / name))
@@ -153,7 +152,7 @@ def accelerate_reference(tmp_path_factory):
     require_module("transformers", "accelerate", "safetensors")
     tmp = tmp_path_factory.mktemp("accelerate_ref")
     for name, args in (("ref", ["--accum", "4"]), ("alt", ["--accum", "2", "--micro", "4"])):
-        proc = subprocess.run([sys.executable, str(WORKERS / "hf_accelerate.py"), "--out", str(tmp / f"{name}.st"),
+        proc = subprocess.run([*rank_python(), str(WORKERS / "hf_accelerate.py"), "--out", str(tmp / f"{name}.st"),
                                *args], cwd=ROOT, env=_plain_env(), capture_output=True, text=True, timeout=TIMEOUT)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp

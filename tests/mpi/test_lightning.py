@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -44,7 +43,7 @@ def reference(tmp_path_factory):
     require_module("lightning")
     tmp = tmp_path_factory.mktemp("lightning_ref")
     env = {k: v for k, v in mpi_env().items() if k not in LAUNCHER}
-    return {name: run([sys.executable, str(SCRIPT), "--plain", *args], tmp / f"{name}.json", env)
+    return {name: run([*rank_python(), str(SCRIPT), "--plain", *args], tmp / f"{name}.json", env)
             for name, args in ORDERS.items()}
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import h5py
 import numpy as np
@@ -21,7 +20,7 @@ from zerompi.checkpoint import load_full_state_dict
 from zerompi.checkpoint.shared import SHARED
 
 from ..components import MISSING, ran, unavailable
-from .launcher import ROOT, WORKERS, mpi_env, run_mpi
+from .launcher import ROOT, WORKERS, mpi_env, rank_python, run_mpi
 from .tolerance import check_resume
 
 VENV = ROOT / ".venv-mpio"
@@ -50,7 +49,7 @@ def _openmpi_job(python, n: int, *args: str) -> subprocess.CompletedProcess:
     """ckpt.py with ``args`` (or ``-c CODE``) on ``n`` ranks under Debian's Open MPI."""
     env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_MCA_", "PMI_", "MPIR_"))}
     script = list(args) if args[0] == "-c" else ["-m", "mpi4py", str(WORKERS / "ckpt.py"), *args]
-    cmd = [shutil.which("mpiexec.openmpi") or "mpiexec.openmpi", "--oversubscribe", "-n", str(n), str(python), *script]
+    cmd = [shutil.which("mpiexec.openmpi") or "mpiexec.openmpi", "--oversubscribe", "-n", str(n), *rank_python(python), *script]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
@@ -121,7 +120,7 @@ def test_shared_file_consolidates_and_inspects(shared_ckpt, tmp_path):
     for name in full:
         assert np.array_equal(full[name].numpy(), a[f"saved/{name}"]), name
     full.close()
-    proc = subprocess.run([sys.executable, "-m", "zerompi.tools.cli", "ckpt", "inspect", "--json", str(root)],
+    proc = subprocess.run([*rank_python(), "-m", "zerompi.tools.cli", "ckpt", "inspect", "--json", str(root)],
                           capture_output=True, text=True, env=mpi_env())
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)[0]
@@ -148,7 +147,7 @@ def test_corrupt_shared_file_is_named_on_every_rank(shared_ckpt, tmp_path):
     messages = json.loads((tmp_path / "e.json").read_text())
     assert len(messages) == 3 and all(m.startswith("CheckpointError") for m in messages), messages
     assert all(SHARED in m and "b0/master" in m and "checksum mismatch" in m for m in messages), messages
-    proc = subprocess.run([sys.executable, "-m", "zerompi.tools.cli", "ckpt", "inspect", str(root)],
+    proc = subprocess.run([*rank_python(), "-m", "zerompi.tools.cli", "ckpt", "inspect", str(root)],
                           capture_output=True, text=True, env=mpi_env())
     assert proc.returncode == 1 and "CORRUPT" in proc.stdout and "rank 1's part" in proc.stdout, proc.stdout
 

