@@ -296,7 +296,7 @@ class Engine:
         return EngineSnapshot(
             counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state(),
                               schedules.saved_state(self.lr_scheduler)),
-            view=view, between_steps=self.iteration.idle, states=self.optimizer,
+            view=view, between_steps=self.iteration.idle, recorded=self.optimizer,
             sources=(self.optimizer, self.sharded, PROCESS_RNG),
             replicated_frozen=tuple(n for n, _ in self.sharded.replicated_frozen()),
             frozen_dtype=self.config.precision.torch_dtype)

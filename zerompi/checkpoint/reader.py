@@ -68,21 +68,7 @@ def _check_compatible(engine, snap: EngineSnapshot, index: CheckpointIndex, dire
     problem = index.describe_mismatch(named)
     if problem:
         raise CheckpointError(f"{directory}: checkpoint of a different model: {problem}")
-    if not index.optimizer.get("state_keys") and not index.optimizer.get("tensor_states"):
-        return  # no state to misread
-    saved = index.optimizer.get("group_optimizers")
-    if saved is None:  # written before groups could choose: the config's optimizer ran every group
-        saved, ours = index.config.get("optimizer"), snap.view.config.keys["optimizer"]
-        if saved != ours:
-            raise CheckpointError(f"{directory}: optimizer state was written by {saved!r}, this job uses {ours!r}")
-        return
-    ours = snap.states.optimizer_names()
-    if not (isinstance(saved, list) and all(isinstance(s, str) for s in saved)):
-        raise CheckpointError(f"{directory}: the index's group_optimizers {saved!r} is not a list of class names")
-    for i, (s, o) in enumerate(zip(saved, ours)):
-        if s != o:
-            raise CheckpointError(f"{directory}: the optimizer state of param group {i} was written by {s}, "
-                                  f"this job runs {o} there")
+    snap.recorded.check_record(index.optimizer, index.config, snap.view, directory)
 
 
 @dataclass

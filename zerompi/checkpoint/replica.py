@@ -23,7 +23,7 @@ from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.per_rank import write_rank_file
 from zerompi.checkpoint.rawio import WriteOptions
-from zerompi.checkpoint.writer import build_index, gathered_meta, parts, replicated_tensors, write_index
+from zerompi.checkpoint.writer import build_index, parts, replicated_tensors, write_index
 from zerompi.config.choices import CheckpointLayout
 from zerompi.errors import CheckpointError, UsageError
 
@@ -47,7 +47,7 @@ def take(engine, save_id: str) -> torch.Tensor:
     snap = engine.snapshot()
     if not snap.between_steps:
         raise UsageError("a recovery replica in the middle of a gradient-accumulation window: take it after step()")
-    meta = gathered_meta(engine.group, snap)
+    meta = snap.recorded.index_record(engine.group, snap.view)
     # Frozen parameters are left out (a save's include_frozen=False): training never changes them, and the
     # rebuild starts from the model as initialize had it. Views of memory-resident state (NVMe is refused).
     data = list(parts(snap, meta, False))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -145,6 +146,18 @@ class StateSource(Protocol):
         metadata of the save, or the index's of the load)."""
 
 
+class RecordedSource(StateSource, Protocol):
+    """A source whose record rank 0's index keeps beside the files (the optimizer: its options, state
+    names and classes, in the index's ``optimizer`` section; optimizer_record.py)."""
+
+    def index_record(self, group: ProcessGroup, view: ShardView) -> dict[str, Any]:
+        """Collective over ``group``: the record of a save, every rank's merged (JSON)."""
+
+    def check_record(self, saved: dict[str, Any], saved_config: dict[str, Any], view: ShardView,
+                     directory: Path) -> None:
+        """Raise CheckpointError if the state a saved record describes is not this source's to load."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """What a save needs of an engine, taken between steps."""
@@ -152,7 +165,7 @@ class EngineSnapshot:
     counters: Counters
     view: ShardView
     between_steps: bool     # no accumulation window is open (a save needs this)
-    states: ShardStates     # the optimizer, for what the index records of it
+    recorded: RecordedSource  # the optimizer: its record in the index (and one of the sources)
     sources: tuple[StateSource, ...]  # the components whose entries the files hold, in order
     replicated_frozen: tuple[str, ...] = ()    # frozen parameters held whole (in index.h5)
     frozen_dtype: torch.dtype = torch.float32  # the compute dtype the frozen shards hold

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from zerompi.checkpoint import frozen as frozen_values
-from zerompi.checkpoint import schema, tensors
+from zerompi.checkpoint import schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.checkpoint.entries import entries
 from zerompi.checkpoint.index import CheckpointIndex
@@ -40,53 +40,9 @@ from zerompi.comm.topology import node_placement
 from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
 
 
-def _scalar(v) -> list | None:
-    if isinstance(v, torch.Tensor) and v.dim() == 0:
-        return [v.item(), str(v.dtype).removeprefix("torch.")]
-    if isinstance(v, (int, float, bool)):
-        return [v, type(v).__name__]
-    return None
-
-
-def optimizer_meta(snap: EngineSnapshot) -> dict[str, Any]:
-    """Param group options, per-element state keys, and scalar state per bucket (JSON)."""
-    keys: list[str] = []
-    by_group: dict[int, list[str]] = {}  # a param group may run an optimizer of its own (optim/groups.py)
-    scalars = []
-    for i, shard in enumerate(snap.view.shards):
-        per_bucket, mine = {}, by_group.setdefault(shard.layout.group, [])
-        for k, v in snap.states.peek_state(i).items():  # names and scalars: nothing swapped in
-            s = _scalar(v)
-            if s is not None:
-                per_bucket[k] = s
-            elif isinstance(v, torch.Tensor) and v.dim() == 1:  # per-element (possibly swapped out)
-                keys += [] if k in keys else [k]
-                mine += [] if k in mine else [k]
-            else:
-                raise CheckpointError(f"optimizer state {k!r} of type {type(v).__name__} cannot be saved: "
-                                      "only per-element tensors and scalars are supported")
-        scalars.append(per_bucket)
-    whole = tensors.meta(snap.view, snap.states)
-    return {"groups": snap.states.hyperparameters(), "state_keys": keys, "scalars": scalars,
-            "group_state_keys": [by_group.get(g, []) for g in range(max(by_group, default=-1) + 1)],
-            "group_optimizers": snap.states.optimizer_names(), **({"tensor_states": whole} if whole else {})}
-
-
-def gathered_meta(group, snap: EngineSnapshot) -> dict[str, Any]:
-    """Collective: ``optimizer_meta``, refused on every rank if any cannot save its state (a whole tensor's
-    is on its owner alone), and merged over the ranks where owners alone hold some (tensors.py)."""
-    meta, error = None, None
-    try:
-        meta = optimizer_meta(snap)
-    except CheckpointError as e:
-        error = str(e)
-    all_ranks_ok(group, error, CheckpointError)
-    return tensors.agreed(group, snap.states, meta)
-
-
 def parts(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
     """(dataset name, this rank's data) of every entry (entries.py), one bucket in memory at a time
-    (``meta``: the save's optimizer metadata, ``gathered_meta``)."""
+    (``meta``: the save's optimizer record, ``EngineSnapshot.recorded.index_record``)."""
     for entry in entries(snap, meta, include_frozen):
         yield from entry.parts()
 
@@ -201,7 +157,7 @@ class Job(NamedTuple):
     tmp: Path                   # ROOT/.tmp-TAG-ID, made by rank 0
     save_id: str
     store: ShardStore
-    meta: dict[str, Any]        # optimizer_meta
+    meta: dict[str, Any]        # the optimizer's record (optimizer_record.py)
     index: CheckpointIndex | None           # rank 0
     replicated: dict[str, torch.Tensor]     # rank 0: what the index holds besides the shards
     include_frozen: bool
@@ -222,7 +178,7 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
     except (TypeError, ValueError) as e:
         raise UsageError(f"client_state must be JSON-serialisable ({e})") from e
     group, root = engine.group, Path(root)
-    meta = gathered_meta(group, snap)
+    meta = snap.recorded.index_record(group, snap.view)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None

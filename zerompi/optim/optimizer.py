@@ -21,12 +21,14 @@ import inspect
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from zerompi.blockio.aligned import align_storage
 from zerompi.blockio.memory import trim_heap
+from zerompi.checkpoint import optimizer_record
 from zerompi.checkpoint.shards import OptimizerShards
 from zerompi.checkpoint.snapshot import Entry, ShardView
 from zerompi.checkpoint.tensors import TensorStates
@@ -331,6 +333,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer metadata)."""
         return [OptimizerShards(view, self, meta.get("state_keys", [])),
                 TensorStates(view, self, meta.get("tensor_states"))]
+
+    def index_record(self, group: ProcessGroup, view: ShardView) -> dict[str, Any]:
+        """Collective: what a checkpoint's index records of it (checkpoint/snapshot.py's RecordedSource)."""
+        return optimizer_record.gathered(group, view, self)
+
+    def check_record(self, saved: dict[str, Any], saved_config: dict[str, Any], view: ShardView,
+                     directory: Path) -> None:
+        """Refuse a checkpoint whose state another optimizer wrote."""
+        optimizer_record.check(saved, saved_config, view, self, directory)
 
     def optimizer_names(self) -> list[str]:
         """Each param group's optimizer class, as ``module.QualName`` (checkpoints record them)."""
