@@ -65,9 +65,10 @@ class Case:
 class Batch:
     """The cases of one worker script, run as few jobs as their world sizes and dependencies allow."""
 
-    def __init__(self, script: str, tmp_path_factory, whole_file: bool = False):
-        """``whole_file``: the worker does not call workers/cases.py's main itself; each case runs its file."""
-        self.script, self.tmp, self.whole_file = script, tmp_path_factory, whole_file
+    def __init__(self, script: str, tmp_path_factory, whole_file: bool = False, preload: tuple[str, ...] = ()):
+        """``whole_file``: the worker does not call workers/cases.py's main itself; each case runs its file.
+        ``preload``: modules its ranks' fork server imports beside torch (launcher.rank_python)."""
+        self.script, self.tmp, self.whole_file, self.preload = script, tmp_path_factory, whole_file, preload
         self._waiting: dict[str, Case] = {}
         self._outcome: dict[str, str | None] = {}  # name -> None (passed) or what went wrong
 
@@ -127,8 +128,8 @@ class Batch:
         spec = where / "spec.json"
         spec.write_text(json.dumps({"dir": str(where), "cases": [argv for _, argv in cases]}))
         script = [str(WORKERS / "cases.py")] if self.whole_file else []
-        cmd = [*mpiexec(), "-n", str(world), *rank_python(), "-m", "mpi4py", *script, str(WORKERS / self.script),
-               "--cases", str(spec)]
+        cmd = [*mpiexec(), "-n", str(world), *rank_python(preload=self.preload), "-m", "mpi4py", *script,
+               str(WORKERS / self.script), "--cases", str(spec)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=mpi_env(), cwd=ROOT,
                                   check=False)

@@ -16,7 +16,10 @@ or ``SCRIPT``. zerompi itself is not pre-imported (zerompi.log reads the rank at
 servers run, rank r asking server r mod 2, so ranks do not share one hash seed. numpy's global
 generator is reseeded from the OS in each child; Python's ``random`` reseeds itself at fork.
 
-Off with ``ZEROMPI_TEST_FORKSERVER=0`` (every rank then starts Python); used by tests/mpi/launcher.py.
+A job may ask for a server that also has its framework imported (``rank_python(preload=("peft",))``):
+peft, Lightning and transformers cost 0.5-3.7 CPU s per rank beyond torch. Only jobs launched with
+``-m mpi4py`` ask for it: ``-m zerompi.deepspeed`` must alias ``deepspeed`` before transformers looks
+for it. Off with ``ZEROMPI_TEST_FORKSERVER=0`` (every rank then starts Python); used by tests/mpi/launcher.py.
 """
 from __future__ import annotations
 
@@ -30,12 +33,16 @@ import signal
 import socket
 import struct
 import sys
+import threading
 from typing import Callable
 
 LENGTH = struct.Struct("!Q")
 PRELOAD = ("torch", "numpy", "h5py")
 SENSITIVE = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NVIDIA",
-             "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_")
+             "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_",
+             # what the libraries a job may ask to preload read at import (rank_python(preload=...))
+             "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "ACCELERATE", "PEFT", "LIGHTNING",
+             "PL_", "TQDM")
 PR_SET_PDEATHSIG = 1
 HIGH_FD = 1000  # where received files wait before they move to their numbers
 
@@ -214,9 +221,11 @@ class Server:
 
 
 def main() -> None:
-    path = sys.argv[1]
-    for name in PRELOAD:
+    path, extra = sys.argv[1], [m for m in sys.argv[2:3] for m in m.split(",") if m]
+    for name in (*PRELOAD, *extra):
         __import__(name)
+    if threading.active_count() > 1:  # a fork keeps only this thread: a library's own would be lost
+        raise SystemExit(f"forkserver: importing {extra} started threads; not serving")
     work = Server(path).serve()
     del sys.argv[1:]
     work()

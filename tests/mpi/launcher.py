@@ -26,22 +26,22 @@ def mpi_env() -> dict[str, str]:
 
 
 SERVERS = 2  # fork servers per interpreter (tests/mpi/forkserver.py): rank r asks server r mod SERVERS
-_servers: dict[str, list[str]] = {}
+_servers: dict[tuple[str, tuple[str, ...]], list[str]] = {}
 _servers_lock = threading.Lock()
 
 
-def rank_python(python: str | os.PathLike | None = None) -> list[str]:
+def rank_python(python: str | os.PathLike | None = None, preload: tuple[str, ...] = ()) -> list[str]:
     """What mpiexec starts on each rank in place of ``python`` (default: this one): rank_python.py handing
-    the rank to a fork server of that interpreter with torch imported (tests/mpi/forkserver.py), or
-    ``python`` itself where ``ZEROMPI_TEST_FORKSERVER=0`` or no server started."""
-    python = str(python or sys.executable)
+    the rank to a fork server of that interpreter with torch (and the modules ``preload``) imported
+    (tests/mpi/forkserver.py), or ``python`` itself where ``ZEROMPI_TEST_FORKSERVER=0`` or no server started."""
+    key = (str(python or sys.executable), tuple(preload))
     with _servers_lock:
-        if python not in _servers:
+        if key not in _servers:
             on = os.environ.get("ZEROMPI_TEST_FORKSERVER", "1") != "0"
-            _servers[python] = _start_servers(python) if on else []
-    if not _servers[python]:
-        return [python]
-    return [python, "-I", "-S", str(Path(__file__).with_name("rank_python.py")), ",".join(_servers[python])]
+            _servers[key] = _start_servers(*key) if on else []
+    if not _servers[key]:
+        return [key[0]]
+    return [key[0], "-I", "-S", str(Path(__file__).with_name("rank_python.py")), ",".join(_servers[key])]
 
 
 def _rank_env(python: str) -> dict[str, str]:
@@ -59,13 +59,14 @@ def _rank_env(python: str) -> dict[str, str]:
     return env
 
 
-def _start_servers(python: str) -> list[str]:
+def _start_servers(python: str, preload: tuple[str, ...]) -> list[str]:
     where = Path(tempfile.mkdtemp(prefix="zerompi-fork-"))
     log = open(where / "servers.log", "ab")
     paths = [str(where / f"{i}.sock") for i in range(SERVERS)]
     env = _rank_env(python)
-    procs = [subprocess.Popen([python, str(Path(__file__).with_name("forkserver.py")), path], env=env, cwd=ROOT,
-                              stdin=subprocess.DEVNULL, stdout=log, stderr=log) for path in paths]
+    server = [python, str(Path(__file__).with_name("forkserver.py"))]
+    procs = [subprocess.Popen([*server, path, ",".join(preload)], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                              stdout=log, stderr=log) for path in paths]
 
     def stop() -> None:
         for p in procs:
@@ -86,14 +87,14 @@ TIMEOUT = float(os.environ.get("ZEROMPI_TEST_TIMEOUT", 600))  # seconds per job;
 
 
 def run_mpi(n: int, script: str, *args: str, timeout: float | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+            env: dict[str, str] | None = None, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run ``workers/SCRIPT`` (or a repository path like ``jobs/x.py``) on ``n`` ranks, with ``env``
     added to the environment. Raises with the job's output if it fails or runs past ``timeout`` seconds
-    (default ``$ZEROMPI_TEST_TIMEOUT``, else 600).
+    (default ``$ZEROMPI_TEST_TIMEOUT``, else 600; ``preload``: rank_python's).
     """
     timeout = TIMEOUT if timeout is None else timeout
     path = ROOT / script if "/" in script else WORKERS / script
-    cmd = [*mpiexec(), "-n", str(n), *rank_python(), "-m", "mpi4py", str(path), *args]
+    cmd = [*mpiexec(), "-n", str(n), *rank_python(preload=preload), "-m", "mpi4py", str(path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**mpi_env(), **(env or {})},
                           cwd=ROOT)
     if proc.returncode != 0:
@@ -109,20 +110,20 @@ class WorkerResults:
     that run to one per world size and module.
     """
 
-    def __init__(self, script: str, key, tmp_path_factory):
-        self.script, self.key, self.tmp = script, key, tmp_path_factory
+    def __init__(self, script: str, key, tmp_path_factory, preload: tuple[str, ...] = ()):
+        self.script, self.key, self.tmp, self.preload = script, key, tmp_path_factory, preload
         self._rows: dict[tuple, dict] = {}
 
     def __call__(self, world: int, *args: str) -> dict:
         if (world, *args) not in self._rows:
             out = self.tmp.mktemp(f"{Path(self.script).stem}{world}") / "results.json"
-            rows = run_worker_json(world, self.script, out, *args)
+            rows = run_worker_json(world, self.script, out, *args, preload=self.preload)
             self._rows[(world, *args)] = {self.key(r): r for r in rows}
         return self._rows[(world, *args)]
 
 
 def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float | None = None,
-                    env: dict[str, str] | None = None) -> dict:
+                    env: dict[str, str] | None = None, preload: tuple[str, ...] = ()) -> dict:
     """Run a worker that writes its results as JSON to ``out`` (rank 0) and load them."""
-    run_mpi(n, script, "--out", str(out), *args, timeout=timeout, env=env)
+    run_mpi(n, script, "--out", str(out), *args, timeout=timeout, env=env, preload=preload)
     return json.loads(out.read_text())

@@ -26,7 +26,7 @@ CASES = [(s, "fp32") for s in range(4)] + [(1, "bf16"), (3, "bf16")]
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     require_module("peft", "transformers")
-    return WorkerResults("lora.py", lambda r: (r["model"], r["stage"], r["dtype"]), tmp_path_factory)
+    return WorkerResults("lora.py", lambda r: (r["model"], r["stage"], r["dtype"]), tmp_path_factory, preload=("peft",))
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"np{w}")

@@ -28,7 +28,7 @@ U = 2.0 ** -53  # fp64's unit roundoff
 def jobs(request, tmp_path_factory):
     """The worker's runs as one job per world size (tests/mpi/batch.py): every row at each world size,
     and in the same jobs the selected resumes' saves and loads (the saving world size's job first)."""
-    batch = Batch("reproducible.py", tmp_path_factory)
+    batch = Batch("reproducible.py", tmp_path_factory, preload=("peft",))  # the LoRA rows
     base = tmp_path_factory.mktemp("reproducible")
     for n in WORLDS:
         batch.add(f"np{n}", n, "--out", base / f"np{n}.json")
