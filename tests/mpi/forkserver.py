@@ -31,12 +31,12 @@ import runpy
 import select
 import signal
 import socket
-import struct
 import sys
 import threading
 from typing import Callable
 
-LENGTH = struct.Struct("!Q")
+from rank_python import LENGTH, recv_exact  # the launcher's side of the protocol (this folder is on the path)
+
 PRELOAD = ("torch", "numpy", "h5py")
 SENSITIVE = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NVIDIA",
              "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_",
@@ -63,16 +63,6 @@ def _form(argv: list[str]) -> tuple[str, str, list[str]] | None:
 def _same_at_import(env: dict[str, str]) -> bool:
     keys = {k for k in (*env, *os.environ) if k.startswith(SENSITIVE)}
     return all(env.get(k) == os.environ.get(k) for k in keys)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
 
 
 def _alive(conn: socket.socket) -> bool:
@@ -165,7 +155,7 @@ class Server:
         body, received = None, []
         try:
             head, received, _, _ = socket.recv_fds(conn, LENGTH.size, 64)
-            body = _recv_exact(conn, LENGTH.unpack(head)[0]) if len(head) == LENGTH.size else None
+            body = recv_exact(conn, LENGTH.unpack(head)[0]) if len(head) == LENGTH.size else None
         except OSError:
             pass
         request = json.loads(body) if body else None

@@ -15,7 +15,7 @@ import socket
 import struct
 import sys
 
-LENGTH = struct.Struct("!Q")
+LENGTH = struct.Struct("!Q")  # each message: a length, a pid or a wait status
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGALRM, signal.SIGPIPE, signal.SIGTSTP)
 
@@ -36,7 +36,8 @@ def _valid(fd):
         return False
 
 
-def _recv_exact(sock, n):
+def recv_exact(sock, n):
+    """``n`` bytes from ``sock``, or None if it closes first (forkserver.py reads the same way)."""
     data = b""
     while len(data) < n:
         chunk = sock.recv(n - len(data))
@@ -59,7 +60,7 @@ def main():
     request = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode()
     socket.send_fds(sock, [LENGTH.pack(len(request))], fds)
     sock.sendall(request)
-    reply = _recv_exact(sock, LENGTH.size)
+    reply = recv_exact(sock, LENGTH.size)
     if reply is None:
         sock.close()
         _exec_python(args)
@@ -71,7 +72,7 @@ def main():
         signal.signal(sig, lambda s, _f: os.kill(pid, s))
     for fd in fds:  # the forked process holds the files now (an inherited pipe stays open until it ends)
         os.close(fd)
-    status = _recv_exact(sock, LENGTH.size)
+    status = recv_exact(sock, LENGTH.size)
     if status is None:
         os._exit(70)  # the server went away without a status
     status = LENGTH.unpack(status)[0]
