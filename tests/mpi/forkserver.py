@@ -33,16 +33,12 @@ import signal
 import socket
 import sys
 import threading
+import types
 from typing import Callable
 
-from rank_python import LENGTH, recv_exact  # the launcher's side of the protocol (this folder is on the path)
+from rank_python import LENGTH, SENSITIVE, recv_exact  # the launcher's side (this folder is on the path)
 
 PRELOAD = ("torch", "numpy", "h5py")
-SENSITIVE = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NVIDIA",
-             "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_",
-             # what the libraries a job may ask to preload read at import (rank_python(preload=...))
-             "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "ACCELERATE", "PEFT", "LIGHTNING",
-             "PL_", "TQDM")
 PR_SET_PDEATHSIG = 1
 HIGH_FD = 1000  # where received files wait before they move to their numbers
 
@@ -80,10 +76,9 @@ def _runner(form: tuple[str, str, list[str]], cwd: str) -> Callable[[], None]:
         if kind == "module":
             sys.argv, sys.path[0] = ["-m", *args], cwd
             runpy.run_module(what, run_name="__main__", alter_sys=True)
-        elif kind == "code":
+        elif kind == "code":  # in a fresh __main__, as ``python -c`` (not among this server's names)
             sys.argv, sys.path[0] = ["-c", *args], ""
-            main = sys.modules["__main__"]
-            main.__dict__.pop("__file__", None)
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
             exec(compile(what, "<string>", "exec"), main.__dict__)
         else:
             sys.argv, sys.path[0] = [what, *args], os.path.dirname(os.path.realpath(what))

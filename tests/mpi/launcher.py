@@ -15,6 +15,8 @@ from pathlib import Path
 from zerompi.tools.mpirun import mpi_env as _mpi_env
 from zerompi.tools.mpirun import mpiexec
 
+from .rank_python import SENSITIVE
+
 __all__ = ["ROOT", "WORKERS", "mpi_env", "mpiexec", "rank_python", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +48,7 @@ def rank_python(python: str | os.PathLike | None = None, preload: tuple[str, ...
 
 def _rank_env(python: str) -> dict[str, str]:
     """mpi_env() as a rank of ``python``'s own mpiexec sees it: Open MPI's wheel adds LD_LIBRARY_PATH and
-    PYTHONUNBUFFERED, which a server must have to serve its ranks (forkserver.SENSITIVE)."""
+    PYTHONUNBUFFERED, which a server must have to serve its ranks (rank_python.SENSITIVE)."""
     env = mpi_env()
     launcher = Path(python).with_name("mpiexec")
     if launcher.exists():
@@ -55,18 +57,18 @@ def _rank_env(python: str) -> dict[str, str]:
                               capture_output=True, text=True, timeout=120)
         if proc.returncode == 0:
             seen = json.loads(proc.stdout.strip().splitlines()[-1])
-            env.update((k, v) for k, v in seen.items() if k.startswith(("LD_", "PYTHON")) and k not in env)
+            env.update((k, v) for k, v in seen.items() if k.startswith(SENSITIVE) and k not in env)
     return env
 
 
 def _start_servers(python: str, preload: tuple[str, ...]) -> list[str]:
     where = Path(tempfile.mkdtemp(prefix="zerompi-fork-"))
-    log = open(where / "servers.log", "ab")
     paths = [str(where / f"{i}.sock") for i in range(SERVERS)]
     env = _rank_env(python)
     server = [python, str(Path(__file__).with_name("forkserver.py"))]
-    procs = [subprocess.Popen([*server, path, ",".join(preload)], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
-                              stdout=log, stderr=log) for path in paths]
+    with open(where / "servers.log", "ab") as log:
+        procs = [subprocess.Popen([*server, path, ",".join(preload)], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                  stdout=log, stderr=log) for path in paths]
 
     def stop() -> None:
         for p in procs:

@@ -16,6 +16,13 @@ import struct
 import sys
 
 LENGTH = struct.Struct("!Q")  # each message: a length, a pid or a wait status
+# variables read at import by the interpreter, OpenMP, torch, the allocator, HDF5 and the frameworks a
+# server may preload: a rank whose values differ from its server's starts Python (forkserver.py), and a
+# server takes those its mpiexec adds for ranks (launcher.py)
+SENSITIVE = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NVIDIA",
+             "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_",
+             "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "ACCELERATE", "PEFT", "LIGHTNING",
+             "PL_", "TQDM")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGALRM, signal.SIGPIPE, signal.SIGTSTP)
 
