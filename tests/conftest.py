@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from .components import in_ci, summary_lines
+from .mpi import launcher  # noqa: F401  first: its snapshot of the environment predates the test modules' imports
 
 HERE = Path(__file__).parent
 

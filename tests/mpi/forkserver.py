@@ -12,7 +12,8 @@ mpiexec, each calling MPI_Init itself; only the import is shared, copy-on-write.
 What could make a forked rank differ from a fresh one is declined, and the rank execs Python as
 before: a variable read at import (``SENSITIVE``: the interpreter's, OpenMP's, torch's, the
 allocator's...) that differs from the server's, or a command line other than ``-m MOD``, ``-c CODE``
-or ``SCRIPT``. zerompi itself is not pre-imported (zerompi.log reads the rank at import). Two
+or ``SCRIPT``. Another PYTHONPATH is put in sys.path in place of the server's, unless one of its
+entries holds a module the server has imported. zerompi itself is not pre-imported (zerompi.log reads the rank at import). Two
 servers run, rank r asking server r mod 2, so ranks do not share one hash seed. numpy's global
 generator is reseeded from the OS in each child; Python's ``random`` reseeds itself at fork.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import gc
 import json
 import os
 import runpy
@@ -36,7 +38,7 @@ import threading
 import types
 from typing import Callable
 
-from rank_python import LENGTH, SENSITIVE, recv_exact  # the launcher's side (this folder is on the path)
+from rank_python import LENGTH, READ_LATER, SENSITIVE, recv_exact  # the launcher's side (this folder is on the path)
 
 PRELOAD = ("torch", "numpy", "h5py")
 PR_SET_PDEATHSIG = 1
@@ -56,9 +58,39 @@ def _form(argv: list[str]) -> tuple[str, str, list[str]] | None:
     return None
 
 
+def _entries(env) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+# The server's PYTHONPATH entries, where they stand in sys.path (after the script's folder); None if
+# Python put them otherwise, and then a rank with another PYTHONPATH is declined.
+OWN_PATH = _entries(os.environ) if sys.path[1:1 + len(_entries(os.environ))] == _entries(os.environ) else None
+# The environment this server started with, which a rank's must match; what the preloaded imports then
+# set (inductor's cache directory) each child gets as a fresh process would, where its rank sets nothing.
+STARTED_WITH = dict(os.environ)
+ADDED: dict[str, str] = {}
+
+
 def _same_at_import(env: dict[str, str]) -> bool:
-    keys = {k for k in (*env, *os.environ) if k.startswith(SENSITIVE)}
-    return all(env.get(k) == os.environ.get(k) for k in keys)
+    keys = {k for k in (*env, *STARTED_WITH) if k.startswith(SENSITIVE) and k not in READ_LATER}
+    return all(env.get(k) == STARTED_WITH.get(k) for k in keys - {"PYTHONPATH"}) and _path_fits(env)
+
+
+def _path_fits(env: dict[str, str]) -> bool:
+    """Whether the rank's PYTHONPATH can stand in sys.path for the server's (_become puts it there): not
+    where one of its new entries holds a module the server has imported (the rank would have found that)."""
+    if env.get("PYTHONPATH") == STARTED_WITH.get("PYTHONPATH"):
+        return True
+    if OWN_PATH is None:
+        return False
+    imported = {name.partition(".")[0] for name in sys.modules}
+    for entry in set(_entries(env)) - set(OWN_PATH):
+        try:
+            if {name.partition(".")[0] for name in os.listdir(entry)} & imported:
+                return False
+        except OSError:
+            continue
+    return True
 
 
 def _alive(conn: socket.socket) -> bool:
@@ -106,7 +138,9 @@ def _become(request: dict, received: list[int]) -> None:
         if src not in request["fds"]:
             os.close(src)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update({**ADDED, **request["env"]})
+    if OWN_PATH is not None:
+        sys.path[1:1 + len(OWN_PATH)] = _entries(request["env"])
     os.chdir(request["cwd"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -209,8 +243,12 @@ def main() -> None:
     path, extra = sys.argv[1], [m for m in sys.argv[2:3] for m in m.split(",") if m]
     for name in (*PRELOAD, *extra):
         __import__(name)
+    ADDED.update((k, v) for k, v in os.environ.items() if STARTED_WITH.get(k) != v)
     if threading.active_count() > 1:  # a fork keeps only this thread: a library's own would be lost
         raise SystemExit(f"forkserver: importing {extra} started threads; not serving")
+    # what is imported stays out of every child's collections: a collection writes to each object it
+    # visits, which would copy the shared pages into every rank (and cost more, the more is preloaded)
+    gc.freeze()
     work = Server(path).serve()
     del sys.argv[1:]
     work()

@@ -15,28 +15,45 @@ from pathlib import Path
 from zerompi.tools.mpirun import mpi_env as _mpi_env
 from zerompi.tools.mpirun import mpiexec
 
-from .rank_python import SENSITIVE
+from .rank_python import READ_LATER, SENSITIVE
 
-__all__ = ["ROOT", "WORKERS", "mpi_env", "mpiexec", "rank_python", "run_mpi"]
+__all__ = ["HF_STACK", "ROOT", "WORKERS", "mpi_env", "mpiexec", "rank_python", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+# The variables read at import as the session began (tests/conftest.py imports this module first): what
+# an in-process test's imports set later (DeepSpeed's and Lightning's PYTORCH_NVML_BASED_CUDA_CHECK,
+# inductor's cache directory) stays out of every later job, whose ranks then match the fork servers.
+_AT_IMPORT = {k: v for k, v in _mpi_env(ROOT).items() if k.startswith(SENSITIVE)}
+
+
 def mpi_env() -> dict[str, str]:
-    return _mpi_env(ROOT)
+    """zerompi.tools.mpirun's environment for ranks, with the variables read at import as the session began."""
+    return {**{k: v for k, v in _mpi_env(ROOT).items() if not k.startswith(SENSITIVE)}, **_AT_IMPORT}
 
 
+# What transformers' Trainer imports beyond torch that never looks for deepspeed (about 1.5 of its 2.5 CPU
+# s a rank): a server with these preloaded serves `-m zerompi.deepspeed` jobs too, whose runner must alias
+# deepspeed before transformers, accelerate or peft (none of them preloaded) look for it.
+HF_STACK = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.export", "sympy",
+            "scipy.linalg", "scipy.special", "pyarrow", "pandas", "regex", "tokenizers", "PIL.Image", "datasets")
 SERVERS = 2  # fork servers per interpreter (tests/mpi/forkserver.py): rank r asks server r mod SERVERS
-_servers: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+_servers: dict[tuple, list[str]] = {}
 _servers_lock = threading.Lock()
 
 
-def rank_python(python: str | os.PathLike | None = None, preload: tuple[str, ...] = ()) -> list[str]:
+def rank_python(python: str | os.PathLike | None = None, preload: tuple[str, ...] = (),
+                env: dict[str, str] | None = None, launcher: str | os.PathLike | None = None) -> list[str]:
     """What mpiexec starts on each rank in place of ``python`` (default: this one): rank_python.py handing
     the rank to a fork server of that interpreter with torch (and the modules ``preload``) imported
-    (tests/mpi/forkserver.py), or ``python`` itself where ``ZEROMPI_TEST_FORKSERVER=0`` or no server started."""
-    key = (str(python or sys.executable), tuple(preload))
+    (tests/mpi/forkserver.py), or ``python`` itself where ``ZEROMPI_TEST_FORKSERVER=0`` or no server started.
+    ``env``: the variables the job's ranks get beyond mpi_env() (those read at import start the server
+    with them); ``launcher``: the mpiexec that starts the ranks, where it is not ``python``'s sibling."""
+    at_import = tuple(sorted((k, v) for k, v in (env or {}).items()  # a server swaps PYTHONPATH in itself
+                             if k.startswith(SENSITIVE) and k not in ("PYTHONPATH", *READ_LATER)))
+    key = (str(python or sys.executable), tuple(preload), at_import, str(launcher or ""))
     with _servers_lock:
         if key not in _servers:
             on = os.environ.get("ZEROMPI_TEST_FORKSERVER", "1") != "0"
@@ -46,14 +63,15 @@ def rank_python(python: str | os.PathLike | None = None, preload: tuple[str, ...
     return [key[0], "-I", "-S", str(Path(__file__).with_name("rank_python.py")), ",".join(_servers[key])]
 
 
-def _rank_env(python: str) -> dict[str, str]:
-    """mpi_env() as a rank of ``python``'s own mpiexec sees it: Open MPI's wheel adds LD_LIBRARY_PATH and
-    PYTHONUNBUFFERED, which a server must have to serve its ranks (rank_python.SENSITIVE)."""
-    env = mpi_env()
-    launcher = Path(python).with_name("mpiexec")
-    if launcher.exists():
+def _rank_env(python: str, at_import: tuple[tuple[str, str], ...], launcher: str) -> dict[str, str]:
+    """mpi_env() and ``at_import`` as a rank of ``launcher`` (default: ``python``'s sibling mpiexec) sees
+    them: Open MPI adds LD_LIBRARY_PATH and PYTHONUNBUFFERED, which a server must have to serve its ranks
+    (rank_python.SENSITIVE)."""
+    env = {**mpi_env(), **dict(at_import)}
+    mpiexec_ = Path(launcher) if launcher else Path(python).with_name("mpiexec")
+    if mpiexec_.exists():
         show = "import json, os; print(json.dumps(dict(os.environ)))"
-        proc = subprocess.run([str(launcher), "-n", "1", python, "-I", "-S", "-c", show], env=env, cwd=ROOT,
+        proc = subprocess.run([str(mpiexec_), "-n", "1", python, "-I", "-S", "-c", show], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         if proc.returncode == 0:
             seen = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -61,10 +79,11 @@ def _rank_env(python: str) -> dict[str, str]:
     return env
 
 
-def _start_servers(python: str, preload: tuple[str, ...]) -> list[str]:
+def _start_servers(python: str, preload: tuple[str, ...], at_import: tuple[tuple[str, str], ...],
+                   launcher: str) -> list[str]:
     where = Path(tempfile.mkdtemp(prefix="zerompi-fork-"))
     paths = [str(where / f"{i}.sock") for i in range(SERVERS)]
-    env = _rank_env(python)
+    env = _rank_env(python, at_import, launcher)
     server = [python, str(Path(__file__).with_name("forkserver.py"))]
     with open(where / "servers.log", "ab") as log:
         procs = [subprocess.Popen([*server, path, ",".join(preload)], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
@@ -129,3 +148,16 @@ def run_worker_json(n: int, script: str, out: Path, *args: str, timeout: float |
     """Run a worker that writes its results as JSON to ``out`` (rank 0) and load them."""
     run_mpi(n, script, "--out", str(out), *args, timeout=timeout, env=env, preload=preload)
     return json.loads(out.read_text())
+
+
+def run_in_turn(script: Path, runs: list[list[str]], where: Path, env: dict[str, str],
+                preload: tuple[str, ...] = HF_STACK, timeout: float | None = None) -> None:
+    """``python SCRIPT ARGS`` for each ARGS of ``runs``, one after another in one plain process
+    (workers/in_turn.py): a module's single-process references with one interpreter start and one import."""
+    listed = where / f"{Path(script).stem}-runs.json"
+    listed.write_text(json.dumps(runs))
+    proc = subprocess.run([*rank_python(preload=preload, env=env), str(WORKERS / "in_turn.py"), str(script),
+                           str(listed)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT if timeout is None else timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} in turn over {runs} exited {proc.returncode}\n{proc.stderr[-8000:]}")

@@ -23,6 +23,8 @@ SENSITIVE = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "P
              "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_",
              "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "ACCELERATE", "PEFT", "LIGHTNING",
              "PL_", "TQDM")
+# read where CUDA starts, not at import (a server never starts CUDA: a fork could not keep it)
+READ_LATER = ("CUDA_VISIBLE_DEVICES",)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGALRM, signal.SIGPIPE, signal.SIGTSTP)
 

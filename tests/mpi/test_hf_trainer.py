@@ -20,7 +20,7 @@ import torch
 
 from tests.components import require_module
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
+from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python, run_in_turn
 from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
 
 SCRIPT = WORKERS / "hf_trainer.py"
@@ -45,43 +45,32 @@ def weights(directory) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
-MAKE = """import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM, GPT2LMHeadModel
-sys.path.insert(0, sys.argv[1])
-from hf_trainer import tiny_gpt2
-torch.manual_seed(0)
-GPT2LMHeadModel(tiny_gpt2()).save_pretrained(sys.argv[2] + "/gpt2")
-LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)).save_pretrained(sys.argv[2] + "/llama")
-"""
 RUNS = {**{f"built-zero{k}": ("built", v) for k, v in ZERO.items()},
         "gpt2-pretrained-zero3": ("gpt2", ZERO["3"]), "llama-pretrained-zero3": ("llama", ZERO["3"])}
+ORDERS = (("ref", 2, 4), ("alt", 4, 2))  # one process's 8 rows a step: micro-batch size, accumulation
+
+
+def plain_env() -> dict[str, str]:
+    """One plain process: no launcher's variables (an in-process test may have set them), no GPU."""
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in {**mpi_env(), "CUDA_VISIBLE_DEVICES": ""}.items() if k not in launcher}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Per model, one process on the same 8 rows a step: as 4 micro-batches of 2 (ref) and as 2 of 4 (alt)."""
+    """Per model, one process on the same 8 rows a step: as 4 micro-batches of 2 (ref) and as 2 of 4 (alt);
+    the pretrained models made first. Every run one after another in one process (launcher.run_in_turn)."""
     require_module("transformers", "accelerate", "safetensors")
     tmp = tmp_path_factory.mktemp("hf_ref")
-    # one plain process: no launcher's variables (an in-process test in this pytest process may have set them)
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in {**mpi_env(), "CUDA_VISIBLE_DEVICES": ""}.items() if k not in launcher}
-    proc = subprocess.run([*rank_python(), "-c", MAKE, str(WORKERS), str(tmp)], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    done: dict[str, dict] = {}
-
-    def get(model: str) -> dict:
-        if model not in done:
-            out = {}
-            for name, micro, accum in (("ref", 2, 4), ("alt", 4, 2)):
-                result = run([*rank_python(), str(SCRIPT), "--output_dir", str(tmp / model / name), "--optim",
-                              "adamw_torch", "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps",
-                              str(accum), *model_args(tmp, model), *COMMON], tmp / f"{model}-{name}.json", env)
-                out[name] = dict(result, weights=weights(tmp / model / name))
-            done[model] = dict(out, dir=tmp)
-        return done[model]
-    return get
+    models = sorted({model for model, _ in RUNS.values()})
+    runs = [["--make", str(tmp)]] + [
+        ["--output_dir", str(tmp / model / name), "--optim", "adamw_torch", "--per_device_train_batch_size",
+         str(micro), "--gradient_accumulation_steps", str(accum), *model_args(tmp, model), *COMMON,
+         "--out", str(tmp / f"{model}-{name}.json")] for model in models for name, micro, accum in ORDERS]
+    run_in_turn(SCRIPT, runs, tmp, plain_env())
+    return {model: dict({name: dict(json.loads((tmp / f"{model}-{name}.json").read_text()),
+                                    weights=weights(tmp / model / name)) for name, _, _ in ORDERS}, dir=tmp)
+            for model in models}
 
 
 def model_args(tmp, model: str) -> list[str]:
@@ -91,10 +80,10 @@ def model_args(tmp, model: str) -> list[str]:
 @pytest.mark.parametrize("case", list(RUNS))
 def test_trainer_runs_unchanged_and_matches_one_process(reference, tmp_path, case):
     model, zero = RUNS[case]
-    refs = reference(model)
+    refs = reference[model]
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**AUTO, "zero_optimization": zero}))
-    got = run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", str(SCRIPT),
+    got = run([*mpiexec(), "-n", "2", *rank_python(preload=HF_STACK), "-m", "zerompi.deepspeed", str(SCRIPT),
                "--output_dir", str(tmp_path / "out"), "--deepspeed", str(cfg), *model_args(refs["dir"], model),
                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *COMMON],
               tmp_path / "out.json")
@@ -123,7 +112,7 @@ def test_resume_from_a_checkpoint_dir_continues_bitwise(tmp_path, stage):
     require_module("transformers", "accelerate", "safetensors")
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**AUTO, "zero_optimization": ZERO[stage]}))
-    common = [*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", str(SCRIPT), "--deepspeed", str(cfg),
+    common = [*mpiexec(), "-n", "2", *rank_python(preload=HF_STACK), "-m", "zerompi.deepspeed", str(SCRIPT), "--deepspeed", str(cfg),
               "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *COMMON,
               "--save_strategy", "steps", "--save_steps", "3"]
     whole = run([*common, "--output_dir", str(tmp_path / "whole")], tmp_path / "whole.json")
@@ -139,8 +128,7 @@ def test_resume_from_a_checkpoint_dir_continues_bitwise(tmp_path, stage):
 
 def _plain_env() -> dict[str, str]:
     """One plain process: no launcher's variables, and the workers importable."""
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    plain = {k: v for k, v in mpi_env().items() if k not in launcher}
+    plain = plain_env()
     plain["PYTHONPATH"] = os.pathsep.join([str(WORKERS), plain["PYTHONPATH"]])
     return plain
 
@@ -148,13 +136,12 @@ def _plain_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def accelerate_reference(tmp_path_factory):
     """The Accelerate loop as one plain process, 4 micro-batches of 2 (ref) and 2 of 4 (alt): the same for every
-    stage and offload, so run once for the module."""
+    stage and offload, so run once for the module (both in one process, launcher.run_in_turn)."""
     require_module("transformers", "accelerate", "safetensors")
     tmp = tmp_path_factory.mktemp("accelerate_ref")
-    for name, args in (("ref", ["--accum", "4"]), ("alt", ["--accum", "2", "--micro", "4"])):
-        proc = subprocess.run([*rank_python(), str(WORKERS / "hf_accelerate.py"), "--out", str(tmp / f"{name}.st"),
-                               *args], cwd=ROOT, env=_plain_env(), capture_output=True, text=True, timeout=TIMEOUT)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    run_in_turn(WORKERS / "hf_accelerate.py", [["--out", str(tmp / "ref.st"), "--accum", "4"],
+                                               ["--out", str(tmp / "alt.st"), "--accum", "2", "--micro", "4"]],
+                tmp, _plain_env())
     return tmp
 
 
@@ -167,7 +154,7 @@ def test_accelerate_with_the_deepspeed_plugin(accelerate_reference, tmp_path, st
     from safetensors.torch import load_file
     script = str(WORKERS / "hf_accelerate.py")
     env = {**mpi_env(), "PYTHONPATH": _plain_env()["PYTHONPATH"]}
-    proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", script, "--out",
+    proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(preload=HF_STACK), "-m", "zerompi.deepspeed", script, "--out",
                            str(tmp_path / "ours.st"), "--stage", str(stage), *(["--offload"] if offload else [])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -21,7 +21,7 @@ import pytest
 
 from tests.components import require_module
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
+from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python, run_in_turn
 from .test_hf_trainer import AUTO, ZERO, weights
 from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
 
@@ -52,39 +52,35 @@ def sft_args(root, model: str, out_dir) -> list[str]:
             "--output_dir", str(out_dir), *COMMON]
 
 
+ORDERS = (("ref", 2, 4), ("alt", 4, 2))  # one process's 8 rows a step: micro-batch size, accumulation
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The models, tokenizer and dataset (made once, locally), and per model one process on the same 8 rows a
-    step: as 4 micro-batches of 2 (ref) and as 2 of 4 (alt)."""
+    step: as 4 micro-batches of 2 (ref) and as 2 of 4 (alt). Every run one after another in one process
+    (launcher.run_in_turn)."""
     require_module("trl", "datasets", "transformers", "accelerate", "safetensors")
     root = tmp_path_factory.mktemp("trl")
-    env = env_for(root)
-    proc = subprocess.run([*rank_python(), str(SCRIPT), "--make", str(root)], capture_output=True, text=True,
-                          timeout=TIMEOUT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    done: dict[str, dict] = {}
-
-    def get(model: str) -> dict:
-        if model not in done:
-            out = {}
-            for name, micro, accum in (("ref", 2, 4), ("alt", 4, 2)):
-                result = run([*rank_python(), *sft_args(root, model, root / model / name),
-                              "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum)],
-                             root / f"{model}-{name}.json", env)
-                out[name] = dict(result, weights=weights(root / model / name))
-            done[model] = dict(out, root=root)
-        return done[model]
-    return get
+    models = sorted({model for model, _ in RUNS.values()})
+    runs = [["--make", str(root)]] + [
+        [*sft_args(root, model, root / model / name)[1:], "--per_device_train_batch_size", str(micro),
+         "--gradient_accumulation_steps", str(accum), "--out", str(root / f"{model}-{name}.json")]
+        for model in models for name, micro, accum in ORDERS]
+    run_in_turn(SCRIPT, runs, root, env_for(root))
+    return {model: dict({name: dict(json.loads((root / f"{model}-{name}.json").read_text()),
+                                    weights=weights(root / model / name)) for name, _, _ in ORDERS}, root=root)
+            for model in models}
 
 
 @pytest.mark.parametrize("case", list(RUNS))
 def test_sft_runs_unchanged_and_matches_one_process(reference, tmp_path, case):
     model, stage = RUNS[case]
-    refs = reference(model)
+    refs = reference[model]
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({**AUTO, "zero_optimization": ZERO[stage]}))
     env = {**env_for(refs["root"]), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    got = run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed",
+    got = run([*mpiexec(), "-n", "2", *rank_python(preload=HF_STACK, env=env), "-m", "zerompi.deepspeed",
                *sft_args(refs["root"], model, tmp_path / "out"), "--deepspeed", str(cfg),
                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"], tmp_path / "out.json", env)
     ref, alt = refs["ref"], refs["alt"]

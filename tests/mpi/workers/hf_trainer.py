@@ -3,9 +3,11 @@ dataset, ``trainer.train()``, ``trainer.save_model()``), for tests/mpi/test_hf_t
 nothing of zerompi: ``--deepspeed CFG`` under ``python -m zerompi.deepspeed`` makes it a ZeRO run;
 without it, one plain process is the reference. A tiny GPT-2 from a fixed seed (or ``--model_dir``'s
 pretrained model), 64 fixed token rows.
-Rank 0 writes the logged per-step losses and gradient norms as JSON to ``--out``.
+Rank 0 writes the logged per-step losses and gradient norms as JSON to ``--out``. ``--make DIR`` writes the
+pretrained models instead.
 """
 import json
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +47,16 @@ class CountSteps(TrainerCallback):
         self.steps += 1
 
 
+def make(root: str) -> None:
+    """``--make DIR``: the pretrained models the ZeRO-3 cases load, with no download (DIR/gpt2, DIR/llama)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    GPT2LMHeadModel(tiny_gpt2()).save_pretrained(f"{root}/gpt2")
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+                     ).save_pretrained(f"{root}/llama")
+
+
 def main() -> None:
     args, extra = HfArgumentParser((TrainingArguments, Extra)).parse_args_into_dataclasses()
     torch.manual_seed(0)
@@ -64,4 +76,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--make"]:
+        make(sys.argv[2])
+    else:
+        main()
