@@ -241,8 +241,9 @@ class Server:
 
 def main() -> None:
     path, extra = sys.argv[1], [m for m in sys.argv[2:3] for m in m.split(",") if m]
-    for name in (*PRELOAD, *extra):
-        __import__(name)
+    for name in (*PRELOAD, *extra):  # "-NAME" in the extra modules leaves NAME out
+        if not name.startswith("-") and f"-{name}" not in extra:
+            __import__(name)
     ADDED.update((k, v) for k, v in os.environ.items() if STARTED_WITH.get(k) != v)
     if threading.active_count() > 1:  # a fork keeps only this thread: a library's own would be lost
         raise SystemExit(f"forkserver: importing {extra} started threads; not serving")

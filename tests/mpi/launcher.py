@@ -49,8 +49,9 @@ def rank_python(python: str | os.PathLike | None = None, preload: tuple[str, ...
     """What mpiexec starts on each rank in place of ``python`` (default: this one): rank_python.py handing
     the rank to a fork server of that interpreter with torch (and the modules ``preload``) imported
     (tests/mpi/forkserver.py), or ``python`` itself where ``ZEROMPI_TEST_FORKSERVER=0`` or no server started.
-    ``env``: the variables the job's ranks get beyond mpi_env() (those read at import start the server
-    with them); ``launcher``: the mpiexec that starts the ranks, where it is not ``python``'s sibling."""
+    ``preload``: modules beyond those ("-h5py" leaves h5py out); ``env``: the variables the job's ranks get
+    beyond mpi_env() (those read at import start the server with them); ``launcher``: the mpiexec that
+    starts the ranks, where it is not ``python``'s sibling."""
     at_import = tuple(sorted((k, v) for k, v in (env or {}).items()  # a server swaps PYTHONPATH in itself
                              if k.startswith(SENSITIVE) and k not in ("PYTHONPATH", *READ_LATER)))
     key = (str(python or sys.executable), tuple(preload), at_import, str(launcher or ""))

@@ -22,7 +22,7 @@ import torch
 
 from tests.components import require_module
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec
+from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
 
 TRAINER = WORKERS / "hf_trainer.py"
 ACCELERATE = WORKERS / "hf_accelerate.py"
@@ -82,8 +82,9 @@ def _trainer(python: Path, tmp: Path, stage: str) -> tuple[dict, dict[str, torch
     zero = {"stage": int(stage), **({"stage3_gather_16bit_weights_on_model_save": True} if stage == "3" else {})}
     cfg.write_text(json.dumps({**AUTO, "zero_optimization": zero}))
     out = tmp / "out"
-    proc = subprocess.run([*mpiexec(), "-n", "2", str(python), "-m", "zerompi.deepspeed", str(TRAINER),
-                           "--output_dir", str(out), "--deepspeed", str(cfg), *ARGS, "--out", str(tmp / "run.json")],
+    proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(python, HF_STACK), "-m", "zerompi.deepspeed",
+                           str(TRAINER), "--output_dir", str(out), "--deepspeed", str(cfg), *ARGS,
+                           "--out", str(tmp / "run.json")],
                           capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env_for(python))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads((tmp / "run.json").read_text()), load_file(str(out / "model.safetensors"))
@@ -109,9 +110,9 @@ def test_accelerate_without_deepspeed_trains_the_same_bits(python, tmp_path):
     outs = {}
     for name, py in (("without", python), ("with", Path(sys.executable))):
         outs[name] = tmp_path / f"{name}.st"
-        proc = subprocess.run([*mpiexec(), "-n", "2", str(py), "-m", "zerompi.deepspeed", str(ACCELERATE), "--out",
-                               str(outs[name]), "--stage", "3"], cwd=ROOT, env=env_for(py), capture_output=True,
-                              text=True, timeout=TIMEOUT)
+        proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(py, HF_STACK), "-m", "zerompi.deepspeed",
+                               str(ACCELERATE), "--out", str(outs[name]), "--stage", "3"], cwd=ROOT, env=env_for(py),
+                              capture_output=True, text=True, timeout=TIMEOUT)
         assert proc.returncode == 0, f"{name} DeepSpeed:\n{proc.stderr[-6000:]}"
     got, ref = (load_file(str(outs[n])) for n in ("without", "with"))
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)

@@ -49,7 +49,9 @@ def _openmpi_job(python, n: int, *args: str) -> subprocess.CompletedProcess:
     """ckpt.py with ``args`` (or ``-c CODE``) on ``n`` ranks under Debian's Open MPI."""
     env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_MCA_", "PMI_", "MPIR_"))}
     script = list(args) if args[0] == "-c" else ["-m", "mpi4py", str(WORKERS / "ckpt.py"), *args]
-    cmd = [shutil.which("mpiexec.openmpi") or "mpiexec.openmpi", "--oversubscribe", "-n", str(n), *rank_python(python), *script]
+    launcher = shutil.which("mpiexec.openmpi") or "mpiexec.openmpi"
+    # Debian's h5py picks its MPI build at import by the launcher's variables: each rank imports it itself
+    cmd = [launcher, "--oversubscribe", "-n", str(n), *rank_python(python, ("-h5py",), launcher=launcher), *script]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
