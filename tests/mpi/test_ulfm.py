@@ -49,18 +49,12 @@ def job(venv, tmp_path, n: int, *args: str, launch=FLAGS) -> tuple[subprocess.Co
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
-_REFERENCES: dict[tuple, str] = {}
 TRAINING_ARGS = ("--muon", "--adafactor")  # worker arguments that change what is trained (the rest change how it survives)
 
 
-def reference(venv, tmp_path, stage: int, extra: tuple[str, ...] = ()) -> str:
-    """The failure-free digest, at 3 ranks without fault tolerance (reproducible: any world size)."""
-    key = (stage, *(a for a in extra if a in TRAINING_ARGS))
-    if key not in _REFERENCES:
-        proc, result = job(venv, tmp_path, 3, "--stage", *map(str, key), "--ft", "off", launch=())
-        assert result is not None, proc.stderr[-6000:]
-        _REFERENCES[key] = result["digest"]
-    return _REFERENCES[key]
+def key(stage: int, extra: tuple[str, ...] = ()) -> tuple:
+    """What a case trains: its stage and the arguments among TRAINING_ARGS."""
+    return (stage, *(a for a in extra if a in TRAINING_ARGS))
 
 
 CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, in the default suite)
@@ -94,18 +88,40 @@ CASES = {  # id: (stage, kills RANK:PHASE:STEP, extra worker args, ranks left, i
 }
 
 NOTICED_IN = {"end-backward": "end_backward", "full-state-dict": "full_state_dict"}
+RUN = [case for case, (*_, default) in CASES.items() if default or EVERY_CASE]
+
+WITHOUT_REPRODUCIBLE = {  # id: (kills, extra worker args, the failure-free runs (ranks, args); the first is the reference)
+    "flat": ("1:step:2", (), [(4, ()), (3, ()), (2, ())]),
+    # hsdp over two emulated nodes of two ranks; one node lost: its two ranks at once
+    "hsdp-node": ("2:step:2,3:step:2", ("--hsdp",), [(4, ("--hsdp",)), (2, ("--hsdp",)), (3, ())]),
+}
+SUMMED = ("--stage", "3", "--reproducible", "off")
+
+
+@pytest.fixture(scope="module")
+def failure_free(openmpi, tmp_path_factory) -> dict:
+    """Every failure-free run the module judges by, one after another in one job of 4 ranks (each on the
+    first N, without fault tolerance): per key() the digest at 3 ranks (reproducible: the same at any world
+    size), and per WITHOUT_REPRODUCIBLE run (N, args) its state."""
+    keys = sorted({key(stage, extra) for stage, _, extra, _, _ in (CASES[c] for c in RUN)} | {key(3)})
+    summed = sorted({(n, args) for _, _, runs in WITHOUT_REPRODUCIBLE.values() for n, args in runs})
+    runs = [(3, ["--stage", *map(str, k)]) for k in keys] + [(n, [*SUMMED, *args]) for n, args in summed]
+    proc, result = job(openmpi, tmp_path_factory.mktemp("failure-free"), 4, "--failure-free", json.dumps(runs),
+                       launch=())
+    assert result is not None, proc.stderr[-6000:]
+    done = dict(zip([*keys, *summed], result["runs"]))
+    return {k: v["digest"] if k in keys else v for k, v in done.items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_survives_lost_ranks(openmpi, tmp_path, case):
+def test_survives_lost_ranks(openmpi, failure_free, tmp_path, case):
     stage, kills, extra, left, default = CASES[case]
     if not (default or EVERY_CASE):
         pytest.skip("one of the longer list of kills: ZEROMPI_ULFM_TESTS=1 runs it")
     proc, result = job(openmpi, tmp_path, 4, "--stage", str(stage), "--kill", kills, *extra)
     assert result is not None, proc.stderr[-8000:]
     assert result["world"] == left and result["steps"] == 4
-    assert result["digest"] == reference(openmpi, tmp_path, stage, extra), \
-        "the trained bits differ from the failure-free run"
+    assert result["digest"] == failure_free[key(stage, extra)], "the trained bits differ from the failure-free run"
     lost = sorted(r for report in result["reports"] for r in report["lost_world"])
     assert lost == sorted(int(k.split(":")[0]) for k in kills.split(",")), result["reports"]
     for report in result["reports"]:
@@ -118,14 +134,14 @@ def test_survives_lost_ranks(openmpi, tmp_path, case):
 
 
 @pytest.mark.parametrize("n,kills", [(3, "1:step:2"), (5, "3:backward:1"), (6, "4:step:2")])
-def test_survives_at_uneven_world_sizes(openmpi, tmp_path, n, kills):
+def test_survives_at_uneven_world_sizes(openmpi, failure_free, tmp_path, n, kills):
     """Where the buddy (N // 2 places on) is not the same in both directions, as it is at 4 ranks: the
     lost rank's state comes from the right copy, and a wrong one ends the job at once, named
     (recovery/sources.py's coverage check), instead of a load waiting for a missing file."""
     proc, result = job(openmpi, tmp_path, n, "--stage", "3", "--kill", kills)
     assert result is not None, proc.stderr[-8000:]
     assert result["world"] == n - 1 and result["steps"] == 4
-    assert result["digest"] == reference(openmpi, tmp_path, 3), "the trained bits differ from the failure-free run"
+    assert result["digest"] == failure_free[key(3)], "the trained bits differ from the failure-free run"
 
 
 def test_a_recovery_that_fails_ends_the_job_naming_why(openmpi, tmp_path):
@@ -139,31 +155,21 @@ def test_a_recovery_that_fails_ends_the_job_naming_why(openmpi, tmp_path):
     assert "CheckpointError" in proc.stderr and "step00000002" in proc.stderr, proc.stderr[-4000:]
 
 
-WITHOUT_REPRODUCIBLE = {  # id: (kills, extra worker args, the failure-free runs (ranks, args); the first is the reference)
-    "flat": ("1:step:2", (), [(4, ()), (3, ()), (2, ())]),
-    # hsdp over two emulated nodes of two ranks; one node lost: its two ranks at once
-    "hsdp-node": ("2:step:2,3:step:2", ("--hsdp",), [(4, ("--hsdp",)), (2, ("--hsdp",)), (3, ())]),
-}
-
-
 @pytest.mark.parametrize("case", list(WITHOUT_REPRODUCIBLE))
-def test_survives_without_reproducible_within_order_noise(openmpi, tmp_path, case):
+def test_survives_without_reproducible_within_order_noise(openmpi, failure_free, tmp_path, case):
     """reproducible=False (micro_batches alone): the survivors train the same micro-batches, summed in
     MPI's order. The recovered state may differ from the failure-free run's by summation order alone:
     per tensor within ORDER_K times what the failure-free run moves at other world sizes (and layouts)."""
     kills, extra, references = WITHOUT_REPRODUCIBLE[case]
-    summed = ("--stage", "3", "--reproducible", "off")
-    runs = [job(openmpi, tmp_path, n, *summed, *args, "--ft", "off", launch=()) for n, args in references]
-    for proc, result in runs:
-        assert result is not None, proc.stderr[-6000:]
-    proc, got = job(openmpi, tmp_path, 4, *summed, *extra, "--kill", kills)
+    runs = [failure_free[(n, args)] for n, args in references]
+    proc, got = job(openmpi, tmp_path, 4, *SUMMED, *extra, "--kill", kills)
     assert got is not None, proc.stderr[-8000:]
     assert got["world"] == 4 - len(kills.split(",")) and got["steps"] == 4 and len(got["reports"]) == 1, got
-    ref = {k: np.asarray(v) for k, v in runs[0][1]["state"].items()}
+    ref = {k: np.asarray(v) for k, v in runs[0]["state"].items()}
 
     def distance(state):
         return {k: float(np.abs(np.asarray(state[k]) - r).max() / max(np.abs(r).max(), 1e-30)) for k, r in ref.items()}
-    noise = {k: max(distance(result["state"])[k] for _, result in runs[1:]) for k in ref}
+    noise = {k: max(distance(result["state"])[k] for result in runs[1:]) for k in ref}
     assert max(noise.values()) > 0, "the world sizes summed alike: no order noise to judge by"
     assert not tensor_failures(distance(got["state"]), noise)
 

@@ -13,11 +13,14 @@ parameters, fp32 masters and optimizer state, the final world size and the recov
 ``--muon`` trains the matrices with torch.optim.Muon (owner ranks, whole tensors), the rest with AdamW;
 ``--adafactor`` every tensor with torch.optim.Adafactor (its factored state is saved per tensor).
 ``--remove-points`` has rank 0 delete the recovery points (``--source disk``) in the step a rank dies, so
-the recovery itself fails. ``--ft off`` trains the same without fault tolerance (the failure-free reference). ``--reproducible off``
+the recovery itself fails. ``--ft off`` trains the same without fault tolerance (the failure-free reference);
+``--failure-free '[[N, [ARGS...]], ...]'`` trains each ARGS so, on the first N ranks, one after another in
+one job, and rank 0 writes each run's report in order. ``--reproducible off``
 trains without reproducible=True (summed in MPI's order) and writes the state itself too, to be judged
 against the failure-free run within summation-order noise.
 """
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -111,7 +114,7 @@ def batch(step: int, index: int):
 
 
 
-def main() -> None:
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--stage", type=int, default=3)
@@ -133,10 +136,16 @@ def main() -> None:
     p.add_argument("--adafactor", action="store_true", help="torch.optim.Adafactor on every tensor (whole tensors)")
     p.add_argument("--remove-points", action="store_true",
                    help="recovery points on disk (give --source disk), which rank 0 deletes in the step a rank dies")
-    a = p.parse_args()
+    p.add_argument("--failure-free", default="",
+                   help="JSON [[N, [ARGS...]], ...]: train each without fault tolerance on the first N ranks, in turn")
+    return p.parse_args(argv)
+
+
+def train(a: argparse.Namespace, comm) -> dict:
+    """Train as ``a`` says over ``comm``; what rank 0 of the final group reports (None elsewhere)."""
     Now.kills = {(int(r), ph, int(s)) for r, ph, s in (k.split(":") for k in a.kill.split(",") if k)}
     torch.manual_seed(0)
-    points = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="zerompi-ulfm-points-") if WORLD_RANK == 0 else None)
+    points = comm.bcast(tempfile.mkdtemp(prefix="zerompi-ulfm-points-") if comm.Get_rank() == 0 else None)
     Now.remove_points = points if a.remove_points else None
     cfg = zerompi.ZeroConfig(stage=a.stage, lr=3e-2, weight_decay=0.1, clip_grad_norm=0.05, recovery_dir=points,
                              reproducible=a.reproducible == "on",
@@ -150,7 +159,7 @@ def main() -> None:
     net = Net()
     groups = [{"params": [p for p in net.parameters() if p.dim() == 2], "optimizer": torch.optim.Muon},
               {"params": [p for p in net.parameters() if p.dim() != 2]}] if a.muon else None
-    engine = zerompi.initialize(net, cfg, param_groups=groups)
+    engine = zerompi.initialize(net, cfg, comm=comm, param_groups=groups)
     ckpt = engine.group.allgather_object(tempfile.mkdtemp(prefix="zerompi-ulfm-") if engine.rank == 0 else None)[0]
     reports, started = [], time.perf_counter()
     while engine.stats.steps < a.steps:
@@ -188,8 +197,24 @@ def main() -> None:
     if a.reproducible == "off":
         out["state"] = {label: data.tolist() for label, data in state_items(engine) if not isinstance(data, str)}
     engine.close()
-    if engine.rank == 0:
-        write_json(a.out, out)
+    return out if engine.rank == 0 else None
+
+
+def main() -> None:
+    a = parse()
+    if not a.failure_free:
+        out = train(a, MPI.COMM_WORLD)
+        if out is not None:
+            write_json(a.out, out)
+        return
+    runs = []  # the failure-free runs in turn, each on a communicator of the first N ranks
+    for n, args in json.loads(a.failure_free):
+        comm = MPI.COMM_WORLD.Split(0 if WORLD_RANK < n else MPI.UNDEFINED, WORLD_RANK)
+        if comm != MPI.COMM_NULL:
+            runs.append(train(parse(["--out", a.out, *args, "--ft", "off"]), comm))
+            comm.Free()
+    if WORLD_RANK == 0:
+        write_json(a.out, dict(runs=runs))
 
 
 if __name__ == "__main__":
