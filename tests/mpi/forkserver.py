@@ -18,9 +18,11 @@ servers run, rank r asking server r mod 2, so ranks do not share one hash seed. 
 generator is reseeded from the OS in each child; Python's ``random`` reseeds itself at fork.
 
 A job may ask for a server that also has its framework imported (``rank_python(preload=("peft",))``):
-peft, Lightning and transformers cost 0.5-3.7 CPU s per rank beyond torch. Only jobs launched with
-``-m mpi4py`` ask for it: ``-m zerompi.deepspeed`` must alias ``deepspeed`` before transformers looks
-for it. Off with ``ZEROMPI_TEST_FORKSERVER=0`` (every rank then starts Python); used by tests/mpi/launcher.py.
+peft, Lightning and transformers cost 0.5-3.7 CPU s per rank beyond torch. ``-m zerompi.deepspeed``
+jobs ask only for what transformers imports that never looks for DeepSpeed (launcher.HF_STACK): the
+runner must alias ``deepspeed`` before transformers, accelerate or peft look for it. What a server
+imported is frozen (gc.freeze): a child's collections neither visit nor copy it. Off with
+``ZEROMPI_TEST_FORKSERVER=0`` (every rank then starts Python); used by tests/mpi/launcher.py.
 """
 from __future__ import annotations
 

@@ -186,6 +186,9 @@ def read_tasks(arr: schema.Array, start: int, stop: int, out: np.ndarray) -> lis
     """``read_into``'s reads as tasks to run later (:class:`Reads`), so that a load keeps the blocks of
     every dataset in flight at once: ``arr``'s file must stay open until they have run. Storage that
     is not one contiguous run of the file is read (through h5py) now, and gives no task."""
+    if not isinstance(arr, schema.Array):  # a recovery point's array in memory (held.py)
+        out[...] = arr.read(start, stop)
+        return []
     ds, n = arr.ds, arr.length
     if not 0 <= start <= stop <= n:
         raise CheckpointError(f"{arr.where}: range [{start}, {stop}) outside [0, {n})")

@@ -20,6 +20,7 @@ import torch
 from zerompi.checkpoint import paths, schema
 from zerompi.checkpoint.entries import LoadContext, entries
 from zerompi.checkpoint.frozen import FrozenSource
+from zerompi.checkpoint.held import HeldCheckpoint, HeldFiles
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
 from zerompi.checkpoint.snapshot import Counters, EngineSnapshot, Entry
@@ -97,6 +98,42 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
     return Loaded(index, read, replicated, ctx)
 
 
+def _read_held(engine, snap: EngineSnapshot, held: HeldCheckpoint, files: HeldFiles) -> Loaded:
+    """``prepare`` over a recovery point held in memory: the same entries, read from ``files``."""
+    ctx = LoadContext(held.index, files, held.directory, Reads(), FrozenSource(held.index, files, held.directory),
+                      engine.group.rank, engine.group.size)
+    try:
+        read = [(entry, entry.read(ctx)) for entry in entries(snap, held.index.optimizer)]
+    finally:
+        _quietly(ctx.reads.wait)
+    params = {p["name"] for p in held.index.params}
+    saved = {n: a for n, a in held.replicated.items() if n not in params}  # the buffers (a point has no frozen)
+    _check_buffers({n: b.numel() for n, b in engine.module.named_buffers()}, {n: a.size for n, a in saved.items()},
+                   held.directory)
+    return Loaded(held.index, read, saved, ctx)
+
+
+def load_held(engine, held: HeldCheckpoint) -> None:
+    """Collective over the survivors: the recovery point ``held`` (held.py) checked, read and applied
+    as a load applies files; each rank first learns what it asks for, then one exchange serves it."""
+    snap, error, asking = engine.snapshot(), None, held.asking()
+    try:
+        if held.index is None:
+            raise CheckpointError(f"{held.where}: no survivor holds old rank 0's index")
+        _check_compatible(engine, snap, held.index, held.directory)
+        _read_held(engine, snap, held, asking)
+    except CheckpointError as e:
+        error = str(e)
+    all_ranks_ok(engine.group, error, CheckpointError)
+    served, loaded = held.serve(asking.asked), None
+    try:
+        loaded = _read_held(engine, snap, held, served)
+    except CheckpointError as e:
+        error = str(e)
+    all_ranks_ok(engine.group, error, CheckpointError)
+    apply(engine, snap, loaded)
+
+
 def _quietly(fn) -> None:
     try:
         fn()
@@ -115,11 +152,7 @@ def _read_replicated(engine, snap: EngineSnapshot, index: CheckpointIndex, direc
     with schema.open_h5(directory / schema.INDEX) as f:
         arrays = {n: schema.open_array(f, schema.replicated(n), index.binding(schema.replicated(n)))
                   for n in saved if n in ours}
-        theirs = {n: a.length for n, a in arrays.items()}
-        if set(ours) != set(saved) or ours != theirs:
-            diff = sorted(set(ours) ^ set(saved)) or sorted(n for n in ours if ours[n] != theirs[n])
-            raise CheckpointError(f"{directory}: checkpoint of a different model: buffers differ "
-                                  f"({', '.join(diff[:5])})")
+        _check_buffers(ours, {n: arrays[n].length if n in arrays else -1 for n in saved}, directory)
         for name, arr in arrays.items():
             out[name] = schema.read_array(arr)
     if index.frozen_saved:
@@ -127,6 +160,13 @@ def _read_replicated(engine, snap: EngineSnapshot, index: CheckpointIndex, direc
         for name in snap.replicated_frozen:
             out[name] = source.read(name, 0, tensors[name].numel())
     return out
+
+
+def _check_buffers(ours: dict[str, int], theirs: dict[str, int], directory: Path) -> None:
+    """The checkpoint's buffers (name: elements) are the model's."""
+    if ours != theirs:
+        diff = sorted(set(ours) ^ set(theirs)) or sorted(n for n in ours if ours[n] != theirs[n])
+        raise CheckpointError(f"{directory}: checkpoint of a different model: buffers differ ({', '.join(diff[:5])})")
 
 
 def apply(engine, snap: EngineSnapshot, loaded: Loaded) -> None:

@@ -4,16 +4,15 @@
 ``include_frozen=False`` would write (entries.py), into one byte tensor: a JSON header (names, dtypes, shapes, offsets; on
 rank 0 also the index and the buffers), then the data. That tensor is
 what MPI hands to a buddy rank (the group's ``shift``), and what stays in memory.
-Nothing is written until a rank is lost; then :func:`write` turns a replica into the
-files the per-rank save would have written for its rank (rank 0's adds ``index.h5``),
-so the ordinary loader reads it, resharding N -> M. No pickle: the header is JSON and
-the data raw bytes, as in a checkpoint file.
+Nothing is written, even when a rank is lost: the survivors serve the rebuilt engine's reads
+from the replicas they hold (held.py), resharding N -> M through the same entries as a
+per-rank checkpoint's files. No pickle: the header is JSON and the data raw bytes, as in a
+checkpoint file.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,9 +20,7 @@ import torch
 
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex
-from zerompi.checkpoint.per_rank import write_rank_file
-from zerompi.checkpoint.rawio import WriteOptions
-from zerompi.checkpoint.writer import build_index, parts, replicated_tensors, write_index
+from zerompi.checkpoint.writer import build_index, parts, replicated_tensors
 from zerompi.config.choices import CheckpointLayout
 from zerompi.errors import CheckpointError, UsageError
 
@@ -98,11 +95,3 @@ def unpack(packed: torch.Tensor) -> Replica:
                        replicated)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"a recovery replica of {packed.numel()} bytes cannot be read: {e}") from e
-
-
-def write(replica: Replica, directory: Path, options: WriteOptions) -> None:
-    """The files a per-rank save of ``replica``'s step writes for its rank (and rank 0's index.h5)."""
-    write_rank_file(directory / schema.rank_file(replica.rank), replica.rank, replica.world_size, replica.parts,
-                    replica.save_id, options)
-    if replica.index is not None:
-        write_index(replica.replicated, directory / schema.INDEX, replica.index)

@@ -203,7 +203,10 @@ def open_array(f: h5py.File, name: str, binding: Binding, length: int = -1, dtyp
 
 
 def read_array(arr: Array, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Read elements ``[start, stop)`` of ``arr``, verifying the checksum of every block it touches."""
+    """Read elements ``[start, stop)`` of ``arr``, verifying the checksum of every block it touches
+    (a recovery point's array in memory, held.py, reads itself)."""
+    if not isinstance(arr, Array):
+        return arr.read(start, arr.length if stop is None else stop)
     n = arr.length
     stop = n if stop is None else stop
     if not 0 <= start <= stop <= n:

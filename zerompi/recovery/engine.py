@@ -37,7 +37,6 @@ from collections.abc import Callable
 from typing import Any
 
 from zerompi.build import EngineSpec, build_engine
-from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.comm import ulfm
 from zerompi.comm.mpi import MPIGroup
 from zerompi.engine import Engine
@@ -136,8 +135,7 @@ class FaultTolerance:
         self.spec = spec
         self.spare = spare  # (model, param_groups) as given to initialize, deep-copied together
         self.directory = directory
-        self.points = points_for(engine.config.recovery.source, directory,
-                                 WriteOptions.from_policy(engine.config.checkpointing))
+        self.points = points_for(engine.config.recovery.source, directory)
         self.reports: list[RecoveryReport] = []
         self.points.save(engine)
 
@@ -211,13 +209,13 @@ class FaultTolerance:
         """Collective over the survivors: an engine built over them (appended to ``built``), its state
         reloaded and a new point taken; returns the step reloaded and where it came from."""
         key = min(survivors.allgather_object(self.points.newest()))
-        root, tag = self.points.restore(key, survivors)
+        point = self.points.restore(key, survivors)
         module, param_groups = copy.deepcopy(self.spare)
         engine = build_engine(dataclasses.replace(self.spec, model=module, param_groups=param_groups), survivors)
         built.append(engine)
-        engine.load_checkpoint(root, tag)
+        point.load(engine)
         self.points.resume(engine)
-        return key[0], self.points.describe(root / tag)
+        return key[0], point.describe()
 
 
 def _directory(engine) -> Path:

@@ -3,18 +3,18 @@
 A source keeps *recovery points*, the engine's state after a step, taken collectively every
 ``recovery_every`` steps (and once at ``initialize``). After a failure the survivors agree on
 the newest point every one of them holds (``newest``; a point whose taking a failure cut short
-is held by some ranks only, so the one before it is kept until the next is whole) and turn it
-into a per-rank checkpoint on disk (``restore``), which the engine's ordinary loader reads,
-resharding N -> M bit for bit.
+is held by some ranks only, so the one before it is kept until the next is whole) and
+``restore`` it as something the rebuilt engine loads, resharding N -> M bit for bit.
 
 - :class:`DiskPoints` (``'disk'``): a per-rank checkpoint under ``recovery_dir`` per point,
-  written and fsynced: any set of lost ranks is recovered.
+  written and fsynced, loaded by the engine's ordinary loader: any set of lost ranks is recovered.
 - :class:`MemoryPoints` (``'memory'``): each rank's point packed in its own memory
   (checkpoint/replica.py) and a copy in its *buddy*'s, the rank ``N // 2`` places on (so on
   another node when ranks fill nodes in order and a node holds at most half of them). Each point
-  costs two copies of a rank's shard state and one exchange of it; the files are written only
-  to recover, by the survivors holding each old rank's copy. A rank lost together with its buddy
-  cannot be recovered (the job then aborts, naming both).
+  costs two copies of a rank's shard state and one exchange of it. Nothing is written, even to
+  recover: the survivors holding each old rank's copy serve the new ranks' reads of it
+  (checkpoint/held.py). A rank lost together with its buddy cannot be recovered (the job then
+  aborts, naming both).
 """
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ from typing import NamedTuple, Protocol
 import torch
 
 from zerompi.checkpoint import replica
+from zerompi.checkpoint.held import HeldCheckpoint
+from zerompi.checkpoint.reader import load_held
 from zerompi.checkpoint.schema import step_tag as tag
-from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.checkpoint.writer import save
 from zerompi.comm.group import ProcessGroup
 from zerompi.config import CheckpointLayout
 from zerompi.config.choices import RecoverySource
-from zerompi.errors import ZeroMPIError, all_ranks_ok
+from zerompi.errors import CheckpointError, ZeroMPIError, all_ranks_ok
 
 
 class Points(Protocol):
@@ -46,18 +47,44 @@ class Points(Protocol):
         """(step, recoveries before it was taken) of the newest point this rank holds whole: the survivors
         restore the smallest of theirs, which each of them holds."""
 
-    def restore(self, key: tuple[int, int], survivors: ProcessGroup) -> tuple[Path, str]:
-        """Collective over the survivors: point ``key`` as a per-rank checkpoint; its (root, tag)."""
+    def restore(self, key: tuple[int, int], survivors: ProcessGroup) -> "Restored":
+        """Collective over the survivors: point ``key``, as the rebuilt engine loads it."""
 
     def resume(self, engine) -> None:
         """Collective over the survivors, once the engine is rebuilt and reloaded: what a second
         failure needs."""
 
-    def describe(self, checkpoint: Path) -> str:
-        """Where ``restore``'s checkpoint (``root / tag``) came from, for the recovery report."""
-
     def close(self) -> None:
         """Rank 0, after the job's last collective: remove what is on disk."""
+
+
+class Restored(Protocol):
+    def load(self, engine) -> None:
+        """Collective over the survivors: the point into the engine built over them."""
+
+    def describe(self) -> str:
+        """Where the point came from, for the recovery report."""
+
+
+class OnDisk(NamedTuple):
+    root: Path
+    tag: str
+
+    def load(self, engine) -> None:
+        engine.load_checkpoint(self.root, self.tag)
+
+    def describe(self) -> str:
+        return str(self.root / self.tag)
+
+
+class InMemory(NamedTuple):
+    held: HeldCheckpoint
+
+    def load(self, engine) -> None:
+        load_held(engine, self.held)
+
+    def describe(self) -> str:
+        return f"{self.held.where}, from the survivors' copies (nothing written)"
 
 
 class DiskPoints:
@@ -84,15 +111,12 @@ class DiskPoints:
     def newest(self) -> tuple[int, int]:
         return self.saved[-1], 0
 
-    def restore(self, key: tuple[int, int], survivors: ProcessGroup) -> tuple[Path, str]:
+    def restore(self, key: tuple[int, int], survivors: ProcessGroup) -> OnDisk:
         self.saved = [key[0]]
-        return self.directory, tag(key[0])
+        return OnDisk(self.directory, tag(key[0]))
 
     def resume(self, engine) -> None:
         pass  # the files reshard to any group
-
-    def describe(self, checkpoint: Path) -> str:
-        return str(checkpoint)
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -112,32 +136,31 @@ def buddy_offset(world_size: int) -> int:
     return max(1, world_size // 2)
 
 
-def coverage_problem(files: int, wrote: list[list[int]], replicated: bool = False) -> str | None:
-    """What is wrong with the rank files the survivors wrote (``wrote[i]``: the old shard ranks survivor
-    i wrote), or None when each of the ``files`` was written, and exactly once unless ``replicated``
-    (hsdp: every node's ranks hold the same shard files, so more than one may write one)."""
-    count = [0] * files
-    for ranks in wrote:
+def coverage_problem(shards: int, offered: list[list[int]], replicated: bool = False) -> str | None:
+    """What is wrong with the replicas the survivors offer (``offered[i]``: the old shard ranks survivor
+    i holds for the recovery), or None when each of the ``shards`` is offered, and exactly once unless
+    ``replicated`` (hsdp: every node's ranks hold the same shards, so more than one may offer one)."""
+    count = [0] * shards
+    for ranks in offered:
         for r in ranks:
             count[r] += 1
     missing = [r for r, c in enumerate(count) if c == 0]
     twice = [r for r, c in enumerate(count) if c > 1 and not replicated]
     if not (missing or twice):
         return None
-    by = {r: [i for i, ranks in enumerate(wrote) if r in ranks] for r in twice}
+    by = {r: [i for i, ranks in enumerate(offered) if r in ranks] for r in twice}
     return "; ".join(filter(None, [
-        f"no survivor wrote old rank(s) {missing}" if missing else "",
-        ", ".join(f"old rank {r} was written by survivors {by[r]}" for r in twice)]))
+        f"no survivor holds old rank(s) {missing}" if missing else "",
+        ", ".join(f"old rank {r} is held by survivors {by[r]}" for r in twice)]))
 
 
 class MemoryPoints:
     """Packed points in memory, each rank's copied onto its buddy (module docstring)."""
 
-    def __init__(self, directory: Path, options: WriteOptions):
-        self.directory, self.options = directory, options
+    def __init__(self, directory: Path):
+        self.directory = directory  # names the points' saves; nothing is written under it
         self.points: list[_Point] = []  # the last two; after a recovery, one of the group before it
-        self.restored = 0  # recoveries so far: each writes a directory of its own
-        self._written: Path | None = None  # the last recovery's files, removed once every rank has read them
+        self.restored = 0  # recoveries so far
 
     def save(self, engine) -> None:
         engine.wait_checkpoint()
@@ -148,15 +171,11 @@ class MemoryPoints:
 
     def settled(self) -> None:
         del self.points[:-1]
-        if self._written is not None:  # every rank has loaded it: a collective of a step has run since
-            if self.points[-1].rank == 0:
-                shutil.rmtree(self._written, ignore_errors=True)
-            self._written = None
 
     def newest(self) -> tuple[int, int]:
         return self.points[-1].step, self.points[-1].generation
 
-    def restore(self, key: tuple[int, int], survivors: ProcessGroup) -> tuple[Path, str]:
+    def restore(self, key: tuple[int, int], survivors: ProcessGroup) -> InMemory:
         step = key[0]
         point = next((p for p in self.points if (p.step, p.generation) == key), None)
         if point is None:  # the agreement guarantees it is held; say so if it is not
@@ -170,38 +189,26 @@ class MemoryPoints:
             raise ZeroMPIError("fault_tolerance (recovery_source='memory'): rank(s) " + ", ".join(
                 f"{r} (whose copy rank {b} held)" for r, b in orphans) + " were lost together with the ranks "
                 "holding their copies; recovery_source='disk' survives that")
-        root = self.directory / f"restore{self.restored}"
-        directory = root / tag(step)
         self.restored += 1
         mine = [point.own] + ([point.held] if (point.rank - offset) % point.world_size in lost else [])
-        error, wrote, files = None, [], point.world_size
+        error, offered = None, []
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            for packed in mine:
-                unpacked = replica.unpack(packed)
-                replica.write(unpacked, directory, self.options)
-                wrote.append(unpacked.rank)
-                files = unpacked.world_size  # the shard group's (hsdp: a node's ranks)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
+            offered = [replica.unpack(packed) for packed in mine]
+        except CheckpointError as e:
+            error = str(e)
         all_ranks_ok(survivors, error, ZeroMPIError)
-        reports = survivors.allgather_object((wrote, files))
-        files = max(f for _, f in reports)  # any survivor's replica tells it
-        problem = coverage_problem(files, [w for w, _ in reports], files < point.world_size)
+        held = HeldCheckpoint(survivors, offered, step)
+        problem = coverage_problem(held.files, held.offered_by, held.files < point.world_size)
         if problem:  # every survivor sees the same lists, so all raise together instead of a load waiting
             raise ZeroMPIError(f"fault_tolerance: the recovery point of step {step} was not rebuilt: {problem}")
-        self._written = root
-        return root, tag(step)
+        return InMemory(held)
 
     def resume(self, engine) -> None:
         self.save(engine)  # the survivors' own point, with buddies among themselves
-
-    def describe(self, checkpoint: Path) -> str:
-        return f"the recovery point in memory (written to {checkpoint} to load)"
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def points_for(source: RecoverySource, directory: Path, options: WriteOptions) -> Points:
-    return MemoryPoints(directory, options) if source == RecoverySource.MEMORY else DiskPoints(directory)
+def points_for(source: RecoverySource, directory: Path) -> Points:
+    return MemoryPoints(directory) if source == RecoverySource.MEMORY else DiskPoints(directory)

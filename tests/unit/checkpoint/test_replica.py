@@ -1,5 +1,6 @@
-"""recovery_source='memory': a rank's recovery point packed in memory, copied to its buddy, and written
-out as the per-rank checkpoint a save would have made (checkpoint/replica.py, recovery/sources.py)."""
+"""recovery_source='memory': a rank's recovery point packed in memory, copied to its buddy, and loaded by
+the survivors from the copies they hold, as a per-rank checkpoint's files would load, with nothing written
+(checkpoint/replica.py, checkpoint/held.py, recovery/sources.py)."""
 from __future__ import annotations
 
 import copy
@@ -12,10 +13,9 @@ from torch import nn
 
 import zerompi
 from zerompi.checkpoint import replica, schema
-from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.comm.local import run_ranks
 from zerompi.errors import CheckpointError, ZeroMPIError
-from zerompi.recovery.sources import MemoryPoints, buddy_offset, coverage_problem
+from zerompi.recovery.sources import MemoryPoints, coverage_problem
 
 
 def _net() -> nn.Module:
@@ -46,35 +46,39 @@ def _datasets(path) -> dict[str, np.ndarray]:
     return out
 
 
-def test_a_buddys_copy_writes_the_files_a_save_writes(tmp_path):
-    """Each rank writes the copy it holds (its left neighbour's, half the job away) as that rank's file, and
-    rank 0's holder the index: the same datasets as save_checkpoint's, and a 2-rank job loads them to the
-    same state."""
+def test_a_buddys_copy_holds_what_a_save_writes_and_loads_without_files(tmp_path):
+    """Each rank's copy (its left neighbour's, half the job away) holds the datasets save_checkpoint writes
+    for that rank; two survivors of four load the point from the copies they hold, writing nothing, to the
+    state the job had, and to the state the saved checkpoint loads to at two ranks."""
     net, n = _net(), 4
 
     def rank(group):
         engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
         _train(engine, 2)
         engine.save_checkpoint(tmp_path / "saved", tag="step00000002", include_frozen=False)
-        own = replica.take(engine, "the-save")
-        held = group.shift(own, buddy_offset(n))
-        got = replica.unpack(held)
+        points = MemoryPoints(tmp_path / "points")
+        points.save(engine)
+        got = replica.unpack(points.points[-1].held)
         assert (got.step, got.rank, got.world_size) == (2, (group.rank - 2) % n, n)
-        (tmp_path / "memory" / "step00000002").mkdir(parents=True, exist_ok=True)
-        replica.write(got, tmp_path / "memory" / "step00000002", WriteOptions())
-        return engine.full_state_dict()
-    state = run_ranks(n, rank)[0]
-    for r in range(n):
+        return points, got.rank, dict(got.parts), engine.full_state_dict()
+    ranks = run_ranks(n, rank)
+    state = ranks[0][3]
+    for _, r, parts, _ in ranks:
         saved = _datasets(tmp_path / "saved" / "step00000002" / schema.rank_file(r))
-        written = _datasets(tmp_path / "memory" / "step00000002" / schema.rank_file(r))
-        assert saved.keys() == written.keys() and all(np.array_equal(saved[k], written[k]) for k in saved), r
+        assert saved.keys() == parts.keys() and all(np.array_equal(saved[k], parts[k].reshape(saved[k].shape))
+                                                    for k in saved), r
 
     def load(group):
+        point = ranks[group.rank][0].restore((2, 0), group)  # ranks 2 and 3 lost: 0 and 1 hold their copies
         engine = zerompi.initialize(_net(), CFG, group=group)
-        engine.load_checkpoint(tmp_path / "memory", "step00000002")
-        return engine.full_state_dict(), engine.stats.steps, engine.get_lr()
-    loaded, steps, lr = run_ranks(2, load)[0]
-    assert steps == 2 and all(torch.equal(loaded[k], state[k]) for k in state)
+        point.load(engine)
+        from_files = zerompi.initialize(_net(), CFG, group=group)
+        from_files.load_checkpoint(tmp_path / "saved", "step00000002")
+        return [(e.full_state_dict(), e.stats.steps, e.get_lr()) for e in (engine, from_files)]
+    for (held, steps, lr), (files, file_steps, file_lr) in run_ranks(2, load):
+        assert (steps, lr) == (file_steps, file_lr) and steps == 2
+        assert all(torch.equal(held[k], state[k]) and torch.equal(files[k], state[k]) for k in state)
+    assert not (tmp_path / "points").exists() or not any((tmp_path / "points").iterdir())
 
 
 def test_a_damaged_replica_is_named():
@@ -89,7 +93,7 @@ def test_memory_points_name_a_rank_lost_with_its_buddy(tmp_path):
 
     def rank(group):
         engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
-        points = MemoryPoints(tmp_path / "points", WriteOptions())
+        points = MemoryPoints(tmp_path / "points")
         points.save(engine)
         return points
     points = run_ranks(4, rank)
@@ -112,16 +116,16 @@ def test_memory_points_restore_a_lost_rank_at_uneven_world_sizes(tmp_path, n, lo
     def rank(group):
         engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
         _train(engine, 1)
-        points = MemoryPoints(tmp_path / "points", WriteOptions())
+        points = MemoryPoints(tmp_path / "points")
         points.save(engine)
         return points, engine.full_state_dict()
     ranks = run_ranks(n, rank)
     state, survivors = ranks[0][1], [p for r, (p, _) in enumerate(ranks) if r != lost]
 
     def restore(group):
-        root, tag = survivors[group.rank].restore(survivors[group.rank].newest(), group)
+        point = survivors[group.rank].restore(survivors[group.rank].newest(), group)
         engine = zerompi.initialize(_net(), CFG, group=group)
-        engine.load_checkpoint(root, tag)
+        point.load(engine)
         return engine.full_state_dict()
     for got in run_ranks(n - 1, restore):
         assert all(torch.equal(got[k], state[k]) for k in state)
@@ -129,5 +133,5 @@ def test_memory_points_restore_a_lost_rank_at_uneven_world_sizes(tmp_path, n, lo
 
 def test_restored_files_must_cover_every_old_rank_once():
     assert coverage_problem(3, [[0], [2, 1]]) is None
-    assert coverage_problem(3, [[0, 2], [2]]) == ("no survivor wrote old rank(s) [1]; "
-                                                  "old rank 2 was written by survivors [0, 1]")
+    assert coverage_problem(3, [[0, 2], [2]]) == ("no survivor holds old rank(s) [1]; "
+                                                  "old rank 2 is held by survivors [0, 1]")
