@@ -109,15 +109,17 @@ class Engine:
         specs, whole = _group_optimizers(cfg, module, membership, options)
         plan = plan_for(sharding.stage, rounds=batch.rounds)
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
+        compression = Compression.from_policy(cfg.compression)
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
-                                 plan, sharding.persistence_threshold, group_of))
+                                 plan, sharding.persistence_threshold, group_of, cfg.offload.params,
+                                 (compression.weights, compression.grads)))
         deferred.check(module, {pl.fqn for pl in placements if pl.bucketed})
         self.module = deferred.to_device(module, self.device)
         self.groups = build_groups(group, self.info, cfg.topology, sharding.stage)
         shard = self.groups.shard
         placement = Placement(plan, shard.rank, shard.size, precision.torch_dtype, self.device,
                               check_finite=not precision.scales_loss)  # fp16 overflows are the loss scaler's
-        comm = CommFactory(self.groups, Compression.from_policy(cfg.compression), batch.rounds)
+        comm = CommFactory(self.groups, compression.error_feedback, batch.rounds)
         micro = MicroBatchPlan(batch.micro_batches, group.size, group.rank) if batch.rounds.dealt else None
         self.iteration = Iteration(batch.grad_accum_steps, overlap.update, micro)
         """The accumulation window, its rounds and micro-batches: what each verb may do now (iteration.py)."""

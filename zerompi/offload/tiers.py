@@ -215,15 +215,14 @@ class TierPlan:
         """``t`` where a swap file can read and write it: host memory (a CPU tensor stays as it is)."""
         return self.host(t) if t.device.type != "cpu" else t
 
-    def param_tier(self, index: int, shard: torch.Tensor, *, frozen: bool = False) -> ShardTier:
-        """Bucket ``index``'s parameter shard (stage 3); frozen buckets are numbered apart (and have no
-        master to share a region with)."""
-        if not frozen and self.params == Offload.NVME and self.optimizer == Offload.NVME \
-                and shard.dtype == torch.float32:
+    def param_tier(self, index: int, shard: torch.Tensor, tier: Offload, *, frozen: bool = False) -> ShardTier:
+        """Bucket ``index``'s parameter shard (stage 3) in ``tier``, its parameters' record's
+        (shard/placement.py); frozen buckets are numbered apart (and have no master to share a region with)."""
+        if not frozen and tier == Offload.NVME and self.optimizer == Offload.NVME and shard.dtype == torch.float32:
             return MasterAlias(self.swapper, index, self.off_device(shard))  # fp32: the master's values, in its region
-        if self.params == Offload.NVME:
+        if tier == Offload.NVME:
             return Swapped(self.swapper, f"{'f' if frozen else 'b'}{index}.param", self.host(shard))
-        return Resident(self.host(shard) if self.params == Offload.CPU else shard)
+        return Resident(self.host(shard) if tier == Offload.CPU else shard)
 
     def grad_tier(self, index: int, shard: torch.Tensor) -> ShardTier:
         """Bucket ``index``'s gradient shard."""

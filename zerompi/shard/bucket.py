@@ -24,6 +24,7 @@ from zerompi.shard.grads import GradShard
 from zerompi.shard.layout import BucketLayout
 from zerompi.shard.stages import StagePlan
 from zerompi.shard.sync import GradSync, ParamSync
+from zerompi.shard.placement import ParamPlacement
 from zerompi.shard.wiring import CommFactory
 
 
@@ -57,11 +58,13 @@ class Bucket:
         placement: stage plan, rank (in ``groups.shard``), dtype and device.
         init: the full padded fp32 initial values (identical on every rank).
         comm: builds the bucket's collectives (shard/wiring.py), once, from its layout and plan.
+        kind: its parameters' placement record (they share one: shard/placement.py): the tier of its
+            parameter shard and the codecs of its collectives.
         tiers: where the shards live between uses (offload/tiers.py).
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], placement: Placement,
-                 init: torch.Tensor, comm: CommFactory, tiers: TierPlan = TierPlan()):
+                 init: torch.Tensor, comm: CommFactory, kind: ParamPlacement, tiers: TierPlan = TierPlan()):
         self.layout, self.params, self.placement = layout, params, placement
         plan, dtype, index = placement.plan, placement.dtype, layout.index
         self.plan = plan
@@ -80,7 +83,7 @@ class Bucket:
         # a master apart from the parameters (frozen buckets have none; stages 1-2 with quantized
         # weights compute with decoded values, so their master is kept apart too)
         self.separate = trains and (dtype != torch.float32 or tiers.moves_state
-                                         or (comm.quantizes_weights(plan) and not plan.shard_params))
+                                         or (kind.weight_codec is not None and not plan.shard_params))
 
         if init.dtype == dtype and not trains:  # frozen: the values are all it keeps, in place
             self.param_full = FlatBuffer.holding(init, reuse=tiers.reuse)
@@ -89,10 +92,10 @@ class Bucket:
             self.param_full.tensor.copy_(init)
         if plan.shard_params:
             self.param_tier: ShardTier = tiers.param_tier(index, aligned_clone(self.param_full.tensor[own]),
-                                                          frozen=not trains)
+                                                          kind.tier, frozen=not trains)
         else:
             self.param_tier = Resident(self.param_full.tensor[own])
-        self.comm = comm.build(layout, plan, placement.rank, placement.device, self.param_full.tensor)
+        self.comm = comm.build(layout, plan, kind, placement.rank, placement.device, self.param_full.tensor)
         """Its collectives, built apart from its storage (shard/wiring.py)."""
         self.param_sync: ParamSync = self.comm.param
         self.grad_sync: GradSync | None = self.comm.grad  # None for a frozen bucket

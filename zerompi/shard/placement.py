@@ -10,6 +10,7 @@ persistence threshold is compared in one place.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from enum import Enum
 
 from torch import nn
 
+from zerompi.comm.codec import BlockCodec
+from zerompi.config.choices import Offload
 from zerompi.errors import UsageError
 from zerompi.shard.layout import ParamSpec
 from zerompi.shard.stages import StagePlan, plan_for
@@ -45,6 +48,14 @@ class ParamPlacement:
     owner: int | None = None
     """The rank whose shard holds it whole, for an optimizer that sees whole tensors (stages 1-3, once
     its owner-aligned bucket is laid out: layout.py's ``plan_owned_bucket``); None for the others."""
+    tier: Offload = Offload.NONE
+    """Where its parameter shard lives between uses (``offload_params``): sharded parameters only; the
+    others are held where they compute (offload/tiers.py places the shard as this says)."""
+    weight_codec: BlockCodec | None = None
+    """How its values travel in its bucket's gathers (``quantize_weights``): where the bucket gathers
+    parameters (stage 3, or after the step); the bucket's collectives take it (shard/wiring.py)."""
+    grad_codec: BlockCodec | None = None
+    """How its gradient travels in reductions (``quantize_grads``): trainable parameters only."""
 
     @property
     def numel(self) -> int:
@@ -73,20 +84,27 @@ class ParamPlacement:
 
 
 def place(params: Iterable[tuple[str, tuple[int, ...], bool]], stage: StagePlan, persistence_threshold: int,
-          group_of: Mapping[str, int]) -> list[ParamPlacement]:
+          group_of: Mapping[str, int], offload_params: Offload = Offload.NONE,
+          codecs: tuple[BlockCodec | None, BlockCodec | None] = (None, None)) -> list[ParamPlacement]:
     """The placement of each ``(fqn, shape, requires_grad)``, in the order given.
 
     Stage 3 shards every parameter of at least ``persistence_threshold`` elements, trainable or
     frozen; below it, trainable ones stay gathered and frozen ones replicated. Stages 0-2 keep
     trainable parameters gathered and frozen ones replicated. ``group_of``: optimizer group of
-    each trainable parameter's fqn."""
+    each trainable parameter's fqn; ``offload_params``: the tier of sharded parameters; ``codecs``:
+    the (weights, gradients) codecs of the config's compression, recorded where they apply."""
     out = []
     for fqn, shape, trainable in params:
         if stage.shard_params and math.prod(shape) >= persistence_threshold:
             residence = Residence.SHARDED
         else:
             residence = Residence.GATHERED if trainable else Residence.REPLICATED
-        out.append(ParamPlacement(fqn, tuple(shape), trainable, residence, group_of[fqn] if trainable else 0))
+        placed = ParamPlacement(fqn, tuple(shape), trainable, residence, group_of[fqn] if trainable else 0)
+        plan = placed.bucket_plan(stage)
+        gathered_by_bucket = placed.bucketed and (plan.shard_params or plan.gather_after_step)
+        out.append(dataclasses.replace(
+            placed, tier=offload_params if placed.sharded else Offload.NONE,
+            weight_codec=codecs[0] if gathered_by_bucket else None, grad_codec=codecs[1] if trainable else None))
     return out
 
 

@@ -176,7 +176,7 @@ class ShardedModel:
         # every rank starts from rank 0's values, as DDP does
         self.groups.world.broadcast(init, what=f"initial values of {'frozen ' if frozen else ''}bucket {layout.index}")
         placement = dataclasses.replace(self.placement, plan=placed.bucket_plan(self.plan))
-        bucket = Bucket(layout, params, placement, init, self.comm, self.tiers)
+        bucket = Bucket(layout, params, placement, init, self.comm, placed, self.tiers)
         del init  # the next bucket's values may take its place
         if bucket.plan.shard_params:
             self._unit[layout.unit].buckets.append(bucket)

@@ -16,8 +16,9 @@ from zerompi.comm.group import ProcessGroup
 from zerompi.comm.topology import Groups
 from zerompi.config.choices import Rounds
 from zerompi.offload.tiers import Resident
-from zerompi.shard.compression import Compression, GradCodes, WeightCodes
+from zerompi.shard.compression import GradCodes, WeightCodes
 from zerompi.shard.layout import BucketLayout
+from zerompi.shard.placement import ParamPlacement
 from zerompi.shard.stages import StagePlan
 from zerompi.shard.sync import GradSync, ParamSync, grad_sync_for, param_sync_for
 
@@ -42,33 +43,32 @@ class BucketComm:
 
 @dataclass(frozen=True)
 class CommFactory:
-    """Builds each bucket's :class:`BucketComm` from the groups and the config's policies."""
+    """Builds each bucket's :class:`BucketComm` from the groups, the config's policies and the codecs
+    its parameters' placement records name."""
 
     groups: Groups
-    compression: Compression = Compression()
+    error_feedback: bool = False
+    """Quantized gradients keep what quantizing dropped, to add to the next reduction."""
     rounds: Rounds = Rounds.WINDOW
     """micro_batches: gradients reduced round by round (sync.py's SummedRounds, OrderedRounds)."""
 
-    def quantizes_weights(self, plan: StagePlan) -> bool:
-        """Whether a bucket running ``plan`` keeps its weights as codes (stage 3, or gathered after the step)."""
-        return self.compression.weights is not None and (plan.shard_params or plan.gather_after_step)
-
-    def build(self, layout: BucketLayout, plan: StagePlan, rank: int, device: torch.device,
+    def build(self, layout: BucketLayout, plan: StagePlan, kind: ParamPlacement, rank: int, device: torch.device,
               params: torch.Tensor) -> BucketComm:
-        """The collectives of the bucket ``layout`` running ``plan``; ``params`` is its full
-        compute-dtype parameters at build (the same on every rank)."""
+        """The collectives of the bucket ``layout`` running ``plan``, with the codecs its parameters'
+        records ``kind`` name; ``params`` is its full compute-dtype parameters at build (the same on
+        every rank)."""
         groups = self.groups
         hpz = groups.secondary is not None and plan.shard_params
-        weight_codes = WeightCodes(self.compression.weights, groups, layout, rank, params, hpz) \
-            if self.quantizes_weights(plan) else None
+        weight_codes = WeightCodes(kind.weight_codec, groups, layout, rank, params, hpz) \
+            if kind.weight_codec is not None else None
         secondary = None
         if hpz and weight_codes is None:
             secondary = Resident(params[groups.secondary_block(layout.padded_numel)].clone())
         grad_codes, grad = None, None
         if layout.trainable:
-            codec = self.compression.grads
+            codec = kind.grad_codec
             grad_codes = None if codec is None else GradCodes(
-                codec, groups.shard, layout.padded_numel, self.compression.error_feedback, device)
+                codec, groups.shard, layout.padded_numel, self.error_feedback, device)
             grad = grad_sync_for(plan, groups, layout, grad_codes, rounds=self.rounds)
         return BucketComm(param_sync_for(plan, groups, layout, weight_codes, secondary), grad, weight_codes,
                           grad_codes, secondary, groups.shard)

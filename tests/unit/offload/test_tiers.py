@@ -66,11 +66,11 @@ def test_tier_plan_places_shards_as_the_settings_say(tmp_path):
     assert TierPlan(Offload.NVME, Offload.NONE, cpu).moves_state
     plan = TierPlan(Offload.NONE, Offload.CPU, cpu)
     shard = torch.ones(4)
-    tier = plan.param_tier(0, shard)
+    tier = plan.param_tier(0, shard, Offload.CPU)
     assert isinstance(tier, Resident) and tier.tensor is not shard and torch.equal(tier.tensor, shard)
     with NVMeSwapper(tmp_path, 0) as swapper:
         nvme = TierPlan(Offload.NVME, Offload.NVME, cpu, shard_grads=True, swapper=swapper)
-        assert isinstance(nvme.param_tier(0, torch.ones(8)), Swapped)
+        assert isinstance(nvme.param_tier(0, torch.ones(8), Offload.NVME), Swapped)
         assert isinstance(nvme.grad_tier(0, torch.zeros(8)), Swapped)
         assert isinstance(TierPlan(Offload.NVME, shard_grads=False, swapper=swapper).grad_tier(1, torch.zeros(8)),
                           Resident)  # stage 1: gradients are not sharded, they stay with the buffer

@@ -19,6 +19,7 @@ from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.wiring import CommFactory
 from zerompi.shard.layout import ParamSpec, plan_buckets
+from zerompi.shard.placement import place
 from zerompi.shard.stages import plan_for
 
 STAGES = [0, 1, 2, 3]
@@ -63,7 +64,9 @@ def build(stage: int, dtype: torch.dtype):
         init[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
     group = Recording()
     where = Placement(plan_for(stage), group.rank, group.size, dtype, torch.device("cpu"), check_finite=True)
-    bucket = Bucket(layout, params, where, init, CommFactory(Groups(group, group, group)))
+    kind = place([(s.fqn, s.shape, True) for s in layout.slots], plan_for(stage), 0,
+                 {s.fqn: 0 for s in layout.slots})[0]  # the bucket's parameters' record
+    bucket = Bucket(layout, params, where, init, CommFactory(Groups(group, group, group)), kind)
     return model, original, bucket, group, init
 
 
