@@ -40,7 +40,7 @@ class RecoveryKeys:
     """fault_tolerance: 'memory', recovery checkpoints in memory with a copy on a buddy rank; 'disk', files."""
     recovery_dir: str | None = None
     """fault_tolerance: where recovery files go (every rank must read every rank's: a shared filesystem across
-    nodes); None: a fresh directory under rank 0's temporary directory. 'memory' writes there only to recover."""
+    nodes); None: a fresh directory under rank 0's temporary directory. 'memory' writes nothing there."""
     min_ranks: int = 1
     """fault_tolerance: the fewest ranks training goes on with; fewer survivors abort the job, >= 1."""
 
