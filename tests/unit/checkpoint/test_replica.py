@@ -135,3 +135,29 @@ def test_restored_files_must_cover_every_old_rank_once():
     assert coverage_problem(3, [[0], [2, 1]]) is None
     assert coverage_problem(3, [[0, 2], [2]]) == ("no survivor holds old rank(s) [1]; "
                                                   "old rank 2 is held by survivors [0, 1]")
+
+
+def test_a_held_point_names_what_it_does_not_hold(tmp_path):
+    """A read of a dataset no survivor's replica holds, or of another length or type than the replica's, is
+    refused naming the point, the old rank and the dataset, before any exchange."""
+    net = _net()
+
+    def rank(group):
+        engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
+        _train(engine, 1)
+        points = MemoryPoints(tmp_path / "points")
+        points.save(engine)
+        held = points.restore(points.newest(), group).held
+        files = held.asking()
+        name = next(n for r, n in held.toc if r == 1 and n.endswith("master"))
+        kind, size = held.toc[1, name]
+        with pytest.raises(CheckpointError, match=r"step 1 in memory: old rank 1's nothing: not in any survivor"):
+            files.dataset(1, "nothing")
+        with pytest.raises(CheckpointError, match=rf"old rank 1's {name}: {size} x {kind}, expected {size + 1}"):
+            files.dataset(1, name, size + 1)
+        with pytest.raises(CheckpointError, match="expected"):
+            files.dataset(1, name, size, "<f2")
+        assert files.dataset(1, name, size, kind).read(0, 2).tolist() == [0.0, 0.0]  # asking: zeros, recorded
+        assert files.asked == [(1, name, 0, 2)]
+        return True
+    assert run_ranks(2, rank) == [True, True]
