@@ -9,7 +9,8 @@ that old rank's replica:
 1. the survivors agree on the replicas (:class:`HeldCheckpoint`: each old rank's datasets, their types
    and lengths, who serves them; the index and buffers from old rank 0's);
 2. each rank runs the entries' reads once to learn the ranges it asks for (nothing is read: zeros);
-3. one all-to-all carries every asked range from the survivor serving it;
+3. a pairwise exchange (one round per distance between ranks) carries every asked range from the
+   survivor serving it, one pair's bytes in memory at a time;
 4. the entries read again, from what arrived, and the reader applies that as it applies files.
 """
 from __future__ import annotations
@@ -107,30 +108,23 @@ class HeldCheckpoint:
         return HeldFiles(self)
 
     def serve(self, asked: list[Asked]) -> HeldFiles:
-        """Collective: every rank's asked ranges, each from the survivor serving its old rank, in one
-        all-to-all of equal chunks (the largest pair's bytes: padding travels where pairs differ)."""
+        """Collective: every rank's asked ranges, each from the survivor serving its old rank, in a
+        pairwise exchange: round k sends what this rank serves to the rank k places on and receives from
+        the rank k places back (one pair's bytes in memory at a time, whatever the state's size)."""
         requests = self.group.allgather_object(asked)
-        itemsize = {key: np.dtype(kind).itemsize for key, (kind, _) in self.toc.items()}
         size, me = self.group.size, self.group.rank
-        sizes = np.zeros((size, size), dtype=np.int64)  # bytes served by -> to
-        for to, wanted in enumerate(requests):
-            for r, n, a, b in wanted:
-                sizes[self.server[r], to] += (b - a) * itemsize[r, n]
-        chunk = max(1, int(sizes.max()))
-        send, recv = torch.zeros(size * chunk, dtype=torch.uint8), torch.empty(size * chunk, dtype=torch.uint8)
-        out = send.numpy()
-        for to in range(size):
-            at = to * chunk
-            for r, n, a, b in requests[to]:
-                if self.server[r] == me:
-                    raw = self.mine[r][n][a:b].view(np.uint8)
-                    out[at:at + raw.size] = raw
-                    at += raw.size
-        self.group.all_to_all(send, recv, kind="recovery", what="the recovery point's pieces for each rank")
-        got, at = recv.numpy(), {i: i * chunk for i in range(size)}
         pieces: dict[Asked, np.ndarray] = {}
-        for r, n, a, b in asked:
-            by, count = self.server[r], (b - a) * itemsize[r, n]
-            pieces[r, n, a, b] = got[at[by]:at[by] + count].copy().view(self.toc[r, n][0])
-            at[by] += count
+        for k in range(size):
+            to, by = (me + k) % size, (me - k) % size
+            served = [self.mine[r][n][a:b].view(np.uint8) for r, n, a, b in requests[to] if self.server[r] == me]
+            out = torch.from_numpy(np.concatenate(served) if served else np.empty(0, np.uint8))
+            got = (out if k == 0 else self.group.shift(
+                out, k, kind="recovery", what="the recovery point's pieces for the rank this far on")).numpy()
+            at = 0
+            for r, n, a, b in asked:
+                if self.server[r] == by:
+                    kind = self.toc[r, n][0]
+                    count = (b - a) * np.dtype(kind).itemsize
+                    pieces[r, n, a, b] = got[at:at + count].copy().view(kind)
+                    at += count
         return HeldFiles(self, pieces)
