@@ -17,7 +17,7 @@ from zerompi.tools.mpirun import mpiexec
 
 from .rank_python import READ_LATER, SENSITIVE
 
-__all__ = ["HF_STACK", "ROOT", "WORKERS", "mpi_env", "mpiexec", "rank_python", "run_mpi"]
+__all__ = ["HF_STACK", "ROOT", "WORKERS", "mpi_env", "mpiexec", "plain_env", "rank_python", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -32,6 +32,15 @@ _AT_IMPORT = {k: v for k, v in _mpi_env(ROOT).items() if k.startswith(SENSITIVE)
 def mpi_env() -> dict[str, str]:
     """zerompi.tools.mpirun's environment for ranks, with the variables read at import as the session began."""
     return {**{k: v for k, v in _mpi_env(ROOT).items() if not k.startswith(SENSITIVE)}, **_AT_IMPORT}
+
+
+# what a torch-style launcher sets for each process (an in-process test may have set them in pytest's)
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def plain_env() -> dict[str, str]:
+    """mpi_env() for one plain process, the single-process reference of a framework: none of LAUNCHER."""
+    return {k: v for k, v in mpi_env().items() if k not in LAUNCHER}
 
 
 # What transformers' Trainer imports beyond torch that never looks for deepspeed (about 1.5 of its 2.5 CPU

@@ -20,7 +20,7 @@ import torch
 
 from tests.components import require_module
 
-from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python, run_in_turn
+from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, plain_env, rank_python, run_in_turn
 from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
 
 SCRIPT = WORKERS / "hf_trainer.py"
@@ -50,10 +50,9 @@ RUNS = {**{f"built-zero{k}": ("built", v) for k, v in ZERO.items()},
 ORDERS = (("ref", 2, 4), ("alt", 4, 2))  # one process's 8 rows a step: micro-batch size, accumulation
 
 
-def plain_env() -> dict[str, str]:
-    """One plain process: no launcher's variables (an in-process test may have set them), no GPU."""
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in {**mpi_env(), "CUDA_VISIBLE_DEVICES": ""}.items() if k not in launcher}
+def reference_env() -> dict[str, str]:
+    """One plain process (launcher.plain_env), no GPU."""
+    return {**plain_env(), "CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +66,7 @@ def reference(tmp_path_factory):
         ["--output_dir", str(tmp / model / name), "--optim", "adamw_torch", "--per_device_train_batch_size",
          str(micro), "--gradient_accumulation_steps", str(accum), *model_args(tmp, model), *COMMON,
          "--out", str(tmp / f"{model}-{name}.json")] for model in models for name, micro, accum in ORDERS]
-    run_in_turn(SCRIPT, runs, tmp, plain_env())
+    run_in_turn(SCRIPT, runs, tmp, reference_env())
     return {model: dict({name: dict(json.loads((tmp / f"{model}-{name}.json").read_text()),
                                     weights=weights(tmp / model / name)) for name, _, _ in ORDERS}, dir=tmp)
             for model in models}
@@ -128,7 +127,7 @@ def test_resume_from_a_checkpoint_dir_continues_bitwise(tmp_path, stage):
 
 def _plain_env() -> dict[str, str]:
     """One plain process: no launcher's variables, and the workers importable."""
-    plain = plain_env()
+    plain = reference_env()
     plain["PYTHONPATH"] = os.pathsep.join([str(WORKERS), plain["PYTHONPATH"]])
     return plain
 

@@ -22,7 +22,7 @@ import torch
 
 from tests.components import require_module
 
-from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
+from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpiexec, plain_env, rank_python
 
 TRAINER = WORKERS / "hf_trainer.py"
 ACCELERATE = WORKERS / "hf_accelerate.py"
@@ -32,7 +32,6 @@ ARGS = ["--max_steps", "4", "--logging_steps", "1", "--report_to", "none", "--sa
 AUTO = {"optimizer": {"type": "AdamW", "params": {k: "auto" for k in ("lr", "weight_decay", "betas", "eps")}},
         **{k: "auto" for k in ("gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
                                "train_micro_batch_size_per_gpu")}, "bf16": {"enabled": "auto"}}
-LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def without_deepspeed(target: Path) -> Path:
@@ -59,7 +58,7 @@ def python(tmp_path_factory) -> Path:
 
 
 def env_for(python: Path) -> dict[str, str]:
-    env = {k: v for k, v in mpi_env().items() if k not in LAUNCHER}
+    env = plain_env()
     env["PYTHONPATH"] = os.pathsep.join([str(WORKERS), env.get("PYTHONPATH", "")])
     env["PATH"] = os.pathsep.join([str(python.parent), env["PATH"]])
     return env

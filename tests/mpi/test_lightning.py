@@ -18,13 +18,12 @@ import torch
 
 from tests.components import require_module
 
-from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
+from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, plain_env, rank_python
 from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
 
 SCRIPT = WORKERS / "lightning_fit.py"
 LIGHTNING = ("lightning",)  # imported once by the ranks' fork server (3.7 CPU s a process)
 ORDERS = {"ref": [], "chunks4": ["--chunks", "4"], "reversed2": ["--reverse", "--chunks", "2"]}
-LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def run(cmd: list[str], out, env=None) -> dict:
@@ -43,7 +42,7 @@ def reference(tmp_path_factory):
     """The plain loop in one process (no launcher's variables), in each summation order of ORDERS."""
     require_module("lightning")
     tmp = tmp_path_factory.mktemp("lightning_ref")
-    env = {k: v for k, v in mpi_env().items() if k not in LAUNCHER}
+    env = plain_env()
     return {name: run([*rank_python(preload=LIGHTNING), str(SCRIPT), "--plain", *args], tmp / f"{name}.json", env)
             for name, args in ORDERS.items()}
 

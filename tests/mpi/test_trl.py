@@ -21,7 +21,7 @@ import pytest
 
 from tests.components import require_module
 
-from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python, run_in_turn
+from .launcher import HF_STACK, ROOT, TIMEOUT, WORKERS, mpiexec, plain_env, rank_python, run_in_turn
 from .test_hf_trainer import AUTO, ZERO, weights
 from .tolerance import FP32_FLOOR, loss_failures, tensor_failures
 
@@ -29,14 +29,11 @@ SCRIPT = WORKERS / "trl_sft.py"
 COMMON = ["--max_steps", "6", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
           "--train_sampling_strategy", "sequential", "--learning_rate", "3e-3", "--seed", "0", "--bf16", "false"]
 RUNS = {"llama-zero3": ("llama", "3"), "gpt2-zero3": ("gpt2", "3"), "llama-zero2": ("llama", "2")}
-LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 
 def env_for(tmp) -> dict[str, str]:
     """No download, a datasets cache of the test's own, and none of a launcher's variables (an in-process test
     may have set them: the reference is one plain process)."""
-    env = {k: v for k, v in mpi_env().items() if k not in LAUNCHER}
-    return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp / "cache"),
+    return {**plain_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp / "cache"),
             "CUDA_VISIBLE_DEVICES": ""}
 
 
