@@ -39,6 +39,15 @@ def _train(engine, steps: int) -> None:
         engine.step()
 
 
+def _pointed(group, net: nn.Module, tmp_path, steps: int) -> tuple[zerompi.Engine, MemoryPoints]:
+    """An engine of ``net`` trained ``steps`` steps over ``group``, and its memory points with one point taken."""
+    engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
+    _train(engine, steps)
+    points = MemoryPoints(tmp_path / "points")
+    points.save(engine)
+    return engine, points
+
+
 def _datasets(path) -> dict[str, np.ndarray]:
     out = {}
     with h5py.File(path, "r") as f:
@@ -91,12 +100,7 @@ def test_memory_points_name_a_rank_lost_with_its_buddy(tmp_path):
     """At 4 ranks ranks 1 and 3 hold each other's copies: losing both leaves nothing to recover them from."""
     net = _net()
 
-    def rank(group):
-        engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
-        points = MemoryPoints(tmp_path / "points")
-        points.save(engine)
-        return points
-    points = run_ranks(4, rank)
+    points = run_ranks(4, lambda group: _pointed(group, net, tmp_path, 0)[1])
     survivors = [points[0], points[2]]  # ranks 1 and 3 lost
 
     def restore(group):
@@ -109,15 +113,12 @@ def test_memory_points_name_a_rank_lost_with_its_buddy(tmp_path):
 @pytest.mark.parametrize("n,lost", [(3, 1), (3, 0), (5, 2), (5, 4), (6, 3)])
 def test_memory_points_restore_a_lost_rank_at_uneven_world_sizes(tmp_path, n, lost):
     """Where the buddy is not the same both ways (N // 2 places on, N odd, or a rank not half the job
-    from rank 0): the survivors write every old rank's file, the lost one from its buddy's copy, and
+    from rank 0): the survivors offer every old rank's point, the lost one from its buddy's copy, and
     loading them gives the state the job had."""
     net = _net()
 
     def rank(group):
-        engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
-        _train(engine, 1)
-        points = MemoryPoints(tmp_path / "points")
-        points.save(engine)
+        engine, points = _pointed(group, net, tmp_path, 1)
         return points, engine.full_state_dict()
     ranks = run_ranks(n, rank)
     state, survivors = ranks[0][1], [p for r, (p, _) in enumerate(ranks) if r != lost]
@@ -143,10 +144,7 @@ def test_a_held_point_names_what_it_does_not_hold(tmp_path):
     net = _net()
 
     def rank(group):
-        engine = zerompi.initialize(copy.deepcopy(net), CFG, group=group)
-        _train(engine, 1)
-        points = MemoryPoints(tmp_path / "points")
-        points.save(engine)
+        _, points = _pointed(group, net, tmp_path, 1)
         held = points.restore(points.newest(), group).held
         files = held.asking()
         name = next(n for r, n in held.toc if r == 1 and n.endswith("master"))
