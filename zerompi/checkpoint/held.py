@@ -79,7 +79,7 @@ class HeldCheckpoint:
     unpacked replicas: its own, and the copy it holds of a lost rank) and the others' make whole."""
 
     def __init__(self, group: ProcessGroup, offered: list[Replica], step: int):
-        self.group, self.step = group, step
+        self.group = group
         self.where = f"the recovery point of step {step} in memory"
         tables = group.allgather_object([(rep.rank, rep.world_size, [(n, a.dtype.str, a.size) for n, a in rep.parts])
                                          for rep in offered])

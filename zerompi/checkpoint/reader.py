@@ -98,7 +98,8 @@ def prepare(engine, snap: EngineSnapshot, directory: Path) -> Loaded:
     return Loaded(index, read, replicated, ctx)
 
 
-def _read_held(engine, snap: EngineSnapshot, held: HeldCheckpoint, files: HeldFiles) -> Loaded:
+def _read_held(engine, snap: EngineSnapshot, held: HeldCheckpoint, files: HeldFiles,
+               buffers: dict[str, np.ndarray]) -> Loaded:
     """``prepare`` over a recovery point held in memory: the same entries, read from ``files``."""
     ctx = LoadContext(held.index, files, held.directory, Reads(), FrozenSource(held.index, files, held.directory),
                       engine.group.rank, engine.group.size)
@@ -106,28 +107,34 @@ def _read_held(engine, snap: EngineSnapshot, held: HeldCheckpoint, files: HeldFi
         read = [(entry, entry.read(ctx)) for entry in entries(snap, held.index.optimizer)]
     finally:
         _quietly(ctx.reads.wait)
+    return Loaded(held.index, read, buffers, ctx)
+
+
+def _held_buffers(engine, held: HeldCheckpoint) -> dict[str, np.ndarray]:
+    """The buffers of the point (it has no frozen parameters), checked to be the model's."""
     params = {p["name"] for p in held.index.params}
-    saved = {n: a for n, a in held.replicated.items() if n not in params}  # the buffers (a point has no frozen)
+    saved = {n: a for n, a in held.replicated.items() if n not in params}
     _check_buffers({n: b.numel() for n, b in engine.module.named_buffers()}, {n: a.size for n, a in saved.items()},
                    held.directory)
-    return Loaded(held.index, read, saved, ctx)
+    return saved
 
 
 def load_held(engine, held: HeldCheckpoint) -> None:
     """Collective over the survivors: the recovery point ``held`` (held.py) checked, read and applied
     as a load applies files; each rank first learns what it asks for, then one exchange serves it."""
-    snap, error, asking = engine.snapshot(), None, held.asking()
+    snap, error, asking, buffers = engine.snapshot(), None, held.asking(), {}
     try:
         if held.index is None:
             raise CheckpointError(f"{held.where}: no survivor holds old rank 0's index")
         _check_compatible(engine, snap, held.index, held.directory)
-        _read_held(engine, snap, held, asking)
+        buffers = _held_buffers(engine, held)
+        _read_held(engine, snap, held, asking, buffers)
     except CheckpointError as e:
         error = str(e)
     all_ranks_ok(engine.group, error, CheckpointError)
     served, loaded = held.serve(asking.asked), None
     try:
-        loaded = _read_held(engine, snap, held, served)
+        loaded = _read_held(engine, snap, held, served, buffers)
     except CheckpointError as e:
         error = str(e)
     all_ranks_ok(engine.group, error, CheckpointError)
