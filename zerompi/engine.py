@@ -111,8 +111,7 @@ class Engine:
         group_of = {n: membership[p] for n, p in module.named_parameters() if p in membership}
         compression = Compression.from_policy(cfg.compression)
         placements = tuple(place([(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
-                                 plan, sharding.persistence_threshold, group_of, cfg.offload.params,
-                                 (compression.weights, compression.grads)))
+                                 plan, sharding.persistence_threshold, group_of, cfg.offload.params, compression))
         deferred.check(module, {pl.fqn for pl in placements if pl.bucketed})
         self.module = deferred.to_device(module, self.device)
         self.groups = build_groups(group, self.info, cfg.topology, sharding.stage)

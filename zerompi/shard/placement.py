@@ -21,6 +21,7 @@ from torch import nn
 from zerompi.comm.codec import BlockCodec
 from zerompi.config.choices import Offload
 from zerompi.errors import UsageError
+from zerompi.shard.compression import Compression
 from zerompi.shard.layout import ParamSpec
 from zerompi.shard.stages import StagePlan, plan_for
 
@@ -85,14 +86,14 @@ class ParamPlacement:
 
 def place(params: Iterable[tuple[str, tuple[int, ...], bool]], stage: StagePlan, persistence_threshold: int,
           group_of: Mapping[str, int], offload_params: Offload = Offload.NONE,
-          codecs: tuple[BlockCodec | None, BlockCodec | None] = (None, None)) -> list[ParamPlacement]:
+          compression: Compression = Compression()) -> list[ParamPlacement]:
     """The placement of each ``(fqn, shape, requires_grad)``, in the order given.
 
     Stage 3 shards every parameter of at least ``persistence_threshold`` elements, trainable or
     frozen; below it, trainable ones stay gathered and frozen ones replicated. Stages 0-2 keep
     trainable parameters gathered and frozen ones replicated. ``group_of``: optimizer group of
-    each trainable parameter's fqn; ``offload_params``: the tier of sharded parameters; ``codecs``:
-    the (weights, gradients) codecs of the config's compression, recorded where they apply."""
+    each trainable parameter's fqn; ``offload_params``: the tier of sharded parameters; ``compression``:
+    the config's codecs, recorded where they apply."""
     out = []
     for fqn, shape, trainable in params:
         if stage.shard_params and math.prod(shape) >= persistence_threshold:
@@ -104,7 +105,8 @@ def place(params: Iterable[tuple[str, tuple[int, ...], bool]], stage: StagePlan,
         gathered_by_bucket = placed.bucketed and (plan.shard_params or plan.gather_after_step)
         out.append(dataclasses.replace(
             placed, tier=offload_params if placed.sharded else Offload.NONE,
-            weight_codec=codecs[0] if gathered_by_bucket else None, grad_codec=codecs[1] if trainable else None))
+            weight_codec=compression.weights if gathered_by_bucket else None,
+            grad_codec=compression.grads if trainable else None))
     return out
 
 
