@@ -97,6 +97,42 @@ def test_each_matrix_has_one_owner_on_its_placement_record_balanced_by_size():
     assert max(load) <= sum(mats.values()) / 3 + max(mats.values())
 
 
+_six = Template(lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_matrix_owners_are_balanced_over_every_bucket_and_unit(stage):
+    """The README's bound: no rank owns more than the mean load plus the largest tensor, over all of the
+    group's buckets; at stage 3 each Linear is a gather unit of its own buckets, so the load must carry
+    across units. Counted twice: by the placement records, and by the Muon momentum each rank holds.
+    Guards: stage 3's units each restarting the owner load (planning.py passing ``loads={}``), which puts
+    all six matrices on rank 0: [24576, 0, 0]."""
+    def rank(group):
+        net = _six()
+        engine = zerompi.initialize(net, ZeroConfig(stage=stage, **CFG), group=group, param_groups=_muon_groups(net))
+        for index in engine.micro_batch_indices():
+            engine.backward(engine(torch.randn(4, 64, generator=torch.Generator().manual_seed(index))).square().mean())
+        assert engine.step()
+        owners = {n: pl.owner for n, pl in engine.sharded.placements.items() if pl.owner is not None}
+        momentum = sum(s["momentum_buffer"].numel() for s in engine.optimizer.inner.state.values()
+                       if "momentum_buffer" in s)
+        units = len(engine.sharded.units)
+        engine.close()
+        return owners, momentum, units
+    got = run_ranks(3, rank)
+    owners = got[0][0]
+    assert all(o == owners for o, _, _ in got)  # every rank agrees
+    assert got[0][2] == (6 if stage == 3 else 0)  # stage 3: a unit per Linear, each with its own buckets
+    mats = {n: p.numel() for n, p in _six.model.named_parameters() if p.dim() == 2}
+    assert set(owners) == set(mats)
+    bound = sum(mats.values()) / 3 + max(mats.values())  # 8192 + 4096
+    by_record = [sum(k for n, k in mats.items() if owners[n] == r) for r in range(3)]
+    by_state = [m for _, m, _ in got]
+    assert by_record == by_state, (by_record, by_state)
+    assert max(by_record) <= bound, (by_record, bound)
+    assert by_record == [8192] * 3  # six equal matrices, dealt two to each rank
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_whole_tensor_state_offloaded_to_host_memory_trains_the_same_bits(stage):
     want = _plain("muon+adamw", STEPS)
