@@ -53,14 +53,33 @@ _servers: dict[tuple, list[str]] = {}
 _servers_lock = threading.Lock()
 
 
+# Fresh ranks, rank_python(fresh=True): mpiexec starts ``python`` itself on each rank, as users run it. The
+# tests of a rank's death, a signal or a hang need them (test_hang, test_ulfm, the kill and watchdog cases of
+# test_reliability, test_checkpoint's kills, test_job's SIGUSR1; test_slurm's jobs start Python through
+# jobs/slurm/train.sbatch): from a fork server, the process mpiexec watches is the shim, not the rank. A killed
+# rank reaches mpiexec only once the server has reaped it and the shim has re-raised its signal; a SIGSTOP
+# stops the rank but not the shim (SIGSTOP cannot be caught, so it is not forwarded), so mpiexec sees a live
+# process; a signal from mpiexec arrives through the shim's handler. Those tests must see what users run;
+# each of their ranks pays Python's start and the torch import (about 1.3 CPU s).
+#
+# Hash seeds. A fresh rank draws its own str/bytes hash seed at start (the suite leaves PYTHONHASHSEED unset,
+# as users' ranks have it): one per rank and per job. A forked rank has its server's, drawn when the server
+# started (hash randomization is fixed at interpreter start and cannot be redrawn in a child): one per server
+# for the whole run, rank r asking server r mod SERVERS, so neighbouring ranks still differ. Per forked rank:
+# Python's ``random`` (reseeded at fork) and numpy's global generator (reseeded from the OS); torch's default
+# generator has its fixed default seed, as in a fresh Python.
 def rank_python(python: str | os.PathLike | None = None, preload: tuple[str, ...] = (),
-                env: dict[str, str] | None = None, launcher: str | os.PathLike | None = None) -> list[str]:
+                env: dict[str, str] | None = None, launcher: str | os.PathLike | None = None,
+                *, fresh: bool = False) -> list[str]:
     """What mpiexec starts on each rank in place of ``python`` (default: this one): rank_python.py handing
     the rank to a fork server of that interpreter with torch (and the modules ``preload``) imported
-    (tests/mpi/forkserver.py), or ``python`` itself where ``ZEROMPI_TEST_FORKSERVER=0`` or no server started.
+    (tests/mpi/forkserver.py), or ``python`` itself where ``fresh`` (see above: tests of death, signals and
+    hangs), ``ZEROMPI_TEST_FORKSERVER=0`` or no server started.
     ``preload``: modules beyond those ("-h5py" leaves h5py out); ``env``: the variables the job's ranks get
     beyond mpi_env() (those read at import start the server with them); ``launcher``: the mpiexec that
     starts the ranks, where it is not ``python``'s sibling."""
+    if fresh:
+        return [str(python or sys.executable)]
     at_import = tuple(sorted((k, v) for k, v in (env or {}).items()  # a server swaps PYTHONPATH in itself
                              if k.startswith(SENSITIVE) and k not in ("PYTHONPATH", *READ_LATER)))
     key = (str(python or sys.executable), tuple(preload), at_import, str(launcher or ""))

@@ -33,7 +33,7 @@ def named_within(load: float | None = None) -> float:
 class Job:
     def __init__(self, n: int, fault: str, directory: Path, *extra: str):
         self.directory = directory
-        cmd = [*mpiexec(), "-n", str(n), *rank_python(), "-m", "mpi4py", str(WORKERS / "hang.py"),
+        cmd = [*mpiexec(), "-n", str(n), *rank_python(fresh=True), "-m", "mpi4py", str(WORKERS / "hang.py"),
                "--fault", fault, "--dir", str(directory), *extra]
         proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=180)
         self.ended, self.load = time.time(), os.getloadavg()[0]
