@@ -35,11 +35,8 @@ class Prefetcher:
         """``unit`` starts its forward (``root``: a new forward pass begins); units to gather ahead."""
         if not self.enabled:
             return []
-        if root and self.recording and self.order:
-            self.recording = False
-            self._last = {id(u): i for i, u in enumerate(self.order)}
         if root:
-            self._pos, self._backward = 0, set()
+            self.begin_pass()
         if self.recording:
             self.order.append(unit)
             return []
@@ -50,6 +47,14 @@ class Prefetcher:
             return []
         self._pos += 1
         return self._within(unit, self.order[self._pos:self._pos + self.depth])
+
+    def begin_pass(self) -> None:
+        """A forward pass begins: the root unit's forward, or the model's own where its root holds no
+        parameter of its own (every one in a smaller unit), so that no unit is the root."""
+        if self.recording and self.order:
+            self.recording = False
+            self._last = {id(u): i for i, u in enumerate(self.order)}
+        self._pos, self._backward = 0, set()
 
     def backward(self, unit) -> list:
         """``unit`` starts its backward; the units before it in forward order come next, except those

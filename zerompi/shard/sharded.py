@@ -138,6 +138,8 @@ class ShardedModel:
             for entry in unit.entries:
                 self.hooks.around_forward(entry, lambda a, k, u=unit, m=entry: self._pre_forward(u, m, a, k),
                                           lambda out, u=unit, m=entry: self._post_forward(u, m, out))
+        if self.plan.shard_params and "" not in self._unit:  # no root unit: the model's forward begins a pass
+            self.hooks.around_forward(module, lambda _a, _k: self._begin_pass(), lambda _out: None)
         self._log_plan()
 
     @property
@@ -228,6 +230,10 @@ class ShardedModel:
             # gradients of its inputs do (else they wait for the end of the backward)
             return self.hooks.after_backward_of(args, kwargs, lambda: self._post_backward(unit))
         return None
+
+    def _begin_pass(self) -> None:
+        if not self.in_backward:  # not a recomputation under activation checkpointing
+            self.prefetcher.begin_pass()
 
     def _post_backward(self, unit: Unit) -> None:
         """The unit's backward has run: its frozen buckets are released (trainable ones are, once

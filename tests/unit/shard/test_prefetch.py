@@ -1,9 +1,16 @@
-"""The stage-3 prefetch schedule: record the first forward, follow it, give up on a change."""
+"""The stage-3 prefetch schedule: record the first forward, follow it, give up on a change; and an engine
+whose model has no root unit, where the model's own forward begins each pass."""
 from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
 
+import torch
+from torch import nn
+
+import zerompi
+from zerompi.comm.local import run_ranks
+from zerompi.shard.bucket import BucketState
 from zerompi.shard.prefetch import Prefetcher
 
 ROOT, A, B, C = (SimpleNamespace(fqn=n) for n in ("", "a", "b", "c"))
@@ -65,3 +72,25 @@ def test_max_live_params_bounds_what_is_gathered_ahead():
     big = Prefetcher(depth=2, budget=3, size=lambda u: sizes[u.fqn])
     _forward(big, [ROOT, A, B, C])
     assert _forward(big, [ROOT, A, B, C]) == [[], [], [], []]  # every unit alone exceeds it: no prefetch
+
+
+def test_a_model_whose_root_holds_no_parameter_prefetches():
+    """Every parameter in a smaller unit leaves no root unit, so the model's own forward begins each pass: the
+    recording ends after the first pass (it grew by a pass per forward before) and later forwards gather ahead."""
+    def rank(group):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, prefetch_units=1, bucket_mb=1e-4,
+                                 cpu_threads=1, device="cpu", abort_on_exception=False)
+        engine = zerompi.initialize(m, cfg, group=group)
+        s = engine.sharded
+        ahead = []
+        m[0].register_forward_pre_hook(lambda *_: ahead.append(s.units[1].buckets[0].state))
+        for _ in range(3):
+            engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+            engine.step()
+        engine.close()
+        return [u.fqn for u in s.units], [u.fqn for u in s.prefetcher.order], s.prefetcher.recording, ahead
+    for units, order, recording, ahead in run_ranks(2, rank):
+        assert units == order == ["0", "2"] and not recording
+        assert ahead == [BucketState.SHARDED, BucketState.GATHERING, BucketState.GATHERING]
