@@ -1,6 +1,7 @@
-"""``p.ds_status`` on a stage-3 engine's parameters (compat/deepspeed/param_status.py), on a world of one:
+"""``p.ds_status`` on a stage-3 engine's parameters (compat/deepspeed/param_status.py): on a world of one,
 NOT_AVAILABLE while sharded, AVAILABLE while its gather unit computes and inside GatheredParameters, and the
-test TRL's fused LM head makes before gathering a weight it reads outside its module's forward."""
+test TRL's fused LM head makes before gathering a weight it reads outside its module's forward; at two
+in-process ranks with prefetch, INFLIGHT while a gather started ahead has not been waited for."""
 from __future__ import annotations
 
 import pytest
@@ -8,13 +9,16 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+import zerompi
 import zerompi.deepspeed as deepspeed
+from zerompi.comm.local import run_ranks
+from zerompi.compat.deepspeed import param_status
 from zerompi.compat.deepspeed.param_status import StatusParameter
 from zerompi.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from .test_deepspeed_zero import LOCAL, config
 
-AVAILABLE, NOT_AVAILABLE = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+AVAILABLE, NOT_AVAILABLE, INFLIGHT = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT
 
 
 def engine_of(stage: int):
@@ -54,6 +58,49 @@ def test_trl_gathers_only_what_is_not_available():
         y = torch.nn.functional.linear(torch.ones(1, 8), *head)
     assert torch.equal(y, torch.nn.functional.linear(torch.ones(1, 8), full["2.weight"], full["2.bias"]))
     engine.close()
+
+
+def test_a_gather_started_ahead_is_inflight():
+    """Two ranks, prefetch_units=1, each Linear its own gather unit: from the second forward on, the forward of
+    the first Linear starts the second's gather and the backward of the second starts the first's; until a unit
+    waits for its gather (in the in-process group the data has landed, but nobody has waited), its parameters
+    are INFLIGHT. Guards: GATHERING reported as AVAILABLE (or prefetch never starting a gather)."""
+    def rank(group):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, prefetch_units=1, bucket_mb=1e-4,
+                                 **{**LOCAL, "param_persistence_threshold": 0})
+        engine = zerompi.initialize(m, cfg, group=group)
+        param_status.mark(engine)  # what deepspeed.initialize's engine does at stage 3
+        assert [u.fqn for u in engine.sharded.units] == ["0", "2"]
+        first, second = m[0].weight, m[2].weight
+        seen = []
+
+        def now(event):
+            seen.append((event, first.ds_status, second.ds_status))
+
+        def on_backward(_module, _args, out):  # after the engine's tensor hook, which gathers and prefetches
+            out.register_hook(lambda _grad: now("backward 2"))
+
+        # registered after the engine's (prepended) hooks: these run once the unit is gathered and the
+        # prefetch it starts is issued
+        m[0].register_forward_pre_hook(lambda *_: now("forward 0"))
+        m[2].register_forward_pre_hook(lambda *_: now("forward 2"))
+        m[2].register_forward_hook(on_backward)
+        for _ in range(2):
+            now("sharded")
+            engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+            engine.step()
+        now("after the step")
+        engine.close()
+        return seen
+
+    recording = [("sharded", NOT_AVAILABLE, NOT_AVAILABLE), ("forward 0", AVAILABLE, NOT_AVAILABLE),
+                 ("forward 2", NOT_AVAILABLE, AVAILABLE), ("backward 2", NOT_AVAILABLE, AVAILABLE)]
+    prefetching = [("sharded", NOT_AVAILABLE, NOT_AVAILABLE), ("forward 0", AVAILABLE, INFLIGHT),
+                   ("forward 2", NOT_AVAILABLE, AVAILABLE), ("backward 2", INFLIGHT, AVAILABLE)]
+    for seen in run_ranks(2, rank):
+        assert seen == recording + prefetching + [("after the step", NOT_AVAILABLE, NOT_AVAILABLE)]
 
 
 @pytest.mark.parametrize("stage", (1, 2))
