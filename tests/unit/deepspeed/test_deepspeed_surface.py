@@ -2,6 +2,8 @@
 checkpointing, the version, and the two names of every module."""
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import logging
 import os
 import subprocess
@@ -14,6 +16,7 @@ from torch import nn
 
 import zerompi
 import zerompi.deepspeed as deepspeed
+from tests.components import RAN, ran, unavailable
 from zerompi.errors import UsageError
 
 
@@ -165,6 +168,46 @@ def test_names_dschat_imports_from_deepspeed():
     recursive_setattr(net, "0", nn.Identity())
     assert isinstance(net[0], nn.Identity)
     assert not any(hasattr(p, "ds_id") for p in net.parameters())  # zerompi's stage 3 shards buckets, not parameters
+
+
+_REAL_FIRST = """
+import json, sys
+import deepspeed, deepspeed.comm, deepspeed.ops.adam, deepspeed.runtime.zero.partition_parameters
+real = deepspeed.__version__, sum(n == "deepspeed" or n.startswith("deepspeed.") for n in sys.modules)
+from zerompi.compat.deepspeed.runner import install_alias
+install_alias()
+import deepspeed, deepspeed.comm
+from deepspeed.ops.adam import FusedAdam
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+import zerompi.compat.deepspeed as package
+from zerompi.compat.deepspeed.ops import adam
+from zerompi.compat.deepspeed.runtime.zero import partition_parameters
+left = sorted(n for n, m in sys.modules.items() if (n == "deepspeed" or n.startswith("deepspeed."))
+              and not getattr(m, "__name__", "").startswith(package.__name__))
+print(json.dumps({"real": real, "left": left, "package": deepspeed is package, "comm": deepspeed.comm is package.comm,
+                  "adam": FusedAdam is adam.FusedAdam, "status": ZeroParamStatus is partition_parameters.ZeroParamStatus}))
+"""
+
+
+def test_the_runner_forgets_a_real_deepspeed_imported_before_it():
+    """A script that imported real DeepSpeed (0.19.8, on the CPU) before the runner's alias: ``import deepspeed``
+    and its submodules then give zerompi's modules, and no module of the real one stays in sys.modules under
+    the alias. In a fresh interpreter, so that neither stays in this one.
+    Guards: install_alias() leaving the real ``deepspeed`` modules in sys.modules."""
+    try:
+        importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        unavailable("DeepSpeed", "not installed in the test venv (pip install -e '.[test]')")
+    out = subprocess.run([sys.executable, "-c", _REAL_FIRST], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu",
+                              "PYTHONPATH": str(Path(zerompi.__file__).parents[1])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    version, modules = got.pop("real")
+    assert version == "0.19.8" and modules > 100  # the real package and its submodules were loaded
+    if "DeepSpeed" not in RAN:
+        ran("DeepSpeed", f"deepspeed {version} (test venv)")
+    assert got == {"left": [], "package": True, "comm": True, "adam": True, "status": True}
 
 
 def test_the_runner_answers_for_a_deepspeed_distribution():
