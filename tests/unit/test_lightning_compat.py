@@ -1,6 +1,7 @@
 """ZeroMPIStrategy's translations (zerompi/compat/lightning/translate.py) and collectives (collectives.py),
 without MPI: what Lightning asks is taken over exactly or refused by name; reductions give every rank the
-same values (ranks as threads of zerompi.comm.local). The strategy itself runs in tests/mpi/test_lightning.py."""
+same values (ranks as threads of zerompi.comm.local). The strategy itself trains in tests/mpi/test_lightning.py;
+here, on a world of one (MPI.COMM_SELF), it refuses an accumulation window Lightning and the engine disagree on."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,12 @@ from torch import nn
 
 from tests.components import require_module
 
-require_module("lightning")
+L = require_module("lightning")
+
+from mpi4py import MPI  # noqa: E402
 
 from zerompi.comm.local import run_ranks  # noqa: E402
-from zerompi.compat.lightning import collectives, translate  # noqa: E402
+from zerompi.compat.lightning import ZeroMPIStrategy, collectives, translate  # noqa: E402
 from zerompi.config import ZeroConfig  # noqa: E402
 from zerompi.errors import UsageError  # noqa: E402
 
@@ -95,3 +98,38 @@ def test_reduce_refuses_an_unknown_op_and_a_subgroup():
     with pytest.raises(UsageError, match="only the whole job's group"):
         collectives.no_subgroup(object(), "reduce")
     assert collectives.op_name(torch.distributed.ReduceOp.SUM) == "sum"
+
+
+class _Linear(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_epoch_that_ends_inside_a_window_is_refused(tmp_path):
+    """5 batches an epoch, accumulate_grad_batches=2. With the strategy handling accumulation, Lightning does not
+    end the window at the epoch's end: its fifth batch waits in the engine, whose window then ends at epoch 1's
+    first batch, where Lightning's (counted within the epoch) does not. The strategy stops there, after epoch 0's
+    two whole windows. Guards: the refusal in ZeroMPIStrategy.optimizer_step removed."""
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4, generator=g), torch.randn(10, 2, generator=g))
+    strategy = ZeroMPIStrategy(ZeroConfig(stage=2, device="cpu", cpu_threads=1, abort_on_exception=False),
+                               comm=MPI.COMM_SELF)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    try:
+        with pytest.raises(UsageError, match="batch 0 of epoch 1: the engine's accumulation window and "
+                                             "Lightning's disagree about where a step falls"):
+            trainer.fit(_Linear(), torch.utils.data.DataLoader(data, batch_size=2))
+        assert trainer.global_step == 2
+    finally:
+        strategy.close()
