@@ -14,7 +14,8 @@ of the job on 2 cores (71 s against 24 s) and is not what is compared; the arith
 
 The comparison needs Newton-Schulz in fp32, which DeepSpeed's default ns_method "gram" runs on a CPU
 without mkldnn fp16 kernels; where it runs in fp16, rounding to 16 bits dominates and this bound does not
-apply (the test is skipped, saying so).
+apply. Such a CPU skips the tests, saying so, and fails them under CI (tests/components.py): a CI machine
+must be one where the comparison runs.
 """
 from __future__ import annotations
 
@@ -26,14 +27,22 @@ import torch
 
 from zerompi.compat.deepspeed.ops.muon import ns_dtype
 
+from ..components import ran, unavailable
 from ..peers import deepspeed_python
 from .launcher import ROOT, WORKERS, mpi_env, run_worker_json
 from .tolerance import FP32_FLOOR, ORDER_K, loss_failures, tensor_failures
 
 STAGES = (0, 1, 2, 3)
-pytestmark = pytest.mark.skipif(ns_dtype("gram", torch.device("cpu")) != torch.float32,
-                                reason="Newton-Schulz runs in fp16 on this CPU (DeepSpeed's gram method): "
-                                       "the fp32 order-noise bound does not apply")
+COMPONENT = "fp32 Newton-Schulz"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fp32_newton_schulz():
+    """A CPU on which DeepSpeed's gram method iterates in fp32 (no mkldnn fp16), as the bound requires."""
+    if ns_dtype("gram", torch.device("cpu")) != torch.float32:
+        unavailable(COMPONENT, "Newton-Schulz runs in fp16 on this CPU (mkldnn fp16 kernels, DeepSpeed's gram "
+                               "method): the fp32 order-noise bound does not apply")
+    ran(COMPONENT, "a CPU without mkldnn fp16 (DeepSpeed's gram method in fp32)")
 
 
 @pytest.fixture(scope="module")
