@@ -125,9 +125,6 @@ VALID_FIELDS = {name: _KNOWN_VALID.get(name, st.just(_default(name))) for name i
 VALID_DICTS = st.fixed_dictionaries({}, optional=VALID_FIELDS)
 
 
-# The ZeroConfig field stage3_param_persistence_threshold maps to, added on another branch: until
-# it exists, a stage-3 document carries that key only as "auto" (dropped without a model).
-HAS_PERSISTENCE = "param_persistence_threshold" in FIELDS
 _SIZES = st.one_of(st.integers(1, 10**9), st.floats(1.0, 1e9))
 _AUTO = st.just("auto")
 
@@ -182,8 +179,7 @@ def valid_deepspeed(draw) -> dict:
     if draw(st.booleans()):
         zero["stage3_prefetch_bucket_size"] = _maybe_auto(draw, st.one_of(st.just(0), _SIZES))
     if draw(st.booleans()):
-        persistence = st.integers(0, 10**7) if HAS_PERSISTENCE else st.nothing()
-        zero["stage3_param_persistence_threshold"] = _maybe_auto(draw, persistence) if HAS_PERSISTENCE else "auto"
+        zero["stage3_param_persistence_threshold"] = _maybe_auto(draw, st.integers(0, 10**7))
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         if draw(st.booleans()):
             zero[key] = draw(st.booleans())

@@ -2,9 +2,8 @@
 
 The templates are written out from their documented contents (transformers' DeepSpeed
 integration guide): every "auto" there is what Hugging Face's Trainer fills in, and zerompi
-fills it from ``overrides``, ZeroConfig's defaults or the model. Tests of the stage-3 sizes
-with a model read the translation's keyword arguments where ``param_persistence_threshold``
-appears; the one that builds a ZeroConfig from them skips until that field exists.
+fills it from ``overrides``, ZeroConfig's defaults or the model. The stage-3 sizes a model
+gives are checked in the translation's keyword arguments and in the ZeroConfig built from them.
 """
 from __future__ import annotations
 
@@ -24,9 +23,6 @@ from zerompi.compat.deepspeed.auto import hidden_size
 from zerompi.compat.deepspeed.batch import Batch, BatchKeys, complete_batch
 from zerompi.errors import ConfigError
 from zerompi.models.gpt import GPT, GPTConfig
-
-HAS_PERSISTENCE = "param_persistence_threshold" in {f.name for f in dataclasses.fields(ZeroConfig)}
-needs_persistence = pytest.mark.skipif(not HAS_PERSISTENCE, reason="ZeroConfig has no param_persistence_threshold yet")
 
 _COMMON = {
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
@@ -131,7 +127,6 @@ def test_hf_zero3_sizes_from_the_model():
     assert kwargs["param_persistence_threshold"] == 640  # 10 h
 
 
-@needs_persistence
 def test_hf_zero3_template_with_model():
     cfg, warned = from_deepspeed(HF_ZERO3, tiny_gpt(64))
     assert (cfg.bucket_mb, cfg.prefetch_units, cfg.param_persistence_threshold) == (64 * 64 * 4 / 2**20, 1, 640)
