@@ -10,7 +10,7 @@ import zerompi
 from zerompi.comm.local import run_ranks
 from zerompi.config import ZeroConfig
 from zerompi.errors import ConfigError, UsageError
-from zerompi.optim.kinds import ELEMENTWISE, is_elementwise
+from zerompi.optim.kinds import ELEMENTWISE, GROUP_KEYS, group_keys, is_elementwise
 
 
 class DeclaredSGD(torch.optim.SGD):
@@ -43,6 +43,14 @@ def test_others_step_whole_tensors(cls):
 def test_a_declaration_is_the_class_own():
     """A subclass of a declared class changes the arithmetic as freely: it declares it again."""
     assert not is_elementwise(type("Sub", (DeclaredSGD,), {}))
+
+
+@pytest.mark.parametrize("cls", [*ELEMENTWISE, torch.optim.Adafactor, torch.optim.Muon, DeclaredSGD])
+def test_the_group_keys_are_those_torch_keeps_in_a_group(cls):
+    """group_keys(cls) is the options of cls and its optimizer bases, not torch.optim.Optimizer's own
+    (``defaults`` is no group key): checked against the keys torch puts in a built optimizer's param group."""
+    built = cls([nn.Parameter(torch.zeros(2, 2))])
+    assert group_keys(cls) == set(built.param_groups[0]) - {"params"} | set(GROUP_KEYS)
 
 
 def _model():
