@@ -6,13 +6,19 @@ files a dead job left) both call :func:`diagnose` and :func:`format_report`.
 The culprit is found at the first event number where the ranks' events differ (a rank that has
 not issued that event yet counts as one more kind of event, "not reached"):
 
-0. ranks that raised an uncaught exception (guard.py asks for the report) are the culprits;
-1. ranks outside the largest group of agreeing ranks diverged (a majority decides);
+0. ranks that raised an uncaught exception (guard.py asks for the report) are the culprits, alone and
+   whatever else the records show (a rank that raised after its first record sends it again, watchdog.py);
+1. ranks outside the largest group of agreeing ranks diverged (a strict majority decides);
 2. on a tie (two ranks, or two equal camps), the ranks not waiting in a collective (in user code)
    are the culprits; failing that, the ranks whose event there differs from the one at the same
    position of their previous step (one extra micro-batch, a skipped module);
-3. if every present rank agrees on every event, the ranks with no record (killed, or stuck where
-   their watchdog thread cannot answer) are the culprits.
+3. otherwise no present rank is named: every one of them may only be waiting on another, and the
+   report must not blame a rank for waiting (each rank's state is listed for the reader);
+4. ranks with no record (killed, or stuck where their watchdog thread cannot answer) are culprits
+   whenever they are missing: alone if the present ranks agree on every event, else beside the above.
+
+A watchdog blames only a wait that lasts while no rank moves (watchdog.py looks twice), so a slow
+job whose ranks are merely spread over several events is not reported at all.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from typing import Any, NamedTuple
 RECORD_GLOB = "rank-*.json"
 REPORT_NAME = "report.txt"
 NOT_REACHED = ("not reached",)
+RAISED = "raised an exception"
 DETAILED = 4      # culprits shown with their whole stack
 STATE_FRAMES = 3  # innermost frames that, with its state, group a rank with others in "every rank"
 
@@ -116,7 +123,7 @@ def _culprits(records: dict[int, dict[str, Any]], missing: list[int],
               div: Divergence | None) -> tuple[list[int], str]:
     failed = sorted(r for r, rec in records.items() if rec.get("error"))
     if failed:
-        return failed, "raised an exception"
+        return failed, RAISED
     if div is None:
         if missing:
             return missing, "every rank that answered is at the same collective; the missing ranks are not"
@@ -131,7 +138,7 @@ def _culprits(records: dict[int, dict[str, Any]], missing: list[int],
     odd = sorted(r for r in records if _off_pattern(records[r], div.index))
     if odd and len(odd) < len(records):
         return odd, "its event here differs from the same point of its previous step"
-    return sorted(records), "no majority: the ranks disagree and none stands out"
+    return [], "no majority: the ranks disagree and none stands out; none is named, since each may only wait on another"
 
 
 def diagnose(records: dict[int, dict[str, Any]], size: int) -> Report:
@@ -139,7 +146,7 @@ def diagnose(records: dict[int, dict[str, Any]], size: int) -> Report:
     missing = [r for r in range(size) if r not in records]
     div = find_divergence(records)
     culprits, reason = _culprits(records, missing, div)
-    if div is not None and missing:
+    if div is not None and missing and reason != RAISED:
         reason += "; ranks with no record are missing"
         culprits = sorted(set(culprits) | set(missing))
     return Report(size, records, missing, div, culprits, reason)
@@ -194,7 +201,8 @@ def _states(report: Report) -> dict[tuple, list[int]]:
 def format_report(report: Report, *, directory: str | None = None, trigger: str = "") -> str:
     lines = [f"zerompi hang report: {report.size} ranks, {len(report.records)} answered"
              + (f"; {trigger}" if trigger else "")]
-    lines.append(f"culprit: rank(s) {rank_list(report.culprits)} ({report.reason})")
+    named = f"rank(s) {rank_list(report.culprits)}" if report.culprits else "none named"
+    lines.append(f"culprit: {named} ({report.reason})")
     for r in report.culprits[:DETAILED]:
         rec = report.records.get(r)
         if rec is None:

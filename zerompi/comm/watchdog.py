@@ -6,15 +6,24 @@ the process goes through :meth:`Watchdog.blocked`; a daemon thread checks it a f
 deadline. The deadline is ``collective_timeout`` when set, else ``max(hang_floor, FACTOR x the
 running median step time)`` (recorder.py), so no configuration is needed.
 
-When a wait is overdue, this rank prints what it waits in (the per-rank message) and asks every
+When a wait is overdue, this rank first looks whether the job still moves: it asks every rank for
+its count of collectives issued, twice, :data:`LOOK_GAP` of a deadline apart. If any count changed (a
+loaded machine, a slow first step), nothing is stuck yet and it looks again later; only when two looks
+agree (or the wait has lasted :data:`MOVING_LIMIT` deadlines, so that a job that moves forever without
+this rank still ends) does it blame. Then it prints what it waits in (the per-rank message) and asks every
 rank, over a side channel that does not depend on the stuck collective (point-to-point messages
 on a duplicate communicator, mpi/side.py), for its record: the ring of its last collectives and the
 stack of its training thread. Every rank's watchdog thread polls that channel, so a rank in user
 code answers too. Each rank writes its record to ``hang_dir`` (for ``zerompi diagnose``); rank 0
 gathers the records for at most :data:`GATHER_WAIT` seconds, prints one report (diagnosis.py)
-naming the culprit and calls ``abort(HANG_CODE)``. Every record goes to rank 1 too, the deputy: where
-rank 0 is the rank that hangs (stopped, or stuck where its watchdog cannot run) and makes no report,
-the deputy reports from what it received, naming rank 0, and aborts the job.
+naming the culprit and calls ``abort(HANG_CODE)``. Every record, rank 0's included, goes to rank 1 too,
+the deputy: where rank 0 is the rank that hangs (stopped, or stuck where its watchdog cannot run) and
+makes no report, the deputy reports from what it received, naming rank 0, and aborts the job.
+
+A rank that raises is the culprit whatever fired first: its exception goes into every record it sends
+from then on, and where a report was already under way (its watchdog fired, or answered another
+rank's request) it sends its record again, with the exception, to rank 0 and the deputy, and leaves
+the abort to the report.
 
 Degraded paths never wait longer than that: with no side channel (an in-process group, MPI
 without ``MPI_THREAD_MULTIPLE``) a rank aborts with :data:`ABORT_CODE` after its message, as
@@ -43,7 +52,11 @@ GATHER_WAIT = 3.0  # seconds rank 0 waits for the other ranks' records
 ABORT_AFTER = 3.0  # further seconds a rank that sent its record waits for rank 0 to abort the job
 DEPUTY_AFTER = 2.0  # seconds after GATHER_WAIT the deputy waits for rank 0's abort before it reports
 DEPUTY = 1
-TAG_REQUEST, TAG_RECORD = 1, 2
+LOOK_GAP = 0.25    # deadlines between two looks at the ranks' counts: at least 3/4 of a median step, in
+#                    which a moving rank issues collectives (a step issues several)
+LOOK_SLACK = 0.5   # seconds more that a look waits for answers (a loaded machine)
+MOVING_LIMIT = 10  # deadlines after which a wait is blamed even if other ranks still move
+TAG_REQUEST, TAG_RECORD, TAG_PROBE, TAG_PROGRESS = 1, 2, 3, 4
 
 
 class Overdue(NamedTuple):
@@ -135,21 +148,41 @@ class Watchdog:
 
     def report_failure(self, error: str, stack: list[str]) -> bool:
         """An uncaught exception ends this rank: send the hang report's request naming it (rank 0
-        then reports and aborts the job). False, having done nothing, when there is no side channel
-        or a report is already under way; the caller aborts as before."""
+        then reports and aborts the job). Where a report is already under way, this rank's record
+        goes again with the exception, and this waits (boundedly) for that report to end the job.
+        False, having done nothing, when there is no side channel; the caller aborts as before."""
         job = self._job
-        if job is None or job.channel is None or not job.claim():
+        if job is None or job.channel is None:
             return False
-        job.run(self, f"rank {job.rank} raised {error}", announce=True, extra={"error": error, "stack": stack})
+        job.failure = {"error": error, "stack": stack}
+        if job.claim():
+            job.run(self, f"rank {job.rank} raised {error}", announce=True)
+            return True
+        job.amend(self)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(GATHER_WAIT + DEPUTY_AFTER + 3 * ABORT_AFTER)
         return True
 
     def _watch(self, job: "_Job") -> None:
+        looked: tuple[float, dict[int, int | None]] | None = None  # the last look at the counts, and when
         while True:
             deadline = job.policy.deadline(job.recorder.median_step())
             if self._stop.wait(min(1.0, (deadline or 4.0) / 4)):
                 return
-            late = self.overdue(deadline, time.monotonic()) if deadline is not None else None
+            job.answer_probes()
+            now = time.monotonic()
+            late = self.overdue(deadline, now) if deadline is not None else None
             asked = job.channel.poll(TAG_REQUEST) if job.channel is not None else []
+            if late is None:
+                looked = None
+            elif not asked and job.channel is not None and late.waited < MOVING_LIMIT * deadline:
+                if looked is not None and now - looked[0] < LOOK_GAP * deadline:
+                    continue
+                counts = job.look(2 * min(1.0, deadline / 4) + LOOK_SLACK)  # two of the others' polls
+                if looked is None or counts != looked[1]:  # the first look, or a rank moved since the last
+                    looked = (time.monotonic(), counts)
+                    continue
             if (late is None and not asked) or not job.claim():
                 continue
             if late is not None:
@@ -172,6 +205,9 @@ class _Job:
         self.policy, self.rank, self.size, self.abort = policy, rank, size, abort
         self.recorder, self.channel, self.stopped = recorder, channel, stopped
         self._claimed = threading.Lock()
+        self.failure: dict[str, Any] | None = None  # this rank's uncaught exception: every later record carries it
+        self.received: dict[int, dict[str, Any]] = {}  # records sent here (rank 0 and the deputy)
+        self._looks = 0
 
     def claim(self) -> bool:
         """True the first time only: one report per process, from whichever thread gets here first."""
@@ -186,31 +222,75 @@ class _Job:
     def say(text: str) -> None:
         os.write(2, text.encode(errors="replace"))
 
-    def run(self, watchdog: Watchdog, trigger: str, *, announce: bool, extra: dict[str, Any] | None = None) -> bool:
-        """Write this rank's record and hand it to rank 0; on rank 0, gather, report and abort the
-        job (HANG_CODE): True. False where this rank made no report: the caller aborts alone."""
+    # ---- is the job still moving? ---------------------------------------------------------------
+    def answer_probes(self) -> None:
+        """Tell each rank that asked how many collectives this rank has issued."""
+        if self.channel is not None:
+            for source, serial in self.channel.poll(TAG_PROBE):
+                self.channel.post(source, TAG_PROGRESS, (serial, self.recorder.count))
+
+    def look(self, wait: float) -> dict[int, int | None]:
+        """Every rank's count of collectives issued (None: no answer within ``wait`` seconds)."""
+        self._looks += 1
+        counts: dict[int, int | None] = {r: None for r in range(self.size)}
+        counts[self.rank] = self.recorder.count
+        for r in range(self.size):
+            if r != self.rank:
+                self.channel.post(r, TAG_PROBE, self._looks)
+        end = time.monotonic() + wait
+        while None in counts.values() and time.monotonic() < end:
+            self.answer_probes()  # another overdue rank may be looking too
+            for source, (serial, count) in self.channel.poll(TAG_PROGRESS):
+                if serial == self._looks:  # an answer to an earlier look is stale
+                    counts[source] = count
+            self.channel.flush()
+            if self.stopped.wait(0.02):
+                break
+        return counts
+
+    # ---- the report -----------------------------------------------------------------------------
+    def record(self, watchdog: Watchdog, trigger: str) -> dict[str, Any]:
+        """This rank's record now, with its exception if it raised."""
+        record = self.recorder.snapshot(self.rank, self.size, watchdog.waiting, trigger)
+        record.update(self.failure or {})
+        return record
+
+    def _send(self, record: dict[str, Any]) -> None:
+        for to in {0, DEPUTY} - {self.rank}:
+            if to < self.size:
+                self.channel.post(to, TAG_RECORD, record)
+
+    def amend(self, watchdog: Watchdog) -> None:
+        """A report is under way and this rank has just raised: its record goes again, with the exception."""
+        record = self.record(watchdog, f"rank {self.rank} raised {self.failure['error']}")
+        self._write(record)
+        self._send(record)
+        self.channel.flush()
+
+    def run(self, watchdog: Watchdog, trigger: str, *, announce: bool) -> bool:
+        """Write this rank's record and hand it to rank 0 and the deputy; on rank 0, gather, report and
+        abort the job (HANG_CODE): True. False where this rank made no report: the caller aborts alone."""
         if announce and self.channel is not None:
             for r in range(self.size):
                 if r != self.rank:
                     self.channel.post(r, TAG_REQUEST, trigger)
-        record = self.recorder.snapshot(self.rank, self.size, watchdog.waiting, trigger)
-        record.update(extra or {})
+        record = self.record(watchdog, trigger)
         where = self._write(record)
         if self.channel is None:
             return False
+        self._send(record)  # rank 0's too: the deputy reports from it if rank 0 stops midway
         if self.rank != 0:
-            for to in {0, DEPUTY} - {self.rank}:
-                self.channel.post(to, TAG_RECORD, record)
             deputy = self.rank == DEPUTY
             if self._linger(GATHER_WAIT + (DEPUTY_AFTER if deputy else 2 * ABORT_AFTER)):
                 return False
+            if deputy and 0 in self.received and self._linger(2 * ABORT_AFTER):
+                return False  # rank 0 answered, so it is reporting: give it longer
             if not deputy:
                 self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: neither rank 0 nor rank {DEPUTY} "
                          f"made a hang report; this rank's record: {where}\n")
                 return False
             trigger += f"; rank 0 made no report in {GATHER_WAIT + DEPUTY_AFTER:g} s: rank {DEPUTY} reports"
-        # the deputy's records have arrived while it waited for rank 0
-        self._report(record, trigger, where, wait=0.2 if self.rank else GATHER_WAIT)
+        self._report(watchdog, trigger, where, wait=0.2 if self.rank else GATHER_WAIT)
         self.end(HANG_CODE)
         return True
 
@@ -230,19 +310,25 @@ class _Job:
         True if the watchdog was stopped meanwhile."""
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            self.channel.flush()
+            self._receive()
             if self.stopped.wait(0.05):
                 return True
         return False
 
-    def _report(self, own: dict[str, Any], trigger: str, where: str, wait: float) -> None:
+    def _receive(self) -> None:
+        """Keep the latest record of each rank (an amended one replaces the first)."""
+        self.received.update((src, rec) for src, rec in self.channel.poll(TAG_RECORD))
+        self.channel.flush()
+
+    def _report(self, watchdog: Watchdog, trigger: str, where: str, wait: float) -> None:
         """Gather the other ranks' records for at most ``wait`` seconds; print and save the report."""
-        records = {self.rank: own}
         end = time.monotonic() + wait
-        while len(records) < self.size and time.monotonic() < end:
-            records.update((src, rec) for src, rec in self.channel.poll(TAG_RECORD))
-            self.channel.flush()
+        while len(self.received | {self.rank: None}) < self.size and time.monotonic() < end:
+            self._receive()
             time.sleep(0.05)
+        self._receive()
+        # this rank's record as it is now: it may have raised since it was first taken
+        records = {**self.received, self.rank: self.record(watchdog, trigger)}
         written = where == self.policy.directory
         text = diagnosis.format_report(diagnosis.diagnose(records, self.size), trigger=trigger,
                                        directory=where if written else None)

@@ -267,3 +267,203 @@ def test_a_rank_whose_report_never_comes_aborts_by_itself(tmp_path, monkeypatch,
     w.stop()
     assert codes == [ABORT_CODE] and "neither rank 0 nor rank 1 made a hang report" in capfd.readouterr().err
     assert (tmp_path / "rank-00002.json").exists()
+
+
+# ---- the rule that picks the culprit, clause by clause (diagnosis.py's docstring) -------------
+
+def test_clause_0_a_rank_that_raised_is_named_alone_even_beside_missing_ranks():
+    """Guards: a report that adds missing or waiting ranks to a rank that raised (the 4-rank oom case
+    once named ranks 0-1)."""
+    recs = {0: record(0, 4, STEP[:2], waiting=False, error="RuntimeError: oom"),
+            1: record(1, 4, STEP[:3]), 3: record(3, 4, STEP)}
+    report = diagnosis.diagnose(recs, 4)
+    assert report.culprits == [0] and report.reason == diagnosis.RAISED and report.missing == [2]
+
+
+def test_clause_3_no_majority_names_no_rank_that_may_only_wait():
+    """Two camps of two, every rank waiting, no step pattern to go by: no rank is named.
+    Guards: the old fallback that named every rank (0-3) when none stood out."""
+    recs = {r: record(r, 4, STEP[:3] + [("all_gather", "x" if r < 2 else "y")]) for r in range(4)}
+    report = diagnosis.diagnose(recs, 4)
+    assert report.culprits == [] and "none is named" in report.reason
+    assert "\nculprit: none named (no majority" in "\n" + diagnosis.format_report(report)
+
+
+def test_clause_4_missing_ranks_join_a_divergence():
+    recs = {0: record(0, 3, STEP), 1: record(1, 3, STEP[:3], waiting=False)}
+    assert diagnosis.diagnose(recs, 3).culprits == [1, 2]
+
+
+# ---- looking again while the ranks move; a rank that raises after a report began ----------------
+
+def _abort_into(codes, done, rank):
+    def abort(code):
+        codes[rank] = code
+        done.set()
+    return abort
+
+
+def test_a_watchdog_does_not_blame_while_another_rank_still_moves(tmp_path, monkeypatch, capfd):
+    """Rank 0 waits past its deadline (0.3 s) while rank 1 still issues collectives for 1.5 s (a loaded
+    machine, a slow first step); the report comes only after rank 1 stops moving.
+    Guards: a watchdog that blames at its deadline without looking whether the ranks still move
+    (rank 3 once fired at the 2 s floor while the others were spread over events 8 to 38)."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.5)
+    hub, codes, done = Hub(), {}, threading.Event()
+    policy = HangPolicy(None, 0.3, str(tmp_path))
+    dogs, recorders = [Watchdog(), Watchdog()], [Recorder(), Recorder()]
+    recorders[0].begin("all_gather", "", "bucket 9", 8)
+    stopped_moving = []
+
+    def move():
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            recorders[1].begin("all_gather", "intra", "bucket 1", 8).end = time.monotonic()
+            time.sleep(0.05)
+        stopped_moving.append(time.monotonic())
+    mover = threading.Thread(target=move)
+    dogs[1].start(policy, 1, 2, _abort_into(codes, done, 1), recorders[1], hub.channel(1))
+    with dogs[0].blocked("all_gather for bucket 9"):
+        dogs[0].start(policy, 0, 2, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
+        mover.start()
+        assert done.wait(20)
+        reported = time.monotonic()
+    mover.join()
+    for d in dogs:
+        d.stop()
+    assert codes == {0: HANG_CODE} and stopped_moving and reported > stopped_moving[0], capfd.readouterr().err
+
+
+def test_a_job_that_moves_forever_without_the_waiting_rank_is_still_reported(tmp_path, monkeypatch, capfd):
+    """Rank 1 keeps issuing collectives of a sub-group while rank 0 waits: after MOVING_LIMIT deadlines
+    the wait is blamed anyway, so every hang ends."""
+    from zerompi.comm import watchdog
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.3)
+    hub, codes, done, halt = Hub(), {}, threading.Event(), threading.Event()
+    policy = HangPolicy(None, 0.2, str(tmp_path))
+    dogs, recorders = [Watchdog(), Watchdog()], [Recorder(), Recorder()]
+
+    def move():
+        while not halt.wait(0.02):
+            recorders[1].begin("all_gather", "intra", "bucket 1", 8).end = time.monotonic()
+    mover = threading.Thread(target=move)
+    mover.start()
+    dogs[1].start(policy, 1, 2, _abort_into(codes, done, 1), recorders[1], hub.channel(1))
+    with dogs[0].blocked("all_gather for bucket 9"):
+        started = time.monotonic()
+        dogs[0].start(policy, 0, 2, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
+        assert done.wait(30)
+        took = time.monotonic() - started
+    halt.set()
+    mover.join()
+    for d in dogs:
+        d.stop()
+    assert codes == {0: HANG_CODE} and took >= watchdog.MOVING_LIMIT * 0.2, (took, capfd.readouterr().err)
+
+
+def _wait_for(path, seconds=20.0):
+    end = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < end, path
+        time.sleep(0.01)
+
+
+def test_rank_0_raising_after_it_answered_another_ranks_watchdog_is_named(tmp_path, monkeypatch, capfd):
+    """Rank 1's watchdog fires first; rank 0 answers its request (and so reports), then raises: the report
+    names rank 0 and its exception, not the waiting rank. Guards: the record of a rank that raised after a
+    report began (the 4-rank oom case, where rank 1 fired first and ranks 0-1 were named)."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 1.0)
+    hub, codes, done = Hub(), {}, threading.Event()
+    policy = HangPolicy(None, 0.3, str(tmp_path))
+    dogs, recorders = [Watchdog(), Watchdog()], [Recorder(), Recorder()]
+    recorders[1].begin("all_gather", "", "bucket 1", 8)  # rank 0 has not issued it
+    dogs[0].start(policy, 0, 2, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
+    with dogs[1].blocked("all_gather for bucket 1"):
+        dogs[1].start(policy, 1, 2, _abort_into(codes, done, 1), recorders[1], hub.channel(1))
+        _wait_for(tmp_path / "rank-00000.json")  # rank 0 has answered: its report is under way
+        assert dogs[0].report_failure("RuntimeError: out of memory", ["train.py:3 in forward: torch.empty"])
+        assert done.wait(20)
+    for d in dogs:
+        d.stop()
+    err = capfd.readouterr().err
+    assert codes[0] == HANG_CODE and "\nculprit: rank(s) 0 (raised an exception)" in err, err
+    assert "raised RuntimeError: out of memory" in err and "train.py:3 in forward" in err, err
+
+
+def test_another_rank_raising_after_it_sent_its_record_sends_it_again(tmp_path, monkeypatch, capfd):
+    """3 ranks: rank 0 fires, rank 2 answers, then raises; rank 1 never answers. Rank 2's amended record
+    replaces its first, so rank 0's report names rank 2 alone. Guards: an exception raised after a rank's
+    record left (report_failure giving up when a report is under way)."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 1.5)
+    hub, codes, done = Hub(), {}, threading.Event()
+    policy = HangPolicy(None, 0.3, str(tmp_path))
+    dogs, recorders = {0: Watchdog(), 2: Watchdog()}, {0: Recorder(), 2: Recorder()}
+    recorders[0].begin("all_gather", "", "bucket 1", 8)
+    dogs[2].start(policy, 2, 3, _abort_into(codes, done, 2), recorders[2], hub.channel(2))
+    with dogs[0].blocked("all_gather for bucket 1"):
+        dogs[0].start(policy, 0, 3, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
+        _wait_for(tmp_path / "rank-00002.json")
+        dogs[2].report_failure("ValueError: bad batch", ["train.py:7 in step: check(x)"])
+        assert done.wait(20)
+    for d in dogs.values():
+        d.stop()
+    err = capfd.readouterr().err
+    assert codes.get(0) == HANG_CODE and "\nculprit: rank(s) 2 (raised an exception)" in err, err
+    assert json.loads((tmp_path / "rank-00002.json").read_text())["error"] == "ValueError: bad batch"
+
+
+def test_the_deputy_has_every_record_at_three_ranks(tmp_path, monkeypatch, capfd):
+    """Rank 0 is silent; ranks 1 and 2 wait in the collective it never issued. The deputy's report names
+    rank 0 alone. Guards: records sent to rank 0 only, not to the deputy (the deputy then found rank 2
+    missing and named an innocent rank: 0, 2)."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.3)
+    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.3)
+    monkeypatch.setattr("zerompi.comm.watchdog.ABORT_AFTER", 0.5)
+    hub, codes, done = Hub(), {}, threading.Event()
+    policy = HangPolicy(None, 0.3, str(tmp_path))
+    dogs, recorders = {1: Watchdog(), 2: Watchdog()}, {1: Recorder(), 2: Recorder()}
+    for r in (1, 2):
+        recorders[r].begin("all_gather", "", "bucket 1", 8)
+    with dogs[1].blocked("all_gather for bucket 1"), dogs[2].blocked("all_gather for bucket 1"):
+        for r in (1, 2):
+            dogs[r].start(policy, r, 3, _abort_into(codes, done, r), recorders[r], hub.channel(r))
+        assert done.wait(20)
+        time.sleep(0.1)
+    for d in dogs.values():
+        d.stop()
+    err = capfd.readouterr().err
+    assert codes.get(1) == HANG_CODE and "3 ranks, 2 answered" in err, err
+    assert "\nculprit: rank(s) 0 (" in err, err
+
+
+def test_rank_0_sends_its_record_to_the_deputy(tmp_path, monkeypatch, capfd):
+    """Rank 0 answers and then stops (its abort does not happen): the deputy, waiting longer because rank 0
+    answered, reports with rank 0's record in hand. Guards: rank 0 keeping its record from the deputy."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.3)
+    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.3)
+    monkeypatch.setattr("zerompi.comm.watchdog.ABORT_AFTER", 0.3)
+    hub, codes = Hub(), {}
+    deputy_done = threading.Event()
+    policy = HangPolicy(None, 0.3, str(tmp_path))
+    dogs, recorders = [Watchdog(), Watchdog()], [Recorder(), Recorder()]
+    recorders[1].begin("all_gather", "", "bucket 1", 8)
+    silent = hub.channel(0)
+
+    class Rank0Stops:
+        """Rank 0's channel: its record goes out, then nothing more arrives there (it is stopped)."""
+        def post(self, dest, tag, obj):
+            silent.post(dest, tag, obj)
+
+        def poll(self, tag):
+            return [] if tag == 2 else silent.poll(tag)
+
+        def flush(self):
+            return True
+    dogs[0].start(policy, 0, 2, lambda code: codes.setdefault(0, code), recorders[0], Rank0Stops())
+    with dogs[1].blocked("all_gather for bucket 1"):
+        dogs[1].start(policy, 1, 2, _abort_into(codes, deputy_done, 1), recorders[1], hub.channel(1))
+        assert deputy_done.wait(20)
+    for d in dogs:
+        d.stop()
+    err = capfd.readouterr().err
+    assert codes.get(1) == HANG_CODE and "rank 1 reports" in err and "2 ranks, 2 answered" in err, err
