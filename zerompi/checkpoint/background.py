@@ -2,11 +2,12 @@
 
 ``engine.save_checkpoint(..., async_save=True)`` does its collective part on the calling thread
 (agreeing on the tag and the save's id, cleaning the root, making ``ROOT/.tmp-TAG-ID``, reading
-the counters, RNG state, error-feedback residuals, optimizer metadata and, on rank 0, the index
-with client_state and the scheduler's state and the replicated tensors, all as copies),
-holds every bucket in the engine's :class:`~zerompi.offload.fence.ShardFence`, starts one
-thread per writing rank and returns. The thread takes each bucket (a copy in host memory, or, under
-NVMe offload, a read of the swap file, which the fence keeps unchanged until then), releases it,
+the counters, RNG state, error-feedback residuals, whole-tensor optimizer state, optimizer metadata
+and, on rank 0, the index with client_state and the scheduler's state and the replicated tensors, all
+as copies), holds every bucket in the engine's :class:`~zerompi.offload.fence.ShardFence`, starts one
+thread per writing rank and returns. The thread gets only what was taken at the call (taken.py:
+host copies, the fenced buckets, the frozen shards). It takes each bucket (a copy in host memory, or,
+under NVMe offload, a read of the swap file, which the fence keeps unchanged until then), releases it,
 and writes the rank file as a synchronous save does (rawio.py: checksums as written, fsync).
 
 Completion without MPI (a thread blocked in MPICH busy-polls a core, and MPI_THREAD_MULTIPLE is not

@@ -11,8 +11,9 @@ snapshot.py's ``StateSource``), reading only its own state and the engine's publ
 - the process: ``RngState``, its CPU (and CUDA) generator state (``PROCESS_RNG``).
 
 An entry says which datasets this rank writes (``parts``, one bucket in memory at a
-time), what a background save must take now and what it writes later on its thread
-(``later``), what a load reads and checks while touching nothing (``read``, phase 1)
+time), what a background save takes at the call for its thread to write (``take``: host
+copies, the fenced buckets or the frozen shards, checkpoint/taken.py), what a load reads
+and checks while touching nothing (``read``, phase 1)
 and how that is applied once every rank has read (``apply``, phase 2). The index
 (counters, loss scaler, scheduler, the tensors every rank holds whole) is rank 0's and
 stays with the writer and the reader. A new kind of state is a new entry that its
@@ -21,7 +22,7 @@ component returns; the writer and reader do not change.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,12 @@ import numpy as np
 import torch
 
 from zerompi.checkpoint import feedback, schema
-from zerompi.checkpoint import frozen as frozen_values
-from zerompi.checkpoint.frozen import FrozenSource
+from zerompi.checkpoint.frozen import FrozenRead, FrozenSource
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
 from zerompi.checkpoint.shards import Part
 from zerompi.checkpoint.snapshot import EngineSnapshot, Entry, FrozenHolder, ShardSnapshot, ShardView
+from zerompi.checkpoint.taken import HostCopy
 from zerompi.log import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -55,9 +56,8 @@ class LoadContext:
 
 
 class FrozenShards:
-    """Entry: stage 3's frozen parameter shards (``f<i>/param``, in the compute dtype). They do not
-    change while training runs (a load waits for a save in flight first), and ``frozen_shard`` may be
-    read from another thread, so a background save takes them as they are written."""
+    """Entry: stage 3's frozen parameter shards (``f<i>/param``, in the compute dtype), read as they are
+    written, by a background save too (frozen.py's FrozenRead: no step changes them)."""
 
     what = "frozen shards"
 
@@ -65,12 +65,10 @@ class FrozenShards:
         self.view, self.holder, self.include = view, holder, include
 
     def parts(self) -> Iterator[Part]:
-        for i in range(len(self.view.frozen) if self.include else 0):
-            with self.holder.frozen_shard(i) as held:
-                yield schema.frozen(i), frozen_values.encode(held)
+        return self.take().parts()
 
-    def later(self) -> Callable[[], Iterator[Part]]:
-        return self.parts
+    def take(self) -> FrozenRead:
+        return FrozenRead(len(self.view.frozen) if self.include else 0, self.holder)
 
     def read(self, ctx: LoadContext) -> list[np.ndarray] | None:
         if not ctx.index.frozen_saved:
@@ -102,9 +100,8 @@ class Residuals:
     def parts(self) -> Iterator[Part]:
         return feedback.parts(self.residuals)
 
-    def later(self) -> Callable[[], Iterator[Part]]:
-        copies = [(name, data.copy()) for name, data in feedback.parts(self.residuals)]  # the next step changes them
-        return lambda: iter(copies)
+    def take(self) -> HostCopy:
+        return HostCopy.of(feedback.parts(self.residuals))  # copies: the next backward changes them
 
     def read(self, ctx: LoadContext) -> dict[int, np.ndarray] | None:
         return feedback.read(self.view, self.residuals, ctx.index, ctx.files, ctx.directory)
@@ -125,9 +122,8 @@ class RngState:
     def parts(self) -> Iterator[Part]:
         return iter(rng_parts())
 
-    def later(self) -> Callable[[], Iterator[Part]]:
-        now = rng_parts()
-        return lambda: iter(now)
+    def take(self) -> HostCopy:
+        return HostCopy.of(rng_parts())
 
     def read(self, ctx: LoadContext) -> tuple[np.ndarray, np.ndarray | None] | None:
         if ctx.index.world_size != ctx.world_size or self.view.hierarchical:

@@ -16,7 +16,10 @@ and the other way round, at any world size.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +27,9 @@ import torch
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from zerompi.checkpoint.snapshot import FrozenHolder
 
 ENCODING = {torch.float32: ("<f4", "float32"), torch.float16: ("<f2", "float16"),
             torch.bfloat16: ("<u2", "bfloat16")}
@@ -37,6 +43,21 @@ def encode(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
+
+
+@dataclass(frozen=True)
+class FrozenRead:
+    """Stage 3's frozen shards as they are written, by a save or on an asynchronous save's thread
+    (checkpoint/taken.py): no step changes them (a load does, and waits for a save in flight first), and
+    ``frozen_shard`` may be read from another thread, so they are read in place, as they are written."""
+
+    buckets: int  # how many (0: left out, include_frozen=False)
+    holder: FrozenHolder
+
+    def parts(self) -> Iterator[tuple[str, np.ndarray]]:
+        for i in range(self.buckets):
+            with self.holder.frozen_shard(i) as held:
+                yield schema.frozen(i), encode(held)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -8,7 +8,7 @@ into the arrays that become the engine's state (rawio.read_tasks).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,46 @@ def state_keys(meta: dict[str, Any], group: int) -> list[str]:
     return keys
 
 
+def _bucket_parts(shard: ShardSnapshot, held, keys: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
+    """(dataset name, tensor) of one bucket this rank writes: its master and per-element state ``keys``."""
+    index = shard.layout.index
+    return [(schema.master(index), _my_part(shard, held.master))] + \
+        [(schema.state(index, k), _my_part(shard, held.state[k])) for k in keys if k in held.state]
+
+
+@dataclass(frozen=True)
+class FencedBuckets:
+    """The optimizer's buckets as an asynchronous save's thread reads them (checkpoint/taken.py): the fence
+    holds every one from the call, and each is read only while held, then released: written from the live
+    tensors (the default: no memory; a step waits only for buckets not yet written), copied into host
+    memory first (``checkpoint_async_copy``: all buckets before the first is written, so that steps wait
+    only for the copies), or, when the state streams from the swap file, read from it (a private copy)
+    and written before the next is read (one bucket in memory)."""
+
+    view: ShardView
+    states: ShardStates
+    keys: tuple[str, ...]
+
+    def parts(self) -> Iterator[Part]:
+        view, states = self.view, self.states
+        copy = view.config.checkpointing.async_copy
+        streams, taken, last = states.streams, [], len(view.shards) - 1
+        private = streams or copy
+        for i, shard in enumerate(view.shards):
+            if not view.fence.held(i):  # the save alone releases it: a step may have changed it since
+                raise CheckpointError(f"bucket {i} was released before the asynchronous save read it")
+            with states.fenced_state(i) as held:
+                parts = _bucket_parts(shard, held, self.keys)
+                if not private:  # written before the bucket is released
+                    yield from ((name, to_numpy(t)) for name, t in parts)
+                elif copy and not streams:
+                    parts = [(name, t.detach().to("cpu", copy=True)) for name, t in parts]
+            view.fence.release(i)
+            taken += [parts] if private else []
+            while taken and (streams or i == last):
+                yield from ((name, to_numpy(t)) for name, t in taken.pop(0))
+
+
 class OptimizerShards:
     """Entry: every trainable bucket's master and optimizer state (``keys``: the per-element state
     names, from the save's optimizer metadata)."""
@@ -96,42 +136,15 @@ class OptimizerShards:
     def __init__(self, view: ShardView, states: ShardStates, keys: list[str]):
         self.view, self.states, self.keys = view, states, keys
 
-    def _bucket_parts(self, shard: ShardSnapshot, held) -> list[tuple[str, torch.Tensor]]:
-        index = shard.layout.index
-        return [(schema.master(index), _my_part(shard, held.master))] + \
-            [(schema.state(index, k), _my_part(shard, held.state[k])) for k in self.keys if k in held.state]
-
     def parts(self) -> Iterator[Part]:
         for i, shard in enumerate(self.view.shards):
             with self.states.shard_state(i) as held:  # offloaded state: one bucket in memory at a time
-                yield from ((name, to_numpy(t)) for name, t in self._bucket_parts(shard, held))
+                yield from ((name, to_numpy(t)) for name, t in _bucket_parts(shard, held, tuple(self.keys)))
 
-    def later(self) -> Callable[[], Iterator[Part]]:
-        """For a background save: every bucket is held at the fence now, and each is released as soon
-        as the save no longer needs it: written from the live tensors (the default: no memory; a step
-        waits only for buckets not yet written), copied into host memory first
-        (``checkpoint_async_copy``: all buckets before the first is written, so that steps wait only
-        for the copies), or, when the state streams from the swap file, read from it (a private copy)
-        and written before the next is read (one bucket in memory)."""
-        view, states = self.view, self.states
-        view.fence.hold(range(len(view.shards)))
-        copy = view.config.checkpointing.async_copy
-
-        def run() -> Iterator[Part]:
-            streams, taken, last = states.streams, [], len(view.shards) - 1
-            private = streams or copy
-            for i, shard in enumerate(view.shards):
-                with states.fenced_state(i) as held:
-                    parts = self._bucket_parts(shard, held)
-                    if not private:  # written before the bucket is released
-                        yield from ((name, to_numpy(t)) for name, t in parts)
-                    elif copy and not streams:
-                        parts = [(name, t.detach().to("cpu", copy=True)) for name, t in parts]
-                view.fence.release(i)
-                taken += [parts] if private else []
-                while taken and (streams or i == last):
-                    yield from ((name, to_numpy(t)) for name, t in taken.pop(0))
-        return run
+    def take(self) -> FencedBuckets:
+        """For an asynchronous save: every bucket is held at the fence from now until its thread has it."""
+        self.view.fence.hold(range(len(self.view.shards)))
+        return FencedBuckets(self.view, self.states, tuple(self.keys))
 
     def read(self, ctx) -> list[BucketData]:
         """Every bucket's arrays, read and checked (the reads run on ``ctx.reads``' threads)."""

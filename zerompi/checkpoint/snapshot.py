@@ -11,7 +11,7 @@ recovery points iterate those entries; counters go back through
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +118,14 @@ class ShardView(NamedTuple):
     fence: ShardFence | None  # what a background save holds until it has each bucket
 
 
+class Taken(Protocol):
+    """What an entry hands a background save's thread at the call: one of the kinds checkpoint/taken.py
+    allows (host copies, the fenced buckets, the frozen shards), and nothing else."""
+
+    def parts(self) -> Iterator[tuple[str, Any]]:
+        """(dataset name, numpy data) of the entry, on the save's thread."""
+
+
 class Entry(Protocol):
     """One kind of checkpointed state (entries.py has the engine's own)."""
 
@@ -127,9 +135,9 @@ class Entry(Protocol):
     def parts(self) -> Iterator[tuple[str, Any]]:
         """(dataset name, numpy data) this rank writes, now."""
 
-    def later(self) -> Callable[[], Iterator[tuple[str, Any]]]:
-        """For a background save: take now what the next step would change, and return what yields
-        this rank's datasets on the save's thread."""
+    def take(self) -> Taken:
+        """For a background save, on the caller's thread: what its thread writes of this entry, taken now
+        (checkpoint/taken.py: host copies, or the fenced buckets or the frozen shards read in place)."""
 
     def read(self, ctx: Any) -> Any:
         """Phase 1 (``ctx``: entries.py's LoadContext): read and check this rank's part; touch no engine state."""

@@ -18,7 +18,7 @@ what the index records of it (these records, each bucket's plain scalars) is gat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 from zerompi.checkpoint import schema
 from zerompi.checkpoint.shards import FP32, Part
 from zerompi.checkpoint.snapshot import ShardStates, ShardView
+from zerompi.checkpoint.taken import HostCopy
 from zerompi.errors import CheckpointError
 
 DTYPES = ("float32", "bfloat16", "float16")  # stored as fp32 exactly, restored as they were
@@ -121,9 +122,9 @@ class TensorStates:
                 at += v.numel()
         yield schema.TENSOR_STATES, packed
 
-    def later(self) -> Callable[[], Iterator[Part]]:
-        now = list(self.parts())  # packed into a copy: the next step changes the states
-        return lambda: iter(now)
+    def take(self) -> HostCopy:
+        """For an asynchronous save: packed now, into an array of its own (the next step changes the states)."""
+        return HostCopy(tuple(self.parts()))
 
     def read(self, ctx) -> list[tuple[int, str, dict[str, np.ndarray]]]:
         """The saved state of every tensor this rank steps (each rank, stage 0: of every tensor): from each

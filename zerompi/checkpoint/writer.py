@@ -10,7 +10,8 @@ Protocol (a job killed at any moment leaves the previous checkpoint loadable):
    ``ROOT/TAG`` (one ``rename``) and fsyncs the root;
 3. last, ``ROOT/latest`` is replaced through a temporary file and ``rename``.
 Failures on any rank are agreed on before the next step, so every rank raises.
-An asynchronous save (asynchronous.py) runs steps 1-3 on a thread, after :func:`begin`.
+An asynchronous save (asynchronous.py) runs steps 1-3 on a thread, after :func:`begin`, from what
+was taken at the call (taken.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from copy import deepcopy
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,6 +37,7 @@ from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.checkpoint.shards import to_numpy
 from zerompi.checkpoint.snapshot import EngineSnapshot
 from zerompi.checkpoint.stores import ShardStore, store_for
+from zerompi.checkpoint.taken import host_copy
 from zerompi.comm.topology import node_placement
 from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
 
@@ -45,13 +47,6 @@ def parts(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool) -> I
     (``meta``: the save's optimizer record, ``EngineSnapshot.recorded.index_record``)."""
     for entry in entries(snap, meta, include_frozen):
         yield from entry.parts()
-
-
-def later_parts(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
-    """What ``parts`` yields, for a background save: each entry takes now what the next step would change
-    (the optimizer's buckets are held at the fence), and the datasets are produced on the save's thread."""
-    later = [entry.later() for entry in entries(snap, meta, include_frozen)]
-    return (part for run in later for part in run())
 
 
 def _write_shards(store: ShardStore, snap: EngineSnapshot, group, directory: Path, meta: dict[str, Any],
@@ -81,6 +76,14 @@ def build_index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict
         frozen_dtype=frozen_values.dtype_name(snap.frozen_dtype) if frozen else "", frozen_saved=include_frozen)
 
 
+class Replicated(NamedTuple):
+    """A tensor index.h5 holds whole, on the host: its values as written (16-bit floats widened to fp32)."""
+
+    data: np.ndarray
+    dtype: str          # the tensor's torch dtype, without "torch."
+    shape: list[int]
+
+
 def replicated_tensors(engine, index: CheckpointIndex, copy: bool) -> dict[str, torch.Tensor]:
     """The frozen parameters and buffers the index lists (copies, for a save that writes them later)."""
     named = dict(engine.module.named_parameters())
@@ -88,14 +91,21 @@ def replicated_tensors(engine, index: CheckpointIndex, copy: bool) -> dict[str, 
     return {n: named[n].detach().clone() if copy else named[n] for n in index.replicated}
 
 
-def write_index(tensors: dict[str, torch.Tensor], path: Path, index: CheckpointIndex) -> None:
+def replicated_arrays(tensors: dict[str, torch.Tensor], copy: bool) -> Iterator[tuple[str, Replicated]]:
+    """Each tensor on the host, one at a time (``copy``: an array of its own, for a save's thread; otherwise
+    a view where the tensor is a CPU one)."""
+    for n, t in tensors.items():
+        yield n, Replicated(host_copy(t) if copy else to_numpy(t), str(t.dtype).removeprefix("torch."), list(t.shape))
+
+
+def write_index(replicated: Iterable[tuple[str, Replicated]], path: Path, index: CheckpointIndex) -> None:
     with schema.open_h5(path, "w") as f:
         index.write(f)
-        for name in index.replicated:
+        for name, tensor in replicated:  # the index's order
             ds = schema.replicated(name)
-            schema.write_array(f, ds, to_numpy(tensors[name]))
-            f[ds].attrs["torch_dtype"] = schema.text_attr(str(tensors[name].dtype).removeprefix("torch."))
-            f[ds].attrs["shape"] = list(tensors[name].shape)
+            schema.write_array(f, ds, tensor.data)
+            f[ds].attrs["torch_dtype"] = schema.text_attr(tensor.dtype)
+            f[ds].attrs["shape"] = tensor.shape
     fsync_path(path)
 
 
@@ -148,6 +158,16 @@ def _attempt_for(fn, *args) -> tuple[Any, str | None]:
         return None, f"{type(e).__name__}: {e}"
 
 
+class Publication(NamedTuple):
+    """What rank 0 publishes once every shard is written (plain data: an asynchronous save's thread gets it)."""
+
+    root: Path
+    tmp: Path
+    tag: str
+    index: CheckpointIndex
+    replicated: Iterable[tuple[str, Replicated]]  # what the index holds besides the shards
+
+
 class Job(NamedTuple):
     """A save after its collective start: where it writes, and what rank 0 indexes and publishes."""
 
@@ -159,15 +179,21 @@ class Job(NamedTuple):
     store: ShardStore
     meta: dict[str, Any]        # the optimizer's record (optimizer_record.py)
     index: CheckpointIndex | None           # rank 0
-    replicated: dict[str, torch.Tensor]     # rank 0: what the index holds besides the shards
+    replicated: dict[str, torch.Tensor]     # rank 0: what the index holds besides the shards (live)
     include_frozen: bool
+
+    def publication(self, copy: bool = False) -> Publication:
+        """What rank 0 publishes (``copy``: the replicated tensors' host copies, taken now, for a save's
+        thread; otherwise each is read as index.h5 is written)."""
+        arrays = replicated_arrays(self.replicated, copy)
+        return Publication(self.root, self.tmp, self.tag, self.index, tuple(arrays) if copy else arrays)
 
 
 def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, store: ShardStore,
           copy: bool = False, include_frozen: bool = True) -> Job:
     """Collective: check the arguments, agree on the save's id, clean the root and make the temporary
     directory; read the metadata (rank 0: the index, with the replicated tensors; with ``copy``, the
-    index and those tensors are copies that the next steps cannot change)."""
+    index is a copy that the next steps cannot change, and ``Job.publication(copy=True)`` copies the tensors)."""
     snap = engine.snapshot()
     if not snap.between_steps:
         raise UsageError("save_checkpoint() in the middle of a gradient-accumulation window: "
@@ -189,16 +215,16 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
         if copy:  # written on the save's thread: client_state and the scheduler's state_dict may share
             # dicts and lists that training changes in place (a data position, a scheduler's history)
             index = deepcopy(index)
-        replicated = replicated_tensors(engine, index, copy)
+        replicated = replicated_tensors(engine, index, copy=False)
     return Job(snap, root, tag, tmp, nonce, store, meta, index, replicated, include_frozen)
 
 
-def publish(job: Job) -> None:
+def publish(p: Publication) -> None:
     """Rank 0, once every shard is written: index.h5 (written, read back), then the directory and
     ``latest`` into place."""
-    write_index(job.replicated, job.tmp / schema.INDEX, job.index)
-    verify_file(job.tmp / schema.INDEX)
-    _publish(job.root, job.tmp, job.tag)
+    write_index(p.replicated, p.tmp / schema.INDEX, p.index)
+    verify_file(p.tmp / schema.INDEX)
+    _publish(p.root, p.tmp, p.tag)
 
 
 def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: Any = None, *,
@@ -215,6 +241,6 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
     all_ranks_ok(engine.group, error, CheckpointError)
     if files is not None and engine.group.rank == 0:  # per-node: which ranks each file holds
         job = job._replace(index=dataclasses.replace(job.index, files=files))
-    error = _attempt(publish, job) if engine.group.rank == 0 else None
+    error = _attempt(publish, job.publication()) if engine.group.rank == 0 else None
     all_ranks_ok(engine.group, error, CheckpointError)
     return job.tag
