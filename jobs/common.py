@@ -211,6 +211,22 @@ class Run:
         self.rank0 = self.engine.rank == 0
 
 
+def topology_line(engine) -> str:
+    """Collective: the nodes the engine found (ranks sharing memory, MPI_COMM_TYPE_SHARED), by host name."""
+    info = engine.info
+    per_node = engine.group.allgather_object((info.node_rank, MPI.Get_processor_name(), info.local_size))
+    nodes = sorted(set(per_node))
+    sizes = {size for _, _, size in nodes}
+    if len(sizes) == 1:
+        shape = f"{info.num_nodes} node{'s' if info.num_nodes > 1 else ''} x {sizes.pop()} ranks " \
+                f"({', '.join(name for _, name, _ in nodes)})"
+    else:
+        shape = f"{info.num_nodes} nodes ({', '.join(f'{name}: {size} ranks' for _, name, size in nodes)})"
+    topology = engine.config.topology
+    grouping = f", ranks_per_node={topology.ranks_per_node}" if topology.ranks_per_node else ""
+    return f"topology: world size {info.world_size} on {shape}, hierarchy {topology.hierarchy}{grouping}"
+
+
 def start_run(engine, train: dict, config: dict, resume: bool, unit: str, per_step: int,
               preemption: Preemption, first_step: int = 1, include_frozen: bool = True) -> Run:
     """Resume from the latest checkpoint if asked; on rank 0 write config.json.
@@ -224,7 +240,9 @@ def start_run(engine, train: dict, config: dict, resume: bool, unit: str, per_st
         first_step = engine.load_checkpoint(ckpt_dir)["next_step"]
         log.warning("resumed from %s at step %d", ckpt_dir, first_step)
     run = Run(engine, train, out_dir, ckpt_dir, first_step, unit, per_step, preemption, include_frozen)
+    layout = topology_line(engine)
     if run.rank0:
+        print(layout, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(
             {**config, "train": train, "zero": engine.config.to_dict(), "world_size": engine.world_size},
