@@ -10,12 +10,16 @@ waits for it and ends with its status. The ranks are still separate processes st
 mpiexec, each calling MPI_Init itself; only the import is shared, copy-on-write.
 
 What could make a forked rank differ from a fresh one is declined, and the rank execs Python as
-before: a variable read at import (``SENSITIVE``: the interpreter's, OpenMP's, torch's, the
-allocator's...) that differs from the server's, or a command line other than ``-m MOD``, ``-c CODE``
-or ``SCRIPT``. Another PYTHONPATH is put in sys.path in place of the server's, unless one of its
-entries holds a module the server has imported. zerompi itself is not pre-imported (zerompi.log reads the rank at import). Two
-servers run, rank r asking server r mod 2, so ranks do not share one hash seed. numpy's global
-generator is reseeded from the OS in each child; Python's ``random`` reseeds itself at fork.
+before: a variable read at start or import, or read once and kept (``SENSITIVE``: the interpreter's,
+OpenMP's, torch's, the allocator's, ATen's kernel capability...), that differs from the server's, or a
+command line other than ``-m MOD``, ``-c CODE`` or ``SCRIPT``. Another PYTHONPATH is put in sys.path in
+place of the server's, unless one of its entries holds a module the server has imported. zerompi
+itself is not pre-imported (zerompi.log reads the rank at import). Two servers run, rank r asking
+server r mod 2, so neighbouring ranks do not share one hash seed; a hash seed is fixed when an
+interpreter starts, so a forked rank keeps its server's for the whole test run (a fresh rank draws its
+own). numpy's global generator is reseeded from the OS in each child; Python's ``random`` reseeds
+itself at fork. Tests of a rank's death, signals or hangs start Python on each rank instead
+(launcher.rank_python(fresh=True)); tests/unit/tools/test_forkserver.py tests this server.
 
 A job may ask for a server that also has its framework imported (``rank_python(preload=("peft",))``):
 peft, Lightning and transformers cost 0.5-3.7 CPU s per rank beyond torch. ``-m zerompi.deepspeed``

@@ -6,7 +6,9 @@ torch imported already, and lives as long as the forked process, with its exit s
 -I -S it imports nothing but the standard library's basics (a few ms): rank r asks server r mod the
 number of sockets (each server has its own hash seed, as separate processes would). Where no server
 answers or the server declines (another environment, another command-line form), it execs Python.
-Signals it receives go to the forked process; if this process is killed, the server kills that one.
+Signals it receives go to the forked process (all but SIGKILL and SIGSTOP, which cannot be caught); if
+this process is killed, the server kills that one. Tests of a rank's death, signals or hangs do not come
+here: their ranks start Python (launcher.rank_python(fresh=True)).
 """
 import json
 import os
@@ -16,11 +18,13 @@ import struct
 import sys
 
 LENGTH = struct.Struct("!Q")  # each message: a length, a pid or a wait status
-# variables read at import by the interpreter, OpenMP, torch, the allocator, HDF5 and the frameworks a
-# server may preload: a rank whose values differ from its server's starts Python (forkserver.py), and a
-# server takes those its mpiexec adds for ranks (launcher.py)
-SENSITIVE = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NVIDIA",
-             "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_",
+# variables read at start or import by the interpreter (its locale, the time zone), OpenMP, torch, the
+# allocator, HDF5 and the frameworks a server may preload, or read once and kept: ATen's kernel capability
+# (at the first kernel, which a preloaded import may run) and tempfile's directory (set by torch's import). A
+# rank whose values differ from its server's starts Python (forkserver.py), and a server takes those its
+# mpiexec adds for ranks (launcher.py); tests/unit/tools/test_forkserver.py tries each class
+SENSITIVE = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "ATEN_", "CUDA", "NVIDIA",
+             "LD_", "MALLOC_", "GLIBC_", "HDF5_", "NUMPY_", "LC_", "LANG", "TZ", "TMP", "TEMP",
              "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "ACCELERATE", "PEFT", "LIGHTNING",
              "PL_", "TQDM")
 # read where CUDA starts, not at import (a server never starts CUDA: a fork could not keep it)
@@ -29,7 +33,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGCONT, signal.SIGALRM, signal.SIGPIPE, signal.SIGTSTP)
 
 
-def _exec_python(args):
+def _exec_python(args, mask=None):
+    if mask is not None:  # what arrived meanwhile is this process's, as it would be a fresh Python's
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.execv(sys.executable, [sys.executable, *args])
 
 
@@ -59,12 +65,14 @@ def recv_exact(sock, n):
 def main():
     sockets, args = sys.argv[1].split(","), sys.argv[2:]
     rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    # a signal sent before the forked process's pid is known waits for it (the rank may already run)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(sockets[rank % len(sockets)])
     except OSError:
         sock.close()
-        _exec_python(args)
+        _exec_python(args, mask)
     fds = _open_fds(sock.fileno())
     request = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode()
     socket.send_fds(sock, [LENGTH.pack(len(request))], fds)
@@ -72,13 +80,14 @@ def main():
     reply = recv_exact(sock, LENGTH.size)
     if reply is None:
         sock.close()
-        _exec_python(args)
+        _exec_python(args, mask)
     pid = LENGTH.unpack(reply)[0]
     if pid == 0:  # declined: run as Python would
         sock.close()
-        _exec_python(args)
+        _exec_python(args, mask)
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: os.kill(pid, s))
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # and those that waited go to it now
     for fd in fds:  # the forked process holds the files now (an inherited pipe stays open until it ends)
         os.close(fd)
     status = recv_exact(sock, LENGTH.size)

@@ -22,6 +22,9 @@ VARIANTS = {
     "threads2": (("--threads", "2"), {"OMP_WAIT_POLICY": "PASSIVE"}),
     "scalar-kernels": ((), {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}),
 }
+# what each variant's rows must show the ranks ran with (torch's threads, ATen's CPU capability); MKL's
+# instruction set is not readable through torch (its MKL is linked in without MKL_Get_Version)
+IN_EFFECT = {"threads2": {"threads": 2}, "scalar-kernels": {"cpu_capability": "DEFAULT"}}
 STAGES = (0, 3)  # the all-reduce and the reduce-scatter path; the rest of the matrix costs time, not coverage
 PAIRS = [("fp32", 1, None, "adamw"), ("fp32", 2, 0.05, "adamw"), ("fp32", 1, 0.05, "sgd"), ("fp32", 2, None, "sgd")]
 FP32 = [(stage, *c) for stage in STAGES for c in PAIRS]
@@ -45,4 +48,6 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("combo", FP32, ids=combo_id)
 def test_parity_with_other_kernels_and_threads(results, variant, combo):
-    check_parity(results(variant)[combo])
+    row = results(variant)[combo]
+    assert {k: row[k] for k in IN_EFFECT[variant]} == IN_EFFECT[variant], "the variant's setting did not take effect"
+    check_parity(row)

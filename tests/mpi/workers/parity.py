@@ -8,6 +8,7 @@ engine's communication and memory counters. tests/mpi/test_parity.py judges them
 import argparse
 import itertools
 
+import torch
 from mpi4py import MPI
 
 import zerompi
@@ -77,6 +78,8 @@ for stage, (dtype, accum, clip, opt) in itertools.product(STAGES, COMBOS):
             persistent_padded=sum(b.layout.padded_numel for b in engine.sharded.buckets
                                   if stage == 3 and not b.plan.shard_params),
             optimizer_state_bytes=engine.optimizer.state_bytes(),
+            # what the variants of test_parity_variants set, as the rank's kernels saw it
+            threads=torch.get_num_threads(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
         ))
     engine.close()
 if rank == 0:
