@@ -218,7 +218,8 @@ def topology_line(engine) -> str:
     nodes = sorted(set(per_node))
     sizes = {size for _, _, size in nodes}
     if len(sizes) == 1:
-        shape = f"{info.num_nodes} node{'s' if info.num_nodes > 1 else ''} x {sizes.pop()} ranks " \
+        size = sizes.pop()
+        shape = f"{info.num_nodes} node{'s' if info.num_nodes > 1 else ''} x {size} rank{'s' if size > 1 else ''} " \
                 f"({', '.join(name for _, name, _ in nodes)})"
     else:
         shape = f"{info.num_nodes} nodes ({', '.join(f'{name}: {size} ranks' for _, name, size in nodes)})"

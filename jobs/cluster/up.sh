@@ -79,6 +79,12 @@ if { [ -n "$mbit" ] || [ -n "$latency" ]; } && ! command -v tc >/dev/null; then
     exit 3
 fi
 
+# Root in a container may still lack the capabilities (CAP_SYS_ADMIN, CAP_NET_ADMIN) this needs.
+if ! unshare --net --uts --mount --ipc true 2>/dev/null; then
+    say "cannot create network/UTS/mount/IPC namespaces here (unshare failed: a container without CAP_SYS_ADMIN?)"
+    exit 3
+fi
+
 install_slurm() {  # as jobs/ci/slurm_up.sh does
     if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null; then
         return 0
@@ -152,7 +158,10 @@ no_ipv6() {  # interface $1 (in netns $2 if given): no IPv6, so no link-local ch
 
 record "link $bridge"
 # Bridged frames do not go through iptables (br_netfilter), whatever the host's rules.
-ip link add "$bridge" type bridge nf_call_iptables 0 2>/dev/null || ip link add "$bridge" type bridge
+if ! ip link add "$bridge" type bridge nf_call_iptables 0 2>/dev/null && ! ip link add "$bridge" type bridge; then
+    say "cannot create a bridge (no CAP_NET_ADMIN, or no bridge support in this kernel)"
+    exit 3
+fi
 no_ipv6 "$bridge"
 ip addr add "$subnet.1/24" dev "$bridge"
 ip link set "$bridge" up

@@ -1,0 +1,177 @@
+"""Two nodes on this machine (jobs/cluster/up.sh): Slurm, MPI and a training job across them.
+
+The module brings up a 2-node cluster once (namespaces on a private bridge, slurmctld here,
+a slurmd in each node) and takes it down again afterwards, also when a test or the start
+fails. It needs root; without it, or without a piece (namespaces, a bridge, Slurm), it skips
+with the reason, and fails under CI (tests/components.py). Every command runs under
+``timeout``. Its names and slurmctld port derive from the cluster's directory, so it runs
+beside test_slurm.py's one-node Slurm (jobs/ci/slurm_up.sh).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ..components import MISSING, ran, unavailable
+from .launcher import ROOT
+
+COMPONENT = "Slurm cluster on one machine"
+CLUSTER = ROOT / "jobs" / "cluster"
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE", "PREEMPTED"}
+SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+def _why_not() -> str | None:
+    """Why the cluster cannot be had here, or None when it may be (up.sh says more: exit 3)."""
+    if os.geteuid() != 0:
+        return "jobs/cluster/up.sh needs root (network namespaces, a bridge, mounts, slurmd)"
+    missing = [t for t in ("ip", "unshare", "nsenter", "flock", "setsid", "timeout") if not shutil.which(t, path=SBIN)]
+    if missing:
+        return f"missing tools: {', '.join(missing)} (iproute2, util-linux, coreutils)"
+    if not all(shutil.which(t, path=SBIN) for t in ("slurmctld", "slurmd", "sbatch", "srun")) \
+            and shutil.which("apt-get") is None:
+        return "Slurm (slurmctld, slurmd, slurm-client) is not installed and there is no apt-get"
+    return None
+
+
+class Cluster:
+    """Commands on the login node (this machine, after ``source DIR/env.sh``) and inside the nodes."""
+
+    def __init__(self, path: Path):
+        self.dir = path
+        # No SLURM_*, PMI or Open MPI settings of an enclosing job or test: only what env.sh sets.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "PMIX_", "OMPI_"))}
+        env.update(PATH=SBIN, ZEROMPI_PYTHON=sys.executable,
+                   PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                   MPIR_CVAR_POLLS_BEFORE_YIELD="1", MPIR_CVAR_POSIX_POLL_FREQUENCY="1")
+        self.env = env
+
+    def login(self, *cmd: str, limit: int = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+        """``cmd`` in a login shell of the cluster: env.sh sourced, in the repository."""
+        script = 'source "$1/env.sh" && shift && exec "$@"'
+        return subprocess.run(["timeout", str(limit), "bash", "-c", script, "login", str(self.dir), *cmd],
+                              capture_output=True, text=True, cwd=ROOT, env={**self.env, **(env or {})},
+                              timeout=limit + 10)
+
+    def on(self, node: str, *cmd: str, limit: int = 30) -> subprocess.CompletedProcess:
+        """``cmd`` inside ``node`` (jobs/cluster/exec.sh)."""
+        return subprocess.run(["timeout", str(limit), "bash", str(CLUSTER / "exec.sh"), str(self.dir), node, *cmd],
+                              capture_output=True, text=True, cwd=ROOT, env=self.env, timeout=limit + 10)
+
+    def sbatch(self, *args: str, limit: float = 120, env: dict | None = None) -> tuple[str, str]:
+        """Submit a batch job and wait for its end: the job id and its final state.
+
+        Polls squeue (which keeps finished jobs for 5 minutes) rather than sbatch --wait, whose
+        polls back off to 10 s. Only a final state ends the wait: a squeue that times out
+        under load prints nothing."""
+        proc = self.login("sbatch", "--parsable", *args, env=env)
+        job = proc.stdout.strip().split(";")[0]
+        assert proc.returncode == 0 and job.isdigit(), proc.stdout + proc.stderr
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            state = self.login("squeue", "-h", "-j", job, "-t", "all", "-o", "%T", limit=30).stdout.strip()
+            if state in FINAL:
+                return job, state
+            time.sleep(0.25)
+        self.login("scancel", job)
+        raise AssertionError(f"job {job} still {state or '?'} after {limit} s")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = _why_not()
+    if why:
+        unavailable(COMPONENT, why)
+    path = tmp_path_factory.mktemp("cluster")
+    try:
+        up = subprocess.run(["timeout", "300", "bash", str(CLUSTER / "up.sh"), str(path), "--nodes", "2"],
+                            capture_output=True, text=True, env={**os.environ, "PATH": SBIN})
+        if up.returncode == 3:  # no root, a tool or a capability missing: up.sh says which
+            unavailable(COMPONENT, up.stderr.strip()[-1000:])
+        if up.returncode != 0:
+            MISSING[COMPONENT] = f"up.sh failed ({up.returncode})"
+            pytest.fail(f"jobs/cluster/up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
+        cluster = Cluster(path)
+        version = cluster.login("sinfo", "--version").stdout.strip()
+        ran(COMPONENT, f"{version}, 2 nodes (namespaces on a bridge), slurmctld + a slurmd per node")
+        yield cluster
+    finally:
+        down = subprocess.run(["timeout", "120", "bash", str(CLUSTER / "down.sh"), str(path)],
+                              capture_output=True, text=True, env={**os.environ, "PATH": SBIN})
+        assert down.returncode == 0, down.stderr
+
+
+def test_srun_runs_on_two_nodes(cluster):
+    proc = cluster.login("srun", "-N", "2", "-n", "2", "hostname")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split()) == ["node1", "node2"], proc.stdout + proc.stderr
+
+
+HELLO_BATCH = """#!/bin/bash
+exec "$MPIEXEC" -n 4 "$ZEROMPI_PYTHON" -m mpi4py.bench helloworld
+"""
+
+
+@pytest.mark.parametrize("launch", ("srun", "mpiexec"))
+def test_mpi4py_two_nodes_two_ranks_each(cluster, tmp_path, launch):
+    """One MPI job of 4 ranks, 2 on each node: by srun --mpi=pmi2, and by hydra's mpiexec inside an
+    allocation (it starts its proxies on the nodes with srun: there is no ssh)."""
+    if launch == "srun":
+        proc = cluster.login("srun", "-N", "2", "--ntasks-per-node=2", "--mpi=pmi2",
+                             sys.executable, "-m", "mpi4py.bench", "helloworld")
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+    else:
+        mpiexec = Path(sys.executable).with_name("mpiexec")
+        if not mpiexec.exists():
+            pytest.skip(f"no MPICH mpiexec beside {sys.executable}")
+        script, log = tmp_path / "hello.sbatch", tmp_path / "hello.out"
+        script.write_text(HELLO_BATCH)
+        job, state = cluster.sbatch("-N", "2", "--ntasks-per-node=2", f"--output={log}", str(script),
+                                    env=dict(MPIEXEC=str(mpiexec)))
+        out = log.read_text() if log.exists() else ""
+        assert state == "COMPLETED", f"job {job} {state}:\n{out[-4000:]}"
+    lines = sorted(line for line in out.splitlines() if line.startswith("Hello"))
+    assert lines == [f"Hello, World! I am process {r} of 4 on node{1 + r // 2}." for r in range(4)], out
+
+
+def test_node_scratch_is_private_and_shared_is_common(cluster):
+    shared = cluster.dir / "shared"
+    for node in ("node1", "node2"):
+        proc = cluster.on(node, "sh", "-c", f"hostname > /scratch/local/mine && hostname > {shared}/from-$(hostname)")
+        assert proc.returncode == 0, proc.stderr
+    for node, other in (("node1", "node2"), ("node2", "node1")):
+        proc = cluster.on(node, "sh", "-c", f"ls /scratch/local; cat /scratch/local/mine {shared}/from-{other}")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["mine", node, other], proc.stdout  # its own file only; the other's shared one
+        assert (cluster.dir / "nodes" / node / "scratch" / "mine").read_text().strip() == node
+    assert not (Path("/scratch/local") / "mine").exists()  # the login node does not see the nodes' disks
+    # Jobs see the same: srun's tasks on each node list their own node's scratch.
+    proc = cluster.login("srun", "-N", "2", "-n", "2", "sh", "-c", 'echo "$(hostname) $(cat /scratch/local/mine)"')
+    assert sorted(proc.stdout.splitlines()) == ["node1 node1", "node2 node2"], proc.stdout + proc.stderr
+
+
+def test_train_multinode_sbatch(cluster, tmp_path):
+    """jobs/slurm/train_multinode.sbatch on 2 nodes x 2 ranks: the engine finds the nodes from MPI
+    (not ranks_per_node) and shards within a node (hsdp); sacct reads the job's end from the log."""
+    config = tmp_path / "hsdp.toml"
+    config.write_text((ROOT / "jobs/configs/tiny.toml").read_text().replace("[zero]\n", '[zero]\nhierarchy = "hsdp"\n'))
+    out_dir, log = cluster.dir / "shared" / "out", tmp_path / "train.out"
+    # The script asks for 4 CPUs per task; the nodes have this machine's few.
+    job, state = cluster.sbatch("-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=5",
+                                f"--output={log}", "jobs/slurm/train_multinode.sbatch",
+                                "--config", str(config), "--steps", "4", "--out", str(out_dir), limit=240)
+    text = log.read_text() if log.exists() else ""
+    assert state == "COMPLETED", f"job {job} {state}:\n{text[-4000:]}"
+    assert "topology: world size 4 on 2 nodes x 2 ranks (node1, node2), hierarchy hsdp" in text, text[-4000:]
+    assert "done: 4 steps, world size 4" in text, text[-4000:]
+    assert (out_dir / "metrics.jsonl").is_file()
+    sacct = cluster.login("sacct", "-n", "-P", "-j", job, "-o", "JobID,State,NNodes")
+    assert sacct.returncode == 0 and f"{job}|COMPLETED|2" in sacct.stdout, sacct.stdout + sacct.stderr
