@@ -8,7 +8,11 @@ at a time.
 """
 from __future__ import annotations
 
+import logging
+
 from torch import nn
+
+from zerompi.log import get_logger, log_rank0
 
 from zerompi.shard.layout import BucketLayout, choose_units, common_ancestor, descent, plan_buckets
 from zerompi.shard.placement import ParamPlacement, Residence
@@ -55,3 +59,14 @@ def plan_layouts(module: nn.Module, placed: list[ParamPlacement], stage: StagePl
             entries = [modules[fqn]] + [modules[m] for m in inner if m in runs]
             units.append(Unit(fqn, modules[fqn], entries))
     return layouts, units, unit_of_param
+
+
+def log_plan(stage: int, buckets: list[tuple[BucketLayout, bool]], world_size: int) -> None:
+    """Rank 0 logs the bucket plan once (INFO): each bucket's unit, parameters and sizes."""
+    logger = get_logger(__name__)
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    rows = [f"  {'bucket' if trains else 'frozen'} {b.index:3d} unit={b.unit or '-':20s} params={len(b.slots):3d} "
+            f"numel={b.numel} padded={b.padded_numel} shard={b.shard_numel}" for b, trains in buckets]
+    log_rank0(logger, logging.INFO, "stage %d, %d buckets (%d frozen) on %d ranks:\n%s", stage, len(buckets),
+              sum(not trains for _, trains in buckets), world_size, "\n".join(rows))

@@ -62,3 +62,31 @@ class MicroBatchPlan:
         """The generator seed of global micro-batch ``index`` at optimizer step ``step``."""
         digest = hashlib.sha256(f"zerompi/{seed}/{step}/{index}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
+
+
+class RoundGathers:
+    """Stage 3 under micro_batches: the gathers a rank with no micro-batch in a round replays, so that it
+    takes its part in the others' forward and backward collectives: those of its own last complete round.
+
+    A round's gathers are those of the forward passes its backward ran through, and of the backward; a
+    forward between steps whose output no backward reaches (an evaluation, with grad or under no_grad)
+    is left out, since a rank replaying it would meet collectives the others do not issue."""
+
+    def __init__(self) -> None:
+        self.passes = 0                              # forward passes begun (the current one's number)
+        self._gathers: list[tuple[int | None, object]] = []  # (pass, or None in backward; bucket)
+        self._backed: set[int] = set()               # passes whose output a backward reached
+        self.last: list = []                         # the buckets of the last complete round, in order
+
+    def begin_pass(self) -> None:
+        self.passes += 1
+
+    def gathered(self, bucket, in_backward: bool) -> None:
+        self._gathers.append((None if in_backward else self.passes, bucket))
+
+    def backward_reached(self, forward_pass: int) -> None:
+        self._backed.add(forward_pass)
+
+    def round_done(self) -> None:
+        self.last = [b for n, b in self._gathers if n is None or n in self._backed]
+        self._gathers, self._backed = [], set()

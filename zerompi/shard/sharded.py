@@ -12,7 +12,6 @@ tensors, as buffers always do (values from rank 0; floating ones in the compute 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from zerompi.checkpoint.snapshot import Entry, ShardView
 from zerompi.config.choices import BufferDType, Progress, Rounds
 from zerompi.config.sections import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
-from zerompi.log import get_logger, log_rank0
+from zerompi.log import get_logger
 from zerompi.iteration import Backward
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
@@ -35,9 +34,10 @@ from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.grads import NORM_CHUNK
 from zerompi.shard.hooks import HookSet
 from zerompi.shard.layout import BucketLayout
-from zerompi.shard.planning import plan_layouts
+from zerompi.shard.planning import log_plan, plan_layouts
 from zerompi.shard.placement import ParamPlacement, Residence
 from zerompi.shard.prefetch import Prefetcher
+from zerompi.shard.rounds import RoundGathers
 from zerompi.shard.steps import BackwardSteps
 from zerompi.shard.units import Unit
 from zerompi.shard.wiring import CommFactory
@@ -100,8 +100,7 @@ class ShardedModel:
         self.overlap = options.overlap
         self.rounds = comm.rounds  # micro_batches: reduced after each backward, round by round (sync.py)
         self.buffer_dtype = options.buffer_dtype
-        self._round_gathers: list[Bucket] = []  # micro_batches: the gathers of the round in progress
-        self._last_round: list[Bucket] = []     # ... and of the last complete one
+        self._replay = RoundGathers()  # micro_batches: what a round without a micro-batch gathers
         self._align = NORM_CHUNK if self.rounds is Rounds.ORDERED else 1  # reproducible: shards of whole norm chunks
         self._whole = options.whole_groups
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
@@ -138,9 +137,11 @@ class ShardedModel:
             for entry in unit.entries:
                 self.hooks.around_forward(entry, lambda a, k, u=unit, m=entry: self._pre_forward(u, m, a, k),
                                           lambda out, u=unit, m=entry: self._post_forward(u, m, out))
-        if self.plan.shard_params and "" not in self._unit:  # no root unit: the model's forward begins a pass
+        # stage 3 with no root unit: no unit's forward tells the prefetcher that a pass begins; the model's does
+        self._rootless = self.plan.shard_params and "" not in self._unit
+        if self.rounds.dealt or self._rootless:  # the model's forward begins a pass (prepended: before its unit's)
             self.hooks.around_forward(module, lambda _a, _k: self._begin_pass(), lambda _out: None)
-        self._log_plan()
+        log_plan(self.plan.stage, [(b.layout, b.trains) for b in self.all_buckets], self.placement.world_size)
 
     @property
     def in_backward(self) -> bool:
@@ -205,16 +206,6 @@ class ShardedModel:
                 t.data = t.data.contiguous()
             self.groups.world.broadcast(t.data.view(-1), what="a frozen parameter or buffer")
 
-    def _log_plan(self) -> None:
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        rows = [f"  {'frozen' if not b.trains else 'bucket'} {b.layout.index:3d} "
-                f"unit={b.layout.unit or '-':20s} params={len(b.layout.slots):3d} "
-                f"numel={b.layout.numel} padded={b.layout.padded_numel} shard={b.layout.shard_numel}"
-                for b in self.all_buckets]
-        log_rank0(logger, logging.INFO, "stage %d, %d buckets (%d frozen) on %d ranks:\n%s", self.plan.stage,
-                  len(self.all_buckets), len(self.frozen), self.placement.world_size, "\n".join(rows))
-
     # ---- forward / backward events ---------------------------------------
     def _pre_forward(self, unit: Unit, entry: nn.Module, args: tuple, kwargs: dict):
         logger.debug("pre-forward %s", unit.fqn or "<root>")
@@ -233,7 +224,9 @@ class ShardedModel:
 
     def _begin_pass(self) -> None:
         if not self.in_backward:  # not a recomputation under activation checkpointing
-            self.prefetcher.begin_pass()
+            self._replay.begin_pass()
+            if self._rootless:
+                self.prefetcher.begin_pass()
 
     def _post_backward(self, unit: Unit) -> None:
         """The unit's backward has run: its frozen buckets are released (trainable ones are, once
@@ -245,8 +238,8 @@ class ShardedModel:
 
     def _gather(self, unit: Unit) -> None:
         for b in unit.buckets:
-            if self.rounds.dealt and b.state is BucketState.SHARDED:
-                self._round_gathers.append(b)  # what a round without a micro-batch replays
+            if self.rounds.dealt and b.state is BucketState.SHARDED and (self.in_backward or torch.is_grad_enabled()):
+                self._replay.gathered(b, self.in_backward)
             b.unshard()
             b.wait_gathered()
 
@@ -264,10 +257,11 @@ class ShardedModel:
         for b in unit.buckets:
             b.reshard()
         if torch.is_grad_enabled():
-            self.hooks.before_backward_of(output, lambda: self._pre_backward(unit))
+            self.hooks.before_backward_of(output, lambda n=self._replay.passes: self._pre_backward(unit, n))
 
-    def _pre_backward(self, unit: Unit) -> None:
+    def _pre_backward(self, unit: Unit, forward_pass: int) -> None:
         logger.debug("pre-backward %s", unit.fqn or "<root>")
+        self._replay.backward_reached(forward_pass)
         self._gather(unit)
         ahead = self.prefetcher.backward(unit)
         self._prefetch(ahead)
@@ -330,7 +324,7 @@ class ShardedModel:
         smaller): it still takes its part in the collectives the others' forward and backward run (stage
         3's gathers, the same ones, in the same order, as its own last round: nothing is prefetched in this
         mode) and in every bucket's all-to-all, contributing nothing."""
-        for b in self._last_round:
+        for b in self._replay.last:
             b.unshard()
             b.wait_gathered()
             b.reshard()
@@ -362,7 +356,7 @@ class ShardedModel:
             elif self.rounds.dealt:  # every rank's gradient of this round
                 b.reduce_grads(sources=self._backward.sources)
         if self.rounds.dealt:
-            self._last_round, self._round_gathers = self._round_gathers, []
+            self._replay.round_done()
         for b in self._inflight:  # in the order they started, as on every rank
             b.finish_reduce(taken_next=steps)
             if steps:

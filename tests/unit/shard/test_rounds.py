@@ -149,3 +149,34 @@ def test_summed_rounds_match_one_process_within_order_noise(n, stage, optimizer,
     err = {k: (got[k] - ref[k]).abs().max().item() / scale[k] for k in ref}
     assert not tensor_failures(err, noise), (err, noise)
     assert max(err.values()) > 0 or n == 1  # summed in MPI's order: not the bits of one process
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_evaluation_between_steps_leaves_uneven_rounds_in_step(stage):
+    """5 micro-batches on 3 ranks (rank 2 runs one round fewer and replays its last round's stage-3 gathers);
+    between steps an evaluation forward under no_grad and one in eval mode with grad enabled and no backward.
+    Training must end with the bits of the same run without them. Guards: the evaluation's gathers recorded
+    as part of the next round, which rank 2 then replays while the others do not (the job fell out of step
+    and the watchdog aborted it)."""
+    cfg = zerompi.ZeroConfig(stage=stage, optimizer="sgd", lr=0.2, momentum=0.9, micro_batches=5, cpu_threads=1,
+                             device="cpu", bucket_mb=300 * 4 / 2**20, abort_on_exception=False)
+    net = _net()
+
+    def run(evaluate):
+        def rank(group):
+            engine = zerompi.initialize(copy.deepcopy(net), cfg, group=group)
+            for step in range(STEPS):
+                for i in engine.micro_batch_indices():
+                    x, y = _batch(step, i)
+                    engine.backward(((engine(x) - y) ** 2).mean())
+                assert engine.step()
+                if evaluate:
+                    with torch.no_grad():
+                        engine(_batch(99, 0)[0])
+                    engine.module.eval()
+                    engine(_batch(98, group.rank)[0]).sum()  # grad enabled, no backward
+                    engine.module.train()
+            return engine.full_state_dict()
+        return run_ranks(3, rank, timeout=60)[0]
+    plain, evaluated = run(False), run(True)
+    assert all(torch.equal(plain[k], evaluated[k]) for k in plain)
