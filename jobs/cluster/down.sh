@@ -55,7 +55,7 @@ if [ -n "$ctld" ]; then
 fi
 
 # ---- the nodes: every process in their network namespaces, then the namespaces -----------------
-mapfile -t spaces < <(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$prefix-node[0-9]*$" || true)
+mapfile -t spaces < <(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$prefix-(node[0-9]+|head)$" || true)
 for ns in "${spaces[@]}"; do
     mapfile -t pids < <(ip netns pids "$ns" 2>/dev/null || true)
     [ ${#pids[@]} -gt 0 ] || continue
@@ -91,6 +91,6 @@ mkdir -p /run/lock
     fi
 } 9>/run/lock/zerompi-cluster.lock
 
-rm -f "$dir/state" "$dir"/nodes/node*/holder.pid "$dir"/nodes/node*/slurmd.pid "$dir/slurm/slurmctld.pid"
+rm -f "$dir/state" "$dir"/nodes/*/holder.pid "$dir"/nodes/node*/slurmd.pid "$dir/slurm/slurmctld.pid"
 say "stopped the cluster in $dir"
 exit 0

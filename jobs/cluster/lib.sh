@@ -1,10 +1,11 @@
 # Shared by up.sh, down.sh and exec.sh (sourced, not run): the names a cluster in DIR uses.
 #
-# Every name carries a short hash of DIR's absolute path, so two clusters (and the one-node
-# Slurm of jobs/ci/slurm_up.sh) can run side by side:
-#   network namespaces  zc<hash>-node<k>
+# Machine 0 is "head" (slurmctld), machines 1..N are node1..nodeN. Every name carries a short
+# hash of DIR's absolute path, so two clusters (and the one-node Slurm of jobs/ci/slurm_up.sh)
+# can run side by side:
+#   network namespaces  zc<hash>-head, zc<hash>-node<k>
 #   bridge              zc<hash>br
-#   host end of veth k  zc<hash>v<k>   (the node end is eth0 inside node k)
+#   host end of veth k  zc<hash>v<k>   (the other end is eth0 inside machine k)
 
 export PATH=$PATH:/usr/sbin:/sbin
 
@@ -19,7 +20,8 @@ cluster_names() {  # sets hash, prefix, bridge for the cluster in $dir
     bridge=${prefix}br
 }
 
-netns_of() { echo "$prefix-node$1"; }
+machine_name() { if [ "$1" = 0 ]; then echo head; else echo "node$1"; fi; }
+netns_of() { echo "$prefix-$(machine_name "$1")"; }
 hostveth_of() { echo "${prefix}v$1"; }
 
 alive() {  # a process that still runs (a zombie waiting for its parent does not)
@@ -36,17 +38,18 @@ pid_in() {  # the pid in file $1, if that process is alive
     alive "$p" && echo "$p"
 }
 
-holder_pid() {  # the pid whose namespaces are node $1's, if it is alive and is ours
+holder_pid() {  # the pid whose namespaces are machine $1's (0: head), if it is alive and is ours
     local p
-    p=$(pid_in "$dir/nodes/node$1/holder.pid") || return 1
+    p=$(pid_in "$dir/nodes/$(machine_name "$1")/holder.pid") || return 1
     # A stale pid file after a crash may name a reused pid: it must sit in this node's netns.
     [ "$(stat -L -c %i "/proc/$p/ns/net" 2>/dev/null)" = "$(stat -L -c %i "/run/netns/$(netns_of "$1")" 2>/dev/null)" ] \
         || return 1
     echo "$p"
 }
 
-node_number() {  # node3 or 3 -> 3
+node_number() {  # node3 or 3 -> 3; head -> 0
     local n=${1#node}
+    [ "$1" = head ] && n=0
     case $n in ''|*[!0-9]*) return 1 ;; esac
     echo "$n"
 }

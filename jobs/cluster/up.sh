@@ -7,19 +7,20 @@
 #   jobs/cluster/down.sh DIR    # stops everything and removes what up.sh made
 #
 # Each node is a set of Linux namespaces (network, UTS, mount, IPC) with hostname nodeK, its
-# own loopback, its own /dev/shm, an /etc/hosts naming every node, and a node-local disk: DIR's
-# nodes/nodeK/scratch mounted at PATH (default /scratch/local) that only nodeK sees. The rest
-# of the file system (DIR/shared, the repository, the venv) is common to all, as a parallel
-# file system is. The nodes reach each other and this machine (the login node, 10.213.S.1)
-# through veth pairs on one Linux bridge with a private /24 (10.213.S.0/24, S free and picked
-# from DIR's hash); the nodes have no default route and there is no NAT, so nothing they send
-# can leave the bridge. --link-mbit shapes each node's link in both directions (tbf);
-# --latency-us delays every packet a node sends by L microseconds (netem; node-to-node
-# round trip 2L). No shaping by default.
+# own loopback, its own /dev/shm, an /etc/hosts naming every machine, and a node-local disk:
+# DIR's nodes/nodeK/scratch mounted at PATH (default /scratch/local) that only nodeK sees. The
+# rest of the file system (DIR/shared, the repository, the venv) is common to all, as a
+# parallel file system is. The nodes (10.213.S.11..), the head (10.213.S.2) and this machine
+# (the login node, 10.213.S.1) reach each other through veth pairs on one Linux bridge with a
+# private /24 (S free and picked from DIR's hash); the nodes have no default route and there
+# is no NAT, so nothing they send can leave the bridge. --link-mbit shapes each node's link in
+# both directions (tbf); --latency-us delays every packet a node sends by L microseconds
+# (netem; node-to-node round trip 2L). No shaping by default.
 #
-# Slurm: slurmctld on this machine (port: the first free one from a base derived from DIR's
-# hash, so it does not meet jobs/ci/slurm_up.sh's from 6817), one slurmd per node inside its
-# namespaces; no munge (auth/none), no accounting database: sacct reads the job completion log
+# Slurm: slurmctld runs in "head", one more set of namespaces on the bridge, so that it is
+# reachable from the bridge only (it has no authentication) and its port is free whatever
+# runs here (jobs/ci/slurm_up.sh's Slurm too); one slurmd per node inside its namespaces. No
+# munge (auth/none), no accounting database: sacct reads the job completion log
 # (JobCompType=jobcomp/filetxt) through DIR/bin/sacct, which adds --completion.
 # --cpus C: CPUs each node declares (default: this machine's nproc, as every node sees all
 # cores); nodes may declare more than there are (SlurmdParameters=config_overrides).
@@ -109,7 +110,7 @@ cluster_names
 state=$dir/state
 
 # What a crashed run left in this DIR (processes, namespaces, links) goes first.
-if [ -e "$state" ] || ip netns list 2>/dev/null | grep -q "^$prefix-node" || ip link show "$bridge" >/dev/null 2>&1; then
+if [ -e "$state" ] || ip netns list 2>/dev/null | grep -q "^$prefix-" || ip link show "$bridge" >/dev/null 2>&1; then
     say "clearing what a previous run left in $dir"
     bash "$here/down.sh" "$dir" >&2 || true
 fi
@@ -121,7 +122,7 @@ ok=0
 on_exit() {
     if [ "$ok" != 1 ]; then
         say "failed; logs:"
-        for f in "$dir/slurm/slurmctld.log" "$dir"/nodes/node*/slurmd.log "$dir"/nodes/node*/holder.log; do
+        for f in "$dir/slurm/slurmctld.log" "$dir"/nodes/node*/slurmd.log "$dir"/nodes/*/holder.log; do
             [ -s "$f" ] && { echo "== $f" >&2; tail -n 15 "$f" >&2; }
         done
         say "tearing down"
@@ -171,29 +172,34 @@ shape() {  # shape the egress of device $1 (in netns $2, or "" for here); latenc
     local dev=$1 ns=$2 delay=$3 tc=(tc)
     [ -n "$ns" ] && tc=(ip netns exec "$ns" tc)
     if [ -n "$delay" ]; then
-        "${tc[@]}" qdisc add dev "$dev" root handle 1: netem delay "${delay}us" limit 100000 \
-            || die "tc netem failed on $dev: this kernel may lack sch_netem (CONFIG_NET_SCH_NETEM), which --latency-us needs"
+        if ! "${tc[@]}" qdisc add dev "$dev" root handle 1: netem delay "${delay}us" limit 100000; then
+            say "tc netem failed on $dev: this kernel may lack sch_netem (CONFIG_NET_SCH_NETEM), which --latency-us needs"
+            exit 3
+        fi
         if [ -n "$mbit" ]; then
             "${tc[@]}" qdisc add dev "$dev" parent 1:1 handle 10: tbf rate "${mbit}mbit" \
                 burst "$(burst_bytes "$mbit")" latency 100ms
         fi
     elif [ -n "$mbit" ]; then
-        "${tc[@]}" qdisc add dev "$dev" root tbf rate "${mbit}mbit" burst "$(burst_bytes "$mbit")" latency 100ms \
-            || die "tc tbf failed on $dev: this kernel may lack sch_tbf (CONFIG_NET_SCH_TBF)"
+        if ! "${tc[@]}" qdisc add dev "$dev" root tbf rate "${mbit}mbit" burst "$(burst_bytes "$mbit")" latency 100ms; then
+            say "tc tbf failed on $dev: this kernel may lack sch_tbf (CONFIG_NET_SCH_TBF), which --link-mbit needs"
+            exit 3
+        fi
     fi
 }
 
+address_of() { if [ "$1" = 0 ]; then echo "$subnet.2"; else echo "$subnet.$((10 + $1))"; fi; }
 login=$(hostname -s)
 mkdir -p "$dir/shared" "$dir/nodes"
 hosts_file=$dir/hosts
 {
     echo "127.0.0.1 localhost"
     echo "$subnet.1 $login login"
-    for k in $(seq "$nodes"); do echo "$subnet.$((10 + k)) node$k"; done
+    for k in $(seq 0 "$nodes"); do echo "$(address_of "$k") $(machine_name "$k")"; done
 } >"$hosts_file"
 
-for k in $(seq "$nodes"); do
-    ns=$(netns_of "$k") hv=$(hostveth_of "$k") nd=$dir/nodes/node$k
+for k in $(seq 0 "$nodes"); do
+    ns=$(netns_of "$k") hv=$(hostveth_of "$k") nd=$dir/nodes/$(machine_name "$k")
     record "netns $ns"
     ip netns add "$ns"
     record "link $hv"
@@ -205,10 +211,10 @@ for k in $(seq "$nodes"); do
     no_ipv6 all "$ns"
     no_ipv6 default "$ns"
     no_ipv6 eth0 "$ns"
-    ip -n "$ns" addr add "$subnet.$((10 + k))/24" dev eth0
+    ip -n "$ns" addr add "$(address_of "$k")/24" dev eth0
     ip -n "$ns" link set lo up
     ip -n "$ns" link set eth0 up
-    if [ -n "$mbit" ] || [ -n "$latency" ]; then
+    if [ "$k" != 0 ] && { [ -n "$mbit" ] || [ -n "$latency" ]; }; then
         shape eth0 "$ns" "$latency"   # what the node sends: bandwidth and latency
         shape "$hv" "" ""             # what it receives: bandwidth
     fi
@@ -222,26 +228,29 @@ exec 9>&-
 
 # ---- the nodes' own namespaces --------------------------------------------------------------
 mkdir -p "$scratch_mount"  # the mount point on the host (left in place: other clusters may use it)
-for k in $(seq "$nodes"); do
-    nd=$dir/nodes/node$k
+for k in $(seq 0 "$nodes"); do
+    name=$(machine_name "$k") nd=$dir/nodes/$(machine_name "$k")
     setsid nsenter --net="/run/netns/$(netns_of "$k")" -- unshare --uts --mount --ipc --propagation private -- \
-        bash "$here/node.sh" "node$k" "$nd" "$scratch_mount" </dev/null >"$nd/holder.log" 2>&1 &
+        bash "$here/node.sh" "$name" "$nd" "$scratch_mount" </dev/null >"$nd/holder.log" 2>&1 &
 done
-for k in $(seq "$nodes"); do
-    for _ in $(seq 300); do
-        holder_pid "$k" >/dev/null && break
-        sleep 0.1
-    done
-    holder_pid "$k" >/dev/null || die "node$k did not come up within 30 s"
-    record "holder node$k $(holder_pid "$k")"
+for k in $(seq 0 "$nodes"); do
+    deadline=$((SECONDS + 30))
+    until holder_pid "$k" >/dev/null || [ "$SECONDS" -ge "$deadline" ]; do sleep 0.1; done
+    holder_pid "$k" >/dev/null || die "$(machine_name "$k") did not come up within 30 s"
+    record "holder $(machine_name "$k") $(holder_pid "$k")"
 done
+in_machine() {  # run $2.. in machine $1's namespaces, with a plain daemon environment
+    local k=$1
+    shift
+    nsenter -t "$(holder_pid "$k")" --net --uts --mount --ipc -- \
+        env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 "$@"
+}
 
 # ---- Slurm ------------------------------------------------------------------------------------
-port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-ctld_port=$((20000 + 0x$hash % 20000))
-for _ in $(seq 200); do port_free "$ctld_port" && break; ctld_port=$((ctld_port + 1)); done
-port_free "$ctld_port" || die "no free port for slurmctld"
-slurmd_port=6818  # each node has its own network: always free there
+# slurmctld runs in "head" and each slurmd in its node: each has its own network, so Slurm's
+# usual ports are free there whatever runs on this machine (jobs/ci/slurm_up.sh's Slurm too).
+ctld_port=6817
+slurmd_port=6818
 
 mem_mb=$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)
 node_mem=$(( mem_mb / nodes ))
@@ -253,7 +262,7 @@ conf=$sdir/slurm.conf
 cat >"$conf" <<EOF
 # Written by jobs/cluster/up.sh: $nodes nodes on one machine (namespaces on bridge $bridge).
 ClusterName=$prefix
-SlurmctldHost=$login($subnet.1)
+SlurmctldHost=head($subnet.2)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
 SlurmUser=root
@@ -298,16 +307,16 @@ exec $(command -v sacct) --completion "\$@"
 EOF
 chmod +x "$dir/bin/sacct"
 
-daemon_env=(env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8)
-"${daemon_env[@]}" slurmctld -f "$conf"
+in_machine 0 slurmctld -f "$conf"
 for k in $(seq "$nodes"); do
-    nsenter -t "$(holder_pid "$k")" --net --uts --mount --ipc -- "${daemon_env[@]}" slurmd -f "$conf" -N "node$k"
+    in_machine "$k" slurmd -f "$conf" -N "node$k"
 done
 
 export SLURM_CONF=$conf
 want=$(seq -s ' ' -f 'node%g' "$nodes")
-states=""
-for _ in $(seq 300); do
+states="" idle=0
+deadline=$((SECONDS + 90))
+while [ "$SECONDS" -lt "$deadline" ]; do
     states=$(timeout 10 sinfo -h -N -o "%N=%T" 2>/dev/null | sort -u | tr '\n' ' ' || true)
     idle=0
     for k in $(seq "$nodes"); do
@@ -316,7 +325,7 @@ for _ in $(seq 300); do
     [ "$idle" = "$nodes" ] && break
     sleep 0.3
 done
-[ "$idle" = "$nodes" ] || die "nodes not all idle within ~90 s: ${states:-no answer from slurmctld} (want $want idle)"
+[ "$idle" = "$nodes" ] || die "nodes not all idle within 90 s: ${states:-no answer from slurmctld} (want $want idle)"
 
 # ---- the login environment ------------------------------------------------------------------
 cat >"$dir/env.sh" <<EOF
@@ -329,6 +338,6 @@ export CLUSTER_SCRATCH=$scratch_mount
 export CLUSTER_SHARED=$dir/shared
 EOF
 ok=1
-say "up: $nodes nodes ($states) on $bridge $subnet.0/24, slurmctld on $subnet.1:$ctld_port"
+say "up: $nodes nodes ($states) on $bridge $subnet.0/24, slurmctld on head ($subnet.2:$ctld_port)"
 say "source $dir/env.sh"
 echo "$dir/env.sh"

@@ -1,11 +1,11 @@
 """Two nodes on this machine (jobs/cluster/up.sh): Slurm, MPI and a training job across them.
 
-The module brings up a 2-node cluster once (namespaces on a private bridge, slurmctld here,
-a slurmd in each node) and takes it down again afterwards, also when a test or the start
+The module brings up a 2-node cluster once (namespaces on a private bridge, slurmctld in a
+namespace of its own, a slurmd in each node; this process is the login node) and takes it down again afterwards, also when a test or the start
 fails. It needs root; without it, or without a piece (namespaces, a bridge, Slurm), it skips
 with the reason, and fails under CI (tests/components.py). Every command runs under
-``timeout``. Its names and slurmctld port derive from the cluster's directory, so it runs
-beside test_slurm.py's one-node Slurm (jobs/ci/slurm_up.sh).
+``timeout``. Its names derive from the cluster's directory and its daemons listen in their own
+namespaces, so it runs beside test_slurm.py's one-node Slurm (jobs/ci/slurm_up.sh).
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def cluster(tmp_path_factory):
             pytest.fail(f"jobs/cluster/up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
         cluster = Cluster(path)
         version = cluster.login("sinfo", "--version").stdout.strip()
-        ran(COMPONENT, f"{version}, 2 nodes (namespaces on a bridge), slurmctld + a slurmd per node")
+        ran(COMPONENT, f"{version}, 2 nodes (namespaces on a bridge), slurmctld in a head namespace, a slurmd per node")
         yield cluster
     finally:
         down = subprocess.run(["timeout", "120", "bash", str(CLUSTER / "down.sh"), str(path)],
