@@ -336,6 +336,11 @@ case ":\$PATH:" in *":$dir/bin:"*) ;; *) export PATH=$dir/bin:\$PATH:/usr/sbin:/
 # The node-local disk of every node (each sees its own), and the disk all nodes share.
 export CLUSTER_SCRATCH=$scratch_mount
 export CLUSTER_SHARED=$dir/shared
+# Accounting is off (no slurmdbd): sacct here is $dir/bin/sacct, i.e. sacct --completion, which
+# reads finished jobs from $sdir/jobcomp.log; squeue -t all shows them for 5 minutes too.
+# MPI needs nothing set: the nodes have only lo and eth0, and MPICH (UCX or OFI) and Open MPI
+# take eth0 between nodes. srun --mpi=pmi2 for MPICH, --mpi=pmix for Open MPI 5; mpiexec
+# runs inside an allocation (sbatch, or salloc here) and starts its daemons with srun.
 EOF
 ok=1
 say "up: $nodes nodes ($states) on $bridge $subnet.0/24, slurmctld on head ($subnet.2:$ctld_port)"
