@@ -130,6 +130,7 @@ on_exit() {
     fi
 }
 trap on_exit EXIT
+trap 'exit 130' INT TERM HUP  # interrupted (timeout, ^C): the EXIT trap still tears down
 
 # ---- network: one bridge, a veth pair per node -----------------------------------------------
 mkdir -p /run/lock
