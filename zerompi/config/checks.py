@@ -7,6 +7,8 @@ errors under DeepSpeed's dotted names.
 """
 from __future__ import annotations
 
+import difflib
+
 import importlib
 import math
 import numbers
@@ -340,4 +342,5 @@ def reject_unknown(keys: Iterable[Any], allowed: list[str], what: str) -> None:
     """Refuse keys not in ``allowed``, listing every unknown one."""
     unknown = sorted(str(k) for k in keys if k not in allowed)
     if unknown:
-        raise ConfigError(f"unknown {what}: {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+        named = [k + "".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(k, allowed, n=1)) for k in unknown]
+        raise ConfigError(f"unknown {what}: {', '.join(named)}; allowed: {', '.join(allowed)}")

@@ -57,6 +57,14 @@ class ZeroConfig(*reversed(SECTIONS)):
     section's policy (``precision``, ``offload``, ...) is built once, on first use.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ZeroConfig:
+        # before the generated __init__, whose TypeError names neither the allowed keys nor a close match
+        if args:
+            raise ConfigError(f"ZeroConfig takes keyword arguments only (config keys), got {len(args)} positional "
+                              f"value(s): {', '.join(repr(a) for a in args)[:200]}")
+        checks.reject_unknown(kwargs, [f.name for f in fields(cls)], "config keys")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         # Field order, so the first problem reported is the first field's; the
         # cross-field check comes last as it relies on the checked fields.

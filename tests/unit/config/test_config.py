@@ -58,11 +58,6 @@ def test_field_order_matches_spec():
         "fault_tolerance", "recovery_every", "recovery_source", "recovery_dir", "min_ranks"]
 
 
-def test_keys_are_keywords_only():
-    with pytest.raises(TypeError):
-        ZeroConfig(3)
-
-
 @pytest.mark.parametrize("key,value", [
     ("nonfinite", "ignore"), ("nonfinite", 1), ("debug_collectives", 1), ("debug_collectives", "yes"),
     ("collective_timeout", 0), ("collective_timeout", -1.0), ("collective_timeout", float("nan")),
@@ -756,3 +751,14 @@ def test_from_file_deepspeed_error_mentions_translation(tmp_path):
     with pytest.raises(ConfigError) as err:
         ZeroConfig.from_file(_write(tmp_path, "ds.json", json.dumps(d)))
     assert "DeepSpeed" in str(err.value) and "scheduler" in str(err.value)
+
+
+def test_an_unknown_keyword_or_a_positional_value_is_a_config_error_naming_it():
+    """``ZeroConfig(stge=3)`` raised the dataclass's plain TypeError, naming neither the allowed keys nor the
+    close match."""
+    with pytest.raises(ConfigError, match=r"unknown config keys: stge \(did you mean stage\?\); allowed: stage, "):
+        ZeroConfig(stge=3)
+    with pytest.raises(ConfigError, match="keyword arguments only"):
+        ZeroConfig(3)
+    with pytest.raises(ConfigError, match=r"unknown config keys: lrr \(did you mean lr\?\)"):
+        ZeroConfig(stage=1).replace(lrr=0.1)
