@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 from harness import stamp  # noqa: E402
 
 DURATION = re.compile(r"^([0-9.]+)s (?:setup|call|teardown)\s+(\S+?)::")
-SUMMARY = re.compile(r"^=* ?(\d+ passed.*) in ([0-9.]+)s")
+SUMMARY = re.compile(r"^=* ?(\d+ (?:failed|passed|error).*) in ([0-9.]+)s")
 
 
 def summarise(text: str) -> dict:
@@ -56,13 +56,14 @@ def main() -> None:
     p.add_argument("--fast", action="store_true", help="the fast tier (pytest -m fast)")
     p.add_argument("--log", type=Path, help="summarise this pytest --durations=0 log instead of running")
     p.add_argument("--commit", help="with --log: the commit the log's run was at")
+    p.add_argument("--source", help="with --log: how the run was made (default: 'log of a run at COMMIT')")
     p.add_argument("--out", type=Path, default=None, help="results prefix")
     a = p.parse_args()
     if a.log is not None and not a.commit:
         p.error("--log needs --commit (the commit the run was at)")
     out = a.out or HERE / "results" / ("suite_time_fast" if a.fast else "suite_time")
     if a.log is not None:
-        row = {"source": f"log of a run at {a.commit}", "commit": a.commit, **summarise(a.log.read_text())}
+        row = {"source": a.source or f"log of a run at {a.commit}", "commit": a.commit, **summarise(a.log.read_text())}
     else:
         text, wall = run(a.fast)
         row = {"source": "run by this script", "commit": stamp.commit(short=True), "script_wall_s": round(wall, 1),
