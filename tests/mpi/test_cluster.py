@@ -9,6 +9,7 @@ namespaces, so it runs beside test_slurm.py's one-node Slurm (jobs/ci/slurm_up.s
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,9 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ..components import MISSING, ran, unavailable
-from .launcher import ROOT
+from . import plain_loop
+from .launcher import ROOT, WORKERS, run_mpi
+from .test_reproducible import engine_state
 
 COMPONENT = "Slurm cluster on one machine"
 CLUSTER = ROOT / "jobs" / "cluster"
@@ -175,3 +179,81 @@ def test_train_multinode_sbatch(cluster, tmp_path):
     assert (out_dir / "metrics.jsonl").is_file()
     sacct = cluster.login("sacct", "-n", "-P", "-j", job, "-o", "JobID,State,NNodes")
     assert sacct.returncode == 0 and f"{job}|COMPLETED|2" in sacct.stdout, sacct.stdout + sacct.stderr
+
+
+REPRO_ROWS = ("3-fp32-none-False-noclip", "2-bf16-none-False-noclip")  # stage 3 fp32, stage 2 bf16
+
+
+def _on_two_nodes(cluster, script: Path, *args, limit: int = 240) -> subprocess.CompletedProcess:
+    """``script`` on 2 nodes x 2 ranks by srun --mpi=pmi2 (MPICH's PMI-2 from slurmd)."""
+    proc = cluster.login("srun", "-N", "2", "--ntasks-per-node=2", "--mpi=pmi2", sys.executable, "-m", "mpi4py",
+                         str(script), *map(str, args), limit=limit, env=dict(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return proc
+
+
+def test_reproducible_two_nodes_train_the_bits_of_one_node_and_of_the_plain_loop(cluster, tmp_path):
+    """reproducible=True across a node link: workers/reproducible.py on 2 nodes x 2 ranks (srun
+    --mpi=pmi2 inside the cluster, so the ranks of different nodes talk over eth0, not shared
+    memory) ends in the same per-step digests as on 1 node x 4 ranks (plain mpiexec on this
+    machine, outside the cluster), and its final state is bit for bit the plain single-process
+    PyTorch loop's (tests/mpi/plain_loop.py). Guards against bits that depend on where the ranks
+    sit (a transport's reduction order, a node-dependent split)."""
+    rows = ",".join(REPRO_ROWS)
+    two = cluster.dir / "shared" / "repro-2x2.json"
+    _on_two_nodes(cluster, WORKERS / "reproducible.py", "--out", two, "--rows", rows)
+    one = tmp_path / "repro-1x4.json"
+    run_mpi(4, "reproducible.py", "--out", str(one), "--rows", rows, timeout=300)
+    two, one = json.loads(two.read_text()), json.loads(one.read_text())
+    assert two["world"] == one["world"] == 4
+    for key in REPRO_ROWS:
+        a, b = two["rows"][key], one["rows"][key]
+        assert a["steps"] == b["steps"] and a["digest"] == b["digest"], key  # every step's digest
+        assert a["norms"] == b["norms"], key
+        ref = plain_loop.train(torch.float32 if "fp32" in key else torch.bfloat16, None)
+        for label, got in engine_state(a).items():
+            want = ref["state"][label.removesuffix("/master")].flatten()
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (key, label)
+
+
+LINK_SLACK = 128 * 1024  # bytes: barriers, Slurm's own messages to the head, in the measured window
+
+
+def link_bounds(hierarchy: str, padded: int, steps: int, ranks_per_node: int = 2, nodes: int = 2) -> tuple[int, int]:
+    """The bytes one node's link carries in each direction over ``steps`` steps of stage 3, fp32,
+    one micro-batch a rank, 2 nodes (the README's formula, [Node-aware groups]): the least any
+    algorithm can send, and the most MPICH's do.
+
+    hsdp: only the gradient shards (P/s elements a rank) cross, all-reduced in fp32 between the
+    rank's 2 peers: any 2-rank all-reduce sends exactly its buffer, so s P/s 4 = 4P bytes a step.
+    hpZ: the gradient reduce-scatter over the world group crosses (the node holds half the
+    shards: at least P/2 elements must come in, P c when each block goes straight to its owner,
+    MPICH's pairwise exchange for large buffers), and the secondary copy's refresh, one all-gather
+    over the inter group of each rank's P/N primary shard: s P/N c = P c / 2. The forward and
+    backward gathers stay inside the node; were they over the world, each would add at least
+    P c / 2 (half of the parameters live on the other node), 2 of them P c a step: above the
+    upper bound (1.5 P c, times 1.05 for headers)."""
+    assert nodes == 2 and ranks_per_node == 2
+    c = 4
+    if hierarchy == "hsdp":
+        return 4 * padded * steps, 4 * padded * steps
+    return (padded // 2 + padded // 2) * c * steps, (padded + padded // 2) * c * steps
+
+
+def test_hsdp_and_hpz_parameter_gathers_never_cross_a_node_link(cluster):
+    """hsdp and hpZ at stage 3 on 2 nodes x 2 ranks (workers/cluster_links.py): the bytes each
+    node's eth0 counted (its own kernel counters, read inside the node, not the engine's
+    accounting) over 4 steps after 2 warm-up ones lie within link_bounds: the gradients' share and
+    (hpZ) the secondary copy's refresh, never the parameter gathers. Guards the groups of
+    zerompi/comm/topology.py and hpZ's NodeCopy (shard/sync.py)."""
+    out = cluster.dir / "shared" / "links.json"
+    _on_two_nodes(cluster, WORKERS / "cluster_links.py", "--out", out, "--steps", "4")
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["hierarchy"] for r in rows] == ["hsdp", "hpz"]
+    for r in rows:
+        low, high = link_bounds(r["hierarchy"], r["padded"], r["steps"])
+        for way in ("tx", "rx"):
+            assert sorted(r[way]) == ["node1", "node2"], r
+            for node, got in r[way].items():
+                assert low <= got <= high * 1.05 + LINK_SLACK, (r["hierarchy"], node, way, got, low, high, r)
+
