@@ -257,3 +257,26 @@ def test_hsdp_and_hpz_parameter_gathers_never_cross_a_node_link(cluster):
             for node, got in r[way].items():
                 assert low <= got <= high * 1.05 + LINK_SLACK, (r["hierarchy"], node, way, got, low, high, r)
 
+
+def test_checkpoint_saved_on_two_nodes_resumes_on_one_node_at_three_ranks(cluster):
+    """A checkpoint written by 2 nodes x 2 ranks to the shared disk (DIR/shared, per-rank files from
+    both nodes) resumes on 1 node at 3 ranks (srun -N 1 -n 3 --overcommit: a node declares this machine's 2 CPUs) and ends in the plain loop's bits
+    (workers/reproducible.py: saved after 2 of its steps, the rest trained after the load). Guards
+    a checkpoint that holds only one node's shards, or that reloads at another world size wrongly."""
+    key = REPRO_ROWS[0]
+    ckpt, saved = cluster.dir / "shared" / "ckpt", cluster.dir / "shared" / "saved.json"
+    _on_two_nodes(cluster, WORKERS / "reproducible.py", "--out", saved, "--rows", key, "--save-after", "2",
+                  "--ckpt", ckpt)
+    resumed = cluster.dir / "shared" / "resumed.json"
+    proc = cluster.login("srun", "-N", "1", "-n", "3", "--overcommit", "--mpi=pmi2", sys.executable, "-m", "mpi4py",
+                         str(WORKERS / "reproducible.py"), "--out", str(resumed), "--rows", key, "--resume", str(ckpt),
+                         limit=240, env=dict(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    row = json.loads(resumed.read_text())
+    assert row["world"] == 3
+    ref = plain_loop.train(torch.float32, None)
+    state = engine_state(row["rows"][key])
+    assert state
+    for label, got in state.items():
+        want = ref["state"][label.removesuffix("/master")].flatten()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), label
