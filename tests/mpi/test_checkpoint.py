@@ -253,7 +253,7 @@ def test_kill_during_save_keeps_latest_loadable(tmp_path, saved, module, point, 
     code = KILL.format(workers=str(workers), module=module, point=point, after=after, root=str(root),
                        out=str(tmp_path / "x.npz"), script=str(workers / "ckpt.py"),
                        steps="3" if asynchronous else "0", extra=["--async-save"] if asynchronous else [])
-    proc = subprocess.run([*rank_python(), "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
+    proc = subprocess.run([*rank_python(fresh=True), "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
                           timeout=TIMEOUT)
     assert proc.returncode == -9, proc.stderr[-2000:]
     latest = (root / "latest").read_text().strip()
@@ -315,7 +315,7 @@ def test_kill_while_replacing_a_tag_keeps_it_loadable(tmp_path, saved):
     workers = ROOT / "tests" / "mpi" / "workers"
     code = REPLACE_KILL.format(workers=str(workers), root=str(root), out=str(tmp_path / "x.npz"),
                                script=str(workers / "ckpt.py"))
-    proc = subprocess.run([*rank_python(), "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
+    proc = subprocess.run([*rank_python(fresh=True), "-c", code], env=mpi_env(), cwd=ROOT, capture_output=True,
                           timeout=TIMEOUT)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not (root / "second").exists() and list(root.glob(".old-second-*"))

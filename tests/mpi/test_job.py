@@ -74,7 +74,7 @@ def test_train_gpt_checkpoints_on_sigusr1_and_the_loss_curve_continues(tmp_path)
     import time
 
     from .launcher import ROOT, TIMEOUT, mpi_env, mpiexec
-    cmd = [*mpiexec(), "-n", "2", *rank_python(), "-m", "mpi4py", "jobs/train_gpt.py", "--config",
+    cmd = [*mpiexec(), "-n", "2", *rank_python(fresh=True), "-m", "mpi4py", "jobs/train_gpt.py", "--config",
            "jobs/configs/tiny.toml", "--out", str(tmp_path), "--steps", "150", "--save-every", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"

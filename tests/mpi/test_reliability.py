@@ -15,8 +15,9 @@ from .launcher import ROOT, WORKERS, mpi_env, mpiexec, rank_python
 ABORT_WITHIN = 30.0  # seconds from the failure to every rank gone
 
 
-def _launch(n, case, out, *, module=True):
-    cmd = [*mpiexec(), "-n", str(n), *rank_python(), *(("-m", "mpi4py") if module else ()),
+def _launch(n, case, out, *, module=True, fresh=False):
+    """``fresh``: ranks started as users start them, for a killed or stuck rank (launcher.rank_python)."""
+    cmd = [*mpiexec(), "-n", str(n), *rank_python(fresh=fresh), *(("-m", "mpi4py") if module else ()),
            str(WORKERS / "reliability.py"), "--case", case, "--out", str(out)]
     return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -35,7 +36,7 @@ def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path, n):
 
 
 def test_rank_killed_mid_training_ends_the_job(tmp_path):
-    proc = _launch(3, "sigkill", tmp_path / "pid")
+    proc = _launch(3, "sigkill", tmp_path / "pid", fresh=True)
     pid_file = tmp_path / "pid.1"
     deadline = time.monotonic() + 60
     while not pid_file.exists() and time.monotonic() < deadline:
@@ -76,7 +77,7 @@ def test_rank_dependent_control_flow_raises_on_every_rank(raised, request):
 
 def test_watchdog_aborts_a_job_stuck_in_a_collective(tmp_path):
     start = time.monotonic()
-    proc = _launch(2, "watchdog", tmp_path / "x.json")
+    proc = _launch(2, "watchdog", tmp_path / "x.json", fresh=True)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert time.monotonic() - start < 60  # the stuck rank would sleep 120 s

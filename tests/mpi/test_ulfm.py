@@ -40,8 +40,10 @@ def openmpi():
 
 def job(venv, tmp_path, n: int, *args: str, launch=FLAGS) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = tmp_path / f"ulfm-{n}-{abs(hash(args))}.json"
+    # fresh ranks: what Open MPI sees die is the rank itself, as in users' jobs (launcher.rank_python)
     cmd = [str(venv / "bin" / "mpiexec"), *launch, "--mca", "btl", BTL, "--oversubscribe", "-n", str(n),
-           *rank_python(venv / "bin" / "python"), "-m", "mpi4py", str(WORKERS / "ulfm.py"), "--out", str(out), *args]
+           *rank_python(venv / "bin" / "python", fresh=True), "-m", "mpi4py", str(WORKERS / "ulfm.py"), "--out", str(out),
+           *args]
     for _ in range(3):  # Open MPI's launcher now and then fails to start its PMIx server before any rank runs
         proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
         if "PMIx server's listener thread failed to start" not in proc.stderr:
