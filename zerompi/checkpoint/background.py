@@ -28,14 +28,16 @@ logged, since no collective is possible there.
 """
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from zerompi.offload.fence import ShardFence
+from zerompi.checkpoint.writer import discarded
 from zerompi.comm.group import ProcessGroup
-from zerompi.errors import CheckpointError, all_ranks_ok
+from zerompi.errors import CheckpointError
 from zerompi.log import get_logger
 
 logger = get_logger(__name__)
@@ -148,10 +150,11 @@ class BackgroundSave:
         self._outcome = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
         self._agreed.set()
         self._thread.join()
-        if self._outcome:  # the same list on every rank: every rank raises
-            raise CheckpointError(f"asynchronous save of {self.tag!r} failed: " + "; ".join(self._outcome))
-        all_ranks_ok(group, self.publish_error and f"asynchronous save of {self.tag!r}: {self.publish_error}",
-                     CheckpointError)
+        failed = "; ".join(self._outcome) or group.allgather_object(self.publish_error)[0]
+        if failed:  # the same on every rank: every rank raises; rank 0 removes the partial files first
+            if self._publish is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)
+            raise CheckpointError(f"asynchronous save of {self.tag!r} failed: {failed} ({discarded(self.directory)})")
 
     def abandon(self, reason: str) -> None:
         """Without MPI (a peer is gone): give up on the other writers, so that rank 0's thread stops waiting

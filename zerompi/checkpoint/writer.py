@@ -146,15 +146,34 @@ def _prepare_root(root: Path, tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
+def agree_or_discard(group, error: str | None, tmp: Path, tag: str) -> None:
+    """``all_ranks_ok`` for a save's step: where any rank failed (a full disk), rank 0 removes the save's
+    partial files, which would otherwise hold the space until the next save (every rank has stopped
+    writing: the check is collective), and every rank raises naming the tag and the directory."""
+    try:
+        all_ranks_ok(group, error, CheckpointError)
+    except CheckpointError as e:
+        if group.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint {tag!r} failed: {e} ({discarded(tmp)})") from None
+
+
+def discarded(tmp: Path) -> str:
+    """What a failed save says of its files."""
+    return (f"under {tmp.parent}: its partial files ({tmp.name}) are removed, and 'latest' still names the last "
+            "complete checkpoint")
+
+
 def _attempt(fn, *args) -> str | None:
     return _attempt_for(fn, *args)[1]
 
 
 def _attempt_for(fn, *args) -> tuple[Any, str | None]:
-    """``fn``'s result and None, or None and the failure to agree on."""
+    """``fn``'s result and None, or None and the failure to agree on: any exception, since a rank that raised
+    alone would leave the others waiting (h5py reports a full disk at a flush as RuntimeError)."""
     try:
         return fn(*args), None
-    except (OSError, CheckpointError) as e:
+    except Exception as e:  # noqa: BLE001 - agreed by every rank, then raised as CheckpointError
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -238,9 +257,9 @@ def save(engine, root: str | os.PathLike, tag: str | None = None, client_state: 
     # One file per shard (or per node); with hsdp only the first node's ranks write (the others hold replicas).
     files, error = _attempt_for(_write_shards, job.store, snap, snap.view.group, job.tmp, job.meta,
                                 job.save_id, include_frozen) if snap.view.writes else (None, None)
-    all_ranks_ok(engine.group, error, CheckpointError)
+    agree_or_discard(engine.group, error, job.tmp, job.tag)
     if files is not None and engine.group.rank == 0:  # per-node: which ranks each file holds
         job = job._replace(index=dataclasses.replace(job.index, files=files))
     error = _attempt(publish, job.publication()) if engine.group.rank == 0 else None
-    all_ranks_ok(engine.group, error, CheckpointError)
+    agree_or_discard(engine.group, error, job.tmp, job.tag)
     return job.tag
