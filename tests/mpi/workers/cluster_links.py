@@ -6,7 +6,9 @@ node reads its node's own link counters (/sys/class/net/eth0/statistics/{tx,rx}_
 network namespace has eth0 only, its one link to the bridge) between barriers, before and after
 ``--steps`` steps. Rank 0 writes per hierarchy: the padded parameter count P, the steps, and each
 node's bytes sent and received over its link during them. The engine's own accounting
-(stats.bytes_sent) is written beside, and not used by the checks.
+(stats.bytes_sent) is written beside, and not used by the checks. ``--started FILE``: rank 0 writes
+FILE after the warm-up steps (a test that breaks a node during training waits for it);
+``--hang-floor S``: the watchdog's hang_floor.
 """
 import argparse
 import socket
@@ -34,9 +36,10 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))  # 525,568 parameters
 
 
-def measure(hierarchy: str, steps: int, local: MPI.Intracomm) -> dict:
+def measure(hierarchy: str, steps: int, local: MPI.Intracomm, started=None, hang_floor=None) -> dict:
     cfg = zerompi.ZeroConfig(stage=3, hierarchy=hierarchy, dtype="fp32", lr=1e-3, seed=0,
-                             param_persistence_threshold=0, cpu_threads=1, abort_on_exception=False)
+                             param_persistence_threshold=0, cpu_threads=1, abort_on_exception=False,
+                             **(dict(hang_floor=hang_floor) if hang_floor else {}))
     engine = zerompi.initialize(model(), cfg)
     gen = torch.Generator().manual_seed(COMM.rank)
     x, y = torch.randn(8, 256, generator=gen), torch.randn(8, 256, generator=gen)
@@ -48,6 +51,9 @@ def measure(hierarchy: str, steps: int, local: MPI.Intracomm) -> dict:
 
     train(WARMUP)
     COMM.Barrier()
+    if started and COMM.rank == 0:
+        with open(started, "w") as f:
+            f.write(f"{time.time()}\n")
     before = link() if local.rank == 0 else None
     COMM.Barrier()
     start = time.monotonic()
@@ -72,9 +78,11 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--hierarchies", default="hsdp,hpz")
+    p.add_argument("--started")
+    p.add_argument("--hang-floor", type=float)
     a = p.parse_args()
     local = COMM.Split_type(MPI.COMM_TYPE_SHARED)
-    rows = [measure(h, a.steps, local) for h in a.hierarchies.split(",")]
+    rows = [measure(h, a.steps, local, a.started, a.hang_floor) for h in a.hierarchies.split(",")]
     if COMM.rank == 0:
         write_json(a.out, dict(world=COMM.size, rows=rows))
 
