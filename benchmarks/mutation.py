@@ -60,7 +60,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 COVERING = {  # module -> the tests that cover it
     "zerompi/optim/kinds.py": ["tests/unit/optim/test_kinds.py"],
-    "zerompi/checkpoint/tensors.py": ["tests/unit/checkpoint/test_tensor_states.py", "tests/unit/optim/test_whole.py"],
+    "zerompi/checkpoint/tensors.py": ["tests/unit/checkpoint/test_tensor_states.py", "tests/unit/optim/test_whole.py",
+                                      "tests/unit/checkpoint/test_async_whole.py",
+                                      "tests/unit/checkpoint/test_tensor_records.py"],
     "zerompi/checkpoint/held.py": ["tests/unit/checkpoint/test_replica.py", "tests/unit/checkpoint/test_held.py"],
     "zerompi/shard/agreement.py": ["tests/unit/shard/test_agreement.py"],
     "zerompi/compat/deepspeed/param_status.py": ["tests/unit/deepspeed/test_param_status.py"],
