@@ -20,9 +20,10 @@ Docstrings, annotations and f-strings are left alone; a mutant that does not com
 Each job works in its own copy of the tree in a temporary directory: ``git archive HEAD`` (the default: the
 run is of a commit), or with ``--working-tree`` the working tree's tracked and untracked, not ignored, files.
 The checkout itself is never written, except the report. The copy comes first on ``PYTHONPATH`` (the run
-checks that ``zerompi`` imports from it), the covering tests first run unmutated (they must pass: their
-time sets the default timeout, ``3 x baseline + 10 s``), then once per mutant with ``-x -q -p
-no:cacheprovider``; a failure kills the mutant, a run past the timeout counts as killed and is reported apart.
+checks that ``zerompi`` imports from it), the covering tests first run unmutated (they must pass; their time
+sets the default timeout, ``5 x baseline + 30 s``, loose because other work may slow one run), then once per
+mutant with ``-x -q -p no:cacheprovider``; a failure kills the mutant, a run past the timeout counts as
+killed and is reported apart.
 
 Covering tests: ``--tests``, or else the COVERING table below, or else the rule
 ``zerompi/<pkg>/<name>.py -> tests/unit/<pkg>/test_<name>.py`` when that file exists. Fast unit tests
@@ -239,7 +240,7 @@ def run_tests(tree: Path, tests: list[str], timeout: float | None, mutated: bool
     took = time.monotonic() - start
     if proc.returncode == 0:
         return "survived", "", took
-    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.MULTILINE)
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+\[.*?\](?= - |$)|\S+)", out, re.MULTILINE)  # the node id
     return "killed", failed[1] if failed else f"exit {proc.returncode}: {' '.join(out[-200:].split())}", took
 
 
@@ -337,7 +338,7 @@ def main() -> None:
     p.add_argument("module", help="a module of the package, relative to the checkout: zerompi/optim/kinds.py")
     p.add_argument("--tests", nargs="+", help="the covering tests (default: COVERING, or the naming rule)")
     p.add_argument("--jobs", type=int, default=1, help="mutants tested at once, each in its own copy")
-    p.add_argument("--timeout", type=float, help="seconds per mutant's tests (default 3 x unmutated + 10)")
+    p.add_argument("--timeout", type=float, help="seconds per mutant's tests (default 5 x unmutated + 30)")
     p.add_argument("--working-tree", action="store_true", help="test the working tree, not HEAD")
     p.add_argument("--mutants", help="only these numbers (comma-separated): printed, no report written")
     p.add_argument("--out", type=Path, help="the report (default results/mutation-<module>.md)")
@@ -364,7 +365,7 @@ def main() -> None:
         outcome, by, run.baseline = run_tests(trees[0], run.tests, None, mutated=False)
         if outcome != "survived":
             sys.exit(f"the tests fail unmutated ({by}): fix them first")
-        run.timeout = args.timeout or 3 * run.baseline + 10
+        run.timeout = args.timeout or 5 * run.baseline + 30
         print(f"unmutated: passed in {run.baseline:.1f} s; timeout {run.timeout:.0f} s a mutant", flush=True)
         free: queue.Queue[Path] = queue.Queue()
         for tree in trees:
