@@ -57,10 +57,10 @@ _servers_lock = threading.Lock()
 # tests of a rank's death, a signal or a hang need them (test_hang, test_ulfm, the kill and watchdog cases of
 # test_reliability, test_checkpoint's kills, test_job's SIGUSR1; test_slurm's jobs start Python through
 # jobs/slurm/train.sbatch): from a fork server, the process mpiexec watches is the shim, not the rank. A killed
-# rank reaches mpiexec only once the server has reaped it and the shim has re-raised its signal; a SIGSTOP
-# stops the rank but not the shim (SIGSTOP cannot be caught, so it is not forwarded), so mpiexec sees a live
-# process; a signal from mpiexec arrives through the shim's handler. Those tests must see what users run;
-# each of their ranks pays Python's start and the torch import (about 1.3 CPU s).
+# rank reaches mpiexec only once the server has reaped it and the shim has re-raised its signal; a stopped
+# rank leaves the shim running, and a SIGSTOP sent to the shim stops only the shim (it cannot be caught, so
+# it is not forwarded); a signal from mpiexec arrives through the shim's handler. Those tests must see what
+# users run; each of their ranks pays Python's start and the torch import (about 1.3 CPU s).
 #
 # Hash seeds. A fresh rank draws its own str/bytes hash seed at start (the suite leaves PYTHONHASHSEED unset,
 # as users' ranks have it): one per rank and per job. A forked rank has its server's, drawn when the server
