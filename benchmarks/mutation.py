@@ -57,7 +57,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 
 COVERING = {  # module -> the tests that cover it
     "zerompi/optim/kinds.py": ["tests/unit/optim/test_kinds.py"],
@@ -65,8 +64,9 @@ COVERING = {  # module -> the tests that cover it
                                       "tests/unit/checkpoint/test_async_whole.py",
                                       "tests/unit/checkpoint/test_tensor_records.py"],
     "zerompi/checkpoint/held.py": ["tests/unit/checkpoint/test_replica.py", "tests/unit/checkpoint/test_held.py"],
-    "zerompi/shard/agreement.py": ["tests/unit/shard/test_agreement.py"],
-    "zerompi/compat/deepspeed/param_status.py": ["tests/unit/deepspeed/test_param_status.py"],
+    "zerompi/shard/agreement.py": ["tests/unit/shard/test_agreement.py", "tests/unit/shard/test_model_agreement.py"],
+    "zerompi/compat/deepspeed/param_status.py": ["tests/unit/deepspeed/test_param_status.py",
+                                                 "tests/unit/deepspeed/test_param_status_kinds.py"],
 }
 
 SWAPS = {  # operator -> (its text, the mutant's)
@@ -75,6 +75,10 @@ SWAPS = {  # operator -> (its text, the mutant's)
     ast.IsNot: ("is not", "is"), ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "/"), ast.Div: ("/", "*"),
     ast.FloorDiv: ("//", "%"), ast.Mod: ("%", "//"), ast.And: ("and", "or"), ast.Or: ("or", "and")}
 KEPT = (ast.Pass, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Global, ast.Nonlocal)
+
+
+def _docstring(node: ast.AST) -> bool:  # or any bare string statement
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
 @dataclass
@@ -87,10 +91,6 @@ class Mutant:
     source: bytes  # the whole mutated module
     outcome: str = ""  # killed, timeout or survived
     by: str = ""  # the first failing test
-
-
-def _is_string_statement(node: ast.AST) -> bool:  # a docstring, or a bare string
-    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
 class Mutator:
@@ -133,7 +133,7 @@ class Mutator:
             if field in ("annotation", "returns"):
                 continue
             for child in value if isinstance(value, list) else [value]:
-                if isinstance(child, ast.AST) and not _is_string_statement(child):
+                if isinstance(child, ast.AST) and not _docstring(child):
                     self.visit(child, in_def)
 
     def mutate(self, node: ast.AST, in_def: bool) -> None:
@@ -180,8 +180,7 @@ def shown(data: bytes, a: int, b: int, width: int = 45) -> str:
 
 def mutants(source: bytes, path: str) -> tuple[list[Mutant], int]:
     """(the module's compiling mutants, numbered from 1 in source order; how many did not compile)."""
-    mutator = Mutator(source)
-    mutator.visit(ast.parse(source))
+    (mutator := Mutator(source)).visit(ast.parse(source))
     out, seen, broken = [], {source}, 0
     for a, b, replacement, kind in sorted(mutator.found, key=lambda f: f[:2]):
         new = source[:a] + replacement.encode() + source[b:]
@@ -193,8 +192,7 @@ def mutants(source: bytes, path: str) -> tuple[list[Mutant], int]:
         except SyntaxError:
             broken += 1
             continue
-        end = b + len(new) - len(source)
-        line = source.count(b"\n", 0, a) + 1
+        end, line = b + len(new) - len(source), source.count(b"\n", 0, a) + 1
         out.append(Mutant(len(out) + 1, line, kind, shown(source, a, b), shown(new, a, end), new))
     return out, broken
 
@@ -262,7 +260,7 @@ def covering(module: str) -> list[str]:
 
 
 def report_path(module: str) -> Path:
-    return RESULTS / f"mutation-{'-'.join(Path(module).with_suffix('').parts[1:])}.md"
+    return ROOT / "benchmarks" / "results" / f"mutation-{'-'.join(Path(module).with_suffix('').parts[1:])}.md"
 
 
 def cell(text: str) -> str:
@@ -271,10 +269,8 @@ def cell(text: str) -> str:
 
 def old_verdicts(path: Path) -> dict[tuple[str, str, str], str]:
     """The hand-written verdicts of a previous report, by (line, original, mutated) cells."""
-    if not path.is_file():
-        return {}
     found, inside = {}, False
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.is_file() else []:
         inside = line.startswith("## Survivors") if line.startswith("## ") else inside
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
         if inside and len(cells) == 7 and cells[0].isdigit():
