@@ -298,8 +298,8 @@ def report(path: Path, run: Run, ms: list[Mutant]) -> None:
     counts = Counter(m.outcome for m in ms)
     rows = [m for m in ms if m.outcome == "survived" or (str(m.line), cell(m.original), cell(m.mutated)) in verdicts]
     verdict = {m.number: verdicts.get((str(m.line), cell(m.original), cell(m.mutated)), "") for m in rows}
-    alive = [m for m in rows if m.outcome == "survived"]
-    argued = sum(verdict[m.number].startswith("equivalent") for m in alive)
+    alive = Counter("equivalent" if verdict[m.number].startswith("equivalent") else "other" if verdict[m.number]
+                    else "none" for m in rows if m.outcome == "survived")
     lines = [
         f"# Mutation testing: `{run.module}`", "",
         (f"Made by `{run.command}` (its docstring says what it does), {run.tree}, {datetime.now(UTC):%Y-%m-%d %H:%M}"
@@ -310,8 +310,8 @@ def report(path: Path, run: Run, ms: list[Mutant]) -> None:
         f"| mutants | {len(ms)} ({run.broken} more did not compile and were skipped) |",
         (f"| killed | {counts['killed'] + counts['timeout']}, of which {counts['timeout']} by the timeout "
          f"({run.timeout:.0f} s) |"),
-        (f"| survived | {counts['survived']}: argued equivalent {argued}, "
-         f"without a verdict yet {sum(not verdict[m.number] for m in alive)} |"),
+        (f"| survived | {counts['survived']}: argued equivalent {alive['equivalent']}, another verdict "
+         f"{alive['other']}, without a verdict yet {alive['none']} |"),
         f"| wall time | {run.wall / 60:.1f} min ({run.wall / max(len(ms), 1):.1f} s a mutant) |", "",
         "| kind of mutant | made | killed | timeout | survived |", "|---|---|---|---|---|",
         *(f"| {k} | {sum(m.kind == k for m in ms)} | " + " | ".join(
