@@ -28,16 +28,14 @@ logged, since no collective is possible there.
 """
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from zerompi.offload.fence import ShardFence
-from zerompi.checkpoint.writer import discarded
+from zerompi.checkpoint.writer import discard
 from zerompi.comm.group import ProcessGroup
-from zerompi.errors import CheckpointError
 from zerompi.log import get_logger
 
 logger = get_logger(__name__)
@@ -152,9 +150,7 @@ class BackgroundSave:
         self._thread.join()
         failed = "; ".join(self._outcome) or group.allgather_object(self.publish_error)[0]
         if failed:  # the same on every rank: every rank raises; rank 0 removes the partial files first
-            if self._publish is not None:
-                shutil.rmtree(self.directory, ignore_errors=True)
-            raise CheckpointError(f"asynchronous save of {self.tag!r} failed: {failed} ({discarded(self.directory)})")
+            raise discard(f"asynchronous save of {self.tag!r}", failed, self.directory, remove=self._publish is not None)
 
     def abandon(self, reason: str) -> None:
         """Without MPI (a peer is gone): give up on the other writers, so that rank 0's thread stops waiting

@@ -153,15 +153,16 @@ def agree_or_discard(group, error: str | None, tmp: Path, tag: str) -> None:
     try:
         all_ranks_ok(group, error, CheckpointError)
     except CheckpointError as e:
-        if group.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {tag!r} failed: {e} ({discarded(tmp)})") from None
+        raise discard(f"saving checkpoint {tag!r}", str(e), tmp, remove=group.rank == 0) from None
 
 
-def discarded(tmp: Path) -> str:
-    """What a failed save says of its files."""
-    return (f"under {tmp.parent}: its partial files ({tmp.name}) are removed, and 'latest' still names the last "
-            "complete checkpoint")
+def discard(what: str, failed: str, tmp: Path, remove: bool) -> CheckpointError:
+    """A failed save's error, every rank's alike; ``remove`` (rank 0, once every rank has stopped writing):
+    its partial files go first."""
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return CheckpointError(f"{what} failed: {failed} (under {tmp.parent}: its partial files ({tmp.name}) are "
+                           "removed, and 'latest' still names the last complete checkpoint)")
 
 
 def _attempt(fn, *args) -> str | None:

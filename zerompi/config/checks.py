@@ -8,7 +8,6 @@ errors under DeepSpeed's dotted names.
 from __future__ import annotations
 
 import difflib
-
 import importlib
 import math
 import numbers

@@ -13,7 +13,6 @@ import logging
 from torch import nn
 
 from zerompi.log import get_logger, log_rank0
-
 from zerompi.shard.layout import BucketLayout, choose_units, common_ancestor, descent, plan_buckets
 from zerompi.shard.placement import ParamPlacement, Residence
 from zerompi.shard.stages import StagePlan
