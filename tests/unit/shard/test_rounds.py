@@ -104,6 +104,14 @@ def _reference(order, optimizer: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _train_step(engine, step: int) -> None:
+    """One optimizer step over this rank's micro-batches of the global batch (mean squared error)."""
+    for i in engine.micro_batch_indices():
+        x, y = _batch(step, i)
+        engine.backward(((engine(x) - y) ** 2).mean())
+    assert engine.step()
+
+
 def _sequential(gs):
     out = gs[0].clone()
     for g in gs[1:]:
@@ -140,10 +148,7 @@ def test_summed_rounds_match_one_process_within_order_noise(n, stage, optimizer,
     def rank(group):
         engine = zerompi.initialize(copy.deepcopy(net), cfg, group=group)
         for step in range(STEPS):
-            for i in engine.micro_batch_indices():
-                x, y = _batch(step, i)
-                engine.backward(((engine(x) - y) ** 2).mean())
-            assert engine.step()
+            _train_step(engine, step)
         return engine.full_state_dict()
     got = run_ranks(n, rank)[0]
     err = {k: (got[k] - ref[k]).abs().max().item() / scale[k] for k in ref}
@@ -166,10 +171,7 @@ def test_evaluation_between_steps_leaves_uneven_rounds_in_step(stage):
         def rank(group):
             engine = zerompi.initialize(copy.deepcopy(net), cfg, group=group)
             for step in range(STEPS):
-                for i in engine.micro_batch_indices():
-                    x, y = _batch(step, i)
-                    engine.backward(((engine(x) - y) ** 2).mean())
-                assert engine.step()
+                _train_step(engine, step)
                 if evaluate:
                     with torch.no_grad():
                         engine(_batch(99, 0)[0])
