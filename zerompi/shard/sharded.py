@@ -261,7 +261,8 @@ class ShardedModel:
 
     def _pre_backward(self, unit: Unit, forward_pass: int) -> None:
         logger.debug("pre-backward %s", unit.fqn or "<root>")
-        self._replay.backward_reached(forward_pass)
+        if self.rounds.dealt:  # only rounds end and forget what they reached
+            self._replay.backward_reached(forward_pass)
         self._gather(unit)
         ahead = self.prefetcher.backward(unit)
         self._prefetch(ahead)
