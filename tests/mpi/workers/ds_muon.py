@@ -17,7 +17,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from ds_env import deepspeed_env
+from ds_env import deepspeed_env, exit_past_destructors
 from mpi4py import MPI
 from reference_step import reference_step
 from torch import nn
@@ -143,3 +143,5 @@ else:
 if comm.Get_rank() == 0:
     with open(args.out, "w") as f:
         json.dump(dict(impl=args.impl, world=comm.Get_size(), **result), f)
+if args.impl == "deepspeed":
+    exit_past_destructors()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from ds_env import deepspeed_env
+from ds_env import deepspeed_env, exit_past_destructors
 from reference_step import reference_step
 
 p = argparse.ArgumentParser()
@@ -148,3 +148,5 @@ else:
 if comm.Get_rank() == 0:
     with open(args.out, "w") as f:
         json.dump(dict(impl=args.impl, world=comm.Get_size(), **result), f)
+if args.impl == "deepspeed":
+    exit_past_destructors()

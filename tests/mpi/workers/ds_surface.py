@@ -20,7 +20,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ds_env import deepspeed_env
+from ds_env import deepspeed_env, exit_past_destructors
 from reference_step import reference_step
 
 p = argparse.ArgumentParser()
@@ -120,3 +120,5 @@ else:
 if MPI.COMM_WORLD.Get_rank() == 0:
     with open(args.out, "w") as f:
         json.dump(dict(impl=args.impl, **result), f)
+if args.impl == "deepspeed":
+    exit_past_destructors()
