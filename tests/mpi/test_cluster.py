@@ -366,9 +366,9 @@ def test_cut_link_is_a_hang_report_naming_the_unreachable_nodes_ranks(cluster, t
     """Node2's link cut in the middle of training (`ip link set` of its veth down on the bridge
     side, in place of netem's packet loss): nothing is reset, the ranks of node1 wait in the
     cross-node all-reduce, and the watchdog (hang_floor 3 s) prints a hang report naming ranks
-    2-3, node2's, as the missing culprits, then aborts. Guards the watchdog's report when ranks
-    are unreachable rather than dead. The report names the ranks, not the node: a missing rank
-    sent no record, so its host is unknown to it."""
+    2-3, node2's, as the missing culprits, and node2 as unreachable, then aborts. Guards the
+    watchdog's report when ranks are unreachable rather than dead: the hosts it names are the ones
+    every rank gave when the watchdog started (a missing rank sends no record)."""
     job, log = _training(cluster, tmp_path, "--hang-floor", "3")
     prefix, _ = _names(cluster)
     veth = f"{prefix}v2"
@@ -383,7 +383,8 @@ def test_cut_link_is_a_hang_report_naming_the_unreachable_nodes_ranks(cluster, t
         cluster.login("scancel", job)
     text = log.read_text()
     assert "zerompi hang report: 4 ranks, 2 answered" in text, text[-4000:]
-    assert "\n  rank(s) 2-3: missing\n" in text, text[-4000:]
+    assert "\n  rank(s) 2-3: missing on node2\n" in text, text[-4000:]
+    assert "\nunreachable: node2 (rank(s) 2-3): none of its ranks answered" in text, text[-4000:]
     # Ranks 2-3 are culprits whatever node1's ranks did: all at one collective (then the missing
     # ones are the culprits), or apart (node1's rank 0 got past an all-reduce with rank 2 before the
     # cut that rank 1's with rank 3 did not: the missing ranks are added to whoever is named).

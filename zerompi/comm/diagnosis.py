@@ -17,6 +17,9 @@ not issued that event yet counts as one more kind of event, "not reached"):
 4. ranks with no record (killed, or stuck where their watchdog thread cannot answer) are culprits
    whenever they are missing: alone if the present ranks agree on every event, else beside the above.
 
+A missing rank is named with its host (the job's hosts, gathered when the watchdog started), and a
+host none of whose ranks answered is named as unreachable: a lost node, or a cut link.
+
 A watchdog blames only a wait that lasts while no rank moves (watchdog.py looks twice), so a slow
 job whose ranks are merely spread over several events is not reported at all.
 """
@@ -50,6 +53,22 @@ class Report(NamedTuple):
     divergence: Divergence | None
     culprits: list[int]
     reason: str                         # why these ranks are the culprits
+    hosts: tuple[str, ...] = ()         # rank -> host, where the job's hosts are known
+
+    def host_of(self, ranks: list[int]) -> str:
+        """`` on node2`` (or `` on node1, node2``) for ``ranks``, where their hosts are known."""
+        if len(self.hosts) != self.size or not ranks:
+            return ""
+        return " on " + ", ".join(sorted({self.hosts[r] for r in ranks}))
+
+    def unreachable(self) -> dict[str, list[int]]:
+        """Hosts none of whose ranks answered (a lost node, a cut link) -> their ranks."""
+        if len(self.hosts) != self.size or not self.records:
+            return {}
+        by_host: dict[str, list[int]] = defaultdict(list)
+        for r, host in enumerate(self.hosts):
+            by_host[host].append(r)
+        return {h: rs for h, rs in sorted(by_host.items()) if not any(r in self.records for r in rs)}
 
 
 def record_path(directory: str | os.PathLike, rank: int) -> Path:
@@ -141,15 +160,15 @@ def _culprits(records: dict[int, dict[str, Any]], missing: list[int],
     return [], "no majority: the ranks disagree and none stands out; none is named, since each may only wait on another"
 
 
-def diagnose(records: dict[int, dict[str, Any]], size: int) -> Report:
-    """Compare the records of a job of ``size`` ranks (some may be missing)."""
+def diagnose(records: dict[int, dict[str, Any]], size: int, hosts: tuple[str, ...] = ()) -> Report:
+    """Compare the records of a job of ``size`` ranks (some may be missing); ``hosts``: each rank's host."""
     missing = [r for r in range(size) if r not in records]
     div = find_divergence(records)
     culprits, reason = _culprits(records, missing, div)
     if div is not None and missing and reason != RAISED:
         reason += "; ranks with no record are missing"
         culprits = sorted(set(culprits) | set(missing))
-    return Report(size, records, missing, div, culprits, reason)
+    return Report(size, records, missing, div, culprits, reason, tuple(hosts))
 
 
 # ---- text -------------------------------------------------------------------------------------
@@ -203,10 +222,13 @@ def format_report(report: Report, *, directory: str | None = None, trigger: str 
              + (f"; {trigger}" if trigger else "")]
     named = f"rank(s) {rank_list(report.culprits)}" if report.culprits else "none named"
     lines.append(f"culprit: {named} ({report.reason})")
+    lines.extend(f"unreachable: {host} (rank(s) {rank_list(ranks)}): none of its ranks answered (a lost node, "
+                 "or a cut link)" for host, ranks in report.unreachable().items())
     for r in report.culprits[:DETAILED]:
         rec = report.records.get(r)
         if rec is None:
-            lines.append(f"  rank {r}: missing (no record: killed, or stuck where it cannot answer)")
+            lines.append(f"  rank {r}: missing{report.host_of([r])} (no record: killed, or stuck where it cannot "
+                         "answer)")
             continue
         lines.append(f"  rank {r}: {where(rec)}")
         lines.extend(f"    {frame}" for frame in rec["stack"])
@@ -220,7 +242,8 @@ def format_report(report: Report, *, directory: str | None = None, trigger: str 
     for (state, frames), ranks in sorted(_states(report).items(), key=lambda kv: kv[1][0]):
         rec = report.records.get(ranks[0]) if len(ranks) == 1 else None
         host = f" ({rec['host']} pid {rec['pid']})" if rec is not None else ""
-        lines.append(f"  rank(s) {rank_list(ranks)}{host}: {state}")
+        on = report.host_of(ranks) if state == "missing" else ""
+        lines.append(f"  rank(s) {rank_list(ranks)}{host}: {state}{on}")
         lines.extend(f"    {frame}" for frame in frames)
     if directory:
         lines.append(f"records: {directory} (`zerompi diagnose {directory}` prints this report again)")

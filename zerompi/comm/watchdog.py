@@ -130,10 +130,11 @@ class Watchdog:
         return None
 
     def start(self, policy: HangPolicy, rank: int, size: int, abort: Callable[[int], None],
-              recorder: Recorder, channel: Channel | None = None) -> None:
-        """Start checking (once per process: later calls change nothing)."""
+              recorder: Recorder, channel: Channel | None = None, hosts: tuple[str, ...] = ()) -> None:
+        """Start checking (once per process: later calls change nothing). ``hosts``: each rank's host, so
+        that a report names the host of a rank that does not answer."""
         if self._thread is None and policy.active:
-            self._job = _Job(policy, rank, size, abort, recorder, channel, self._stop)
+            self._job = _Job(policy, rank, size, abort, recorder, channel, self._stop, hosts)
             self._thread = threading.Thread(target=self._watch, args=(self._job,), daemon=True,
                                             name="zerompi-watchdog")
             self._thread.start()
@@ -201,9 +202,10 @@ class _Job:
     """What the watchdog thread needs to diagnose: the policy, this rank, the recorder, the channel."""
 
     def __init__(self, policy: HangPolicy, rank: int, size: int, abort: Callable[[int], None],
-                 recorder: Recorder, channel: Channel | None, stopped: threading.Event):
+                 recorder: Recorder, channel: Channel | None, stopped: threading.Event,
+                 hosts: tuple[str, ...] = ()):
         self.policy, self.rank, self.size, self.abort = policy, rank, size, abort
-        self.recorder, self.channel, self.stopped = recorder, channel, stopped
+        self.recorder, self.channel, self.stopped, self.hosts = recorder, channel, stopped, tuple(hosts)
         self._claimed = threading.Lock()
         self.failure: dict[str, Any] | None = None  # this rank's uncaught exception: every later record carries it
         self.received: dict[int, dict[str, Any]] = {}  # records sent here (rank 0 and the deputy)
@@ -253,6 +255,8 @@ class _Job:
         """This rank's record now, with its exception if it raised."""
         record = self.recorder.snapshot(self.rank, self.size, watchdog.waiting, trigger)
         record.update(self.failure or {})
+        if self.hosts and self.rank in (0, DEPUTY):  # the reporters' files name every rank's host
+            record["hosts"] = list(self.hosts)
         return record
 
     def _send(self, record: dict[str, Any]) -> None:
@@ -330,7 +334,7 @@ class _Job:
         # this rank's record as it is now: it may have raised since it was first taken
         records = {**self.received, self.rank: self.record(watchdog, trigger)}
         written = where == self.policy.directory
-        text = diagnosis.format_report(diagnosis.diagnose(records, self.size), trigger=trigger,
+        text = diagnosis.format_report(diagnosis.diagnose(records, self.size, self.hosts), trigger=trigger,
                                        directory=where if written else None)
         self.say(text if written else text + f"records: {where}\n")
         if written:

@@ -24,7 +24,8 @@ def run(args) -> int:
                            "there (hang_dir unset or not writable, or it did not abort on a hang)")
     size = max(size, args.size or 0)
     trigger = next((r["reason"] for _, r in sorted(records.items()) if r.get("reason")), "")
-    sys.stdout.write(diagnosis.format_report(diagnosis.diagnose(records, size), trigger=trigger))
+    hosts = next((tuple(r["hosts"]) for _, r in sorted(records.items()) if r.get("hosts")), ())
+    sys.stdout.write(diagnosis.format_report(diagnosis.diagnose(records, size, hosts), trigger=trigger))
     return 0
 
 

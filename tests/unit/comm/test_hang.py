@@ -156,6 +156,31 @@ def test_the_report_groups_ranks_in_the_same_state():
     assert diagnosis.rank_list([7, 0, 1, 2, 5, 9, 10]) == "0-2, 5, 7, 9-10"
 
 
+def test_a_node_none_of_whose_ranks_answered_is_named_unreachable_with_its_ranks():
+    """Node2 lost (or its link cut): ranks 2-3 sent no record. The report names node2 and its ranks, and
+    each missing rank with its host; node1, whose ranks answered, is not unreachable. Break: drop the
+    hosts from diagnose, and node2 appears nowhere."""
+    hosts = ("node1", "node1", "node2", "node2")
+    report = diagnosis.diagnose({r: record(r, 4, STEP) for r in range(2)}, 4, hosts)
+    assert report.culprits == [2, 3] and report.unreachable() == {"node2": [2, 3]}
+    text = diagnosis.format_report(report)
+    assert "\nunreachable: node2 (rank(s) 2-3): none of its ranks answered" in text, text
+    assert "  rank 2: missing on node2 (" in text and "  rank(s) 2-3: missing on node2\n" in text, text
+    # one rank of a node lost: the node answered, so it is not unreachable; the rank still names its host
+    report = diagnosis.diagnose({r: record(r, 4, STEP) for r in (0, 1, 2)}, 4, hosts)
+    assert report.unreachable() == {} and "unreachable" not in diagnosis.format_report(report)
+    assert "  rank 3: missing on node2 (" in diagnosis.format_report(report)
+    # without the hosts (an in-process group, old records), the report is as before
+    assert "node2" not in diagnosis.format_report(diagnosis.diagnose({r: record(r, 4, STEP) for r in range(2)}, 4))
+
+
+def test_diagnose_command_names_the_unreachable_node_from_a_reporters_hosts(tmp_path, capsys):
+    for r in range(2):
+        diagnosis.write_record(tmp_path, {**record(r, 4, STEP), "hosts": ["node1", "node1", "node2", "node2"]})
+    assert main(["diagnose", str(tmp_path)]) == 0
+    assert "unreachable: node2 (rank(s) 2-3)" in capsys.readouterr().out
+
+
 # ---- files and the command --------------------------------------------------------------------
 
 def test_diagnose_command_prints_the_report_from_the_files(tmp_path, capsys):

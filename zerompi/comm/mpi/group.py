@@ -120,7 +120,10 @@ class MPIGroup:
                 local = f"{MPI.Get_processor_name()}-{os.getpid()}"
                 job = channel.comm.bcast(local, root=0) if channel is not None else local
             policy = policy._replace(directory=default_directory(job))
-        self.monitor.watchdog.start(policy, self.rank, self.size, self.comm.Abort, self.monitor.recorder, channel)
+        # every rank's host, once: a report names the node of ranks that cannot answer (lost, or cut off)
+        hosts = tuple(channel.comm.allgather(MPI.Get_processor_name())) if channel is not None else ()
+        self.monitor.watchdog.start(policy, self.rank, self.size, self.comm.Abort, self.monitor.recorder, channel,
+                                    hosts)
 
     def step_done(self) -> None:
         """An optimizer step ended (its duration sets the watchdog's default deadline)."""
