@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = apply_flags(args, train, zero_doc)
     gpt_cfg = gpt_config_from_dict(model_doc)
 
-    # Every rank must start from the same weights; the engine checks that they do.
+    # The same seed on every rank: the engine starts every rank from rank 0's weights (as DDP does) and warns,
+    # naming them, about ranks whose weights differed (shard/initial.py).
     torch.manual_seed(train["seed"])
     model = GPT(gpt_cfg)
     data = ByteCorpus(max_bytes=train["data_max_bytes"] or None)

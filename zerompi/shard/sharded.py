@@ -12,6 +12,7 @@ tensors, as buffers always do (values from rank 0; floating ones in the compute 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,16 +27,17 @@ from zerompi.checkpoint.snapshot import Entry, ShardView
 from zerompi.config.choices import BufferDType, Progress, Rounds
 from zerompi.config.sections import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
-from zerompi.log import get_logger
 from zerompi.iteration import Backward
+from zerompi.log import get_logger
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
 from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.grads import NORM_CHUNK
 from zerompi.shard.hooks import HookSet
+from zerompi.shard.initial import InitialValues
 from zerompi.shard.layout import BucketLayout
-from zerompi.shard.planning import log_plan, plan_layouts
 from zerompi.shard.placement import ParamPlacement, Residence
+from zerompi.shard.planning import log_plan, plan_layouts
 from zerompi.shard.prefetch import Prefetcher
 from zerompi.shard.rounds import RoundGathers
 from zerompi.shard.steps import BackwardSteps
@@ -111,11 +113,10 @@ class ShardedModel:
         # requires_grad as planned: a change after initialize would silently train the wrong set
         self._planned = [(n, p, self.placements[n].trainable) for n, p in module.named_parameters()]
         named = [(n, p) for n, p, trains in self._planned if trains]
-        uses: dict[int, int] = {}
-        for _, p in module.named_parameters(remove_duplicate=False):
-            uses[id(p)] = uses.get(id(p), 0) + 1
+        uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
         self._tied = {i for i, n in uses.items() if n > 1}  # ids of parameters of several modules
         self.units: list[Unit] = []
+        self.initial = InitialValues()  # ranks whose initial values rank 0's replace are named once built
         built = [self._build(layout) for layout in self._plan(options.cap_numel)]
         trim_heap()  # the full tensors each build copied out of, and the shards' unaligned first copies
         self.buckets = [b for b in built if b.trains]
@@ -176,8 +177,9 @@ class ShardedModel:
             init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
             if deferred and id(p) not in self._tied:  # in the bucket now: the full tensor may go before
                 p.data = p.data.new_empty(0)            # the next one (a tied one is another module's too)
-        # every rank starts from rank 0's values, as DDP does
-        self.groups.world.broadcast(init, what=f"initial values of {'frozen ' if frozen else ''}bucket {layout.index}")
+        what = f"initial values of {'frozen ' if frozen else ''}bucket {layout.index}"  # rank 0's, as in DDP
+        self.initial.broadcast(init, [(s.fqn, slice(s.offset, s.offset + s.numel)) for s in layout.slots],
+                               lambda t: self.groups.world.broadcast(t, what=what))
         placement = dataclasses.replace(self.placement, plan=placed.bucket_plan(self.plan))
         bucket = Bucket(layout, params, placement, init, self.comm, placed, self.tiers)
         del init  # the next bucket's values may take its place
@@ -195,16 +197,16 @@ class ShardedModel:
     def _sync_replicated(self) -> None:
         """Replicated frozen parameters and buffers: rank 0's values; the parameters in the compute dtype,
         the buffers too unless buffer_dtype is 'model'."""
-        frozen = [p for _, p in self.replicated_frozen()]
-        cast = {id(t) for t in frozen}
-        if self.buffer_dtype is BufferDType.COMPUTE:
-            cast.update(id(b) for b in self.module.buffers())
-        for t in frozen + list(self.module.buffers()):
+        frozen, buffers = self.replicated_frozen(), list(self.module.named_buffers())
+        cast = {id(t) for _, t in frozen + (buffers if self.buffer_dtype is BufferDType.COMPUTE else [])}
+        for name, t in frozen + buffers:
             if t.is_floating_point() and id(t) in cast:
                 t.data = t.data.to(self.placement.dtype)
             if not t.is_contiguous():
                 t.data = t.data.contiguous()
-            self.groups.world.broadcast(t.data.view(-1), what="a frozen parameter or buffer")
+            self.initial.broadcast(t.data.view(-1), [(name, slice(None))],
+                                    lambda v: self.groups.world.broadcast(v, what="a frozen parameter or buffer"))
+        self.initial.report(self.groups.world)
 
     # ---- forward / backward events ---------------------------------------
     def _pre_forward(self, unit: Unit, entry: nn.Module, args: tuple, kwargs: dict):
