@@ -128,3 +128,18 @@ def build(specs: list[GroupOptimizer], buckets: list, policy: OptimizerPolicy,
             group_policy = policy
         optimizers.append(spec.cls([{**spec.options, "params": params}], **kwargs_for(group_policy)))
     return InnerOptimizers(optimizers), names, views
+
+
+def changed_on_resume(current: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[str]:
+    """The options this engine was built with that a checkpoint's differ from, as ``group i: lr 0.01 here,
+    0.001 in the checkpoint``. A schedule moves ``lr`` by design: where a group has ``initial_lr`` (set by
+    a torch scheduler), that is the value the config gave and the one compared."""
+    changes = []
+    for i, (now, then) in enumerate(zip(current, saved)):
+        for key, value in now.items():
+            if key == "lr" and "initial_lr" in now or key not in then or isinstance(value, bool):
+                continue
+            old = tuple(then[key]) if isinstance(value, tuple) else then[key]
+            if old != value:
+                changes.append(f"group {i}: {key} {value!r} here, {old!r} in the checkpoint")
+    return changes

@@ -41,7 +41,7 @@ from zerompi.log import get_logger
 from zerompi.offload.residency import ShardState
 from zerompi.offload.tiers import TierPlan
 from zerompi.optim import groups as group_optimizers
-from zerompi.optim.groups import KERNEL_KEYS
+from zerompi.optim.groups import KERNEL_KEYS, changed_on_resume
 from zerompi.optim.norms import grad_norm_for
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
@@ -353,7 +353,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for g in self.inner.param_groups]
 
     def load_hyperparameters(self, saved: list[dict[str, Any]]) -> None:
-        """Restore the numeric options the groups already have (bools and unknown keys are kept)."""
+        """Restore the numeric options the groups already have (bools and unknown keys are kept).
+
+        The checkpoint's values win, as in torch's ``Optimizer.load_state_dict`` and DeepSpeed's
+        ``load_checkpoint``: a resume continues the run it resumes. Options the config changed since are
+        named in a warning (rank 0), with how to train on with the new ones."""
+        changes = changed_on_resume(self.hyperparameters(), saved)
+        if changes and self.group.rank == 0:
+            logger.warning("the checkpoint's optimizer options differ from this engine's config and win, as in "
+                           "torch's load_state_dict: %s. To train on with the config's, set them after "
+                           "load_checkpoint: engine.optimizer.param_groups[i][key] = value (for lr under a "
+                           "schedule, engine.lr_scheduler.base_lrs[i] too)", "; ".join(changes))
         for group, options in zip(self.inner.param_groups, saved):
             for k, v in options.items():
                 if k in group and isinstance(group[k], (int, float, tuple, list)) and not isinstance(group[k], bool):
