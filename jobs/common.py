@@ -27,6 +27,7 @@ import torch
 from mpi4py import MPI
 
 import zerompi
+from zerompi.checkpoint import retention
 from zerompi.errors import ConfigError
 
 log = logging.getLogger("jobs")
@@ -34,7 +35,9 @@ log = logging.getLogger("jobs")
 # [train] keys every job has; a job adds its own to these defaults.
 LOOP_DEFAULTS = dict(steps=100, log_every=10, eval_every=50, seed=1337,
                      save_every=0, ckpt_dir="",  # 0: no periodic checkpoints; "": {out_dir}/checkpoints
+                     keep_last=0,  # 0: every checkpoint is kept; K: the K newest complete ones (and one in flight)
                      async_save=True)  # periodic checkpoints written on a background thread while training goes on
+LATEST = "latest"  # --resume without a tag
 EVAL_STREAM = 2**31 - 1  # a "step" no training step reaches: eval draws never repeat train draws
 
 
@@ -48,8 +51,11 @@ def parse_args(doc: str, default_config: str, argv: list[str] | None = None, *,
     p.add_argument("--out", help="override train.out_dir")
     p.add_argument("--stage", type=int, help="override zero.stage")
     p.add_argument("--save-every", type=int, help="override train.save_every (steps between checkpoints)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in the checkpoint directory, if there is one")
+    p.add_argument("--keep-last", type=int, metavar="K", help="override train.keep_last (keep the K newest "
+                   "checkpoints, remove older ones; 0 keeps all)")
+    p.add_argument("--resume", nargs="?", const=LATEST, default=None, metavar="TAG",
+                   help="continue from the latest checkpoint in the checkpoint directory, if there is one; with "
+                        "TAG, from that one (it must exist: `zerompi ckpt inspect DIR` lists them)")
     if reproducible:
         p.add_argument("--reproducible", action="store_true",
                        help="train the same bits at any world size (zero.reproducible): micro-batch i of a step "
@@ -81,8 +87,11 @@ def load_config(path: str, train_defaults: dict) -> tuple[dict, dict, dict]:
 
 def apply_flags(args: argparse.Namespace, train: dict, zero_doc: dict) -> zerompi.ZeroConfig:
     """Command-line overrides of [train] (in place) and [zero]; returns the ZeroConfig."""
-    train.update({k: v for k, v in (("steps", args.steps), ("out_dir", args.out), ("save_every", args.save_every))
-                  if v is not None})
+    train.update({k: v for k, v in (("steps", args.steps), ("out_dir", args.out), ("save_every", args.save_every),
+                                    ("keep_last", args.keep_last)) if v is not None})
+    if not isinstance(train["keep_last"], int) or train["keep_last"] < 0:
+        raise ConfigError(f"train.keep_last (--keep-last) must be a whole number >= 0 (0 keeps every checkpoint), "
+                          f"got {train['keep_last']!r}")
     cfg = zerompi.ZeroConfig.from_dict(zero_doc)
     if args.stage is not None:
         cfg = cfg.replace(stage=args.stage)
@@ -228,18 +237,20 @@ def topology_line(engine) -> str:
     return f"topology: world size {info.world_size} on {shape}, hierarchy {topology.hierarchy}{grouping}"
 
 
-def start_run(engine, train: dict, config: dict, resume: bool, unit: str, per_step: int,
+def start_run(engine, train: dict, config: dict, resume: str | None, unit: str, per_step: int,
               preemption: Preemption, first_step: int = 1, include_frozen: bool = True) -> Run:
-    """Resume from the latest checkpoint if asked; on rank 0 write config.json.
+    """Resume if asked (``resume``: LATEST, the latest checkpoint if there is one, or a tag that must exist);
+    on rank 0 write config.json.
 
     ``first_step`` > 1 continues a run (a later phase of the same job): metrics are appended.
     ``include_frozen=False``: the run's checkpoints hold what training changes, not the frozen base.
     """
     out_dir = Path(train["out_dir"])
     ckpt_dir = Path(train["ckpt_dir"] or out_dir / "checkpoints")
-    if resume and (ckpt_dir / "latest").exists():
-        first_step = engine.load_checkpoint(ckpt_dir)["next_step"]
-        log.warning("resumed from %s at step %d", ckpt_dir, first_step)
+    if resume is not None and (resume != LATEST or (ckpt_dir / "latest").exists()):
+        tag = None if resume == LATEST else resume
+        first_step = engine.load_checkpoint(ckpt_dir, tag=tag)["next_step"]
+        log.warning("resumed from %s at step %d", ckpt_dir / (tag or "latest"), first_step)
     run = Run(engine, train, out_dir, ckpt_dir, first_step, unit, per_step, preemption, include_frozen)
     layout = topology_line(engine)
     if run.rank0:
@@ -293,6 +304,8 @@ def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn
             engine.save_checkpoint(run.ckpt_dir, client_state={"next_step": step + 1},
                                    include_frozen=run.include_frozen,
                                    async_save=train["async_save"] and not stop)
+            if train["keep_last"] and run.rank0:  # of the published ones: the save just begun is not yet
+                retention.prune(run.ckpt_dir, train["keep_last"])
         if stop:
             if run.rank0:
                 print(f"preempted: checkpoint at step {step} in {run.ckpt_dir}; rerun with --resume", flush=True)
@@ -320,6 +333,8 @@ def train_loop(run: Run, step_fn: StepFn, eval_fn: EvalFn | None, extra: ExtraFn
             progress(line)
 
     engine.wait_checkpoint()  # the last periodic checkpoint is published (or its failure raised) before the report
+    if train["keep_last"] and run.rank0:
+        retention.prune(run.ckpt_dir, train["keep_last"])  # while one is written, K + 1 are on disk; now K
     if run.rank0 and not first:
         print(f"nothing to do: the checkpoint is already at step {run.first_step - 1} of {steps}", flush=True)
     elif run.rank0:

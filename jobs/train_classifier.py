@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 import zerompi
-from common import (EVAL_STREAM, LOOP_DEFAULTS, Preemption, apply_flags, generator, load_config, parse_args,
+from common import (EVAL_STREAM, LATEST, LOOP_DEFAULTS, Preemption, apply_flags, generator, load_config, parse_args,
                     setup_logging, start_run, test_metrics, train_loop)
+from zerompi.errors import ConfigError
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, modules=["argparse", "subprocess", "tarfile", "typing"], snippet=256,
                       micro_batch=16, test_fraction=0.2, eval_per_module=64, mlm_steps=0, mlm_lr=1e-3,
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     rank0 = setup_logging()
     model_doc, train, zero_doc = load_config(args.config, TRAIN_DEFAULTS)
     cfg = apply_flags(args, train, zero_doc)
+    if args.resume not in (None, LATEST):
+        raise ConfigError("train_classifier resumes each phase from its own latest checkpoint: --resume takes no "
+                          f"tag here (got {args.resume!r})")
     data = Snippets(train["modules"], train["snippet"], train["test_fraction"])
     x_test, y_test = data.test_set(train["eval_per_module"])
     model_cfg = dict(MODEL_DEFAULTS, **model_doc)

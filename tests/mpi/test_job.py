@@ -22,6 +22,8 @@ def _resumed(add, where):
     add(2, where / "a", *TINY, "--out", where / "a")
     first = add(2, where / "b", *TINY, "--out", where / "b", "--steps", "10", "--save-every", "10")
     add(2, where / "resumed", *TINY, "--out", where / "b", "--resume", after=[first])
+    kept = add(2, where / "c", *TINY, "--out", where / "c", "--steps", "12", "--save-every", "4", "--keep-last", "2")
+    add(2, where / "from_tag", *TINY, "--out", where / "c", "--resume", "step00000008", after=[kept])
 
 
 def _reproducible(add, where):
@@ -63,6 +65,14 @@ def test_train_gpt_resumes_exactly(ran, request):
     assert a[-1]["step"] == b[-1]["step"] == 20
     assert a[-1]["loss"] == b[-1]["loss"] and a[-1]["val_loss"] == b[-1]["val_loss"]
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step00000010"
+    # --keep-last 2 left the two newest of steps 4, 8 and 12, and --resume TAG continued from the older one
+    # to 20 (saving nothing: tiny.toml's save_every is 0), on the straight run's loss again
+    out = job_output(tmp_path / "from_tag")[1]
+    assert "resumed from" in out and "step00000008 at step 9" in out, out[-2000:]
+    c = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in c] == [1, 5, 10, 12, 10, 15, 20] and c[-1]["loss"] == a[-1]["loss"], (c, a[-1])
+    tags = sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir() if p.name.startswith("step"))
+    assert tags == ["step00000008", "step00000012"], tags
 
 
 def test_train_gpt_checkpoints_on_sigusr1_and_the_loss_curve_continues(tmp_path):

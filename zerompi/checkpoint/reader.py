@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerompi.checkpoint import paths, schema
+from zerompi.checkpoint import paths, retention, schema
 from zerompi.checkpoint.entries import LoadContext, entries
 from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.held import HeldCheckpoint, HeldFiles
@@ -200,6 +200,11 @@ def load(engine, root: str | os.PathLike, tag: str | None = None) -> Any:
         error = str(e)
     except schema.H5_ERRORS as e:  # damaged HDF5 structures, or well-formed files with bad contents
         error = str(schema.damaged(str(root), e))
+    if error is not None:
+        try:
+            error += retention.others_hint(root, tag)
+        except (CheckpointError, *schema.H5_ERRORS):
+            pass  # the error itself is what matters
     all_ranks_ok(engine.group, error, CheckpointError)
     apply(engine, snap, loaded)
     return loaded.index.client_state
