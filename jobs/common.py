@@ -11,6 +11,7 @@ so that a resumed run repeats an uninterrupted one exactly.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -74,15 +75,57 @@ def setup_logging() -> bool:
     return rank == 0
 
 
+def _kind(default) -> str:
+    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+            list: "a list"}.get(type(default), type(default).__name__)
+
+
+def _fits(value, default) -> bool:
+    """A TOML value where ``default`` is: the same kind (a whole number also where a number is)."""
+    if default is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
 def load_config(path: str, train_defaults: dict) -> tuple[dict, dict, dict]:
-    """The [model], [train] and [zero] tables; unknown tables or [train] keys are errors."""
-    with open(path, "rb") as f:
-        doc = tomllib.load(f)
+    """The [model], [train] and [zero] tables; unknown tables or [train] keys, and [train] values of
+    another kind than their defaults, are errors naming the file."""
+    global CONFIG_PATH
+    CONFIG_PATH = path
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read it: {e}") from None
     unknown = sorted(set(doc) - {"model", "train", "zero"}) + \
         sorted(f"train.{k}" for k in set(doc.get("train", {})) - set(train_defaults))
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}")
+        near = {k: difflib.get_close_matches(k.removeprefix("train."), list(train_defaults), 1) for k in unknown}
+        named = ", ".join(f"{k} (did you mean train.{near[k][0]}?)" if near[k] else k for k in unknown)
+        raise ConfigError(f"unknown key(s) {named}; [train] keys: {', '.join(sorted(train_defaults))}")
+    for key, value in doc.get("train", {}).items():
+        if not _fits(value, train_defaults[key]):
+            raise ConfigError(f"train.{key}: expected {_kind(train_defaults[key])}, got {value!r}")
     return doc.get("model", {}), {**train_defaults, **doc.get("train", {})}, doc.get("zero", {})
+
+
+CONFIG_PATH: str | None = None  # the job's config file, once load_config read it (for error messages)
+
+
+def job_main(main: Callable[[], object]) -> None:
+    """A job's entry point: a ConfigError (a wrong key, kind or value in the config file or a flag) is one
+    short message naming the file, on rank 0, and exit status 2 on every rank, not a traceback per rank."""
+    try:
+        main()
+    except ConfigError as e:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            where = f" in {CONFIG_PATH} or its flags" if CONFIG_PATH else ""
+            print(f"{Path(sys.argv[0]).name}: configuration error{where}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def apply_flags(args: argparse.Namespace, train: dict, zero_doc: dict) -> zerompi.ZeroConfig:

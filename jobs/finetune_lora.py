@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import zerompi
-from common import (LOOP_DEFAULTS, Preemption, apply_flags, corpus_val_loss, load_config, micro_batches,
+from common import (LOOP_DEFAULTS, Preemption, apply_flags, corpus_val_loss, job_main, load_config, micro_batches,
                     micro_batches_per_step, parse_args, setup_logging, start_run, train_loop)
 from zerompi.checkpoint import load_full_state_dict
 from zerompi.models.corpus import ByteCorpus
@@ -148,4 +148,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    job_main(main)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import zerompi
-from common import (LOOP_DEFAULTS, Preemption, apply_flags, load_config, parse_args, setup_logging,
+from common import (LOOP_DEFAULTS, Preemption, apply_flags, job_main, load_config, parse_args, setup_logging,
                     shard_indices, start_run, test_metrics, train_loop)
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, batch=0, out_dir="out/linear-regression", tolerance=1e-4)
@@ -90,4 +90,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    job_main(main)

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import zerompi
-from common import (EVAL_STREAM, LATEST, LOOP_DEFAULTS, Preemption, apply_flags, generator, load_config, parse_args,
-                    setup_logging, start_run, test_metrics, train_loop)
+from common import (EVAL_STREAM, LATEST, LOOP_DEFAULTS, Preemption, apply_flags, generator, job_main, load_config,
+                    parse_args, setup_logging, start_run, test_metrics, train_loop)
 from zerompi.errors import ConfigError
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, modules=["argparse", "subprocess", "tarfile", "typing"], snippet=256,
@@ -175,4 +175,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    job_main(main)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import zerompi
-from common import (LOOP_DEFAULTS, Preemption, apply_flags, broadcast_buffers, generator, load_config,
+from common import (LOOP_DEFAULTS, Preemption, apply_flags, broadcast_buffers, generator, job_main, load_config,
                     parse_args, setup_logging, shard_indices, start_run, test_metrics, train_loop)
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, batch=64, test_fraction=0.2, out_dir="out/cnn")
@@ -99,4 +99,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    job_main(main)
