@@ -184,6 +184,13 @@ def shard_indices(n: int, global_batch: int, step: int, seed: int, rank: int, wo
     return order[i * global_batch:(i + 1) * global_batch][rank::world]
 
 
+def share(local: int, global_batch: int, world: int) -> float:
+    """The weight of this rank's mean loss over its ``local`` examples such that the engine's average over
+    ranks is the mean over the global batch: ``local * world / global_batch`` (1 where the shares are even).
+    Uneven shares (2,048 rows on 3 ranks) weighted equally would bias the gradient toward the smaller ones."""
+    return local * world / global_batch
+
+
 def broadcast_buffers(module: torch.nn.Module) -> None:
     """Rank 0's buffers (BatchNorm running statistics) to every rank, as DDP does before each forward.
 

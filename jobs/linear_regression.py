@@ -18,7 +18,7 @@ from torch import nn
 
 import zerompi
 from common import (LOOP_DEFAULTS, Preemption, apply_flags, job_main, load_config, parse_args, setup_logging,
-                    shard_indices, start_run, test_metrics, train_loop)
+                    shard_indices, share, start_run, test_metrics, train_loop)
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, batch=0, out_dir="out/linear-regression", tolerance=1e-4)
 DATA_DEFAULTS = dict(features=16, n_train=2048, n_test=512, noise=0.1, data_seed=0)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def step_fn(step: int) -> dict:
         idx = shard_indices(len(x), batch, step, train["seed"], rank, world)
-        loss = mse(x[idx], y[idx])
+        loss = mse(x[idx], y[idx]) * share(len(idx), batch, world)  # the global batch's mean, also uneven
         engine.backward(loss)
         engine.step()
         return {"loss": loss.item()}

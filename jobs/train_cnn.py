@@ -18,7 +18,7 @@ from torch import nn
 
 import zerompi
 from common import (LOOP_DEFAULTS, Preemption, apply_flags, broadcast_buffers, generator, job_main, load_config,
-                    parse_args, setup_logging, shard_indices, start_run, test_metrics, train_loop)
+                    parse_args, setup_logging, shard_indices, share, start_run, test_metrics, train_loop)
 
 TRAIN_DEFAULTS = dict(LOOP_DEFAULTS, batch=64, test_fraction=0.2, out_dir="out/cnn")
 MODEL_DEFAULTS = dict(channels=16, hidden=64, dropout=0.25)
@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
         idx = shard_indices(len(x), train["batch"], step, train["seed"], engine.rank, engine.world_size)
         broadcast_buffers(engine.module)
         loss, correct = classify(engine, x[idx], y[idx])
-        engine.backward(loss)
+        weight = share(len(idx), train["batch"], engine.world_size)  # the global batch's mean, also uneven
+        engine.backward(loss * weight)
         engine.step()
-        return {"loss": loss.item(), "accuracy": correct / len(idx)}
+        return {"loss": loss.item() * weight, "accuracy": correct / len(idx) * weight}
 
     result = train_loop(run, step_fn, lambda: evaluate(engine, x_test, y_test))
     if result.completed and rank0 and "val_accuracy" in result.metrics:
