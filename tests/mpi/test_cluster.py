@@ -218,6 +218,29 @@ def test_reproducible_two_nodes_train_the_bits_of_one_node_and_of_the_plain_loop
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (key, label)
 
 
+NVME_ROWS = ("2-fp32-nvme-False", "3-bf16-nvme-True")  # optimizer state (stage 2), parameters too (stage 3)
+
+
+def test_nvme_offload_on_node_local_scratch_trains_the_bits_of_one_node(cluster, tmp_path):
+    """NVMe offload with nvme_path on each node's own scratch disk (/scratch/local, which only that node
+    sees): on 2 nodes x 2 ranks the NVMe rows of workers/reproducible.py train the per-step digests of
+    the same rows on 1 node x 4 ranks swapping to this machine's temp dir, and every rank's swap file
+    lived on its own node's disk (ranks 0-1 on node1's, 2-3 on node2's), removed at close."""
+    rows = ",".join(NVME_ROWS)
+    two = cluster.dir / "shared" / "nvme-2x2.json"
+    _on_two_nodes(cluster, WORKERS / "reproducible.py", "--out", two, "--rows", rows, "--swap", "/scratch/local/swap")
+    one = tmp_path / "nvme-1x4.json"
+    run_mpi(4, "reproducible.py", "--out", str(one), "--rows", rows, timeout=300)
+    two, one = json.loads(two.read_text()), json.loads(one.read_text())
+    for key in NVME_ROWS:
+        a, b = two["rows"][key], one["rows"][key]
+        assert a["steps"] == b["steps"] and a["digest"] == b["digest"], key
+        assert [s["host"] for s in a["swap"]] == ["node1", "node1", "node2", "node2"], a["swap"]
+        assert all(s["path"].startswith("/scratch/local/swap/") and s["bytes"] > 0 for s in a["swap"]), a["swap"]
+    for node in ("node1", "node2"):  # each node's disk held its ranks' files only while they ran
+        assert list((cluster.dir / "nodes" / node / "scratch" / "swap").iterdir()) == [], node
+
+
 LINK_SLACK = 128 * 1024  # bytes: barriers, Slurm's own messages to the head, in the measured window
 
 

@@ -6,11 +6,14 @@ STEPS steps on G = 6 micro-batches per step, whose data comes from (step, global
 gradient clipping that bites (the "noclip" rows without it). For stages 0-3, fp32/bf16, offload none/cpu
 (and two NVMe rows), rank 0 writes the SHA-256 of the parameters, masters, optimizer state and gradient
 norms after each step, and the final state of the rows without frozen parameters. ``--save-after K --ckpt D``
-saves after K steps and stops; ``--resume D`` loads D and trains the remaining steps. ``--cases SPEC`` runs
+saves after K steps and stops; ``--resume D`` loads D and trains the remaining steps; ``--swap DIR`` puts
+the NVMe rows' swap files there, and each such row reports every rank's host, swap file and its size.
+``--cases SPEC`` runs
 several of these command lines in one job (workers/cases.py).
 """
 import argparse
 import base64
+import os
 import struct
 import tempfile
 
@@ -69,6 +72,10 @@ def train(row, save_after=None, ckpt=None, resume=None) -> dict:
                indices=engine.micro_batch_indices())
     if frozen is False and save_after is None:  # the final state, for tests/mpi/plain_loop.py
         out["state"] = state(engine)
+    swapper = engine.swapper
+    if swapper is not None:  # where each rank's swap file is (a node-local disk on a cluster: --swap)
+        here = dict(host=MPI.Get_processor_name(), path=swapper.path, bytes=os.path.getsize(swapper.path))
+        out["swap"] = COMM.gather(here)
     engine.close()
     return out
 
@@ -81,9 +88,13 @@ def run(argv: list[str]) -> None:
     p.add_argument("--resume")
     p.add_argument("--rows", help="comma list of row keys (default: all)")
     p.add_argument("--device", default="cpu", help="cuda: compute on the GPU (the ranks share it)")
+    p.add_argument("--swap", help="nvme_path of the NVMe rows (default: a new directory under the temp dir)")
     a = p.parse_args(argv)
-    global DEVICE
+    global DEVICE, SWAP
     DEVICE = a.device
+    if a.swap:
+        os.makedirs(a.swap, exist_ok=True)
+        SWAP = a.swap
     rows = {}
     for row in ROWS:
         key = "-".join(map(str, row))
