@@ -416,3 +416,77 @@ def test_cut_link_is_a_hang_report_naming_the_unreachable_nodes_ranks(cluster, t
     ranks = {r for part in named.group(1).split(",") for a, _, b in [part.strip().partition("-")]
              for r in range(int(a), int(b or a) + 1)}
     assert {2, 3} <= ranks, text[-4000:]
+
+
+REQUEUE_BATCH = """#!/bin/bash
+echo "start: restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, $SLURM_NTASKS ranks"
+"$MPIEXEC" -n "$SLURM_NTASKS" "$ZEROMPI_PYTHON" jobs/train_gpt.py --config jobs/configs/tiny.toml --reproducible \\
+    --micro-batches 4 --steps 40 --save-every 2 --keep-last 2 --resume --out "$OUT"
+echo "mpiexec exit $?"
+"""
+REQUEUE_FLAGS = ("--reproducible", "--micro-batches", "4", "--steps", "40")
+
+
+def _kill_node2_processes(cluster) -> int:
+    """SIGKILL every process in node2's network namespace, its slurmd too: the node is gone for Slurm
+    (it answers nothing) and for the job; only the holder of its namespaces stays."""
+    _, holder = _names(cluster)
+    net = os.stat(f"/proc/{holder}/ns/net").st_ino
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.stat(entry / "ns" / "net").st_ino == net \
+                    and (entry / "comm").read_text().strip() != "sleep":
+                os.kill(int(entry.name), 9)
+                killed += 1
+        except OSError:
+            continue
+    return killed
+
+
+def test_a_requeue_job_whose_node_dies_resumes_from_its_last_checkpoint_on_the_node_left(cluster, tmp_path):
+    """``sbatch --requeue -N 1-2 -n 4 --spread-job --overcommit``: the main job in reproducible mode on
+    2 nodes x 2 ranks, checkpointing every 2 steps; once it has a checkpoint, node2 dies (every process of
+    it SIGKILLed, its slurmd too, and Slurm marks it DOWN at once instead of after its timeout). Slurm
+    requeues the job; it restarts on node1 alone (its 4 ranks overcommitted: a requeued job keeps its task
+    count), resumes from its last checkpoint and finishes, and its last step's loss is the one an
+    uninterrupted 2-rank run of the same global batch reaches (reproducible: the bits do not depend on the
+    world size). Slurm holds a requeued job 121 s (BeginTime); the test releases it at once
+    (``scontrol update JobId=... StartTime=now``). Node2 (a new slurmd) is returned to service after."""
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    if not mpiexec.exists():
+        pytest.skip(f"no MPICH mpiexec beside {sys.executable}")
+    out, log, script = cluster.dir / "shared" / "requeue", tmp_path / "requeue.out", tmp_path / "requeue.sbatch"
+    script.write_text(REQUEUE_BATCH)
+    proc = cluster.login("sbatch", "--parsable", "--requeue", "--open-mode=append", "-N", "1-2", "-n", "4",
+                         "--spread-job", "--overcommit", "--time=10", f"--output={log}", str(script),
+                         env=dict(MPIEXEC=str(mpiexec), OUT=str(out), OMP_NUM_THREADS="1"))
+    job = proc.stdout.strip().split(";")[0]
+    assert proc.returncode == 0 and job.isdigit(), proc.stdout + proc.stderr
+    try:
+        _until(lambda: (out / "checkpoints" / "latest").exists(), 180, "no checkpoint", cluster, job, log)
+        assert "on node[1-2], 4 ranks" in log.read_text(), log.read_text()[-3000:]
+        assert _kill_node2_processes(cluster) >= 3  # slurmd, the job's proxy and ranks
+        cluster.login("scontrol", "update", "NodeName=node2", "State=DOWN", "Reason=lost")  # at once, not in minutes
+        _until(lambda: "BeginTime" in cluster.login("squeue", "-h", "-j", job, "-o", "%r").stdout, 60,
+               "the job was not requeued", cluster, job, log)
+        cluster.login("scontrol", "update", f"JobId={job}", "StartTime=now")
+        _until(lambda: "restart 1 on node1, 4 ranks" in log.read_text(), 120, "no restart on node1", cluster,
+               job, log)
+        _until(lambda: _final(cluster, job), 300, "the restarted job did not end", cluster, job, log)
+    finally:
+        cluster.login("scancel", job)
+        conf = cluster.login("printenv", "SLURM_CONF").stdout.strip()
+        cluster.on("node2", "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "slurmd", "-f", conf,
+                   "-N", "node2")  # as up.sh starts it
+        cluster.login("scontrol", "update", "NodeName=node2", "State=RESUME")
+        _until(lambda: cluster.login("sinfo", "-h", "-n", "node2", "-o", "%t").stdout.strip() in ("idle", "mix"),
+               120, "node2 did not return to service")
+    text = log.read_text()
+    assert "resumed from" in text and "mpiexec exit 0" in text and "done: 40 steps, world size 4" in text, text[-4000:]
+    straight = tmp_path / "straight"
+    run_mpi(2, "jobs/train_gpt.py", "--config", "jobs/configs/tiny.toml", *REQUEUE_FLAGS,
+            "--out", str(straight), timeout=300)
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    want = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == want["step"] == 40 and last["loss"] == want["loss"], (last, want)
