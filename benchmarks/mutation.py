@@ -67,6 +67,10 @@ COVERING = {  # module -> the tests that cover it
     "zerompi/shard/agreement.py": ["tests/unit/shard/test_agreement.py", "tests/unit/shard/test_model_agreement.py"],
     "zerompi/compat/deepspeed/param_status.py": ["tests/unit/deepspeed/test_param_status.py",
                                                  "tests/unit/deepspeed/test_param_status_kinds.py"],
+    # the report's rules and text; test_hang.py's watchdog tests (threads, seconds of waiting) left out
+    "zerompi/comm/diagnosis.py": ["tests/unit/comm/test_report_text.py", "tests/unit/comm/test_hang.py", "-k",
+                                  "not (deputy or watchdog or overdue or unwritable or raising or moves_forever "
+                                  "or whose_report or rank_0_sends)"],
 }
 
 SWAPS = {  # operator -> (its text, the mutant's)
