@@ -12,7 +12,8 @@ import sys
 from zerompi.errors import ZeroMPIError
 
 # module -> subcommand it registers (imported lazily so `zerompi --help` stays fast)
-TOOLS = ("zerompi.checkpoint.cli", "zerompi.tools.estimate", "zerompi.tools.plot", "zerompi.tools.diagnose")
+TOOLS = ("zerompi.checkpoint.cli", "zerompi.tools.estimate", "zerompi.tools.plot", "zerompi.tools.diagnose",
+         "zerompi.tools.config_reference")
 
 
 def main(argv: list[str] | None = None) -> int:
