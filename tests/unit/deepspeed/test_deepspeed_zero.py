@@ -62,6 +62,20 @@ def test_gathered_parameters_before_initialize_makes_them_real():
     engine.close()
 
 
+def test_gathered_parameters_leave_torchs_generator_where_it_was():
+    """Making parameters real draws their values (reset_parameters) from the global generator; the draws
+    the user makes next are a plain run's (ZeRO-3 from_pretrained, then get_peft_model: LoRA's matrices).
+    Break: drop _generators_kept and the next draw differs."""
+    torch.manual_seed(0)
+    plain = torch.rand(3)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init():
+        m = build()
+    with deepspeed.zero.GatheredParameters(list(m.parameters()), modifier_rank=0):
+        assert not any(p.is_meta for p in m.parameters()) and m[0].weight.abs().sum() > 0  # drawn, not zeros
+    assert torch.equal(torch.rand(3), plain)
+
+
 @pytest.mark.parametrize("stage", (1, 2, 3))
 def test_gathered_parameters_in_an_engine(stage):
     torch.manual_seed(0)

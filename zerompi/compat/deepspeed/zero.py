@@ -136,9 +136,24 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module
         gathered.leave(modifier_rank)
 
 
+@contextmanager
+def _generators_kept() -> Iterator[None]:
+    """torch's global generators (the CPU's, and CUDA's where initialised) as they were on entry: values drawn
+    for the user (reset_parameters) must not move what the user draws next, as DeepSpeed keeps them too (a
+    ZeRO-3 from_pretrained, then get_peft_model, must start LoRA where a plain run does)."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 def _materialise(params: list[nn.Parameter], writing: bool) -> None:
     """Parameters zero.Init left on the meta device: real, initialised by their module's reset_parameters(),
-    or zeros where it has none and the block writes them (``writing``)."""
+    or zeros where it has none and the block writes them (``writing``); torch's generators are kept."""
+    with _generators_kept():
+        _make_real(params, writing)
+
+
+def _make_real(params: list[nn.Parameter], writing: bool) -> None:
     owners = {}
     for p in params:
         if p.is_meta:
