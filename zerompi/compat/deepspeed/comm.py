@@ -16,6 +16,7 @@ handle's ``wait()`` has nothing left to do).
 from __future__ import annotations
 
 import os
+import socket
 from enum import Enum
 from typing import Any
 
@@ -124,13 +125,29 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
 def set_environment() -> None:
     """Collective, once: learn where each rank runs and set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_SIZE`` and ``LOCAL_WORLD_SIZE`` (what DeepSpeed's launcher gives a script before it starts)."""
+    ``LOCAL_SIZE`` and ``LOCAL_WORLD_SIZE`` (what DeepSpeed's launcher gives a script before it starts),
+    and ``MASTER_ADDR`` and ``MASTER_PORT`` where they are not set."""
     global _info
     if _info is not None:
         return
     _info = launch.discover(_world())
     os.environ.update(RANK=str(_info.rank), LOCAL_RANK=str(_info.local_rank), WORLD_SIZE=str(_info.world_size),
                       LOCAL_SIZE=str(_info.local_size), LOCAL_WORLD_SIZE=str(_info.local_size))
+    # A torch.distributed group a framework builds itself (gloo on the CPU: Accelerate's use_cpu, the
+    # Trainer's --use_cpu) rendezvouses at MASTER_ADDR:MASTER_PORT, which DeepSpeed's MPI discovery sets:
+    # rank 0's host (loopback on one node) and a port free there, agreed over MPI. Values given are kept.
+    offer = _rendezvous(_info.num_nodes) if _info.rank == 0 else None
+    addr, port = _world().allgather_object(offer)[0]
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def _rendezvous(nodes: int) -> tuple[str, int]:
+    """Rank 0's address for the other ranks and a TCP port free on it now."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ("127.0.0.1" if nodes == 1 else socket.gethostname()), port
 
 
 def get_rank(group: Any = None) -> int:
