@@ -68,8 +68,10 @@ COVERING = {  # module -> the tests that cover it
     "zerompi/compat/deepspeed/param_status.py": ["tests/unit/deepspeed/test_param_status.py",
                                                  "tests/unit/deepspeed/test_param_status_kinds.py"],
     # every engine plans its buckets here: the layout, deferred-build, prefetch and owner-placement tests
-    "zerompi/shard/planning.py": ["tests/unit/shard/test_layout.py", "tests/unit/shard/test_deferred.py",
-                                  "tests/unit/shard/test_prefetch.py", "tests/unit/optim/test_whole.py"],
+    "zerompi/shard/planning.py": ["tests/unit/shard/test_planning.py", "tests/unit/shard/test_layout.py",
+                                  "tests/unit/shard/test_deferred.py",
+                                  "tests/unit/shard/test_prefetch.py", "tests/unit/optim/test_whole.py",
+                                  "tests/unit/test_engine_self.py", "tests/unit/shard/test_initial_values.py"],
     # the report's rules and text; test_hang.py's watchdog tests (threads, seconds of waiting) left out
     "zerompi/comm/diagnosis.py": ["tests/unit/comm/test_report_text.py", "tests/unit/comm/test_hang.py", "-k",
                                   "not (deputy or watchdog or overdue or unwritable or raising or moves_forever "
