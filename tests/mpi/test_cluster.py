@@ -422,7 +422,10 @@ REQUEUE_BATCH = """#!/bin/bash
 echo "start: restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, $SLURM_NTASKS ranks"
 "$MPIEXEC" -n "$SLURM_NTASKS" "$ZEROMPI_PYTHON" jobs/train_gpt.py --config jobs/configs/tiny.toml --reproducible \\
     --micro-batches 4 --steps 40 --save-every 2 --keep-last 2 --resume --out "$OUT"
-echo "mpiexec exit $?"
+code=$?
+echo "mpiexec exit $code"
+# A failed run waits: Slurm requeues a job that a node failure ends, not one whose script has ended first.
+[ "$code" = 0 ] || sleep 120
 """
 REQUEUE_FLAGS = ("--reproducible", "--micro-batches", "4", "--steps", "40")
 
