@@ -167,8 +167,7 @@ class ShardedModel:
         params = [self._param(slot.fqn) for slot in layout.slots]
         placed = self.placements[layout.slots[0].fqn]  # a bucket's parameters share their placement
         frozen = not placed.trainable
-        # trainable: fp32, the master's starting values; frozen: the compute dtype is all they keep
-        dtype = self.placement.dtype if frozen else torch.float32
+        dtype = self.placement.dtype if frozen else torch.float32  # frozen keep just this; trainable: fp32 masters
         init = torch.zeros(layout.padded_numel, dtype=dtype, device=self.placement.device)
         for p, slot in zip(params, layout.slots):
             deferred = p.is_meta
