@@ -300,7 +300,7 @@ def start_run(engine, train: dict, config: dict, resume: str | None, unit: str, 
     if resume is not None and (resume != LATEST or (ckpt_dir / "latest").exists()):
         tag = None if resume == LATEST else resume
         first_step = engine.load_checkpoint(ckpt_dir, tag=tag)["next_step"]
-        log.warning("resumed from %s at step %d", ckpt_dir / (tag or "latest"), first_step)
+        log.warning("resumed from %s at step %d", ckpt_dir if tag is None else ckpt_dir / tag, first_step)
     run = Run(engine, train, out_dir, ckpt_dir, first_step, unit, per_step, preemption, include_frozen)
     layout = topology_line(engine)
     if run.rank0:
