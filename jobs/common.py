@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 import zerompi
 from zerompi.checkpoint import retention
+from zerompi.config.checks import kind_of, same_kind
 from zerompi.errors import ConfigError
 
 log = logging.getLogger("jobs")
@@ -75,22 +76,6 @@ def setup_logging() -> bool:
     return rank == 0
 
 
-def _kind(default) -> str:
-    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
-            list: "a list"}.get(type(default), type(default).__name__)
-
-
-def _fits(value, default) -> bool:
-    """A TOML value where ``default`` is: the same kind (a whole number also where a number is)."""
-    if default is None:
-        return True
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(default, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float))
-    return isinstance(value, type(default))
-
-
 def load_config(path: str, train_defaults: dict) -> tuple[dict, dict, dict]:
     """The [model], [train] and [zero] tables; unknown tables or [train] keys, and [train] values of
     another kind than their defaults, are errors naming the file."""
@@ -108,8 +93,8 @@ def load_config(path: str, train_defaults: dict) -> tuple[dict, dict, dict]:
         named = ", ".join(f"{k} (did you mean train.{near[k][0]}?)" if near[k] else k for k in unknown)
         raise ConfigError(f"unknown key(s) {named}; [train] keys: {', '.join(sorted(train_defaults))}")
     for key, value in doc.get("train", {}).items():
-        if not _fits(value, train_defaults[key]):
-            raise ConfigError(f"train.{key}: expected {_kind(train_defaults[key])}, got {value!r}")
+        if not same_kind(value, train_defaults[key]):
+            raise ConfigError(f"train.{key}: expected {kind_of(train_defaults[key])}, got {value!r}")
     return doc.get("model", {}), {**train_defaults, **doc.get("train", {})}, doc.get("zero", {})
 
 

@@ -37,6 +37,24 @@ FIELD_ARGS: dict[str, tuple[str, ...]] = {
 repeating one in optimizer_kwargs would be a second spelling of the same setting."""
 
 
+def kind_of(default: Any) -> str:
+    """How a message names the kind of value ``default`` is: 'a whole number', 'true or false', ..."""
+    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+            list: "a list"}.get(type(default), type(default).__name__)
+
+
+def same_kind(value: Any, default: Any) -> bool:
+    """A file's value where ``default`` is: the same kind (a whole number also where a number is; bool only
+    for bool; anything where the default is None)."""
+    if default is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
 def listing(values: Iterable[Any]) -> str:
     """``'a', 'b', 'c'``: allowed values as an error message lists them."""
     return ", ".join(repr(v) for v in values)

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from zerompi.config.checks import kind_of, same_kind
 from zerompi.errors import ConfigError
 
 
@@ -37,16 +38,6 @@ class GPTConfig:
     grad_checkpoint: bool = False  # recompute blocks in backward to save activation memory
 
 
-_KIND = {int: "a whole number", float: "a number", bool: "true or false"}
-
-
-def _fits(value, default) -> bool:
-    """A TOML value where ``default`` is: bool only for bool, a whole number for int, any number for float."""
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(default, bool)
-    return isinstance(value, int) if isinstance(default, int) else isinstance(value, (int, float))
-
-
 def gpt_config_from_dict(d: dict) -> GPTConfig:
     """Build a GPTConfig from a plain dict (e.g. a TOML table); unknown keys are an error."""
     known = {f.name for f in dataclasses.fields(GPTConfig)}
@@ -55,8 +46,8 @@ def gpt_config_from_dict(d: dict) -> GPTConfig:
         raise ConfigError(f"unknown GPT config key(s): {', '.join(unknown)}; "
                           f"known: {', '.join(sorted(known))}")
     for f in dataclasses.fields(GPTConfig):
-        if f.name in d and not _fits(d[f.name], f.default):
-            raise ConfigError(f"GPT config key {f.name}: expected {_KIND[type(f.default)]}, got {d[f.name]!r}")
+        if f.name in d and not same_kind(d[f.name], f.default):
+            raise ConfigError(f"GPT config key {f.name}: expected {kind_of(f.default)}, got {d[f.name]!r}")
     cfg = GPTConfig(**d)
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
