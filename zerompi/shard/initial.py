@@ -21,11 +21,20 @@ SHOWN = 3  # tensors named in the warning
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    return flat.view(_INT_OF_SIZE[flat.element_size()]).sum(dtype=torch.int64)
+
+
 def digest(t: torch.Tensor) -> int:
     """The sum of ``t``'s bit patterns as integers: equal for equal tensors, different for almost any two
     independently initialised ones (wrapping in int64 is fine for a digest)."""
-    flat = t.detach().reshape(-1)
-    return int(flat.view(_INT_OF_SIZE[flat.element_size()]).sum(dtype=torch.int64).item())
+    return int(_sum(t).item())
+
+
+def _digests(t: torch.Tensor, parts: list[tuple[str, slice]]) -> list[int]:
+    """Each part's digest, read back in one transfer (not one device sync per parameter)."""
+    return torch.stack([_sum(t[part]) for _, part in parts]).tolist()
 
 
 class InitialValues:
@@ -40,9 +49,9 @@ class InitialValues:
         if not (t.is_floating_point() or t.is_complex()):
             send(t)  # integer buffers (counters, indices): nothing a seed decides
             return
-        before = [digest(t[part]) for _, part in parts]
+        before = _digests(t, parts)
         send(t)
-        self.replaced += [name for (name, part), held in zip(parts, before) if digest(t[part]) != held]
+        self.replaced += [name for (name, _), held, now in zip(parts, before, _digests(t, parts)) if now != held]
 
     def report(self, group: ProcessGroup) -> list[int]:
         """Collective: the ranks whose initial values were replaced by rank 0's (rank 0 logs a warning
