@@ -60,8 +60,8 @@ class InitialValues:
         ranks = [r for r, h in enumerate(held) if h is not None]
         if ranks and group.rank == 0:
             names, count = held[ranks[0]]
-            logger.warning("rank(s) %s built initial values that differ from rank 0's (on rank %d, %d tensor(s): %s%s); "
-                           "every rank starts from rank 0's, as DDP does. Seed the model the same on every rank "
+            logger.warning("rank(s) %s built initial values that differ from rank 0's (on rank %d, %d tensor(s): "
+                           "%s%s); every rank starts from rank 0's, as DDP does. Seed the model the same on every rank "
                            "(torch.manual_seed before building it) if this is not what was meant.",
                            ", ".join(map(str, ranks)), ranks[0], count, ", ".join(names),
                            ", ..." if count > len(names) else "")
