@@ -338,9 +338,27 @@ def _until(cond, limit: float, what: str, cluster=None, job: str | None = None, 
         if cond():
             return time.monotonic() - start
         time.sleep(0.2)
+    slurm = ""
     if job:
+        slurm = _slurm_account(cluster, job)
         cluster.login("scancel", job)
-    raise AssertionError(f"{what} within {limit} s:\n{log.read_text()[-4000:] if log and log.exists() else ''}")
+    raise AssertionError(f"{what} within {limit} s:\n{log.read_text()[-4000:] if log and log.exists() else ''}"
+                         f"{slurm}")
+
+
+def _slurm_account(cluster, job: str) -> str:
+    """What Slurm says of ``job``: its record and the controller's log lines that name it, nodes' states."""
+    show = cluster.login("scontrol", "show", "job", job, limit=20)
+    nodes = cluster.login("sinfo", "-N", "-h", "-o", "%N %T %E", limit=20)
+    ctld = cluster.dir / "slurm" / "slurmctld.log"
+    lines = [line for line in ctld.read_text(errors="replace").splitlines()
+             if f"JobId={job}" in line or f"job {job}" in line.lower() or "node2" in line] if ctld.exists() else []
+    slurmd = cluster.dir / "nodes" / "node1" / "slurmd.log"
+    node1 = [line for line in slurmd.read_text(errors="replace").splitlines()
+             if "debug" not in line][-20:] if slurmd.exists() else []
+    return (f"\n--- scontrol show job {job}:\n{show.stdout}{show.stderr}--- sinfo:\n{nodes.stdout}"
+            f"--- slurmctld.log (this job, node2):\n" + "\n".join(lines[-40:])
+            + "\n--- node1's slurmd.log:\n" + "\n".join(node1))
 
 
 def _names(cluster) -> tuple[str, str]:
@@ -454,8 +472,9 @@ def test_a_requeue_job_whose_node_dies_resumes_from_its_last_checkpoint_on_the_n
     requeues the job; it restarts on node1 alone (its 4 ranks overcommitted: a requeued job keeps its task
     count), resumes from its last checkpoint and finishes, and its last step's loss is the one an
     uninterrupted 2-rank run of the same global batch reaches (reproducible: the bits do not depend on the
-    world size). Slurm holds a requeued job 121 s (BeginTime); the test releases it at once
-    (``scontrol update JobId=... StartTime=now``). Node2 (a new slurmd) is returned to service after."""
+    world size). Slurm holds a requeued job 121 s (BeginTime, for the old credential to expire); the test
+    releases it (``scontrol update JobId=... StartTime=now``) in a later second than node1 revoked that
+    credential in. Node2 (a new slurmd) is returned to service after."""
     mpiexec = Path(sys.executable).with_name("mpiexec")
     if not mpiexec.exists():
         pytest.skip(f"no MPICH mpiexec beside {sys.executable}")
@@ -471,11 +490,17 @@ def test_a_requeue_job_whose_node_dies_resumes_from_its_last_checkpoint_on_the_n
         assert "on node[1-2], 4 ranks" in log.read_text(), log.read_text()[-3000:]
         assert _kill_node2_processes(cluster) >= 3  # slurmd, the job's proxy and ranks
         cluster.login("scontrol", "update", "NodeName=node2", "State=DOWN", "Reason=lost")  # at once, not in minutes
-        released = []
+        held, released = [], []
 
-        def restarted() -> bool:  # release the requeued job from its hold as soon as it is pending in it
-            if not released and "BeginTime" in cluster.login("squeue", "-h", "-j", job, "-o", "%r").stdout:
-                released.append(cluster.login("scontrol", "update", f"JobId={job}", "StartTime=now").returncode)
+        def restarted() -> bool:  # release the requeued job from its hold in the second after it is seen in it
+            if not held and "BeginTime" in cluster.login("squeue", "-h", "-j", job, "-o", "%r").stdout:
+                held.append(time.time())
+            # node1's slurmd refuses a credential made in the second in which it revoked the job's old one
+            # ("Killing non-startable batch job: Job credential revoked"), which is before the requeue:
+            # the hold exists for that. A later second is enough.
+            if held and not released and time.time() >= int(held[0]) + 1.1:
+                if cluster.login("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0:
+                    released.append(True)
             return "restart 1 on node1, 4 ranks" in log.read_text()
         # under load the requeue waits for node2's end of the job to be given up: minutes, not seconds
         _until(restarted, 300, "no restart on node1", cluster, job, log)
