@@ -1,11 +1,12 @@
 """Two nodes on this machine (jobs/cluster/up.sh): Slurm, MPI and a training job across them.
 
-The module brings up a 2-node cluster once (namespaces on a private bridge, slurmctld in a
-namespace of its own, a slurmd in each node; this process is the login node) and takes it down again afterwards, also when a test or the start
-fails. It needs root; without it, or without a piece (namespaces, a bridge, Slurm), it skips
-with the reason, and fails under CI (tests/components.py). Every command runs under
-``timeout``. Its names derive from the cluster's directory and its daemons listen in their own
-namespaces, so it runs beside test_slurm.py's one-node Slurm (jobs/ci/slurm_up.sh).
+The module brings up a 2-node cluster once (namespaces on a private bridge, slurmctld in a namespace
+of its own, a slurmd in each node; this process is the login node) and takes it down again
+afterwards, also when a test or the start fails. It needs root; without it, or without a piece
+(namespaces, a bridge, Slurm), it skips with the reason, and fails under CI (tests/components.py).
+Every command runs under ``timeout``. Its names derive from the cluster's directory and its daemons
+listen in their own namespaces, so it runs beside test_slurm.py's one-node Slurm
+(jobs/ci/slurm_up.sh).
 """
 from __future__ import annotations
 
@@ -285,7 +286,8 @@ def test_hsdp_and_hpz_parameter_gathers_never_cross_a_node_link(cluster):
 
 def test_checkpoint_saved_on_two_nodes_resumes_on_one_node_at_three_ranks(cluster):
     """A checkpoint written by 2 nodes x 2 ranks to the shared disk (DIR/shared, per-rank files from
-    both nodes) resumes on 1 node at 3 ranks (srun -N 1 -n 3 --overcommit: a node declares this machine's 2 CPUs) and ends in the plain loop's bits
+    both nodes) resumes on 1 node at 3 ranks (srun -N 1 -n 3 --overcommit: a node declares this
+    machine's 2 CPUs) and ends in the plain loop's bits
     (workers/reproducible.py: saved after 2 of its steps, the rest trained after the load). Guards
     a checkpoint that holds only one node's shards, or that reloads at another world size wrongly."""
     key = REPRO_ROWS[0]
