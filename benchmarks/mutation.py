@@ -76,6 +76,10 @@ COVERING = {  # module -> the tests that cover it
     "zerompi/comm/diagnosis.py": ["tests/unit/comm/test_report_text.py", "tests/unit/comm/test_hang.py", "-k",
                                   "not (deputy or watchdog or overdue or unwritable or raising or moves_forever "
                                   "or whose_report or rank_0_sends)"],
+    # the alias and the launcher's environment: unit tests in one process, then 2-rank jobs
+    "zerompi/compat/deepspeed/runner.py": ["tests/unit/deepspeed/test_deepspeed_surface.py",
+                                           "tests/mpi/test_ds_launcher_env.py"],
+    "zerompi/compat/lightning/strategy.py": ["tests/unit/test_lightning_compat.py"],
 }
 
 SWAPS = {  # operator -> (its text, the mutant's)
