@@ -26,11 +26,11 @@ instead of keeping its own.
 from __future__ import annotations
 
 from enum import Enum
-from typing import NamedTuple
 
 from zerompi.config.choices import UpdateSchedule
 from zerompi.errors import UsageError
 from zerompi.shard.rounds import MicroBatchPlan
+from zerompi.shard.steps import Backward
 
 
 class Phase(Enum):
@@ -53,17 +53,6 @@ _HINTS = {
     (Phase.IDLE, Phase.STEP): "there are no gradients to apply: call engine.backward() first",
     (Phase.STEP, Phase.BACKWARD): "backward() inside step()",
 }
-
-
-class Backward(NamedTuple):
-    """What one backward does, as the machine decides it when the backward begins."""
-
-    ends_window: bool
-    """It completes the accumulation window (stages 0-1 reduce gradients then)."""
-    updates: bool
-    """Buckets are updated during it, as their gradients become final (IN_BACKWARD, last of a window)."""
-    sources: int = 0
-    """micro_batches: how many ranks run a micro-batch in this round."""
 
 
 class Iteration:

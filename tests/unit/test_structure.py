@@ -84,3 +84,36 @@ def test_import_graph_has_no_cycle():
 
 def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def _unit(name: str) -> str:
+    """A module's folder under zerompi/, or the top-level module itself (``zerompi.engine`` -> ``engine``)."""
+    return name.split(".")[1] if "." in name else name
+
+
+def _folder_edges() -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """(importing unit, imported unit) -> the module imports behind it; the package's __init__ left out
+    (it re-exports the public names of the folders it sits above)."""
+    mods = _modules()
+    edges: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for n, p in mods.items():
+        for m in _imports(n, p, set(mods)):
+            if "zerompi" not in (n, m) and _unit(n) != _unit(m):
+                edges.setdefault((_unit(n), _unit(m)), []).append((n, m))
+    return edges
+
+
+def test_no_folder_imports_a_folder_that_imports_it_back():
+    """Dependencies point down: a folder (or top-level module) that another imports imports nothing of it.
+    A tie both ways, even through different modules, is a layer written upside down."""
+    edges = _folder_edges()
+    ties = {f"{a} <-> {b}": edges[(a, b)] + edges[(b, a)] for a, b in edges if a < b and (b, a) in edges}
+    assert ties == {}
+
+
+def test_the_layers_below_checkpoint_declare_their_state_without_importing_it():
+    """optim/, shard/ and comm/ say what state they hold in state/'s vocabulary; checkpoint/ reads and
+    writes what they declare."""
+    edges = _folder_edges()
+    up = {(a, b): edges[(a, b)] for a, b in edges if a in ("optim", "shard", "comm", "state") and b == "checkpoint"}
+    assert up == {}

@@ -1,8 +1,8 @@
 """What a rank's checkpoint file holds, as entries: the writer, the reader and the background save iterate them.
 
-Each component that holds checkpointed state declares it as entries (``checkpoint_entries``,
-snapshot.py's ``StateSource``), reading only its own state and the engine's public
-``ShardView``:
+Each component that holds checkpointed state declares its kinds (``declared_state()``,
+snapshot.py's ``StateSource``, in state/declared.py's vocabulary); here each kind becomes
+its entry, which reads only its holder's public methods and the engine's ``ShardView``:
 
 - the optimizer: ``OptimizerShards`` (shards.py), every bucket's fp32 master and optimizer
   state, and ``TensorStates`` (tensors.py), the state of optimizers that see whole tensors;
@@ -16,8 +16,8 @@ copies, the fenced buckets or the frozen shards, checkpoint/taken.py), what a lo
 and checks while touching nothing (``read``, phase 1)
 and how that is applied once every rank has read (``apply``, phase 2). The index
 (counters, loss scaler, scheduler, the tensors every rank holds whole) is rank 0's and
-stays with the writer and the reader. A new kind of state is a new entry that its
-component returns; the writer and reader do not change.
+stays with the writer and the reader. A new kind of state is a new ``StateKind``, its
+entry here and the component that declares it; the writer and reader do not change.
 """
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ from zerompi.checkpoint import feedback, schema
 from zerompi.checkpoint.frozen import FrozenRead, FrozenSource
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
-from zerompi.checkpoint.shards import Part
+from zerompi.checkpoint.shards import OptimizerShards, Part
 from zerompi.checkpoint.snapshot import EngineSnapshot, Entry, FrozenHolder, ShardSnapshot, ShardView
 from zerompi.checkpoint.taken import HostCopy
+from zerompi.checkpoint.tensors import TensorStates
 from zerompi.log import get_logger, log_rank0
+from zerompi.state.declared import Declared, HeldResiduals, StateKind
 
 logger = get_logger(__name__)
 
@@ -94,7 +96,7 @@ class Residuals:
 
     what = "error-feedback residuals"
 
-    def __init__(self, view: ShardView, residuals: feedback.HeldResiduals):
+    def __init__(self, view: ShardView, residuals: HeldResiduals):
         self.view, self.residuals = view, residuals
 
     def parts(self) -> Iterator[Part]:
@@ -195,15 +197,33 @@ def _read_cuda_rng(files, rank: int, where: Path) -> np.ndarray | None:
 class ProcessRng:
     """The process's generators as a state source: not a component of any one engine."""
 
-    def checkpoint_entries(self, view: ShardView, meta: dict[str, Any], include_frozen: bool) -> list[Entry]:
-        return [RngState(view)]
+    def declared_state(self) -> tuple[Declared, ...]:
+        return (Declared(StateKind.PROCESS_RNG),)
 
 
 PROCESS_RNG = ProcessRng()
 
 
+def _entry(declared: Declared, view: ShardView, meta: dict[str, Any], include_frozen: bool) -> Entry:
+    """The entry that writes and reads one declared kind of state."""
+    holder = declared.holder
+    match declared.kind:
+        case StateKind.OPTIMIZER_SHARDS:
+            return OptimizerShards(view, holder, meta.get("state_keys", []))
+        case StateKind.TENSOR_STATES:
+            return TensorStates(view, holder, meta.get("tensor_states"))
+        case StateKind.FROZEN_SHARDS:
+            return FrozenShards(view, holder, include_frozen)
+        case StateKind.RESIDUALS:
+            return Residuals(view, holder.residuals())
+        case StateKind.PROCESS_RNG:
+            return RngState(view)
+    raise AssertionError(f"no entry for {declared.kind}")
+
+
 def entries(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool = True) -> list[Entry]:
-    """The entries of an engine's checkpoint: each source's, in the snapshot's order (``meta``: the optimizer
-    metadata of the save, or the index's of the load: its per-element state names, and where each whole
-    tensor's state lies)."""
-    return [entry for source in snap.sources for entry in source.checkpoint_entries(snap.view, meta, include_frozen)]
+    """The entries of an engine's checkpoint: each source's declared kinds, in the snapshot's order (``meta``:
+    the optimizer metadata of the save, or the index's of the load: its per-element state names, and where
+    each whole tensor's state lies)."""
+    return [_entry(declared, snap.view, meta, include_frozen)
+            for source in snap.sources for declared in source.declared_state()]

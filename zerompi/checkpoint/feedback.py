@@ -22,12 +22,12 @@ from zerompi.checkpoint import schema
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.snapshot import ShardView
 from zerompi.log import get_logger, log_rank0
+from zerompi.state.declared import HeldResiduals
 
 logger = get_logger(__name__)
 FP32 = "<f4"
 
 
-HeldResiduals = tuple[tuple[int, torch.Tensor], ...]  # (bucket, this rank's residual), live
 
 
 def parts(residuals: HeldResiduals) -> Iterator[tuple[str, np.ndarray]]:

@@ -1,6 +1,6 @@
 """What a checkpoint's index records of the optimizer (its ``optimizer`` section), and the check of a
-saved record against the optimizer loading it. The optimizer answers for its record through these
-(``ZeroOptimizer.index_record`` / ``check_record``); the writer and reader only store and hand it on."""
+saved record against the optimizer loading it (the snapshot's ``recorded``: it answers through
+snapshot.py's ShardStates); the writer and reader only store and hand it on."""
 from __future__ import annotations
 
 from pathlib import Path

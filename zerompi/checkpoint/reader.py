@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerompi.checkpoint import paths, retention, schema
+from zerompi.checkpoint import optimizer_record, paths, retention, schema
 from zerompi.checkpoint.entries import LoadContext, entries
 from zerompi.checkpoint.frozen import FrozenSource
 from zerompi.checkpoint.held import HeldCheckpoint, HeldFiles
@@ -69,7 +69,7 @@ def _check_compatible(engine, snap: EngineSnapshot, index: CheckpointIndex, dire
     problem = index.describe_mismatch(named)
     if problem:
         raise CheckpointError(f"{directory}: checkpoint of a different model: {problem}")
-    snap.recorded.check_record(index.optimizer, index.config, snap.view, directory)
+    optimizer_record.check(index.optimizer, index.config, snap.view, snap.recorded, directory)
 
 
 @dataclass

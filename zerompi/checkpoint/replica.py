@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import optimizer_record, schema
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.writer import build_index, parts, replicated_tensors
 from zerompi.config.choices import CheckpointLayout
@@ -44,7 +44,7 @@ def take(engine, save_id: str) -> torch.Tensor:
     snap = engine.snapshot()
     if not snap.between_steps:
         raise UsageError("a recovery replica in the middle of a gradient-accumulation window: take it after step()")
-    meta = snap.recorded.index_record(engine.group, snap.view)
+    meta = optimizer_record.gathered(engine.group, snap.view, snap.recorded)
     # Frozen parameters are left out (a save's include_frozen=False): training never changes them, and the
     # rebuild starts from the model as initialize had it. Views of memory-resident state (NVMe is refused).
     data = list(parts(snap, meta, False))

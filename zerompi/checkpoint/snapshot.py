@@ -3,9 +3,9 @@
 The engine produces an :class:`EngineSnapshot` (``engine.snapshot()``) between
 steps: its counters, a :class:`ShardView` of where this rank's shards lie, and the
 components that hold checkpointed state (:class:`StateSource`). Each component
-declares its own state as entries (checkpoint/entries.py's protocol): the optimizer
-its buckets' masters and state, the sharded model its frozen shards and the codecs'
-residuals, the process its RNG. The writer, the reader, the background save and the
+declares the kinds of state it holds (state/declared.py) and entries.py makes their
+entries: the optimizer its buckets' masters and state, the sharded model its frozen
+shards and the codecs' residuals, the process its RNG. The writer, the reader, the background save and the
 recovery points iterate those entries; counters go back through
 ``engine.restore(Counters)``.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -24,6 +23,7 @@ from zerompi.offload.residency import ShardState
 from zerompi.comm.group import ProcessGroup
 from zerompi.config.sections import CheckpointPolicy, TopologyPolicy
 from zerompi.shard.layout import BucketLayout, ShardRange
+from zerompi.state.declared import Declared
 
 
 class Counters(NamedTuple):
@@ -147,23 +147,11 @@ class Entry(Protocol):
 
 
 class StateSource(Protocol):
-    """A component that holds checkpointed state: it declares that state as entries."""
+    """A component that holds checkpointed state: it declares its kinds (state/declared.py), and
+    entries.py makes each kind's entry, which reads and writes it through the holder's methods."""
 
-    def checkpoint_entries(self, view: ShardView, meta: dict[str, Any], include_frozen: bool) -> list[Entry]:
-        """Its entries, in the order their datasets are written and applied (``meta``: the optimizer
-        metadata of the save, or the index's of the load)."""
-
-
-class RecordedSource(StateSource, Protocol):
-    """A source whose record rank 0's index keeps beside the files (the optimizer: its options, state
-    names and classes, in the index's ``optimizer`` section; optimizer_record.py)."""
-
-    def index_record(self, group: ProcessGroup, view: ShardView) -> dict[str, Any]:
-        """Collective over ``group``: the record of a save, every rank's merged (JSON)."""
-
-    def check_record(self, saved: dict[str, Any], saved_config: dict[str, Any], view: ShardView,
-                     directory: Path) -> None:
-        """Raise CheckpointError if the state a saved record describes is not this source's to load."""
+    def declared_state(self) -> tuple[Declared, ...]:
+        """Its kinds of state, in the order their datasets are written and applied."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +161,7 @@ class EngineSnapshot:
     counters: Counters
     view: ShardView
     between_steps: bool     # no accumulation window is open (a save needs this)
-    recorded: RecordedSource  # the optimizer: its record in the index (and one of the sources)
+    recorded: ShardStates   # the optimizer: its record in the index (optimizer_record.py; one of the sources)
     sources: tuple[StateSource, ...]  # the components whose entries the files hold, in order
     replicated_frozen: tuple[str, ...] = ()    # frozen parameters held whole (in index.h5)
     frozen_dtype: torch.dtype = torch.float32  # the compute dtype the frozen shards hold

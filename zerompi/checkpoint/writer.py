@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from zerompi.checkpoint import frozen as frozen_values
-from zerompi.checkpoint import schema
+from zerompi.checkpoint import optimizer_record, schema
 from zerompi.checkpoint.durable import fsync_path, verify_file
 from zerompi.checkpoint.entries import entries
 from zerompi.checkpoint.index import CheckpointIndex
@@ -44,7 +44,7 @@ from zerompi.errors import CheckpointError, UsageError, all_ranks_ok
 
 def parts(snap: EngineSnapshot, meta: dict[str, Any], include_frozen: bool) -> Iterator[tuple[str, np.ndarray]]:
     """(dataset name, this rank's data) of every entry (entries.py), one bucket in memory at a time
-    (``meta``: the save's optimizer record, ``EngineSnapshot.recorded.index_record``)."""
+    (``meta``: the save's optimizer record, optimizer_record.gathered)."""
     for entry in entries(snap, meta, include_frozen):
         yield from entry.parts()
 
@@ -224,7 +224,7 @@ def begin(engine, root: str | os.PathLike, tag: str | None, client_state: Any, s
     except (TypeError, ValueError) as e:
         raise UsageError(f"client_state must be JSON-serialisable ({e})") from e
     group, root = engine.group, Path(root)
-    meta = snap.recorded.index_record(group, snap.view)
+    meta = optimizer_record.gathered(group, snap.view, snap.recorded)
     nonce = group.allgather_object(uuid.uuid4().hex[:12] if group.rank == 0 else None)[0]
     tmp = root / f".tmp-{tag}-{nonce}"
     error = _attempt(_prepare_root, root, tmp) if group.rank == 0 else None

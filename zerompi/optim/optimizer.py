@@ -21,17 +21,12 @@ import inspect
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from zerompi.blockio.aligned import align_storage
 from zerompi.blockio.memory import trim_heap
-from zerompi.checkpoint import optimizer_record
-from zerompi.checkpoint.shards import OptimizerShards
-from zerompi.checkpoint.snapshot import Entry, ShardView
-from zerompi.checkpoint.tensors import TensorStates
 from zerompi.comm.group import ProcessGroup
 from zerompi.config.checks import FIELD_ARGS
 from zerompi.config.choices import NonFinite
@@ -45,6 +40,7 @@ from zerompi.optim.groups import KERNEL_KEYS, changed_on_resume
 from zerompi.optim.norms import grad_norm_for
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
+from zerompi.state.declared import Declared, StateKind
 
 logger = get_logger(__name__)
 
@@ -327,21 +323,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Add the saved state tensors ``saved`` of tensor ``name`` (bucket ``index``), after ``load_shard``."""
         self.views.load_tensor_state(index, self.inner.state, name, saved)
 
-    def checkpoint_entries(self, view: ShardView, meta: dict[str, Any], include_frozen: bool) -> list[Entry]:
-        """Its state as checkpoint entries (checkpoint/snapshot.py's StateSource): each bucket's master and
-        per-element state, and the whole-tensor groups' state per tensor (``meta``: the save's or the index's
-        optimizer metadata)."""
-        return [OptimizerShards(view, self, meta.get("state_keys", [])),
-                TensorStates(view, self, meta.get("tensor_states"))]
-
-    def index_record(self, group: ProcessGroup, view: ShardView) -> dict[str, Any]:
-        """Collective: what a checkpoint's index records of it (checkpoint/snapshot.py's RecordedSource)."""
-        return optimizer_record.gathered(group, view, self)
-
-    def check_record(self, saved: dict[str, Any], saved_config: dict[str, Any], view: ShardView,
-                     directory: Path) -> None:
-        """Refuse a checkpoint whose state another optimizer wrote."""
-        optimizer_record.check(saved, saved_config, view, self, directory)
+    def declared_state(self) -> tuple[Declared, ...]:
+        """Its checkpointed state (checkpoint/snapshot.py's StateSource): each bucket's master and per-element
+        state, and the whole-tensor groups' state per tensor, read and written through its ShardStates
+        methods; its record in the index is checkpoint/optimizer_record.py's, from the same methods."""
+        return (Declared(StateKind.OPTIMIZER_SHARDS, self), Declared(StateKind.TENSOR_STATES, self))
 
     def optimizer_names(self) -> list[str]:
         """Each param group's optimizer class, as ``module.QualName`` (checkpoints record them)."""

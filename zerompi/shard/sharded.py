@@ -21,13 +21,9 @@ import torch
 from torch import nn
 
 from zerompi.blockio.memory import trim_heap
-from zerompi.checkpoint.entries import FrozenShards, Residuals
-from zerompi.checkpoint.feedback import HeldResiduals
-from zerompi.checkpoint.snapshot import Entry, ShardView
 from zerompi.config.choices import BufferDType, Progress, Rounds
 from zerompi.config.sections import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
-from zerompi.iteration import Backward
 from zerompi.log import get_logger
 from zerompi.offload.tiers import TierPlan
 from zerompi.shard.bucket import Bucket, BucketState, Placement
@@ -40,9 +36,10 @@ from zerompi.shard.placement import ParamPlacement, Residence
 from zerompi.shard.planning import log_plan, plan_layouts
 from zerompi.shard.prefetch import Prefetcher
 from zerompi.shard.rounds import RoundGathers
-from zerompi.shard.steps import BackwardSteps
+from zerompi.shard.steps import Backward, BackwardSteps
 from zerompi.shard.units import Unit
 from zerompi.shard.wiring import CommFactory
+from zerompi.state.declared import Declared, HeldResiduals, StateKind
 
 logger = get_logger(__name__)
 
@@ -374,9 +371,9 @@ class ShardedModel:
                 raise ZeroMPIError(f"buckets {stuck} are still gathered after backward")
 
     # ---- checkpointed state (checkpoint/snapshot.py's StateSource and FrozenHolder) ----
-    def checkpoint_entries(self, view: ShardView, meta: dict, include_frozen: bool) -> list[Entry]:
-        """Stage 3's frozen shards (unless left out) and this rank's error-feedback residuals."""
-        return [FrozenShards(view, self, include_frozen), Residuals(view, self.residuals())]
+    def declared_state(self) -> tuple[Declared, ...]:
+        """Stage 3's frozen shards and this rank's error-feedback residuals."""
+        return (Declared(StateKind.FROZEN_SHARDS, self), Declared(StateKind.RESIDUALS, self))
 
     def residuals(self) -> HeldResiduals:
         """(bucket, this rank's error-feedback residual) of each bucket whose codec keeps one; the live tensors."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import zerompi
 from tests.unit.optim import test_whole as w
 from tests.unit.optim.loop import batch, train
-from zerompi.checkpoint import CheckpointError, save_async
+from zerompi.checkpoint import CheckpointError, optimizer_record, save_async
 from zerompi.checkpoint.entries import entries
 from zerompi.checkpoint.taken import Capture, HostCopy, check_plain, owns_memory
 from zerompi.checkpoint.tensors import TensorStates
@@ -104,7 +104,7 @@ def test_the_save_thread_gets_host_copies_and_the_fenced_buckets_alone():
             engine.backward(F.mse_loss(engine(x), y))
             engine.step()
         snap = engine.snapshot()
-        meta = snap.recorded.index_record(engine.group, snap.view)
+        meta = optimizer_record.gathered(engine.group, snap.view, snap.recorded)
         capture = Capture.of(entries(snap, meta, True))
         kinds = [type(t).__name__ for t in capture.taken]
         held = all(snap.view.fence.held(i) for i in range(len(snap.view.shards)))
@@ -151,7 +151,7 @@ def test_a_tensor_or_a_callable_cannot_reach_the_save_thread():
         engine = w._engine(group, 1, "muon+adamw")
         train(engine, range(1))
         snap = engine.snapshot()
-        meta = snap.recorded.index_record(engine.group, snap.view)
+        meta = optimizer_record.gathered(engine.group, snap.view, snap.recorded)
         lazy = _LazyTensorStates(snap.view, engine.optimizer, meta.get("tensor_states"))
         try:
             with pytest.raises(CheckpointError, match="entry 'whole-tensor optimizer state' hands an asynchronous "

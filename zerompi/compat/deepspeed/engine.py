@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from zerompi.checkpoint import schema
-from zerompi.checkpoint import export
+from zerompi import export
 from zerompi.compat.deepspeed import param_status
 from zerompi.compat.deepspeed.batch import Batch
 from zerompi.compat.deepspeed.timer import ThroughputTimer
@@ -302,7 +302,7 @@ class DeepSpeedEngine:
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: rank 0 writes the whole model in the compute dtype as safetensors (checkpoint/export.py).
+        """Collective: rank 0 writes the whole model in the compute dtype as safetensors (zerompi/export.py).
         At stage 3 only with ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed: otherwise it
         warns and writes nothing. Returns whether it wrote."""
         export.check_name(save_filename)
@@ -316,7 +316,7 @@ class DeepSpeedEngine:
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """Collective: the module's state dict, every parameter whole, in the compute dtype (checkpoint/export.py)."""
+        """Collective: the module's state dict, every parameter whole, in the compute dtype (zerompi/export.py)."""
         if destination is not None or keep_vars:
             raise UsageError("module_state_dict(destination=, keep_vars=True) is not supported: it returns "
                              "gathered copies")

@@ -1,6 +1,7 @@
 """16-bit exports of an engine's model: the whole model in the compute dtype, gathered from every rank
 (``save_16bit`` as safetensors, ``state_dict_16bit`` as tensors); the DeepSpeed engine's
-``save_16bit_model`` and ``module_state_dict`` call them."""
+``save_16bit_model`` and ``module_state_dict`` call them. It sits above the engine it reads, beside it,
+not in checkpoint/ (which the engine imports)."""
 from __future__ import annotations
 
 from pathlib import Path
