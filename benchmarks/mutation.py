@@ -78,7 +78,8 @@ COVERING = {  # module -> the tests that cover it
                                   "or whose_report or rank_0_sends)"],
     # the alias and the launcher's environment: unit tests in one process, then 2-rank jobs
     "zerompi/compat/deepspeed/runner.py": ["tests/unit/deepspeed/test_deepspeed_surface.py",
-                                           "tests/mpi/test_ds_launcher_env.py"],
+                                           "tests/unit/deepspeed/test_runner_alias.py",
+                                           "tests/mpi/test_ds_launcher_env.py", "tests/mpi/test_runner.py"],
     "zerompi/compat/lightning/strategy.py": ["tests/unit/test_lightning_compat.py"],
 }
 
