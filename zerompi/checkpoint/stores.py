@@ -144,7 +144,7 @@ def store_for(setting: CheckpointLayout, node: int = 0) -> ShardStore:
         setting = CheckpointLayout.SHARED if shared.available() else CheckpointLayout.PER_RANK
     elif setting == CheckpointLayout.SHARED and not shared.available():
         raise UsageError("checkpoint_layout='shared' needs h5py built with MPI (h5py.get_config().mpi is "
-                         "False here); allowed here: 'per_rank' or 'auto'. README.md says how to build it")
+                         "False here); allowed here: 'per_rank' or 'auto'. docs/checkpoints.md says how to build it")
     return _STORES[setting]
 
 

@@ -1,6 +1,6 @@
 """``optimizer="muon"``: Muon on the hidden matrices, AdamW on everything else, as large runs train.
 
-The rule (the README states it too): a parameter goes to Muon when it is 2-D, trainable, not an
+The rule (docs/getting-started.md states it too): a parameter goes to Muon when it is 2-D, trainable, not an
 ``nn.Embedding``'s weight nor tied to one, and not the output head's (a module whose name ends in
 ``lm_head``, ``head``, ``output`` or ``classifier``). Embeddings, the head, biases and norms go to AdamW.
 Muon takes the config's ``lr`` and ``weight_decay`` with ``adjust_lr_fn="match_rms_adamw"`` (Moonlight's

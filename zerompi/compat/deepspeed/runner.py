@@ -64,7 +64,7 @@ class DeepSpeedAlias(importlib.abc.MetaPathFinder):
         except ModuleNotFoundError as e:
             if e.name is not None and e.name.startswith(PACKAGE) and (real + ".").startswith(e.name + "."):
                 raise ModuleNotFoundError(f"No module named {fullname!r}: zerompi's DeepSpeed API "
-                                          f"({PACKAGE}) has no {fullname} (README: Coming from DeepSpeed)",
+                                          f"({PACKAGE}) has no {fullname} (docs/deepspeed.md)",
                                           name=fullname) from None
             raise
         return importlib.machinery.ModuleSpec(fullname, _Alias(module), is_package=hasattr(module, "__path__"))

@@ -43,8 +43,7 @@ class BatchKeys:
     gradients are summed in the order of their global index, whatever rank ran them, and every
     rank runs the micro-batches ``engine.micro_batch_indices()`` gives it (round robin). Stages
     0-3 (0 and 1 run stage 2's gradient path), flat groups, fp32 or bf16, explicit ``cpu_threads``;
-    config/reproducible.py lists what else it needs. See the README's "Reproducible at any world
-    size"."""
+    config/reproducible.py lists what else it needs. See docs/reproducible.md."""
 
     @cached_property
     def batch(self) -> BatchPolicy:

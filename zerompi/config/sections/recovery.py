@@ -33,7 +33,7 @@ class RecoveryKeys:
     """Survive lost ranks without a relaunch (ULFM, Open MPI's ``--with-ft ulfm``): the survivors shrink, rebuild,
     reload the last recovery checkpoint and raise ``zerompi.Recovered``; the loop goes on from ``engine.stats.steps``.
     Needs micro_batches (re-dealt over the survivors; with reproducible=True the bits of the failure-free run).
-    See the README's "Surviving a lost rank"."""
+    See docs/fault-tolerance.md ("Surviving a lost rank")."""
     recovery_every: int = 1
     """fault_tolerance: steps between recovery checkpoints (>= 1); a failure replays at most this many."""
     recovery_source: RecoverySource = RecoverySource.MEMORY
