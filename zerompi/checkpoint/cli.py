@@ -33,14 +33,6 @@ def _verify(directory: Path, index: CheckpointIndex) -> str:
     return "ok (every checksum verified)"
 
 
-def _latest(root: Path) -> str | None:
-    pointer = root / schema.LATEST
-    if not pointer.exists() and not pointer.is_symlink():
-        return None
-    paths.regular_file(pointer, root, "checkpoint root")
-    return pointer.read_text(errors="replace").strip()
-
-
 def inspect(args) -> int:
     root = Path(args.path)
     if (root / schema.INDEX).exists():  # pointed at one tag's directory
@@ -49,7 +41,7 @@ def inspect(args) -> int:
         tags = _tags(root)
     else:
         raise CheckpointError(f"{root}: no such checkpoint directory")
-    report, latest = [], _latest(root)
+    report, latest = [], schema.read_latest(root)
     for tag in tags:
         if not paths.directory_in(root, root / tag):
             raise CheckpointError(f"{root / tag}: missing")

@@ -36,14 +36,9 @@ def resolve(root: str | os.PathLike, tag: str | None) -> Path:
     that does not lead outside it through a symbolic link."""
     root = Path(root)
     if tag is None:
-        pointer = root / schema.LATEST
-        if not pointer.exists() and not pointer.is_symlink():
+        pointer, tag = root / schema.LATEST, schema.read_latest(root)
+        if tag is None:
             raise CheckpointError(f"{pointer}: missing: no checkpoint was completed under {root}")
-        paths.regular_file(pointer, root, "checkpoint root")
-        try:
-            tag = pointer.read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{pointer}: unreadable ({e})") from e
         schema.check_tag(tag, f"{pointer} names")
     else:
         schema.check_tag(tag)

@@ -41,10 +41,10 @@ def complete_tags(root: str | os.PathLike) -> list[Tag]:
 
 
 def latest_tag(root: Path) -> str | None:
-    """The tag ``latest`` names, if it can be read."""
+    """The tag ``latest`` names, if it can be read (schema.read_latest; nothing is refused here)."""
     try:
-        return (root / schema.LATEST).read_text().strip() or None
-    except (OSError, UnicodeDecodeError):
+        return schema.read_latest(root) or None
+    except CheckpointError:
         return None
 
 

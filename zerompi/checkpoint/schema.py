@@ -97,6 +97,20 @@ def shared_crc(name: str) -> str:
 SHARED_CRC_PREFIX = shared_crc("")
 
 
+def read_latest(root: Path) -> str | None:
+    """The tag ``root/latest`` names, or None where ``root`` has no such pointer; CheckpointError where it
+    is not a regular file inside ``root`` (a link out of it, a directory) or cannot be read. The one reader
+    of the pointer: loads, ``zerompi ckpt inspect`` and retention."""
+    pointer = root / LATEST
+    if not pointer.exists() and not pointer.is_symlink():
+        return None
+    paths.regular_file(pointer, root, "checkpoint root")
+    try:
+        return pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{pointer}: unreadable ({e})") from e
+
+
 def check_tag(tag: str, source: str = "tag") -> str:
     """A tag is one plain path component: it can never point outside the checkpoint root."""
     if not isinstance(tag, str) or not _TAG.match(tag) or tag in (".", ".."):
