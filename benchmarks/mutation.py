@@ -80,7 +80,8 @@ COVERING = {  # module -> the tests that cover it
     "zerompi/compat/deepspeed/runner.py": ["tests/unit/deepspeed/test_deepspeed_surface.py",
                                            "tests/unit/deepspeed/test_runner_alias.py",
                                            "tests/mpi/test_ds_launcher_env.py", "tests/mpi/test_runner.py"],
-    "zerompi/compat/lightning/strategy.py": ["tests/unit/test_lightning_compat.py", "tests/unit/test_lightning_parts.py"],
+    "zerompi/compat/lightning/strategy.py": ["tests/unit/test_lightning_compat.py", "tests/unit/test_lightning_parts.py",
+                                             "tests/unit/test_lightning_fit.py"],
 }
 
 SWAPS = {  # operator -> (its text, the mutant's)

@@ -1,0 +1,157 @@
+"""Lightning's Trainer with ZeroMPIStrategy on a world of one (MPI.COMM_SELF), in this process: a fit is the
+plain torch loop's arithmetic, a checkpoint resumes into the uninterrupted run's bits, and the strategy's
+collectives, state dict and refusals work as Lightning calls them. Two ranks: tests/mpi/test_lightning.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.components import require_module
+
+L = require_module("lightning")
+
+from mpi4py import MPI  # noqa: E402
+
+from zerompi.compat.lightning import ZeroMPIStrategy  # noqa: E402
+from zerompi.config import ZeroConfig  # noqa: E402
+from zerompi.errors import UsageError  # noqa: E402
+
+
+def _data(n: int = 8) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g))
+
+
+class _Net(L.LightningModule):
+    def __init__(self, none_at: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.none_at = nn.Linear(4, 2), none_at
+        self.register_buffer("seen", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.none_at:
+            return None
+        x, y = batch
+        self.seen += 1
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _Manual(_Net):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self.net(x), y), retain_graph=True)
+
+
+def _trainer(tmp_path, epochs: int = 1, accumulate: int = 2) -> tuple[L.Trainer, ZeroMPIStrategy]:
+    strategy = ZeroMPIStrategy(ZeroConfig(stage=2, cpu_threads=1, abort_on_exception=False), comm=MPI.COMM_SELF)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, accumulate_grad_batches=accumulate,
+                        use_distributed_sampler=False)  # the loader's order, as the plain loop reads it
+    return trainer, strategy
+
+
+def _loader():
+    return torch.utils.data.DataLoader(_data(), batch_size=2)
+
+
+def _plain(epochs: int) -> dict[str, torch.Tensor]:
+    """The plain loop: each window's two mean losses halved (accumulate_grad_batches=2), then SGD's step."""
+    module = _Net()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(epochs):
+        for i, (x, y) in enumerate(_loader()):
+            (nn.functional.mse_loss(module.net(x), y) / 2).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _fit(tmp_path, epochs: int = 1, module=None, **kw) -> tuple[L.Trainer, ZeroMPIStrategy, L.LightningModule]:
+    module = module or _Net()
+    trainer, strategy = _trainer(tmp_path, epochs, 2 if module.automatic_optimization else 1)
+    try:
+        trainer.fit(module, _loader(), **kw)
+    except BaseException:
+        strategy.close()
+        raise
+    return trainer, strategy, module
+
+
+def test_a_fit_is_the_plain_loops_arithmetic(tmp_path):
+    """Lightning divides each loss by accumulate_grad_batches; the engine adds nothing more (fp32: no loss
+    scale), reduces over one rank and steps SGD with momentum on its flat shard: the plain loop's values."""
+    trainer, strategy, _ = _fit(tmp_path, epochs=2)
+    try:
+        got = strategy.lightning_module_state_dict()
+        want = _plain(2)
+        assert trainer.global_step == 4 and set(got) == {"net.weight", "net.bias", "seen"}
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7)
+        assert got["seen"] == 8  # buffers as this rank holds them
+    finally:
+        strategy.close()
+
+
+def test_a_checkpoint_resumes_into_the_uninterrupted_runs_bits(tmp_path):
+    """trainer.save_checkpoint writes a directory (the engine's HDF5 and Lightning's state); fit(ckpt_path)
+    continues it to the bits of two epochs in one run. A path that is not such a directory is refused."""
+    trainer, strategy, _ = _fit(tmp_path / "a")
+    path = tmp_path / "one-epoch"
+    try:
+        trainer.save_checkpoint(path)
+    finally:
+        strategy.close()
+    assert (path / "lightning.ckpt").is_file() and (path / "checkpoint" / "index.h5").is_file()
+    resumed, strategy, _ = _fit(tmp_path / "b", epochs=2, ckpt_path=str(path))
+    try:
+        got = strategy.lightning_module_state_dict()
+        assert resumed.global_step == 4
+    finally:
+        strategy.close()
+    whole, strategy, _ = _fit(tmp_path / "c", epochs=2)
+    try:
+        want = strategy.lightning_module_state_dict()
+    finally:
+        strategy.close()
+    assert all(torch.equal(got[n], want[n]) for n in ("net.weight", "net.bias")), (got, want)
+    with pytest.raises(UsageError, match="not a ZeroMPIStrategy checkpoint"):
+        _fit(tmp_path / "d", ckpt_path=str(tmp_path / "a"))
+
+
+def test_the_strategys_collectives_on_one_rank(tmp_path):
+    trainer, strategy, _ = _fit(tmp_path)
+    try:
+        t = torch.tensor([1.0, 3.0])
+        assert torch.equal(strategy.reduce(t), t) and strategy.reduce(2.5) == 2.5
+        assert torch.equal(strategy.reduce(t, reduce_op="sum"), t)
+        assert torch.equal(strategy.all_gather(t), t.unsqueeze(0))
+        with pytest.raises(UsageError, match=r"all_gather\(sync_grads=True\)"):
+            strategy.all_gather(t, sync_grads=True)
+        assert strategy.broadcast({"a": 1}) == {"a": 1}
+        strategy.barrier()
+        assert strategy.optimizer_state(None) == {} and strategy.lightning_restore_optimizer is False
+        assert strategy.restore_checkpoint_after_setup is True
+        with pytest.raises(UsageError, match="save_checkpoint"):
+            strategy.save_checkpoint({}, tmp_path / "x", storage_options={"a": 1})
+    finally:
+        strategy.close()
+
+
+@pytest.mark.parametrize("module,named", [
+    (lambda: _Net(none_at=1), "training_step returned None"),
+    (_Manual, "backward arguments"),
+])
+def test_what_breaks_the_window_is_refused_by_name(tmp_path, module, named):
+    with pytest.raises(UsageError, match=f"ZeroMPIStrategy: {named}"):
+        _fit(tmp_path, module=module())
