@@ -3,6 +3,8 @@ plain torch loop's arithmetic, a checkpoint resumes into the uninterrupted run's
 collectives, state dict and refusals work as Lightning calls them. Two ranks: tests/mpi/test_lightning.py."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -155,3 +157,87 @@ def test_the_strategys_collectives_on_one_rank(tmp_path):
 def test_what_breaks_the_window_is_refused_by_name(tmp_path, module, named):
     with pytest.raises(UsageError, match=f"ZeroMPIStrategy: {named}"):
         _fit(tmp_path, module=module())
+
+
+class _Hooks(L.Callback):
+    """Counts the hooks Lightning's own backward and step would call, which the strategy must call too."""
+
+    def __init__(self):
+        self.calls = {"on_before_backward": 0, "on_after_backward": 0, "on_before_optimizer_step": 0}
+
+    def on_before_backward(self, trainer, module, loss):
+        self.calls["on_before_backward"] += 1
+
+    def on_after_backward(self, trainer, module):
+        self.calls["on_after_backward"] += 1
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.calls["on_before_optimizer_step"] += 1
+
+
+class _Scheduled(_Net):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), "interval": "step"}]
+
+
+def test_the_callbacks_hooks_run_and_a_scheduler_sees_its_steps(tmp_path):
+    """4 batches, windows of 2: every backward's two hooks, the step's hook; a per-step scheduler gives no
+    warning of a step it did not see (the strategy marks each step for torch's schedulers)."""
+    hooks = _Hooks()
+    strategy = ZeroMPIStrategy(ZeroConfig(stage=2, cpu_threads=1, abort_on_exception=False), comm=MPI.COMM_SELF)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, accumulate_grad_batches=2, use_distributed_sampler=False,
+                        callbacks=[hooks])
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*lr_scheduler.step().*")
+            trainer.fit(_Scheduled(), _loader())
+        # Lightning calls optimizer_step on every batch when the strategy handles accumulation, and the
+        # strategy runs the hook before each: 4, not the 2 windows' steps
+        assert hooks.calls == {"on_before_backward": 4, "on_after_backward": 4, "on_before_optimizer_step": 4}
+        assert strategy.engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+    finally:
+        strategy.close()
+
+
+class _Raises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a backward that fails")
+
+
+class _FailingBackward(_Net):
+    def training_step(self, batch, batch_idx):
+        return _Raises.apply(super().training_step(batch, batch_idx))
+
+
+def test_a_failing_backward_raises_and_the_strategy_still_closes(tmp_path):
+    with pytest.raises(RuntimeError, match="a backward that fails"):
+        _fit(tmp_path, module=_FailingBackward())
+
+
+def test_arguments_the_engine_does_not_take_are_refused(tmp_path):
+    trainer, strategy, _ = _fit(tmp_path)
+    try:
+        with pytest.raises(UsageError, match=r"optimizer_step arguments \['foo'\]"):
+            strategy.optimizer_step(None, lambda: None, foo=1)
+        for call in (lambda: strategy.reduce(torch.ones(1), group=object()),
+                     lambda: strategy.all_gather(torch.ones(1), group=object())):
+            with pytest.raises(UsageError):
+                call()
+    finally:
+        strategy.close()
+
+
+def test_close_ends_the_engine(tmp_path):
+    trainer, strategy, module = _fit(tmp_path)
+    engine = strategy.engine
+    strategy.close()
+    assert strategy.engine is None and not module.net._forward_pre_hooks and not module.net._forward_hooks
+    assert engine is not None
