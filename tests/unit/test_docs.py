@@ -46,3 +46,10 @@ def test_every_python_block_is_run_by_a_test_or_marked_not_run(page):
             if mark.group(2):
                 test = ROOT / mark.group(2)
                 assert test.is_file() and page.name in test.read_text(), f"{page.name}:{i + 1}: {mark.group(2)}"
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *PAGES], ids=lambda p: p.name)
+def test_every_code_block_is_closed(page):
+    """An unpaired fence turns the rest of the page into one code block (MkDocs builds it without a word)."""
+    fences = [i + 1 for i, line in enumerate(page.read_text().splitlines()) if line.lstrip().startswith("```")]
+    assert len(fences) % 2 == 0, f"{page.name}: fences at lines {fences}"
