@@ -35,5 +35,6 @@ class PyZerompi(PythonPackage):
     depends_on("py-trl@1.16:", type="test")
     depends_on("py-datasets@4.7:", type="test")
     depends_on("py-lightning@2.6:", type="test")
+    depends_on("py-mkdocs@1.6:", type="test")
 
     import_modules = ["zerompi", "zerompi.checkpoint", "zerompi.models"]
