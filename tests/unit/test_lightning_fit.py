@@ -176,6 +176,11 @@ class _Hooks(L.Callback):
 
 
 class _Scheduled(_Net):
+    before_step = 0
+
+    def on_before_optimizer_step(self, optimizer):
+        self.before_step += 1
+
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
         return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), "interval": "step"}]
@@ -193,10 +198,11 @@ def test_the_callbacks_hooks_run_and_a_scheduler_sees_its_steps(tmp_path):
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*lr_scheduler.step().*")
-            trainer.fit(_Scheduled(), _loader())
-        # Lightning calls optimizer_step on every batch when the strategy handles accumulation, and the
-        # strategy runs the hook before each: 4, not the 2 windows' steps
-        assert hooks.calls == {"on_before_backward": 4, "on_after_backward": 4, "on_before_optimizer_step": 4}
+            trainer.fit(module := _Scheduled(), _loader())
+        # Lightning calls optimizer_step on every batch when the strategy handles accumulation; the hook runs
+        # before the 2 steps that update, as under Lightning's own accumulation
+        assert hooks.calls == {"on_before_backward": 4, "on_after_backward": 4, "on_before_optimizer_step": 2}
+        assert module.before_step == 2  # the LightningModule's own hook too
         assert strategy.engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
     finally:
         strategy.close()

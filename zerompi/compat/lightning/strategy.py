@@ -197,8 +197,9 @@ class ZeroMPIStrategy(ParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """The closure (``training_step`` and backward), the hooks before a step, then ``engine.step()``:
-        it updates at the end of the accumulation window, which must be where Lightning ends it."""
+        """The closure (``training_step`` and backward), the hooks before a step (at the window's end only),
+        then ``engine.step()``: it updates at the end of the accumulation window, which must be where Lightning
+        ends it."""
         if kwargs:
             raise translate.refuse(f"optimizer_step arguments {sorted(kwargs)}", "the engine's step takes none")
         module = model if model is not None else self.lightning_module
@@ -207,8 +208,9 @@ class ZeroMPIStrategy(ParallelStrategy):
             raise translate.refuse("training_step returned None",
                                    "every batch of the engine's accumulation window needs its backward")
         trainer = module.trainer
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        if self.engine.iteration.complete:  # once a window, before the step that updates, as under Lightning's
+            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)  # own accumulation
+            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if self.engine.step():
             self._optimizer._opt_called = True  # what torch's lr schedulers look for
         if module.automatic_optimization and self.engine.iteration.idle == trainer.fit_loop._should_accumulate():
