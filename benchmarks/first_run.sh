@@ -30,7 +30,8 @@ if [ ! -f "$results" ]; then
         echo "# A newcomer's first run: set-up and the quick-start job"
         echo
         echo "\`benchmarks/first_run.sh\`: a fresh clone, \`bash jobs/setup.sh\`, then"
-        echo "\`.venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py jobs/train_gpt.py\`, on this machine's 2 cores."
+        echo "\`.venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py jobs/train_gpt.py\`, on this machine's 2 cores"
+        echo "(pip's own settings apply: a local wheel folder in PIP_FIND_LINKS makes the set-up a lower bound)."
         echo
         echo "| commit | date | set-up | job | together | .venv | wheels | load average at the end |"
         echo "|---|---|---|---|---|---|---|---|"
