@@ -10,7 +10,7 @@ commit=$(git -C "$repo" rev-parse --short HEAD)
 work=$(mktemp -d /tmp/zerompi-first-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 cache="pip's cache as this machine has it"
-if [ "${1:-}" = "--no-cache" ]; then export PIP_NO_CACHE_DIR=1; cache="no pip cache (every wheel downloaded)"; fi
+if [ "${1:-}" = "--no-cache" ]; then export PIP_NO_CACHE_DIR=1; cache="no pip cache (wheels from PyPI or the local wheel folder)"; fi
 git clone -q "$repo" "$work/repo"
 cd "$work/repo" || exit 1
 start=$(date +%s.%N)
