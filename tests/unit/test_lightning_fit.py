@@ -223,9 +223,16 @@ class _FailingBackward(_Net):
         return _Raises.apply(super().training_step(batch, batch_idx))
 
 
-def test_a_failing_backward_raises_and_the_strategy_still_closes(tmp_path):
-    with pytest.raises(RuntimeError, match="a backward that fails"):
-        _fit(tmp_path, module=_FailingBackward())
+def test_a_failing_backward_raises_and_leaves_the_engine_where_it_was(tmp_path):
+    """The first backward of a window raises: the error reaches the caller and the engine's iteration is back
+    in IDLE (its gradients not reduced), not waiting for the rest of a window."""
+    trainer, strategy = _trainer(tmp_path)
+    try:
+        with pytest.raises(RuntimeError, match="a backward that fails"):
+            trainer.fit(_FailingBackward(), _loader())
+        assert strategy.engine.iteration.idle
+    finally:
+        strategy.close()
 
 
 def test_arguments_the_engine_does_not_take_are_refused(tmp_path):
