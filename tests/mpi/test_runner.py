@@ -5,6 +5,7 @@ the runner is a process's start, and one case is a rank's death."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 from .launcher import ROOT, TIMEOUT, WORKERS, mpi_env, mpiexec, rank_python
@@ -14,7 +15,8 @@ PACKAGE = "zerompi.compat.deepspeed"
 
 
 def _run(tmp_path, *args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    env = {**mpi_env(), "PYTHONPATH": f"{WORKERS}:{mpi_env().get('PYTHONPATH', '')}".rstrip(":")}
+    env = mpi_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKERS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # -m runner_argv
     cmd = [*mpiexec(), "-n", "2", *rank_python(fresh=True), "-m", "zerompi.deepspeed", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 

@@ -3,6 +3,7 @@ plain torch loop's arithmetic, a checkpoint resumes into the uninterrupted run's
 collectives, state dict and refusals work as Lightning calls them. Two ranks: tests/mpi/test_lightning.py."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -26,10 +27,11 @@ def _data(n: int = 8) -> torch.utils.data.TensorDataset:
 
 
 class _Net(L.LightningModule):
-    def __init__(self, none_at: int | None = None):
+    def __init__(self, none_at: int | None = None, optimizers: int = 1):
         super().__init__()
         torch.manual_seed(0)
-        self.net, self.none_at = nn.Linear(4, 2), none_at
+        self.net, self.none_at, self.count = nn.Linear(4, 2), none_at, optimizers
+        self.automatic_optimization = optimizers == 1  # Lightning refuses two under automatic optimization
         self.register_buffer("seen", torch.zeros(()))
 
     def training_step(self, batch, batch_idx):
@@ -40,7 +42,8 @@ class _Net(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        optimizers = [torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9) for _ in range(self.count)]
+        return optimizers[0] if self.count == 1 else optimizers
 
 
 class _Manual(_Net):
@@ -53,12 +56,15 @@ class _Manual(_Net):
         self.manual_backward(nn.functional.mse_loss(self.net(x), y), retain_graph=True)
 
 
-def _trainer(tmp_path, epochs: int = 1, accumulate: int = 2) -> tuple[L.Trainer, ZeroMPIStrategy]:
-    strategy = ZeroMPIStrategy(ZeroConfig(stage=2, cpu_threads=1, abort_on_exception=False), comm=MPI.COMM_SELF)
+def _trainer(tmp_path, epochs: int = 1, accumulate: int = 2, config: ZeroConfig | None = None,
+             **trainer_kw) -> tuple[L.Trainer, ZeroMPIStrategy]:
+    strategy = ZeroMPIStrategy(config or ZeroConfig(stage=2, cpu_threads=1, abort_on_exception=False),
+                               comm=MPI.COMM_SELF)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path, accumulate_grad_batches=accumulate,
-                        use_distributed_sampler=False)  # the loader's order, as the plain loop reads it
+                        use_distributed_sampler=False,  # the loader's order, as the plain loop reads it
+                        **trainer_kw)
     return trainer, strategy
 
 
@@ -79,9 +85,13 @@ def _plain(epochs: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def _fit(tmp_path, epochs: int = 1, module=None, **kw) -> tuple[L.Trainer, ZeroMPIStrategy, L.LightningModule]:
+def _fit(tmp_path, epochs: int = 1, module=None, config: ZeroConfig | None = None, trainer_kw: dict | None = None,
+         **kw) -> tuple[L.Trainer, ZeroMPIStrategy, L.LightningModule]:
+    """``module`` (a _Net) fitted; ``kw`` goes to fit, ``trainer_kw`` to the Trainer. The strategy is closed if
+    the fit raises, else it is the caller's."""
     module = module or _Net()
-    trainer, strategy = _trainer(tmp_path, epochs, 2 if module.automatic_optimization else 1)
+    trainer, strategy = _trainer(tmp_path, epochs, 2 if module.automatic_optimization else 1, config,
+                                 **(trainer_kw or {}))
     try:
         trainer.fit(module, _loader(), **kw)
     except BaseException:
@@ -188,13 +198,10 @@ class _Scheduled(_Net):
 
 def test_the_callbacks_hooks_run_and_a_scheduler_sees_its_steps(tmp_path):
     """4 batches, windows of 2: every backward's two hooks, the step's hook; a per-step scheduler gives no
-    warning of a step it did not see (the strategy marks each step for torch's schedulers)."""
+    warning of a step it did not see (the strategy marks each step for torch's schedulers), and it sets the
+    engine's learning rate (StepLR built on the module's SGD: 0.1 * 0.5**2 after 2 steps)."""
     hooks = _Hooks()
-    strategy = ZeroMPIStrategy(ZeroConfig(stage=2, cpu_threads=1, abort_on_exception=False), comm=MPI.COMM_SELF)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, accumulate_grad_batches=2, use_distributed_sampler=False,
-                        callbacks=[hooks])
+    trainer, strategy = _trainer(tmp_path, callbacks=[hooks])
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*lr_scheduler.step().*")
@@ -254,3 +261,30 @@ def test_close_ends_the_engine(tmp_path):
     assert all(p._post_accumulate_grad_hooks for p in module.parameters())  # stage 2's reduction hooks
     strategy.close()
     assert strategy.engine is None and not any(p._post_accumulate_grad_hooks for p in module.parameters())
+
+
+class _OwnBackward(_Net):
+    def backward(self, loss, *args, **kwargs):
+        loss.backward()
+
+
+class _OwnClipping(_Net):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        pass
+
+
+@pytest.mark.parametrize("module,trainer_kw,named", [
+    (_OwnBackward, {}, "_OwnBackward.backward is overridden"),
+    (_OwnClipping, {}, "_OwnClipping.configure_gradient_clipping is overridden"),
+    (lambda: _Net(optimizers=2), {}, "configure_optimizers returns 2 optimizers"),
+    (_Net, {"precision": "bf16-mixed"}, "Trainer(precision='bf16-mixed')"),
+])
+def test_what_the_engine_does_itself_is_refused_by_name(module, trainer_kw, named, tmp_path):
+    with pytest.raises(UsageError, match=re.escape(f"ZeroMPIStrategy: {named}")):
+        _fit(tmp_path, module=module(), trainer_kw=trainer_kw)
+
+
+def test_a_scheduler_beside_the_configs_schedule_is_refused(tmp_path):
+    cfg = ZeroConfig(stage=2, cpu_threads=1, abort_on_exception=False, lr_schedule="warmup_cosine", total_steps=10)
+    with pytest.raises(UsageError, match="configure_optimizers returns an lr scheduler and ZeroConfig"):
+        _fit(tmp_path, module=_Scheduled(), config=cfg)
