@@ -57,7 +57,7 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "PMIX_", "OMPI_"))}
         env.update(PATH=SBIN, ZEROMPI_PYTHON=sys.executable,
                    PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                   MPIR_CVAR_POLLS_BEFORE_YIELD="1", MPIR_CVAR_POSIX_POLL_FREQUENCY="1")
+                   MPIR_CVAR_POLLS_BEFORE_YIELD="1", MPIR_CVAR_POSIX_POLL_FREQUENCY="1", PYTHONFAULTHANDLER="1")
         self.env = env
 
     def login(self, *cmd: str, limit: int = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -72,7 +72,8 @@ class Cluster:
         return subprocess.run(["timeout", str(limit), "bash", str(CLUSTER / "exec.sh"), str(self.dir), node, *cmd],
                               capture_output=True, text=True, cwd=ROOT, env=self.env, timeout=limit + 10)
 
-    def sbatch(self, *args: str, limit: float = 120, env: dict | None = None) -> tuple[str, str]:
+    def sbatch(self, *args: str, limit: float = 120, env: dict | None = None,
+               log: Path | None = None) -> tuple[str, str]:
         """Submit a batch job and wait for its end: the job id and its final state.
 
         Polls squeue (which keeps finished jobs for 5 minutes) rather than sbatch --wait, whose
@@ -87,8 +88,7 @@ class Cluster:
             if state in FINAL:
                 return job, state
             time.sleep(0.25)
-        self.login("scancel", job)
-        raise AssertionError(f"job {job} still {state or '?'} after {limit} s")
+        raise AssertionError(f"job {job} still {state or '?'} after {limit} s:\n{_stuck(self, job, log)}")
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_train_multinode_sbatch(cluster, tmp_path):
     # The script asks for 4 CPUs per task; the nodes have this machine's few.
     job, state = cluster.sbatch("-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=5",
                                 f"--output={log}", "jobs/slurm/train_multinode.sbatch",
-                                "--config", str(config), "--steps", "4", "--out", str(out_dir), limit=240)
+                                "--config", str(config), "--steps", "4", "--out", str(out_dir), limit=240, log=log)
     text = log.read_text() if log.exists() else ""
     assert state == "COMPLETED", f"job {job} {state}:\n{text[-4000:]}"
     assert "topology: world size 4 on 2 nodes x 2 ranks (node1, node2), hierarchy hsdp" in text, text[-4000:]
@@ -340,12 +340,22 @@ def _until(cond, limit: float, what: str, cluster=None, job: str | None = None, 
         if cond():
             return time.monotonic() - start
         time.sleep(0.2)
-    slurm = ""
     if job:
-        slurm = _slurm_account(cluster, job)
-        cluster.login("scancel", job)
-    raise AssertionError(f"{what} within {limit} s:\n{log.read_text()[-4000:] if log and log.exists() else ''}"
-                         f"{slurm}")
+        raise AssertionError(f"{what} within {limit} s:\n{_stuck(cluster, job, log)}")
+    raise AssertionError(f"{what} within {limit} s:\n{log.read_text()[-4000:] if log and log.exists() else ''}")
+
+
+def _stuck(cluster, job: str, log: Path | None) -> str:
+    """Where a job that should have ended stands, then cancel it: its processes, the Python stacks of
+    its ranks (SIGABRT to its steps; Cluster sets PYTHONFAULTHANDLER), its log's tail, Slurm's account."""
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:24,etime,args"], capture_output=True, text=True).stdout
+    procs = [line[:240] for line in ps.splitlines() if re.search(r"slurmstepd|srun|mpiexec|hydra|mpi4py", line)]
+    slurm = _slurm_account(cluster, job)
+    cluster.login("scancel", "--signal=ABRT", job, limit=20)
+    time.sleep(3)
+    cluster.login("scancel", job, limit=20)
+    text = log.read_text(errors="replace")[-8000:] if log and log.exists() else "(no log)"
+    return f"--- processes:\n" + "\n".join(procs) + f"\n--- log (after SIGABRT to the steps):\n{text}{slurm}"
 
 
 def _slurm_account(cluster, job: str) -> str:
