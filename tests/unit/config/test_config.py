@@ -672,6 +672,24 @@ def test_from_deepspeed_unsupported_keys_in_one_error():
         "zero_optimization.offload_param.buffer_counts")
 
 
+def test_from_deepspeed_dotted_top_level_keys_have_no_effect_as_in_deepspeed():
+    """TRL's prepare_deepspeed writes "zero_optimization.reduce_bucket_size" and two more at the top level;
+    DeepSpeed 0.19.8 reads nested keys only. Those naming a DeepSpeed key (an old spelling too) are accepted
+    with no effect and named in the warning; a dotted name DeepSpeed lacks is refused as a top-level key."""
+    dotted = {"zero_optimization.reduce_bucket_size": 4096, "zero_optimization.prefetch_bucket_size": 3686.4,
+              "zero_optimization.stage3_param_persistence_threshold": {"not": "checked"}}
+    base = {"zero_optimization": {"stage": 3}}
+    with pytest.warns(UserWarning) as caught:
+        assert config_from({**base, **dotted}) == config_from(base)
+    text = str(caught[-1].message)
+    for key in dotted:
+        assert f"{key!r} at the top level (DeepSpeed reads it nowhere)" in text, text
+    with pytest.raises(ConfigError) as err:
+        config_from({**base, "zero_optimization.stage3_prefetch_bucket": 1})
+    assert str(err.value) == ("unsupported DeepSpeed config keys: 'zero_optimization.stage3_prefetch_bucket' "
+                              "(a top-level key with dots in its name)")
+
+
 @pytest.mark.parametrize("d,key", [
     ({"fp16": True}, "fp16=True"),
     ({"bf16": {"enabled": "yes"}}, "bf16.enabled='yes'"),

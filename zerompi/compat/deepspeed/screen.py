@@ -30,7 +30,7 @@ def screen(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], dict[str,
     spelling in ``doc`` (for :func:`respelled`). Refused features and unknown keys: one ConfigError
     naming each (a feature with its reason)."""
     d = copy.deepcopy(dict(doc))
-    ignored = _legacy_zero(d)
+    ignored = _legacy_zero(d) + _dotted_top_level(d)
     renamed: dict[str, str] = {}
     ignored += _rename(d, renamed)
     try:
@@ -97,6 +97,31 @@ def _legacy_zero(d: dict) -> list[str]:
     if not is_auto(size):
         real("allgather_size", size, ge=0)
     return ["allgather_size"]
+
+
+def _dotted_top_level(d: dict) -> list[str]:
+    """Top-level keys with dots in their names that name a key DeepSpeed has, such as the
+    ``"zero_optimization.reduce_bucket_size"`` TRL's ``prepare_deepspeed`` writes for a reference model:
+    DeepSpeed 0.19.8 reads nested keys only and ignores them, so they are accepted with no effect, as
+    there. A dotted name DeepSpeed has no key for stays, to be refused as unknown."""
+    aliases = {old for olds in ALIASES.values() for old in olds}
+    ignored = []
+    for key in [k for k in d if isinstance(k, str) and "." in k]:
+        if _in_schema(key) or key in aliases:
+            del d[key]
+            ignored.append(f"{key!r} at the top level (DeepSpeed reads it nowhere)")
+    return ignored
+
+
+def _in_schema(dotted: str) -> bool:
+    node: Any = SCHEMA
+    for part in dotted.split("."):
+        if isinstance(node, tuple):
+            node = dict.fromkeys(node)
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _rename(d: dict, renamed: dict[str, str]) -> list[str]:
@@ -214,7 +239,8 @@ def _walk(block: Mapping, schema: Any, prefix: str, unsupported: list[str]) -> N
     for key, value in block.items():
         dotted = f"{prefix}{key}"
         if key not in schema:
-            unsupported.append(dotted)
+            unsupported.append(f"{key!r} (a top-level key with dots in its name)" if not prefix and "." in key
+                               else dotted)
         elif schema[key] is not None:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{dotted}={value!r} is not an object with keys from: "
