@@ -108,8 +108,15 @@ class Bucket:
         if self.weight_codes is not None and not plan.shard_params:  # stages 1-2 compute with decoded values
             self.weight_codes.decode_all(self.param_full.tensor)
 
-        for p, slot in zip(params, layout.slots):
-            p.data = self.param_full.view(slot.offset, slot.shape)
+        self._views = [self.param_full.view(slot.offset, slot.shape) for slot in layout.slots]
+        # Stage 3, between gathers: each parameter keeps its shape over one NaN element (stride 0), so that
+        # a read outside a gather gives NaN and a write is refused, where a view of the freed storage would
+        # read unmapped memory; autograd's saved views keep the buffer's storage and see it refilled.
+        hole = torch.full((1,), float("nan") if dtype.is_floating_point else 0, dtype=dtype, device=placement.device)
+        self._holes = [hole.expand(slot.shape) for slot in layout.slots] if plan.shard_params else self._views
+        self._own = {_storage(self.param_full.tensor), _storage(hole)}
+        for p, view in zip(params, self._views):
+            p.data = view
         self.state = BucketState.GATHERED
         if plan.shard_params:
             self.reshard()
@@ -143,6 +150,7 @@ class Bucket:
         if self.state is not BucketState.SHARDED:
             return self._gather if self._gather is not None else Work.done()
         self.param_full.alloc()
+        self._bind(self._views)
         source = self.param_sync.source(self.param_tier)
         async_op = async_op and (source is None or source.stays_resident)  # a swapped shard is gone after its block
         work = self.param_sync.gather(self.param_tier, self.param_full.tensor, async_op=async_op, what=self.name)
@@ -177,14 +185,27 @@ class Bucket:
                 work.test()
 
     def reshard(self) -> None:
-        """Stage 3: GATHERING/GATHERED -> SHARDED, freeing the gathered parameters (views stay
-        bound, storage is released; an in-flight gather is waited for first, since MPI may still be
-        writing). Idempotent; stages 0-2 keep their parameters whole."""
+        """Stage 3: GATHERING/GATHERED -> SHARDED, freeing the gathered parameters (the parameters
+        bound to their NaN stand-ins, the storage released, autograd's saved views kept; an in-flight
+        gather is waited for first, since MPI may still be writing). Idempotent; stages 0-2 keep their
+        parameters whole."""
         if not self.plan.shard_params or self.state is BucketState.SHARDED:
             return
         self.wait_gathered()
+        self._bind(self._holes)
         self.param_full.free()
         self.state = BucketState.SHARDED
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """``t`` is one of this bucket's parameter bindings (a view of its buffer, or stage 3's NaN stand-in
+        between gathers), not a whole copy put in place of one (GatheredParameters' block)."""
+        return _storage(t) in self._own
+
+    def _bind(self, tensors: list[torch.Tensor]) -> None:
+        """Bind each parameter to its tensor in ``tensors``, except one a caller has put a copy in place of."""
+        for p, t in zip(self.params, tensors):
+            if _storage(p.data) in self._own:
+                p.data = t
 
     def publish(self) -> None:
         """After an optimizer step: bring the updated master into the compute parameters."""
@@ -344,3 +365,7 @@ class Bucket:
             mine.copy_(shard)  # then to where gathers read: the packed shard, hpZ's node copy
             self.param_sync.publish(mine, self.param_full.tensor, self.name)
             self.param_tier.store()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # the storage itself, whichever Python wrapper answers

@@ -4,7 +4,8 @@ Parameters are bound as views into a FlatBuffer. Freeing resizes the
 underlying storage to zero bytes instead of dropping the tensor, so the views
 (and the ``nn.Parameter`` objects that hold them, and autograd's saved
 tensors) stay valid objects and see the data again once it is re-allocated
-and refilled. This is how stage 3 releases gathered parameters between uses.
+and refilled. This is how stage 3 releases gathered parameters between uses (the
+``nn.Parameter`` objects themselves are bound to a NaN stand-in meanwhile: shard/bucket.py).
 
 Handed a ``reuse`` pool (host buffers only), a freed buffer's memory goes there
 instead of back to the C library, and ``alloc`` takes memory of the same size

@@ -123,6 +123,30 @@ def test_unshard_reshard(stage, dtype):
     b.reshard()  # twice: no-op
     assert b.state is (BucketState.SHARDED if stage == 3 else BucketState.GATHERED)
     assert group.take() == []
+    if stage == 3:  # between gathers: the shape over one NaN element, never the freed storage
+        for n, p in model.named_parameters():
+            assert p.shape == original[n].shape and p.untyped_storage().nbytes() == p.element_size()
+            assert p.detach().isnan().all() and b.holds(p.data)
+            with pytest.raises(RuntimeError, match="single memory location"):
+                p.detach().add_(1)
+        b.unshard()
+        for n, p in model.named_parameters():  # bound to the buffer again
+            assert torch.equal(p.detach(), original[n].to(dtype)) and b.holds(p.data)
+
+
+def test_a_copy_put_in_place_of_a_parameter_is_left_bound():
+    """GatheredParameters puts a whole copy in place of a parameter for its block: a gather or release
+    inside the block must not bind it back to the buffer (the block's changes would be lost)."""
+    model, original, b, group, _ = build(3, torch.float32)
+    p = model[0].weight
+    copy = torch.full(p.shape, 7.0)
+    p.data = copy
+    assert not b.holds(p.data)
+    b.unshard()
+    b.reshard()
+    assert p.data.data_ptr() == copy.data_ptr() and torch.equal(p.detach(), torch.full(p.shape, 7.0))
+    others = [q for q in model.parameters() if q is not p]
+    assert all(b.holds(q.data) and q.detach().isnan().all() for q in others)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -39,13 +39,10 @@ class StatusParameter(nn.Parameter):
         bucket = ref() if ref is not None else None
         if bucket is None or not bucket.plan.shard_params:  # replicated (persistent, or the engine is gone)
             return ZeroParamStatus.AVAILABLE
-        if _storage(self.data) != _storage(bucket.param_full.tensor):
+        if not bucket.holds(self.data):
             return ZeroParamStatus.AVAILABLE  # a whole copy in place: GatheredParameters' block
         return _BY_STATE[bucket.state]
 
-
-def _storage(t) -> int:
-    return t.untyped_storage()._cdata  # the storage itself, whichever Python wrapper answers
 
 
 def mark(engine) -> None:
