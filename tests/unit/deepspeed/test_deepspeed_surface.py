@@ -133,6 +133,19 @@ def test_log_dist_logs_on_the_ranks_listed(caplog):
     assert deepspeed.utils.logger.name == "zerompi.deepspeed"
 
 
+def test_the_logger_is_also_where_deepspeed_keeps_it():
+    """``deepspeed.utils.logging.logger``, which Lightning's DeepSpeed strategy sets the level of, is the
+    same logger (not the standard library's ``logging`` module, which has no ``logger``)."""
+    import zerompi.deepspeed.utils.logging as ds_logging  # noqa: PLC0415  a submodule, as DeepSpeed has it
+    assert deepspeed.utils.logging is ds_logging and ds_logging.logger is deepspeed.utils.logger
+    level = deepspeed.utils.logger.level
+    try:
+        deepspeed.utils.logging.logger.setLevel(logging.WARNING)
+        assert deepspeed.utils.logger.level == logging.WARNING
+    finally:
+        deepspeed.utils.logger.setLevel(level)
+
+
 def test_activation_checkpointing_matches_plain_backward():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Tanh())

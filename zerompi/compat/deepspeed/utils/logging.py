@@ -1,4 +1,4 @@
-"""``deepspeed.utils``: the logger and rank-filtered logging scripts use."""
+"""``deepspeed.utils.logging``: the logger and rank-filtered logging scripts use."""
 from __future__ import annotations
 
 import logging
