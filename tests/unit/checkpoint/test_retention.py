@@ -50,9 +50,13 @@ def _copy(saved, tmp_path):
     return root
 
 
-def test_complete_tags_are_newest_first_by_their_steps(saved):
+def test_complete_tags_are_newest_first_by_their_steps(saved, tmp_path):
     assert retention.complete_tags(saved) == [retention.Tag(TAGS[s], s) for s in (4, 3, 2, 1)]
+    assert retention.complete_tags(str(saved)) == retention.complete_tags(saved)  # a str root too
     assert retention.complete_tags(saved / "nowhere") == []
+    root = _copy(saved, tmp_path)
+    shutil.copytree(root / TAGS[1], root / f".old-{TAGS[1]}-0")  # a killed replacement's copy: whole, hidden
+    assert retention.complete_tags(root) == retention.complete_tags(saved)
 
 
 def test_prune_keeps_the_k_newest_and_latests_and_touches_nothing_else(saved, tmp_path):
@@ -61,9 +65,10 @@ def test_prune_keeps_the_k_newest_and_latests_and_touches_nothing_else(saved, tm
     (root / "notes").mkdir()  # no index: not a checkpoint, not ours to remove
     (root / "e-broken").mkdir()
     (root / "e-broken" / "index.h5").write_bytes(b"not hdf5")  # unreadable: never removed unread
-    assert retention.prune(root, 2) == [TAGS[2], TAGS[1]]
+    shutil.copytree(root / TAGS[1], root / f".old-{TAGS[1]}-0")  # complete, but a replacement's copy
+    assert retention.prune(str(root), 2) == [TAGS[2], TAGS[1]]
     assert sorted(p.name for p in root.iterdir()) == sorted([".tmp-a-fifth-0", "notes", "e-broken", "latest",
-                                                             TAGS[4], TAGS[3]])
+                                                             f".old-{TAGS[1]}-0", TAGS[4], TAGS[3]])
     (root / "latest").write_text(TAGS[3])  # latest names an older tag (a user moved it): it stays
     assert retention.prune(root, 1) == [] and (root / TAGS[3]).is_dir() and (root / TAGS[4]).is_dir()
     with pytest.raises(ValueError, match="at least 1"):
@@ -88,3 +93,16 @@ def test_a_damaged_latest_is_named_with_the_other_checkpoints_and_how_to_load_on
         assert f"other checkpoints under {root}: {TAGS[3]} (step 3), {TAGS[2]} (step 2), {TAGS[1]} (step 1)" \
             in message, message
         assert "load_checkpoint(path, tag=TAG)" in message, message
+
+
+def test_the_hint_names_the_three_newest_others_or_nothing(saved, tmp_path):
+    """Without a tag the failed one is latest's; at most three others, newest first; none: no hint."""
+    root = _copy(saved, tmp_path)
+    shutil.copytree(root / TAGS[1], root / "z-copy")  # step 1 too: after the step-2 tag, before d-first
+    hint = retention.others_hint(str(root), None)
+    assert hint == (f"; other checkpoints under {root}: {TAGS[3]} (step 3), {TAGS[2]} (step 2), z-copy (step 1): "
+                    "load one with load_checkpoint(path, tag=TAG)")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copytree(root / TAGS[4], alone / TAGS[4])
+    assert retention.others_hint(alone, TAGS[4]) == ""
