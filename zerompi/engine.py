@@ -184,12 +184,15 @@ class Engine:
             return x
         return self.module(*tree_map(place, args), **tree_map(place, kwargs))
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of this rank's mean micro-batch loss; reduces gradients as they appear."""
+    def backward(self, loss: torch.Tensor, *, window_share: bool = True) -> None:
+        """Backward of this rank's mean micro-batch loss; reduces gradients as they appear.
+
+        ``window_share=False``: the loss already is its share of the accumulation window (the
+        frameworks' wrappers divide it themselves), so only the fp16 loss scale is applied."""
         if loss.dim() != 0:
             raise UsageError(f"backward() takes a scalar loss, got shape {tuple(loss.shape)}")
         with self.implicit.explicit():
-            factor = self.begin_backward()
+            factor = self.begin_backward(window_share=window_share)
             try:
                 (loss * factor).backward()
             except BaseException:
@@ -197,10 +200,11 @@ class Engine:
                 raise
             self.end_backward(ok=True)
 
-    def begin_backward(self) -> float:
+    def begin_backward(self, *, window_share: bool = True) -> float:
         """For a backward run by the caller (``backward`` runs one): enter it and return the factor
-        the loss's gradient must be scaled by (loss scale, accumulation share). ``end_backward`` ends it."""
-        backward, factor = self.iteration.begin_backward(self.optimizer.loss_scale)
+        the loss's gradient must be scaled by (loss scale, and the accumulation share unless
+        ``window_share`` is False). ``end_backward`` ends it."""
+        backward, factor = self.iteration.begin_backward(self.optimizer.loss_scale, share=window_share)
         try:
             self.sharded.begin_backward(backward)
         except BaseException:

@@ -21,7 +21,8 @@ final, and STEP completes the step (the global norm, the rest). ``begin_backward
 which, once, for the sharded model and the optimizer to follow.
 
 Every engine verb asks this machine; the DeepSpeed wrapper reads its counts (``step_calls``)
-instead of keeping its own.
+instead of keeping its own, and the frameworks' wrappers run their backward through the engine's,
+saying whether their loss already is its share of the window (``share``).
 """
 from __future__ import annotations
 
@@ -102,10 +103,14 @@ class Iteration:
         return self.micro.indices[min(self.done, self.window - 1)]
 
     # ---- backward -----------------------------------------------------------
-    def begin_backward(self, loss_scale: float = 1.0) -> tuple[Backward, float]:
+    def begin_backward(self, loss_scale: float = 1.0, share: bool = True) -> tuple[Backward, float]:
         """Enter BACKWARD; what this backward does, and the factor its loss's gradient is scaled by
-        (the fp16 loss scale and the window's share, or 1/G of a dealt micro-batch)."""
+        (the fp16 loss scale and the window's share, or 1/G of a dealt micro-batch). ``share=False``:
+        the caller's loss already is its share of the window, so the factor is the loss scale alone."""
         if self.micro is not None:
+            if not share:
+                raise UsageError("a loss that already is its share of the window with micro_batches: "
+                                 "each micro-batch's share is 1/G, which the engine applies")
             self.micro.check_room(self.done, "backward()")
         if self.phase is Phase.READY:
             raise UsageError(f"backward() called {self.done + 1} times without step() "
@@ -115,7 +120,7 @@ class Iteration:
         backward = Backward(ends, ends and self.schedule is UpdateSchedule.IN_BACKWARD)
         if self.micro is not None:
             return backward._replace(sources=self.micro.sources(self.done)), self.micro.loss_factor
-        return backward, loss_scale / self.accum
+        return backward, loss_scale / self.accum if share else loss_scale
 
     def end_backward(self, ok: bool) -> None:
         """Leave BACKWARD: counted when it succeeded, else back to where it started."""

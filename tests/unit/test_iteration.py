@@ -72,6 +72,14 @@ def test_illegal_transitions_name_both_phases():
 def test_the_loss_factor_is_the_windows_share_times_the_loss_scale():
     t = Iteration(accum=4)
     assert t.begin_backward(loss_scale=8.0) == (Backward(ends_window=False, updates=False), 2.0)
+    t.end_backward(ok=True)
+    # a loss that already is its share (the frameworks' wrappers divide it): the loss scale alone
+    assert t.begin_backward(loss_scale=8.0, share=False) == (Backward(ends_window=False, updates=False), 8.0)
+    t.end_backward(ok=True)
+    micro = Iteration(accum=1, micro=MicroBatchPlan(5, 2, 0))
+    with pytest.raises(UsageError, match="already is its share of the window with micro_batches"):
+        micro.begin_backward(share=False)
+    assert micro.idle  # refused before entering BACKWARD
 
 
 def test_micro_batches_make_the_window_this_ranks_share():

@@ -104,8 +104,8 @@ class ResilientEngine:
     def __call__(self, *args, **kwargs):
         return self.recovery.run(self, "forward", lambda engine: engine(*args, **kwargs))
 
-    def backward(self, loss) -> None:
-        self._guarded("backward", loss)
+    def backward(self, loss, *, window_share: bool = True) -> None:
+        self._guarded("backward", loss, window_share=window_share)
         self.recovery.points.settled()  # its round's reduction ran on every rank: the last point is whole
 
     def end_backward(self, ok: bool) -> None:

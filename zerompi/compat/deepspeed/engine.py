@@ -78,16 +78,7 @@ class DeepSpeedEngine:
         if not scale_wrt_gas and self.engine.iteration.micro is not None:
             raise UsageError("backward(scale_wrt_gas=False) with micro_batches: each micro-batch's share is 1/G")
         self._check_no_sync()
-        with self.engine.implicit.explicit():
-            factor = self.engine.begin_backward()
-            if not scale_wrt_gas:
-                factor = self.engine.optimizer.loss_scale  # the fp16 scale alone
-            try:
-                (loss * factor).backward()
-            except BaseException:
-                self.engine.end_backward(ok=False)
-                raise
-            self.engine.end_backward(ok=True)
+        self.engine.backward(loss, window_share=scale_wrt_gas)
         return loss
 
     def _check_no_sync(self) -> None:

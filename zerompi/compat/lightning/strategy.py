@@ -182,18 +182,9 @@ class ZeroMPIStrategy(ParallelStrategy):
         engine's own factor (the scale and 1/grad_accum_steps)."""
         if args or kwargs:
             raise translate.refuse("backward arguments", f"the engine's backward takes none, got {args} {kwargs}")
-        module, engine = self.lightning_module, self.engine
+        module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        with engine.implicit.explicit():
-            factor = engine.begin_backward()
-            if module.automatic_optimization:
-                factor = engine.optimizer.loss_scale
-            try:
-                (closure_loss * factor).backward()
-            except BaseException:
-                engine.end_backward(ok=False)
-                raise
-            engine.end_backward(ok=True)
+        self.engine.backward(closure_loss, window_share=not module.automatic_optimization)
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
