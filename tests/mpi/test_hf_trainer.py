@@ -144,21 +144,64 @@ def accelerate_reference(tmp_path_factory):
     return tmp
 
 
+def _near_the_plain_process(reference, saved) -> None:
+    """The weights ``saved`` within ORDER_K times the order noise of one plain process on the same batches."""
+    from safetensors.torch import load_file
+    ref, alt = (load_file(str(reference / f"{n}.st")) for n in ("ref", "alt"))
+    ours = load_file(str(saved))
+    err = {n: float((ours[n] - ref[n]).abs().max()) for n in ref}
+    noise = {n: float((alt[n] - ref[n]).abs().max()) for n in ref}
+    assert ours.keys() == ref.keys() and not tensor_failures(err, noise), tensor_failures(err, noise)
+
+
 @pytest.mark.parametrize("stage,offload", [(2, False), (3, False), (2, True)], ids=["zero2", "zero3", "zero2-offload"])
 def test_accelerate_with_the_deepspeed_plugin(accelerate_reference, tmp_path, stage, offload):
     """An Accelerate loop with ``DeepSpeedPlugin(zero_stage=...)`` (workers/hf_accelerate.py), unchanged under the
     runner at 2 ranks: its final weights within ORDER_K times the order noise of one plain process on the same
     batches (4 micro-batches of 2 against 2 of 4)."""
     require_module("transformers", "accelerate", "safetensors")
-    from safetensors.torch import load_file
     script = str(WORKERS / "hf_accelerate.py")
     env = {**mpi_env(), "PYTHONPATH": _plain_env()["PYTHONPATH"]}
     proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(preload=HF_STACK), "-m", "zerompi.deepspeed", script, "--out",
                            str(tmp_path / "ours.st"), "--stage", str(stage), *(["--offload"] if offload else [])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    ref, alt = (load_file(str(accelerate_reference / f"{n}.st")) for n in ("ref", "alt"))
-    ours = load_file(str(tmp_path / "ours.st"))
-    err = {n: float((ours[n] - ref[n]).abs().max()) for n in ref}
-    noise = {n: float((alt[n] - ref[n]).abs().max()) for n in ref}
-    assert ours.keys() == ref.keys() and not tensor_failures(err, noise), tensor_failures(err, noise)
+    _near_the_plain_process(accelerate_reference, tmp_path / "ours.st")
+
+
+ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  gradient_accumulation_steps: 2
+  gradient_clipping: 1.0
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: false
+  zero3_save_16bit_model: true
+  zero_stage: 3
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+"""
+
+
+def test_accelerate_config_yaml_reaches_the_script(accelerate_reference, tmp_path):
+    """``accelerate launch --config_file ds.yaml`` as an MPI job: ``python -m zerompi.deepspeed --accelerate_config
+    ds.yaml`` sets what Accelerate's launch would (zero_stage 3, accumulation 2, clipping 1.0), and a script whose
+    ``Accelerator()`` has no plugin trains as the zero3 case with the plugin in the script does."""
+    require_module("transformers", "accelerate", "safetensors")
+    yaml = tmp_path / "ds.yaml"
+    yaml.write_text(ACCELERATE_YAML)
+    env = {**mpi_env(), "PYTHONPATH": _plain_env()["PYTHONPATH"]}
+    proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(preload=HF_STACK), "-m", "zerompi.deepspeed",
+                           "--accelerate_config", str(yaml), str(WORKERS / "hf_accelerate.py"), "--out",
+                           str(tmp_path / "ours.st"), "--from-launch"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _near_the_plain_process(accelerate_reference, tmp_path / "ours.st")
+    yaml.write_text(ACCELERATE_YAML.replace("DEEPSPEED", "MULTI_CPU"))
+    proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(preload=HF_STACK), "-m", "zerompi.deepspeed",
+                           "--accelerate_config", str(yaml), str(WORKERS / "hf_accelerate.py"), "--out",
+                           str(tmp_path / "never.st"), "--from-launch"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and "its distributed_type is not DEEPSPEED" in proc.stderr, proc.stderr[-3000:]

@@ -1,6 +1,7 @@
 """An Accelerate training loop as users write it (``Accelerator``, ``prepare``, ``accumulate``,
 ``accelerator.backward``), for tests/mpi/test_hf_trainer.py. ``--stage S`` passes a
-``DeepSpeedPlugin(zero_stage=S)``: under ``python -m zerompi.deepspeed`` that is a zerompi run; without it,
+``DeepSpeedPlugin(zero_stage=S)``: under ``python -m zerompi.deepspeed`` that is a zerompi run (``--from-launch``:
+no plugin in the script, the settings come from the runner's ``--accelerate_config``); without it,
 one plain process accumulating ``--accum`` micro-batches is the reference. The tiny GPT-2 of
 hf_trainer.py, 64 fixed token rows in order; rank 0 saves the final weights (safetensors) to ``--out``.
 """
@@ -21,8 +22,12 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--offload", action="store_true")
+    p.add_argument("--from-launch", action="store_true",
+                   help="Accelerator() alone: its DeepSpeed settings come from the launch (accelerate config's yaml)")
     a = p.parse_args()
-    if a.stage is None:
+    if a.from_launch:
+        acc = Accelerator()
+    elif a.stage is None:
         acc = Accelerator(gradient_accumulation_steps=a.accum)
     else:
         plugin = DeepSpeedPlugin(zero_stage=a.stage, gradient_accumulation_steps=a.accum, gradient_clipping=1.0,

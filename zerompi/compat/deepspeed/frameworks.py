@@ -7,6 +7,10 @@ use it, answered under the runner (runner.py), so that their scripts run unchang
   DeepSpeed release whose API and numbers zerompi follows) with ``+zerompi``, and no files. It comes
   first, so it also stands for a real DeepSpeed installed beside zerompi; outside the runner nothing
   changes.
+* **The launch.** ``accelerate launch --config_file ds.yaml`` turns the yaml into ``ACCELERATE_*``
+  variables and starts DeepSpeed's launcher. Under MPI the ranks are already started:
+  :func:`accelerate_env` asks Accelerate's own launch code for the variables of a yaml, which the
+  runner's ``--accelerate_config`` sets before the script runs.
 * **The backend.** On a machine without CUDA, accelerate's ``PartialState`` finds no torch.distributed
   backend for a DeepSpeed run and takes each rank for a world of its own. Under the runner the ranks
   MPI started are the world: where accelerate finds none for a DeepSpeed run, it gets zerompi's
@@ -60,3 +64,27 @@ def prepare_accelerate() -> None:
         return found, kind
     prepare_backend.zerompi = True
     state.PartialState._prepare_backend = prepare_backend
+
+
+def accelerate_env(config_file: str) -> dict[str, str]:
+    """The ``ACCELERATE_*`` variables ``accelerate launch --config_file config_file`` gives a DeepSpeed run's
+    processes, from Accelerate's own parser and DeepSpeed branch (accelerate 1.16); the launcher's own
+    variables (ranks, addresses) are left out: MPI's ranks have theirs. A yaml whose ``distributed_type``
+    is not DEEPSPEED is refused."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from zerompi.errors import UsageError
+    if not os.path.isfile(config_file):
+        raise UsageError(f"--accelerate_config {config_file}: no such file")
+    args = launch_command_parser().parse_args(["--config_file", config_file, "script.py"])
+    args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+    if not args.use_deepspeed:
+        raise UsageError(f"--accelerate_config {config_file}: its distributed_type is not DEEPSPEED; allowed: "
+                         "a DeepSpeed configuration (accelerate config, 'DeepSpeed' as the distributed type)")
+    fields = list(defaults.deepspeed_config) if defaults is not None else []  # as accelerate's launch_command
+    if mixed_precision_from_config:
+        fields.append("mixed_precision")
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    _, env = prepare_deepspeed_cmd_env(args)
+    return {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}

@@ -91,6 +91,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                                             "'import deepspeed' in it imports zerompi.deepspeed.")
     p.add_argument("--local_rank_arg", action="store_true",
                    help="append --local_rank=<n> to the script's arguments, as DeepSpeed's launcher does")
+    p.add_argument("--accelerate_config", metavar="YAML",
+                   help="an `accelerate config` file of a DeepSpeed run: its settings reach the script as under "
+                        "`accelerate launch --config_file YAML` (the ACCELERATE_* variables it sets)")
     p.add_argument("-m", dest="module", action="store_true", help="run a module (python -m) instead of a file")
     p.add_argument("script", help="the training script (or module, with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -106,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     comm.set_environment()
     # from the script's first line: an exception on one rank ends the job, as under python -m mpi4py
     abort_on_uncaught_exception(comm.world_group())
-    from zerompi.compat.deepspeed.frameworks import prepare_accelerate
+    from zerompi.compat.deepspeed.frameworks import accelerate_env, prepare_accelerate
+    if ns.accelerate_config is not None:
+        os.environ.update(accelerate_env(ns.accelerate_config))
     prepare_accelerate()
     args = list(ns.args)
     if ns.local_rank_arg:
