@@ -75,6 +75,8 @@ class Iteration:
         """Backward calls completed in this window (a backward in progress is round ``done``)."""
         self.step_calls = 0
         """step() calls since the engine was built or loaded, updating or not (DeepSpeed's micro_steps)."""
+        self.window_steps = 0
+        """step() calls in this window so far (each one that does not update)."""
 
     def _move(self, to: Phase) -> None:
         if to not in _ALLOWED[self.phase]:
@@ -91,6 +93,16 @@ class Iteration:
     @property
     def idle(self) -> bool:
         return self.phase is Phase.IDLE
+
+    @property
+    def boundary(self) -> bool:
+        """Whether the current micro-batch ends the window (DeepSpeed's accumulation boundary): the one
+        whose backward ran if step() has not been called since, else the one whose backward comes next.
+        A loop that calls step() after every backward and one that calls it once per window (accelerate's,
+        micro_batches) both get True exactly where their step() updates."""
+        if self.window_steps < self.done:
+            return self.done == self.window
+        return self.done + 1 == self.window
 
     # ---- forward ------------------------------------------------------------
     def forward_index(self, training: bool) -> int | None:
@@ -142,6 +154,7 @@ class Iteration:
             raise UsageError("step() called before backward(): there are no gradients to apply")
         self.step_calls += 1
         if self.phase is Phase.ACCUMULATING:
+            self.window_steps += 1
             return False
         self._move(Phase.STEP)
         return True
@@ -155,11 +168,11 @@ class Iteration:
 
     def end_step(self) -> None:
         """Leave STEP: a new window begins, also after a step that raised (its gradients are gone)."""
-        self.done = 0
+        self.done = self.window_steps = 0
         self._move(Phase.IDLE)
 
     def reset(self) -> None:
         """A loaded checkpoint starts a new window."""
         if self.phase in (Phase.BACKWARD, Phase.STEP):
             raise UsageError(f"cannot load a checkpoint in phase {self.phase.name}")
-        self.phase, self.done, self.step_calls = Phase.IDLE, 0, 0
+        self.phase, self.done, self.step_calls, self.window_steps = Phase.IDLE, 0, 0, 0

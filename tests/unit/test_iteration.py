@@ -111,3 +111,32 @@ def test_step_calls_count_every_step_until_a_load():
     assert t.step_calls == 2 and t.idle
     t.reset()
     assert t.step_calls == 0
+
+
+def test_the_boundary_is_where_step_updates_in_either_loop():
+    """DeepSpeed's accumulation boundary, answered by the machine: True for the micro-batch whose step()
+    updates, whether step() follows every backward (DeepSpeed's loop), comes once per window (accelerate's)
+    or once after a micro_batches share."""
+    def run(t: Iteration, step_each: bool, windows: int = 2) -> list[tuple[bool, bool]]:
+        seen = []  # (before the backward, after it) for each backward
+        for _ in range(windows):
+            for k in range(t.window):
+                before = t.boundary
+                t.begin_backward()
+                t.end_backward(ok=True)
+                seen.append((before, t.boundary))
+                if step_each or k == t.window - 1:
+                    t.begin_step() and t.end_step()
+        return seen
+    each = run(Iteration(accum=3), step_each=True)
+    assert each == [(False, False), (False, False), (True, True)] * 2
+    once = run(Iteration(accum=3), step_each=False)
+    assert once == [(False, False), (False, False), (False, True)] * 2
+    micro = run(Iteration(accum=1, micro=MicroBatchPlan(5, 2, 1)), step_each=False)  # a share of 2
+    assert micro == [(False, False), (False, True)] * 2
+    t = Iteration(accum=2)
+    t.begin_backward()
+    t.end_backward(ok=True)
+    t.begin_step()
+    t.reset()  # a load starts a new window
+    assert not t.boundary and t.window_steps == 0

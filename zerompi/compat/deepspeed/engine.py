@@ -110,10 +110,10 @@ class DeepSpeedEngine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch's step() ends the accumulation window (and updates): as
-        ``set_gradient_accumulation_boundary`` last said, else by counting step() calls."""
+        ``set_gradient_accumulation_boundary`` last said, else as the engine's iteration machine says."""
         if self._boundary is not None:
             return self._boundary
-        return (self.micro_steps + 1) % self._batch.accum == 0
+        return self.engine.iteration.boundary
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's override for loops that call step() once per window (accelerate's): whether the
