@@ -112,9 +112,12 @@ class Bucket:
         # Stage 3, between gathers: each parameter keeps its shape over one NaN element (stride 0), so that
         # a read outside a gather gives NaN and a write is refused, where a view of the freed storage would
         # read unmapped memory; autograd's saved views keep the buffer's storage and see it refilled.
-        hole = torch.full((1,), float("nan"), dtype=dtype, device=placement.device)  # a compute dtype: floating
-        self._holes = [hole.expand(slot.shape) for slot in layout.slots] if plan.shard_params else self._views
-        self._own = {_storage(self.param_full.tensor), _storage(hole)}
+        self._holes = self._views
+        self._own = {_storage(self.param_full.tensor)}
+        if plan.shard_params:
+            hole = torch.full((1,), float("nan"), dtype=dtype, device=placement.device)  # compute dtypes float
+            self._holes = [hole.expand(slot.shape) for slot in layout.slots]
+            self._own.add(_storage(hole))
         for p, view in zip(params, self._views):
             p.data = view
         self.state = BucketState.GATHERED

@@ -8,10 +8,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.components import require_module
 
-from ..test_docs import ROOT
+ROOT = Path(__file__).resolve().parents[3]
 
 _SCRIPT = """
 import json, warnings

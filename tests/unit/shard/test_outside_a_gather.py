@@ -10,8 +10,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from ..test_docs import ROOT
+ROOT = Path(__file__).resolve().parents[3]
 
 _SCRIPT = """
 import copy, io, json, torch, zerompi

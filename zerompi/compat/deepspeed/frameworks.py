@@ -23,6 +23,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from zerompi.errors import UsageError
+
 API_VERSION = "0.19.8"
 METADATA = f"""Metadata-Version: 2.1
 Name: deepspeed
@@ -74,7 +76,6 @@ def accelerate_env(config_file: str) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
-    from zerompi.errors import UsageError
     if not os.path.isfile(config_file):
         raise UsageError(f"--accelerate_config {config_file}: no such file")
     args = launch_command_parser().parse_args(["--config_file", config_file, "script.py"])
