@@ -139,4 +139,18 @@ def test_the_boundary_is_where_step_updates_in_either_loop():
     t.end_backward(ok=True)
     t.begin_step()
     t.reset()  # a load starts a new window
-    assert not t.boundary and t.window_steps == 0
+    assert not t.boundary and t.window_steps == 0 and t.done == 0 and t.idle
+
+
+def test_without_micro_batches_and_beyond_a_share():
+    """No micro_batches: no micro-batch index, no empty round, and a loss factor of 1/accum by default; with
+    them, a backward beyond the rank's share is named as that (not as a missing step())."""
+    t = Iteration(accum=4)
+    assert t.forward_index(training=True) is None and t.empty_rounds() == []
+    assert t.begin_backward()[1] == 0.25
+    r1 = Iteration(accum=1, micro=MicroBatchPlan(5, 2, 1))  # a share of 2
+    for _ in range(2):
+        r1.begin_backward()
+        r1.end_backward(ok=True)
+    with pytest.raises(UsageError, match="backward\\(\\) of a micro-batch beyond this rank's 2 micro-batches"):
+        r1.begin_backward()
