@@ -677,7 +677,8 @@ def test_from_deepspeed_dotted_top_level_keys_have_no_effect_as_in_deepspeed():
     DeepSpeed 0.19.8 reads nested keys only. Those naming a DeepSpeed key (an old spelling too) are accepted
     with no effect and named in the warning; a dotted name DeepSpeed lacks is refused as a top-level key."""
     dotted = {"zero_optimization.reduce_bucket_size": 4096, "zero_optimization.prefetch_bucket_size": 3686.4,
-              "zero_optimization.stage3_param_persistence_threshold": {"not": "checked"}}
+              "zero_optimization.stage3_param_persistence_threshold": {"not": "checked"},
+              "bf16.enabled": True}  # a key of a block of leaves
     base = {"zero_optimization": {"stage": 3}}
     with pytest.warns(UserWarning) as caught:
         assert config_from({**base, **dotted}) == config_from(base)
