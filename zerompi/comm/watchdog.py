@@ -7,10 +7,10 @@ deadline. The deadline is ``collective_timeout`` when set, else ``max(hang_floor
 running median step time)`` (recorder.py), so no configuration is needed.
 
 When a wait is overdue, this rank first looks whether the job still moves: it asks every rank for
-its count of collectives issued, twice, :data:`LOOK_GAP` of a deadline apart. If any count changed (a
+its count of collectives issued, twice, a quarter of a deadline apart. If any count changed (a
 loaded machine, a slow first step), nothing is stuck yet and it looks again later; only when two looks
-agree (or the wait has lasted :data:`MOVING_LIMIT` deadlines, so that a job that moves forever without
-this rank still ends) does it blame. Then it prints what it waits in (the per-rank message) and asks every
+agree (or the wait has lasted ten deadlines, so that a job that moves forever without this rank still
+ends) does it blame: the rule is looks.py's. Then it prints what it waits in (the per-rank message) and asks every
 rank, over a side channel that does not depend on the stuck collective (point-to-point messages
 on a duplicate communicator, mpi/side.py), for its record: the ring of its last collectives and the
 stack of its training thread. Every rank's watchdog thread polls that channel, so a rank in user
@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 from zerompi.comm import diagnosis
+from zerompi.comm.looks import MOVING_LIMIT, Looks, Verdict, look_wait
 from zerompi.comm.recorder import Event, Recorder
 
 ABORT_GRACE = 0.5  # seconds between printing why the job aborts and MPI_Abort
@@ -52,10 +53,6 @@ GATHER_WAIT = 3.0  # seconds rank 0 waits for the other ranks' records
 ABORT_AFTER = 3.0  # further seconds a rank that sent its record waits for rank 0 to abort the job
 DEPUTY_AFTER = 2.0  # seconds after GATHER_WAIT the deputy waits for rank 0's abort before it reports
 DEPUTY = 1
-LOOK_GAP = 0.25    # deadlines between two looks at the ranks' counts: at least 3/4 of a median step, in
-#                    which a moving rank issues collectives (a step issues several)
-LOOK_SLACK = 0.5   # seconds more that a look waits for answers (a loaded machine)
-MOVING_LIMIT = 10  # deadlines after which a wait is blamed even if other ranks still move
 TAG_REQUEST, TAG_RECORD, TAG_PROBE, TAG_PROGRESS = 1, 2, 3, 4
 
 
@@ -166,7 +163,7 @@ class Watchdog:
         return True
 
     def _watch(self, job: "_Job") -> None:
-        looked: tuple[float, dict[int, int | None]] | None = None  # the last look at the counts, and when
+        looks = Looks()  # the last look at the ranks' counts during the current overdue wait
         while True:
             deadline = job.policy.deadline(job.recorder.median_step())
             if self._stop.wait(min(1.0, (deadline or 4.0) / 4)):
@@ -175,21 +172,21 @@ class Watchdog:
             now = time.monotonic()
             late = self.overdue(deadline, now) if deadline is not None else None
             asked = job.channel.poll(TAG_REQUEST) if job.channel is not None else []
-            if late is None:
-                looked = None
-            elif not asked and job.channel is not None and late.waited < MOVING_LIMIT * deadline:
-                if looked is not None and now - looked[0] < LOOK_GAP * deadline:
-                    continue
-                counts = job.look(2 * min(1.0, deadline / 4) + LOOK_SLACK)  # two of the others' polls
-                if looked is None or counts != looked[1]:  # the first look, or a rank moved since the last
-                    looked = (time.monotonic(), counts)
+            verdict = looks.next(now, None if late is None else late.waited, deadline)
+            if late is not None and not asked and job.channel is not None:  # else blame (or answer) at once
+                if verdict is Verdict.LOOK:
+                    verdict = looks.saw(time.monotonic(), job.look(look_wait(deadline)))
+                if verdict is Verdict.WAIT:
                     continue
             if (late is None and not asked) or not job.claim():
                 continue
             if late is not None:
-                trigger = f"rank {job.rank} waited {late.waited:.1f} s in {late.what} ({job.limit(deadline)})"
+                moving = (f"; other ranks still issued collectives after {MOVING_LIMIT} deadlines"
+                          if verdict is Verdict.STILL_MOVING else "")
+                trigger = (f"rank {job.rank} waited {late.waited:.1f} s in {late.what} ({job.limit(deadline)})"
+                           + moving)
                 job.say(f"zerompi watchdog: rank {job.rank} of {job.size} has waited {late.waited:.0f} s in "
-                        f"{late.what} ({job.limit(deadline)}); "
+                        f"{late.what} ({job.limit(deadline)}{moving}); "
                         + ("gathering the hang report, then aborting the job\n" if job.channel is not None
                            else "aborting the job\n"))
             ended = job.run(self, trigger if late is not None else str(asked[0][1]), announce=late is not None)

@@ -246,6 +246,9 @@ def test_an_overdue_rank_gets_a_report_naming_the_rank_in_user_code(tmp_path, ca
     assert codes == {0: HANG_CODE}
     err = capfd.readouterr().err
     assert "zerompi hang report: 2 ranks, 2 answered" in err and "culprit: rank(s) 1" in err, err
+    # two agreeing looks blamed the wait, not the fallback after MOVING_LIMIT deadlines (guards: a look that
+    # is never kept, or compared with the wrong field, so that nothing but the fallback ever blames)
+    assert "still issued collectives" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["rank-00000.json", "rank-00001.json", "report.txt"]
 
 
@@ -362,7 +365,7 @@ def test_a_watchdog_does_not_blame_while_another_rank_still_moves(tmp_path, monk
 def test_a_job_that_moves_forever_without_the_waiting_rank_is_still_reported(tmp_path, monkeypatch, capfd):
     """Rank 1 keeps issuing collectives of a sub-group while rank 0 waits: after MOVING_LIMIT deadlines
     the wait is blamed anyway, so every hang ends."""
-    from zerompi.comm import watchdog
+    from zerompi.comm import looks
     monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.3)
     hub, codes, done, halt = Hub(), {}, threading.Event(), threading.Event()
     policy = HangPolicy(None, 0.2, str(tmp_path))
@@ -383,7 +386,9 @@ def test_a_job_that_moves_forever_without_the_waiting_rank_is_still_reported(tmp
     mover.join()
     for d in dogs:
         d.stop()
-    assert codes == {0: HANG_CODE} and took >= watchdog.MOVING_LIMIT * 0.2, (took, capfd.readouterr().err)
+    err = capfd.readouterr().err
+    assert codes == {0: HANG_CODE} and took >= looks.MOVING_LIMIT * 0.2, (took, err)
+    assert f"other ranks still issued collectives after {looks.MOVING_LIMIT} deadlines" in err, err
 
 
 def _wait_for(path, seconds=20.0):
