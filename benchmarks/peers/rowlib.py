@@ -36,6 +36,7 @@ from zerompi.models.corpus import ByteCorpus  # noqa: E402
 from zerompi.models.gpt import GPT, GPTConfig  # noqa: E402
 
 MODEL_SIZES = {
+    "2M": dict(n_layer=2, n_embd=256, n_head=4),  # bench_cluster.py: links, not compute, set its step time
     "20M": dict(n_layer=6, n_embd=512, n_head=8),
     "120M": dict(n_layer=17, n_embd=768, n_head=12),
 }
