@@ -79,3 +79,14 @@ def test_the_strategy_takes_its_config_or_the_default():
     finally:
         for s in strategies:
             s.close()
+
+
+@pytest.mark.parametrize("name, stage", [("zerompi", ZeroConfig().stage)] + [(f"zerompi_stage_{s}", s) for s in range(4)])
+def test_lightning_knows_the_strategy_by_name(name, stage):
+    """Trainer(strategy="zerompi_stage_3") as a Lightning user writes strategy="deepspeed_stage_3"."""
+    from lightning.pytorch.strategies import StrategyRegistry
+    strategy = StrategyRegistry.get(name)
+    try:
+        assert isinstance(strategy, ZeroMPIStrategy) and strategy.config.stage == stage
+    finally:
+        strategy.close()

@@ -89,3 +89,18 @@ def accelerate_env(config_file: str) -> dict[str, str]:
     args.deepspeed_fields_from_accelerate_config = ",".join(fields)
     _, env = prepare_deepspeed_cmd_env(args)
     return {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
+
+
+LIGHTNING_CUDA_ONLY = "The DeepSpeed strategy is only supported on CUDA GPUs"
+LIGHTNING_HINT = ("zerompi: Lightning's DeepSpeed strategies need CUDA. Under MPI, on CPUs or GPUs, use zerompi's own "
+                  "Lightning strategy instead: `import zerompi.compat.lightning`, then Trainer(strategy=\"zerompi_stage_3\") "
+                  "(or \"zerompi_stage_0\"..\"_2\"), or Trainer(strategy=ZeroMPIStrategy(ZeroConfig(stage=3, ...))); "
+                  "docs/frameworks.md says which DeepSpeed settings map to which ZeroConfig keys.")
+
+
+def add_hint(error: BaseException) -> None:
+    """Name zerompi's way where a framework refuses what the runner cannot give it (the note is printed with
+    the traceback). Lightning's ``strategy="deepspeed_stage_3"`` on a CPU stops in its own check: the note
+    names ZeroMPIStrategy."""
+    if isinstance(error, RuntimeError) and str(error).startswith(LIGHTNING_CUDA_ONLY):
+        error.add_note(LIGHTNING_HINT)

@@ -109,13 +109,21 @@ def main(argv: list[str] | None = None) -> None:
     comm.set_environment()
     # from the script's first line: an exception on one rank ends the job, as under python -m mpi4py
     abort_on_uncaught_exception(comm.world_group())
-    from zerompi.compat.deepspeed.frameworks import accelerate_env, prepare_accelerate
+    from zerompi.compat.deepspeed.frameworks import accelerate_env, add_hint, prepare_accelerate
     if ns.accelerate_config is not None:
         os.environ.update(accelerate_env(ns.accelerate_config))
     prepare_accelerate()
     args = list(ns.args)
     if ns.local_rank_arg:
         args.append(f"--local_rank={os.environ['LOCAL_RANK']}")
+    try:
+        _run(ns, args)
+    except Exception as e:  # a framework's refusal gets a note naming zerompi's way, then goes on as it was
+        add_hint(e)
+        raise
+
+
+def _run(ns: argparse.Namespace, args: list[str]) -> None:
     if ns.module:
         sys.argv = [ns.script, *args]
         runpy.run_module(ns.script, run_name="__main__", alter_sys=True)

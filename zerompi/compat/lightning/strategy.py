@@ -107,6 +107,18 @@ class ZeroMPIStrategy(ParallelStrategy):
         self._optimizer: WindowOptimizer | None = None
         self._schedulers: list = []
 
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's names for it: ``Trainer(strategy="zerompi")`` (ZeroConfig's defaults) and
+        ``"zerompi_stage_0"`` .. ``"zerompi_stage_3"``, as Lightning names its DeepSpeed stages. Lightning finds
+        only its own strategies by itself: importing zerompi.compat.lightning registers these."""
+        if "zerompi" in strategy_registry:
+            return
+        strategy_registry.register("zerompi", cls, description="ZeRO over MPI (zerompi), ZeroConfig's defaults")
+        for stage in range(4):
+            strategy_registry.register(f"zerompi_stage_{stage}", cls, description=f"ZeRO stage {stage} over MPI "
+                                       "(zerompi)", config=ZeroConfig(stage=stage))
+
     # ---- ranks and devices -------------------------------------------------
     @property
     def root_device(self) -> torch.device:
