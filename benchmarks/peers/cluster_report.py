@@ -18,8 +18,9 @@ instead. The 4-node bytes check which one the MPI library's algorithms follow.
 The projection to N = 64 and 1,024 ranks (s ranks a node as measured, R = N / s nodes) scales the
 2-node bytes by that growth, adds k W at 1 and 10 Gbit/s, and a latency term the runs cannot fit
 (one latency was measured): alpha (N - 1) per ring collective, times the row's collectives per step,
-alpha the one-way latency of a 1-byte MPI message between two nodes, measured by every launch (median). t0 comes from the 2-node fit with the cores' oversubscription
-taken out (4 ranks shared 2 cores: t0 / 2), for a node whose ranks compute on cores of their own.
+alpha the one-way latency of a 1-byte MPI message between two nodes, measured by every launch (median).
+t0 comes from the 2-node fit with the cores' oversubscription taken out (4 ranks shared 2 cores: t0 / 2),
+for a node whose ranks compute on cores of their own.
 """
 from __future__ import annotations
 

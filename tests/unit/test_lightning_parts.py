@@ -81,7 +81,8 @@ def test_the_strategy_takes_its_config_or_the_default():
             s.close()
 
 
-@pytest.mark.parametrize("name, stage", [("zerompi", ZeroConfig().stage)] + [(f"zerompi_stage_{s}", s) for s in range(4)])
+@pytest.mark.parametrize("name, stage",
+                         [("zerompi", ZeroConfig().stage)] + [(f"zerompi_stage_{s}", s) for s in range(4)])
 def test_lightning_knows_the_strategy_by_name(name, stage):
     """Trainer(strategy="zerompi_stage_3") as a Lightning user writes strategy="deepspeed_stage_3"."""
     from lightning.pytorch.strategies import StrategyRegistry

@@ -93,7 +93,8 @@ def accelerate_env(config_file: str) -> dict[str, str]:
 
 LIGHTNING_CUDA_ONLY = "The DeepSpeed strategy is only supported on CUDA GPUs"
 LIGHTNING_HINT = ("zerompi: Lightning's DeepSpeed strategies need CUDA. Under MPI, on CPUs or GPUs, use zerompi's own "
-                  "Lightning strategy instead: `import zerompi.compat.lightning`, then Trainer(strategy=\"zerompi_stage_3\") "
+                  "Lightning strategy instead: `import zerompi.compat.lightning`, then "
+                  "Trainer(strategy=\"zerompi_stage_3\") "
                   "(or \"zerompi_stage_0\"..\"_2\"), or Trainer(strategy=ZeroMPIStrategy(ZeroConfig(stage=3, ...))); "
                   "docs/frameworks.md says which DeepSpeed settings map to which ZeroConfig keys.")
 
