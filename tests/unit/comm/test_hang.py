@@ -497,3 +497,33 @@ def test_rank_0_sends_its_record_to_the_deputy(tmp_path, monkeypatch, capfd):
         d.stop()
     err = capfd.readouterr().err
     assert codes.get(1) == HANG_CODE and "rank 1 reports" in err and "2 ranks, 2 answered" in err, err
+
+
+def test_a_look_counts_this_rank_and_ignores_an_answer_to_an_earlier_look():
+    """A look (watchdog._Job.look, what the watchdog thread asks every rank) holds this rank's own count, and
+    an answer that arrives after its look gave up (a loaded rank answering late) is not taken for the next
+    look's. Guards: looks that share one serial number, which take the stale count as fresh (a rank that
+    stopped then looks as if it moved, or as if it had not); this rank's own count left out."""
+    from zerompi.comm.watchdog import TAG_PROBE, TAG_PROGRESS, _Job
+    hub, recorder = Hub(), Recorder()
+    for _ in range(3):
+        recorder.begin("all_gather", "", "bucket", 8).end = time.monotonic()
+    job = _Job(HangPolicy(None, 1.0, None), 0, 2, lambda code: None, recorder, hub.channel(0), threading.Event())
+    late = hub.channel(1)
+    assert job.look(0.05) == {0: 3, 1: None}  # rank 1 did not answer in time
+    [(source, serial)] = late.poll(TAG_PROBE)
+    late.post(source, TAG_PROGRESS, (serial, 7))  # ... and answers now, to the first look
+    assert job.look(0.05) == {0: 3, 1: None}  # not an answer to this look
+    [(source, serial)] = late.poll(TAG_PROBE)
+    late.post(source, TAG_PROGRESS, (serial, 8))
+    assert job.look(0.05)[1] is None  # the second look's answer came after it too
+    [(_, serial)] = late.poll(TAG_PROBE)
+
+    def answer():  # rank 1 in time for the fourth look
+        while not (probes := late.poll(TAG_PROBE)):
+            time.sleep(0.005)
+        late.post(0, TAG_PROGRESS, (probes[0][1], 9))
+    responder = threading.Thread(target=answer)
+    responder.start()
+    assert job.look(5.0) == {0: 3, 1: 9}
+    responder.join()
