@@ -527,3 +527,22 @@ def test_a_look_counts_this_rank_and_ignores_an_answer_to_an_earlier_look():
     responder.start()
     assert job.look(5.0) == {0: 3, 1: 9}
     responder.join()
+
+
+def test_two_ranks_looking_at_once_answer_each_other():
+    """Two overdue ranks look at the same time: each answers the other's probe while its own look waits, so
+    both get every count. Guards: a look that answers no probe while it waits (each then sees the other as
+    silent, and a rank that still moves could be blamed)."""
+    from zerompi.comm.watchdog import _Job
+    hub = Hub()
+    recorders = [Recorder(), Recorder()]
+    recorders[1].begin("all_gather", "", "bucket", 8).end = time.monotonic()
+    jobs = [_Job(HangPolicy(None, 1.0, None), r, 2, lambda code: None, recorders[r], hub.channel(r),
+                 threading.Event()) for r in range(2)]
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, jobs[r].look(10.0))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 1}}, got
