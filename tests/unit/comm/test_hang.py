@@ -546,3 +546,48 @@ def test_two_ranks_looking_at_once_answer_each_other():
     for t in threads:
         t.join()
     assert got == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 1}}, got
+
+
+def test_the_reporters_records_name_every_ranks_host(tmp_path, monkeypatch, capfd):
+    """Rank 0 waits past its deadline at 3 ranks on hosts n1, n1, n2: the records of rank 0 and of the deputy
+    (the two that may report) carry every rank's host, so that ``zerompi diagnose`` can name a node none
+    of whose ranks wrote a record; rank 2's does not. Guards: the hosts left out of a reporter's record,
+    or written into every rank's."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.5)
+    hub, codes, done = Hub(), {}, threading.Event()
+    policy, hosts = HangPolicy(None, 0.3, str(tmp_path)), ("n1", "n1", "n2")
+    dogs, recorders = [Watchdog() for _ in range(3)], [Recorder() for _ in range(3)]
+    recorders[0].begin("all_gather", "", "bucket 9", 8)
+    for r in (1, 2):
+        dogs[r].start(policy, r, 3, _abort_into(codes, done, r), recorders[r], hub.channel(r), hosts)
+    with dogs[0].blocked("all_gather for bucket 9"):
+        dogs[0].start(policy, 0, 3, _abort_into(codes, done, 0), recorders[0], hub.channel(0), hosts)
+        assert done.wait(20)
+    for d in dogs:
+        d.stop()
+    assert codes == {0: HANG_CODE}, capfd.readouterr().err
+    for r in range(3):
+        _wait_for(tmp_path / f"rank-{r:05d}.json")
+    records = [json.loads((tmp_path / f"rank-{r:05d}.json").read_text()) for r in range(3)]
+    assert [rec.get("hosts") for rec in records] == [list(hosts), list(hosts), None]
+
+
+def test_a_look_ends_when_the_watchdog_stops():
+    """A look waiting for a rank that does not answer ends when the watchdog is stopped (at exit, before MPI is
+    finalised), not when its wait runs out. Guards: a look that never checks the stop (the exit then waits
+    the look out, and the thread may still call MPI after finalisation)."""
+    from zerompi.comm.watchdog import _Job
+    stopped = threading.Event()
+    job = _Job(HangPolicy(None, 1.0, None), 0, 2, lambda code: None, Recorder(), Hub().channel(0), stopped)
+    took = []
+
+    def look():
+        start = time.monotonic()
+        job.look(60.0)
+        took.append(time.monotonic() - start)
+    looker = threading.Thread(target=look)
+    looker.start()
+    time.sleep(0.1)
+    stopped.set()
+    looker.join(30)
+    assert took and took[0] < 30, took  # the look's own wait is 60 s
