@@ -585,7 +585,7 @@ def test_a_look_ends_when_the_watchdog_stops():
         start = time.monotonic()
         job.look(60.0)
         took.append(time.monotonic() - start)
-    looker = threading.Thread(target=look)
+    looker = threading.Thread(target=look, daemon=True)
     looker.start()
     time.sleep(0.1)
     stopped.set()
