@@ -591,3 +591,22 @@ def test_a_look_ends_when_the_watchdog_stops():
     stopped.set()
     looker.join(30)
     assert took and took[0] < 30, took  # the look's own wait is 60 s
+
+
+def test_the_deputy_gives_rank_0_longer_once_rank_0_answered(tmp_path, monkeypatch, capfd):
+    """Rank 0 sent its record (so it is reporting) but its abort has not come by the deputy's first wait: the
+    deputy waits 2 ABORT_AFTER more instead of reporting over it. Guards: the deputy reporting as soon as
+    GATHER_WAIT + DEPUTY_AFTER have passed, beside rank 0's own report (two reports, two aborts)."""
+    from zerompi.comm.watchdog import TAG_RECORD
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
+    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.2)
+    monkeypatch.setattr("zerompi.comm.watchdog.ABORT_AFTER", 10.0)
+    hub, codes, done = Hub(), {}, threading.Event()
+    hub.channel(0).post(1, TAG_RECORD, Recorder().snapshot(0, 2, None, "rank 0 reports"))  # rank 0 answered
+    w = Watchdog()
+    with w.blocked("a barrier"):
+        w.start(HangPolicy(None, 0.2, str(tmp_path)), 1, 2, _abort_into(codes, done, 1), Recorder(), hub.channel(1))
+        _wait_for(tmp_path / "rank-00001.json")  # the deputy's run began
+        reported = done.wait(2.5)  # past GATHER_WAIT + DEPUTY_AFTER, well inside the 20 s more
+    w.stop()
+    assert not reported and codes == {}, capfd.readouterr().err
