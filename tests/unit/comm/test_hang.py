@@ -610,3 +610,35 @@ def test_the_deputy_gives_rank_0_longer_once_rank_0_answered(tmp_path, monkeypat
         reported = done.wait(2.5)  # past GATHER_WAIT + DEPUTY_AFTER, well inside the 20 s more
     w.stop()
     assert not reported and codes == {}, capfd.readouterr().err
+
+
+def test_rank_0_waits_gather_wait_for_a_slow_ranks_record(tmp_path, monkeypatch, capfd):
+    """Rank 1 (played here by hand) sends its record 1.5 s after rank 0's request: rank 0, which waits up to
+    GATHER_WAIT for the records, reports with both. Guards: rank 0 waiting only the deputy's short 0.2 s (a
+    record from a loaded rank then missing, and that rank named as missing)."""
+    from zerompi.comm.watchdog import TAG_PROBE, TAG_PROGRESS, TAG_RECORD, TAG_REQUEST
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 10.0)
+    hub, codes, done, halt = Hub(), {}, threading.Event(), threading.Event()
+    recorders = [Recorder(), Recorder()]
+    recorders[0].begin("all_gather", "", "bucket 1", 8)
+    slow = hub.channel(1)
+
+    def rank1():
+        while not halt.is_set():
+            for source, serial in slow.poll(TAG_PROBE):
+                slow.post(source, TAG_PROGRESS, (serial, recorders[1].count))
+            if slow.poll(TAG_REQUEST):
+                time.sleep(1.5)
+                slow.post(0, TAG_RECORD, recorders[1].snapshot(1, 2, None, "asked by rank 0"))
+                return
+            time.sleep(0.01)
+    player = threading.Thread(target=rank1, daemon=True)
+    player.start()
+    w = Watchdog()
+    with w.blocked("all_gather for bucket 1"):
+        w.start(HangPolicy(None, 0.3, str(tmp_path)), 0, 2, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
+        assert done.wait(30)
+    halt.set()
+    w.stop()
+    err = capfd.readouterr().err
+    assert codes == {0: HANG_CODE} and "zerompi hang report: 2 ranks, 2 answered" in err, err
