@@ -288,3 +288,29 @@ def test_a_scheduler_beside_the_configs_schedule_is_refused(tmp_path):
     cfg = ZeroConfig(stage=2, cpu_threads=1, abort_on_exception=False, lr_schedule="warmup_cosine", total_steps=10)
     with pytest.raises(UsageError, match="configure_optimizers returns an lr scheduler and ZeroConfig"):
         _fit(tmp_path, module=_Scheduled(), config=cfg)
+
+
+class _Tied(_Net):
+    """Two Linears sharing one weight: the state dict names it twice."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        self.net[1].weight = self.net[0].weight
+
+
+def test_a_tied_weights_second_name_saves_the_whole_tensor_at_stage_3(tmp_path):
+    """At stage 3 a rank holds no whole parameter between steps; the strategy's state dict takes each from the
+    engine's full state dict, under every name it has (a tied weight's second included). Compared with the
+    module's own parameter gathered by the engine. Guards: aliases found with named_parameters()'s
+    deduplication, which gives the second name the rank's stand-in instead."""
+    config = ZeroConfig(stage=3, cpu_threads=1, abort_on_exception=False, param_persistence_threshold=0)
+    _, strategy, _ = _fit(tmp_path, module=_Tied(), config=config)
+    try:
+        state = strategy.lightning_module_state_dict()
+        full = strategy.engine.full_state_dict()
+        assert torch.equal(state["net.1.weight"], full["net.0.weight"])
+        assert torch.equal(state["net.0.weight"], full["net.0.weight"])
+    finally:
+        strategy.close()
