@@ -314,3 +314,30 @@ def test_a_tied_weights_second_name_saves_the_whole_tensor_at_stage_3(tmp_path):
         assert torch.equal(state["net.0.weight"], full["net.0.weight"])
     finally:
         strategy.close()
+
+
+class _StepsByHand(_Net):
+    """Manual optimization as Lightning documents it: the closure runs the backward, ``opt.step`` returns what
+    the closure returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.returned: list = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+
+        def closure():
+            self.manual_backward(loss)
+            return loss
+        self.returned.append((self.optimizers().step(closure=closure), loss))
+
+
+def test_a_manual_step_returns_what_its_closure_returned(tmp_path):
+    """Guards: ZeroMPIStrategy.optimizer_step dropping the closure's result (Lightning hands it back from
+    LightningOptimizer.step)."""
+    _, strategy, module = _fit(tmp_path, module=_StepsByHand())
+    strategy.close()
+    assert len(module.returned) == 4 and all(out is loss for out, loss in module.returned), module.returned
