@@ -341,3 +341,17 @@ def test_a_manual_step_returns_what_its_closure_returned(tmp_path):
     _, strategy, module = _fit(tmp_path, module=_StepsByHand())
     strategy.close()
     assert len(module.returned) == 4 and all(out is loss for out, loss in module.returned), module.returned
+
+
+def test_a_bf16_config_gets_its_inputs_cast_by_the_engine(tmp_path):
+    """ZeroConfig(dtype='bf16') with Lightning at '32-true' and fp32 batches: the forward goes through the
+    engine (the strategy's model), which casts floating inputs to the compute dtype. Guards: the strategy
+    handing Lightning the bare module (fp32 inputs then meet bf16 weights)."""
+    config = ZeroConfig(stage=2, dtype="bf16", cpu_threads=1, abort_on_exception=False)
+    before = {n: p.detach().clone() for n, p in _Net().named_parameters()}
+    _, strategy, module = _fit(tmp_path, config=config)
+    try:
+        after = strategy.lightning_module_state_dict()
+        assert all(not torch.equal(after[n].float(), before[n]) for n in before), "nothing trained"
+    finally:
+        strategy.close()
