@@ -642,3 +642,19 @@ def test_rank_0_waits_gather_wait_for_a_slow_ranks_record(tmp_path, monkeypatch,
     w.stop()
     err = capfd.readouterr().err
     assert codes == {0: HANG_CODE} and "zerompi hang report: 2 ranks, 2 answered" in err, err
+
+
+def test_without_a_hang_dir_the_report_says_the_records_were_not_written(monkeypatch, capfd):
+    """HangPolicy(directory=None): the deputy reports on stderr alone and says where the records are not.
+    Guards: a record written to a directory of None (the watchdog thread then dies and the job hangs)."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
+    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.2)
+    hub, codes, done = Hub(), [], threading.Event()
+    w = Watchdog()
+    with w.blocked("a barrier"):  # rank 1 of 2; rank 0 never answers
+        w.start(HangPolicy(None, 0.2, None), 1, 2, lambda code: (codes.append(code), done.set()), Recorder(),
+                hub.channel(1))
+        assert done.wait(20), capfd.readouterr().err
+    w.stop()
+    err = capfd.readouterr().err
+    assert codes == [HANG_CODE] and "records: not written (no hang_dir)" in err, err
