@@ -658,3 +658,37 @@ def test_without_a_hang_dir_the_report_says_the_records_were_not_written(monkeyp
     w.stop()
     err = capfd.readouterr().err
     assert codes == [HANG_CODE] and "records: not written (no hang_dir)" in err, err
+
+
+def test_the_report_names_a_hang_dir_it_could_not_write(tmp_path, monkeypatch, capfd):
+    """hang_dir under a file: the deputy's report says the records were not written, naming the directory and
+    why. Guards: _write's reason lost (the report then says nothing of where the records went)."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
+    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.2)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    hub, codes, done = Hub(), [], threading.Event()
+    w = Watchdog()
+    with w.blocked("a barrier"):
+        w.start(HangPolicy(None, 0.2, str(blocker / "records")), 1, 2, lambda code: (codes.append(code), done.set()),
+                Recorder(), hub.channel(1))
+        assert done.wait(20), capfd.readouterr().err
+    w.stop()
+    err = capfd.readouterr().err
+    assert codes == [HANG_CODE] and f"records: not written ({blocker / 'records'}: Not a directory)" in err, err
+
+
+def test_a_deputy_stopped_while_it_waits_for_rank_0_reports_nothing(tmp_path, monkeypatch, capfd):
+    """The job ends (the watchdog is stopped, as at exit) while the deputy waits for rank 0's report: the
+    deputy neither reports nor aborts. Guards: a wait that does not end at the stop (the deputy then reports
+    over a job that has ended)."""
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 1.0)
+    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 1.0)
+    hub, codes = Hub(), []
+    w = Watchdog()
+    with w.blocked("a barrier"):
+        w.start(HangPolicy(None, 0.2, str(tmp_path)), 1, 2, codes.append, Recorder(), hub.channel(1))
+        _wait_for(tmp_path / "rank-00001.json")  # its run began: it waits 2 s for rank 0
+        w.stop()
+    time.sleep(3.0)
+    assert codes == [] and "rank 1 reports" not in capfd.readouterr().err
