@@ -250,6 +250,10 @@ def test_an_overdue_rank_gets_a_report_naming_the_rank_in_user_code(tmp_path, ca
     # is never kept, or compared with the wrong field, so that nothing but the fallback ever blames)
     assert "still issued collectives" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["rank-00000.json", "rank-00001.json", "report.txt"]
+    # the report names where it is, and report.txt holds it (guards: the directory left out, an empty file)
+    assert f"records: {tmp_path} (`zerompi diagnose {tmp_path}`" in err, err
+    report = (tmp_path / "report.txt").read_text()
+    assert report.startswith("zerompi hang report: 2 ranks, 2 answered") and report in err, report
 
 
 def test_an_unwritable_directory_degrades_to_the_per_rank_message(tmp_path, capfd):
