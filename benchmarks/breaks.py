@@ -58,7 +58,8 @@ BREAKS = [
     Break("the runner no longer forgets a real DeepSpeed imported before the alias",
           "zerompi/compat/deepspeed/runner.py", "            del sys.modules[name]  # a real DeepSpeed",
           "            pass  # a real DeepSpeed",
-          ("tests/unit/deepspeed/test_deepspeed_surface.py::test_the_runner_forgets_a_real_deepspeed_imported_before_it",)),
+          ("tests/unit/deepspeed/test_deepspeed_surface.py"
+           "::test_the_runner_forgets_a_real_deepspeed_imported_before_it",)),
     Break("the fork server no longer compares a rank's import-time environment", "tests/mpi/forkserver.py",
           'return all(env.get(k) == STARTED_WITH.get(k) for k in keys - {"PYTHONPATH"}) and _path_fits(env)',
           "return _path_fits(env)",

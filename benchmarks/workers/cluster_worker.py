@@ -79,7 +79,7 @@ class Closing:
         self.trainer, self.close = trainer, close
 
 
-def zerompi_row(key: str, model, args) -> Closing:
+def zerompi_row(key: str, model, args, nodes: int, per_node: int) -> Closing:
     import zerompi
     stage, hierarchy, *q = key[1:].split("-")
     quant = dict(quantize_weights="int8", quantize_grads="int8") if q else {}
@@ -110,7 +110,7 @@ def torch_row(key: str, model, args, nodes: int, per_node: int) -> Closing:
     return Closing(rowlib.Trainer(step=rowlib.torch_step(model, opt), bytes_sent=dict))
 
 
-def deepspeed_row(key: str, model, args, per_node: int) -> Closing:
+def deepspeed_row(key: str, model, args, nodes: int, per_node: int) -> Closing:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -130,15 +130,13 @@ def deepspeed_row(key: str, model, args, per_node: int) -> Closing:
                    getattr(engine, "destroy", lambda: None))
 
 
+BUILD = {"zerompi": zerompi_row, "torch": torch_row, "deepspeed": deepspeed_row}  # family -> a row's builder
+
+
 def measure(key: str, family: str, args, corpus, local: MPI.Intracomm, nodes: int, per_node: int) -> dict:
     model = rowlib.build_model(args.size, args.seed)
     t0 = time.perf_counter()
-    if family == "zerompi":
-        row = zerompi_row(key, model, args)
-    elif family == "torch":
-        row = torch_row(key, model, args, nodes, per_node)
-    else:
-        row = deepspeed_row(key, model, args, per_node)
+    row = BUILD[family](key, model, args, nodes, per_node)
     torch.set_num_threads(1)
     setup_s = time.perf_counter() - t0
     times, losses = [], []
