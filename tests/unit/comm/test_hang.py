@@ -270,18 +270,24 @@ def test_an_unwritable_directory_degrades_to_the_per_rank_message(tmp_path, capf
     assert "zerompi watchdog: rank 1 of 4 has waited" in capfd.readouterr().err
 
 
-def test_the_deputy_reports_when_rank_0_does_not(tmp_path, monkeypatch, capfd):
-    """Rank 0 is the rank that hangs and never answers: rank 1 reports, naming it, and ends the job."""
+def _deputy_alone(monkeypatch, capfd, directory: str | None) -> tuple[list[int], str]:
+    """Rank 1 of 2 waits past its deadline and rank 0 never answers: the deputy's report. Its abort codes and
+    stderr."""
     monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
     monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.2)
     hub, codes, done = Hub(), [], threading.Event()
     w = Watchdog()
-    with w.blocked("a barrier"):  # rank 1 of 2; rank 0 never answers
-        w.start(HangPolicy(None, 0.2, str(tmp_path)), 1, 2, lambda code: (codes.append(code), done.set()),
-                Recorder(), hub.channel(1))
-        assert done.wait(10)
+    with w.blocked("a barrier"):
+        w.start(HangPolicy(None, 0.2, directory), 1, 2, lambda code: (codes.append(code), done.set()), Recorder(),
+                hub.channel(1))
+        assert done.wait(20), capfd.readouterr().err
     w.stop()
-    err = capfd.readouterr().err
+    return codes, capfd.readouterr().err
+
+
+def test_the_deputy_reports_when_rank_0_does_not(tmp_path, monkeypatch, capfd):
+    """Rank 0 is the rank that hangs and never answers: rank 1 reports, naming it, and ends the job."""
+    codes, err = _deputy_alone(monkeypatch, capfd, str(tmp_path))
     assert codes == [HANG_CODE] and "rank 0 made no report in 0.4 s: rank 1 reports" in err, err
     assert "\nculprit: rank(s) 0 (" in err and "rank 0: missing" in err, err
     assert (tmp_path / "rank-00001.json").exists()
@@ -651,34 +657,16 @@ def test_rank_0_waits_gather_wait_for_a_slow_ranks_record(tmp_path, monkeypatch,
 def test_without_a_hang_dir_the_report_says_the_records_were_not_written(monkeypatch, capfd):
     """HangPolicy(directory=None): the deputy reports on stderr alone and says where the records are not.
     Guards: a record written to a directory of None (the watchdog thread then dies and the job hangs)."""
-    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
-    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.2)
-    hub, codes, done = Hub(), [], threading.Event()
-    w = Watchdog()
-    with w.blocked("a barrier"):  # rank 1 of 2; rank 0 never answers
-        w.start(HangPolicy(None, 0.2, None), 1, 2, lambda code: (codes.append(code), done.set()), Recorder(),
-                hub.channel(1))
-        assert done.wait(20), capfd.readouterr().err
-    w.stop()
-    err = capfd.readouterr().err
+    codes, err = _deputy_alone(monkeypatch, capfd, None)
     assert codes == [HANG_CODE] and "records: not written (no hang_dir)" in err, err
 
 
 def test_the_report_names_a_hang_dir_it_could_not_write(tmp_path, monkeypatch, capfd):
     """hang_dir under a file: the deputy's report says the records were not written, naming the directory and
     why. Guards: _write's reason lost (the report then says nothing of where the records went)."""
-    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.2)
-    monkeypatch.setattr("zerompi.comm.watchdog.DEPUTY_AFTER", 0.2)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    hub, codes, done = Hub(), [], threading.Event()
-    w = Watchdog()
-    with w.blocked("a barrier"):
-        w.start(HangPolicy(None, 0.2, str(blocker / "records")), 1, 2, lambda code: (codes.append(code), done.set()),
-                Recorder(), hub.channel(1))
-        assert done.wait(20), capfd.readouterr().err
-    w.stop()
-    err = capfd.readouterr().err
+    codes, err = _deputy_alone(monkeypatch, capfd, str(blocker / "records"))
     assert codes == [HANG_CODE] and f"records: not written ({blocker / 'records'}: Not a directory)" in err, err
 
 
