@@ -109,3 +109,22 @@ def test_below_stage3_parameters_have_no_status(stage):
     engine, m = engine_of(stage)
     assert all(type(p) is nn.Parameter and not hasattr(p, "ds_status") for p in m.parameters())
     engine.close()
+
+
+def test_a_dropped_engines_parameters_say_what_their_storage_holds():
+    """Once the engine is closed and dropped (its buckets gone), a sharded parameter still views the freed
+    storage of the engine's buffer: NOT_AVAILABLE, so code that trusts AVAILABLE never reads it (reading
+    crashes). A parameter given new data holds its values: AVAILABLE.
+    Break guarded: the dead-bucket branch answering AVAILABLE, or removed (an AttributeError)."""
+    import gc
+    import weakref
+
+    engine, m = engine_of(3)
+    buckets = [weakref.ref(b) for b in engine.engine.sharded.all_buckets]
+    engine.close()
+    del engine
+    gc.collect()
+    assert all(b() is None for b in buckets), "the engine's buckets outlive it: the test sees nothing"
+    assert {p.ds_status for p in m.parameters()} == {NOT_AVAILABLE}
+    m[2].weight.data = torch.zeros(3, 8)
+    assert m[2].weight.ds_status is AVAILABLE and m[2].bias.ds_status is NOT_AVAILABLE

@@ -37,12 +37,19 @@ class StatusParameter(nn.Parameter):
     def ds_status(self) -> ZeroParamStatus:
         ref = self.__dict__.get(_BUCKET)
         bucket = ref() if ref is not None else None
-        if bucket is None or not bucket.plan.shard_params:  # replicated (persistent, or the engine is gone)
+        if bucket is None:  # the engine is gone (closed and dropped): the storage itself says
+            return ZeroParamStatus.AVAILABLE if _in_storage(self.data) else ZeroParamStatus.NOT_AVAILABLE
+        if not bucket.plan.shard_params:  # replicated (a persistent bucket)
             return ZeroParamStatus.AVAILABLE
         if not bucket.holds(self.data):
             return ZeroParamStatus.AVAILABLE  # a whole copy in place: GatheredParameters' block
         return _BY_STATE[bucket.state]
 
+
+def _in_storage(t) -> bool:
+    """Whether ``t``'s elements lie in its storage: a sharded parameter left bound to a dropped engine's buffer
+    views freed storage (reading it would crash), a parameter given new data does not."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
 
 
 def mark(engine) -> None:
