@@ -196,21 +196,23 @@ class _Scheduled(_Net):
         return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), "interval": "step"}]
 
 
-def test_the_callbacks_hooks_run_and_a_scheduler_sees_its_steps(tmp_path):
-    """4 batches, windows of 2: every backward's two hooks, the step's hook; a per-step scheduler gives no
-    warning of a step it did not see (the strategy marks each step for torch's schedulers), and it sets the
-    engine's learning rate (StepLR built on the module's SGD: 0.1 * 0.5**2 after 2 steps)."""
-    hooks = _Hooks()
-    trainer, strategy = _trainer(tmp_path, callbacks=[hooks])
+@pytest.mark.parametrize("accumulate", [2, 1])
+def test_the_callbacks_hooks_run_and_a_scheduler_sees_its_steps(tmp_path, accumulate):
+    """4 batches, windows of ``accumulate``: every backward's two hooks, the step's hook; a per-step scheduler
+    gives no warning of a step it did not see (the strategy marks each step for torch's schedulers), and it
+    sets the engine's learning rate (StepLR built on the module's SGD: 0.1 * 0.5**steps).
+    Break guarded (windows of 1): the step marked when the engine did not update, in place of when it did."""
+    hooks, steps = _Hooks(), 4 // accumulate
+    trainer, strategy = _trainer(tmp_path, accumulate=accumulate, callbacks=[hooks])
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*lr_scheduler.step().*")
             trainer.fit(module := _Scheduled(), _loader())
         # Lightning calls optimizer_step on every batch when the strategy handles accumulation; the hook runs
-        # before the 2 steps that update, as under Lightning's own accumulation
-        assert hooks.calls == {"on_before_backward": 4, "on_after_backward": 4, "on_before_optimizer_step": 2}
-        assert module.before_step == 2  # the LightningModule's own hook too
-        assert strategy.engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+        # before the steps that update, as under Lightning's own accumulation
+        assert hooks.calls == {"on_before_backward": 4, "on_after_backward": 4, "on_before_optimizer_step": steps}
+        assert module.before_step == steps  # the LightningModule's own hook too
+        assert strategy.engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** steps)
     finally:
         strategy.close()
 
@@ -256,11 +258,15 @@ def test_arguments_the_engine_does_not_take_are_refused(tmp_path):
 
 
 def test_close_ends_the_engine(tmp_path):
-    """The engine's gradient hooks leave the parameters, and the strategy lets go of it."""
+    """The engine's gradient hooks leave the parameters, the strategy lets go of it, and the strategy's own
+    communicator is released (MPI_Comm_free): a collective after close() is refused by MPI.
+    Break guarded: close() leaving the communicator to MPI_Finalize (a handle leaked per Trainer)."""
     trainer, strategy, module = _fit(tmp_path)
     assert all(p._post_accumulate_grad_hooks for p in module.parameters())  # stage 2's reduction hooks
     strategy.close()
     assert strategy.engine is None and not any(p._post_accumulate_grad_hooks for p in module.parameters())
+    with pytest.raises(MPI.Exception, match="[Nn]ull communicator|[Ii]nvalid communicator"):
+        strategy.barrier()
 
 
 class _OwnBackward(_Net):
@@ -355,3 +361,63 @@ def test_a_bf16_config_gets_its_inputs_cast_by_the_engine(tmp_path):
         assert all(not torch.equal(after[n].float(), before[n]) for n in before), "nothing trained"
     finally:
         strategy.close()
+
+
+class _OtherAccelerator(L.pytorch.accelerators.Accelerator):
+    """Neither Lightning's CPU nor its CUDA accelerator (an XLA or MPS device, as a user would pass one)."""
+
+    def setup_device(self, device):
+        pass
+
+    def teardown(self):
+        pass
+
+    @staticmethod
+    def parse_devices(devices):
+        return devices
+
+    @staticmethod
+    def get_parallel_devices(devices):
+        return [torch.device("cpu")]
+
+    @staticmethod
+    def auto_device_count():
+        return 1
+
+    @staticmethod
+    def is_available():
+        return True
+
+    def get_device_stats(self, device):
+        return {}
+
+    @classmethod
+    def name(cls):
+        return "other"
+
+
+class _Elsewhere(ZeroMPIStrategy):
+    """Lightning's root device not the one the engine picks (on a GPU node: the engine on cuda:0, Lightning on
+    cuda:1); on the CPU, an explicit index stands for it."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", 0)
+
+
+def test_an_accelerator_or_device_the_engine_does_not_run_on_is_refused(tmp_path):
+    """Breaks guarded: the accelerator check removed (the engine would run on the CPU while Lightning moves
+    batches elsewhere), and the engine's device left unchecked against Lightning's root device."""
+    cfg = ZeroConfig(stage=2, cpu_threads=1, abort_on_exception=False)
+    for strategy, accelerator, named in ((ZeroMPIStrategy(cfg, comm=MPI.COMM_SELF), _OtherAccelerator(),
+                                          "the _OtherAccelerator: zerompi runs on CPUs and CUDA GPUs"),
+                                         (_Elsewhere(cfg, comm=MPI.COMM_SELF), "cpu",
+                                          "the engine's device cpu: Lightning's is cpu:0")):
+        trainer = L.Trainer(strategy=strategy, accelerator=accelerator, devices=1, max_epochs=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)
+        try:
+            with pytest.raises(UsageError, match=re.escape(f"ZeroMPIStrategy: {named}")):
+                trainer.fit(_Net(), _loader())
+        finally:
+            strategy.close()
