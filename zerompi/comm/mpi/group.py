@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zerompi.comm import shapes
+from zerompi.comm import sentinel, shapes
 from zerompi.comm.group import FutureWork, RequestWork, Work
 from zerompi.comm.monitor import Agreement, Entered, Monitor
 from zerompi.comm.mpi.library import MPI, thread_support_error
@@ -122,8 +122,9 @@ class MPIGroup:
             policy = policy._replace(directory=default_directory(job))
         # every rank's host, once: a report names the node of ranks that cannot answer (lost, or cut off)
         hosts = tuple(channel.comm.allgather(MPI.Get_processor_name())) if channel is not None else ()
-        self.monitor.watchdog.start(policy, self.rank, self.size, self.comm.Abort, self.monitor.recorder, channel,
-                                    hosts)
+        self.monitor.watchdog.start(policy, self.rank, self.size, self.abort, self.monitor.recorder, channel, hosts)
+        # a rank killed by a signal is named by its job rank, which is what the launcher's ranks are
+        sentinel.start(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), MPI.Get_processor_name())
 
     def step_done(self) -> None:
         """An optimizer step ended (its duration sets the watchdog's default deadline)."""
@@ -355,4 +356,5 @@ class MPIGroup:
             self._call(self.comm.Barrier)
 
     def abort(self, code: int = 1) -> None:
+        sentinel.quiet()  # every zerompi abort has said why: the watcher of this rank stays silent
         self.comm.Abort(code)

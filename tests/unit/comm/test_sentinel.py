@@ -1,0 +1,115 @@
+"""The watcher that names a rank that died without a word (zerompi/comm/sentinel.py), in fresh processes: a
+process starts its watcher, then ends one way or another; what the watcher printed is read from the process's
+standard error (the watcher holds it open until it exits, so reading to its end waits for the watcher).
+The job-level check (a rank SIGKILLed under mpiexec, named once by rank): tests/mpi/test_reliability.py."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zerompi.comm import sentinel
+
+ROOT = Path(__file__).resolve().parents[3]
+NAMED = re.compile(r"zerompi: rank 2 of 5 \(pid (\d+) on node7\) ended at \d\d:\d\d:\d\d UTC without a clean exit: "
+                   r"killed by a signal \(SIGKILL, the out-of-memory killer\) or crashed in native code\n")
+
+# A stand-in rank: no MPI, no torch; it starts its watcher as MPIGroup.start_watchdog does, then ENDING runs.
+RANK = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from zerompi.comm import sentinel
+sentinel.start(2, 5, "node7")
+sentinel.start(2, 5, "node7")  # a second call starts nothing
+print(os.getpid(), flush=True)
+{ending}
+"""
+
+
+def _run(ending: str, timeout: float = 60.0) -> tuple[str, str, float]:
+    """(stdout, stderr, seconds until stderr ended) of a stand-in rank that ends with ``ending``."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", RANK.format(root=str(ROOT), ending=ending)], capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.stdout, proc.stderr, time.monotonic() - start
+
+
+def test_a_clean_exit_says_nothing():
+    """Break guarded: the exit not marked (every job's end would name every rank)."""
+    _, err, _ = _run("sys.exit(0)")
+    assert err == ""
+
+
+def test_an_uncaught_exception_says_nothing_beyond_its_traceback():
+    """Python's own exit runs after the traceback: the traceback is the report."""
+    _, err, _ = _run("raise RuntimeError('boom')")
+    assert "RuntimeError: boom" in err and "zerompi: rank" not in err
+
+
+def test_a_rank_killed_by_a_signal_is_named_once_with_its_pid():
+    """Break guarded: a watcher silent when the pipe ends without the mark."""
+    out, err, _ = _run("os.kill(os.getpid(), signal.SIGKILL)")
+    assert [int(m) for m in NAMED.findall(err)] == [int(out.split()[0])], err
+    assert NAMED.fullmatch(err), err
+
+
+def test_an_exit_that_skips_pythons_end_is_named_unless_marked_quiet():
+    """os._exit (and a crash in native code) skips atexit: named. zerompi's aborts mark the end first
+    (MPIGroup.abort calls quiet)."""
+    _, err, _ = _run("os._exit(0)")
+    assert NAMED.fullmatch(err), err
+    _, err, _ = _run("sentinel.quiet(); sentinel.quiet(); os._exit(1)")
+    assert err == ""
+
+
+def test_a_forked_child_does_not_keep_a_dead_ranks_pipe_open(tmp_path):
+    """A DataLoader worker forked by the rank lives on after the rank is killed: the watcher still names the
+    rank at once, since the child closed its copy of the write end.
+    Break guarded: no close in forked children (the line would wait for the child's end, 10 minutes here, and
+    the run times out)."""
+    pid_file = tmp_path / "child"
+    try:
+        _, err, _ = _run(f"""
+child = os.fork()
+if child == 0:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)  # only the watcher holds the stand-in's stderr now
+    open({str(pid_file)!r}, "w").write(str(os.getpid()))
+    time.sleep(600)
+    os._exit(0)
+while not os.path.exists({str(pid_file)!r}):
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGKILL)
+""", timeout=90)
+        assert NAMED.fullmatch(err), err
+    finally:
+        if pid_file.exists() and pid_file.read_text():
+            import os
+            import signal
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_the_line_says_rank_size_pid_host_and_time():
+    assert NAMED.fullmatch(sentinel.line(2, 5, "node7", 4242, 0.0)).group(1) == "4242"
+    assert " ended at 00:00:00 UTC " in sentinel.line(2, 5, "node7", 4242, 0.0)
+
+
+@pytest.mark.parametrize("said,died", [(b"", True), (b"x", True), (sentinel.QUIET, False),
+                                       (b"xx" + sentinel.QUIET, False)])
+def test_the_watch_reads_to_the_end_and_looks_for_the_mark(said, died):
+    import os
+    read_end, write_end = os.pipe()
+    os.write(write_end, said)
+    os.close(write_end)
+    try:
+        assert sentinel.watch(read_end) is died
+    finally:
+        os.close(read_end)
