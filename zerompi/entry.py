@@ -19,6 +19,15 @@ from zerompi.recovery import ResilientEngine
 from zerompi.shard import deferred
 
 
+def job_group(cfg: ZeroConfig, comm=None) -> MPIGroup:
+    """Collective: the engine's MPI group over ``comm`` (``MPI.COMM_WORLD`` by default), as ``cfg`` asks;
+    metadata exchanges get a duplicate communicator of their own, so that a save one rank makes alone waits
+    there and is named by the hang report instead of meeting the others' next collective. Frameworks that
+    hand ``initialize`` a group of their own (the Lightning strategy) build it here too."""
+    return MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.runtime.cuda_aware_mpi),
+                    debug=cfg.reliability.debug_collectives, separate_metadata=True)
+
+
 def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
                param_groups: list[dict[str, Any]] | None = None,
                param_init: deferred.ParamInit | None = None,
@@ -44,8 +53,7 @@ def initialize(model: nn.Module, config: ZeroConfig | None = None, *, comm=None,
     store_for(cfg.checkpoint_layout)  # a layout this h5py cannot write fails now, not at the first save
     reliability = cfg.reliability
     if group is None:
-        group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.runtime.cuda_aware_mpi),
-                         debug=reliability.debug_collectives, separate_metadata=True)
+        group = job_group(cfg, comm)
     elif comm is not None:
         raise UsageError("initialize: pass comm (an MPI communicator) or group, not both")
     if reliability.abort_on_exception:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 
 import torch
 from torch import nn
 
 import lightning as L
+from lightning.fabric.plugins import TorchCheckpointIO
 
 IN, HIDDEN, OUT = 8, 16, 4
 
@@ -90,8 +93,18 @@ def plain(a) -> dict:
     return {"losses": losses, "weights": {k: v.tolist() for k, v in module.state_dict().items()}}
 
 
+class SlowOnRankZero(TorchCheckpointIO):
+    """Lightning's checkpoint writer, a second late on rank 0 (a slow shared file system)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))) == 0:
+            time.sleep(1.0)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
 def distributed(a) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     from zerompi import ZeroConfig
     from zerompi.compat.lightning import ZeroMPIStrategy
@@ -114,6 +127,14 @@ def distributed(a) -> dict:
     per_step = seen.view(world, -1, a.accum).mean(dim=(0, 2))
     weights = strategy.lightning_module_state_dict()
     assert strategy.broadcast(strategy.global_rank, src=1 % world) == 1 % world
+    # Lightning's rank-zero-only logging and files: rank 0's alone (its own guess reads RANK-style variables,
+    # which mpiexec does not set)
+    assert rank_zero_only.rank == strategy.global_rank, (rank_zero_only.rank, strategy.global_rank)
+    if a.save_dir:  # a direct save returns on every rank once Lightning's state is written, slow as it may be
+        strategy.checkpoint_io = SlowOnRankZero()
+        direct = os.path.join(a.save_dir, "direct")
+        strategy.save_checkpoint({"global_step": trainer.global_step}, direct)
+        assert os.path.isfile(os.path.join(direct, "lightning.ckpt")), f"rank {strategy.global_rank}: not yet"
     assert strategy.reduce(torch.tensor([2.0, float(strategy.global_rank)]), reduce_op="max").tolist() == \
         [2.0, float(world - 1)]
     return {"world": world, "global_step": trainer.global_step, "losses": per_step.tolist(),

@@ -28,9 +28,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
-from zerompi.entry import initialize
+from zerompi.entry import initialize, job_group
 from zerompi.comm import launch
-from zerompi.comm.mpi import MPIGroup
 from zerompi.compat.lightning import collectives, translate
 from zerompi.compat.lightning.environment import MPIRanks
 from zerompi.config import ZeroConfig
@@ -95,8 +94,7 @@ class ZeroMPIStrategy(ParallelStrategy):
     def __init__(self, config: ZeroConfig | None = None, *, comm: Any = None,
                  checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None):
         cfg = config if config is not None else ZeroConfig()
-        group = MPIGroup(comm, cuda_aware=launch.use_cuda_aware(cfg.runtime.cuda_aware_mpi),
-                         debug=cfg.reliability.debug_collectives, separate_metadata=True)
+        group = job_group(cfg, comm)  # as initialize builds it
         info = launch.discover(group)
         super().__init__(cluster_environment=MPIRanks(info), checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)

@@ -1,0 +1,64 @@
+"""The watchdog's small parts (zerompi/comm/watchdog.py) that the hang tests (test_hang.py) pass through
+without looking: the documented numbers, the default records directory, what a blocked wait records and
+clears, and a watchdog that never started. Each test names the break it guards against."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from zerompi.comm import watchdog
+from zerompi.comm.watchdog import HangPolicy, Watchdog
+
+DOC = " ".join((Path(__file__).parents[3] / "docs" / "fault-tolerance.md").read_text().split())
+
+
+def test_the_documented_waits_and_exit_codes_are_the_ones_used():
+    """docs/fault-tolerance.md states each in numbers; a change of either side changes both.
+    Breaks guarded: any of the constants changed alone (a report later, or an exit code scripts test)."""
+    w = watchdog
+    assert w.FACTOR == 3.0 and "max(`hang_floor`, 3 × the running median step time)" in DOC
+    assert w.GATHER_WAIT == 3.0 and "Rank 0 waits at most 3 s for the records" in DOC
+    assert w.GATHER_WAIT + w.DEPUTY_AFTER == 5.0 and "makes no report within 5 s, rank 1 reports" in DOC
+    assert w.GATHER_WAIT + 2 * w.ABORT_AFTER == 9.0 and "aborts by itself 9 s after sending its record" in DOC
+    assert w.ABORT_GRACE == 0.5 and "Half a second after printing it" in DOC
+    assert w.HANG_CODE == 4 and "the job aborts with **exit code 4**" in DOC
+    assert w.ABORT_CODE == 3 and "aborts with exit code 3" in DOC
+
+
+def test_the_automatic_deadline_is_factor_times_the_median_step_at_least_the_floor():
+    policy = HangPolicy(timeout=None, floor=2.0, directory=None)
+    assert policy.deadline(None) == 2.0 and policy.deadline(0.1) == 2.0
+    assert policy.deadline(10.0) == pytest.approx(30.0)
+    assert HangPolicy(timeout=7.0, floor=2.0, directory=None).deadline(10.0) == 7.0
+    assert HangPolicy(timeout=None, floor=None, directory=None).deadline(10.0) is None
+
+
+def test_records_go_under_the_temporary_directory_named_after_the_job():
+    """Break guarded: no default directory (records of a job without hang_dir written nowhere)."""
+    assert watchdog.default_directory("4242") == os.path.join(tempfile.gettempdir(), "zerompi-hang-4242")
+
+
+def test_a_blocked_wait_names_its_group_and_is_cleared_when_it_ends():
+    """Breaks guarded: the group's label on the wrong waits; a wait left recorded after it ended (every
+    later check would find it overdue)."""
+    w = Watchdog()
+    with w.blocked("allreduce", group="node"):
+        assert w.waiting[0] == "allreduce (group node)"
+        assert w.overdue(-1.0, w.waiting[1] + 1.0).what == "allreduce (group node)"
+    assert w.waiting is None and w.overdue(-1.0, 1e12) is None
+    with pytest.raises(RuntimeError):
+        with w.blocked("allgather"):
+            assert w.waiting[0] == "allgather"
+            raise RuntimeError("the collective failed")
+    assert w.waiting is None
+
+
+def test_a_watchdog_that_never_started_reports_nothing_and_stops():
+    """An uncaught exception before the engine started its watchdog: the hook aborts as before.
+    Break guarded: the watchdog's job unset until start (an AttributeError inside the exception hook)."""
+    w = Watchdog()
+    assert w.report_failure("RuntimeError: early", []) is False
+    w.stop()
