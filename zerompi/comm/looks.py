@@ -31,10 +31,15 @@ class Verdict(Enum):
     STILL_MOVING = "still moving"  # MOVING_LIMIT deadlines of waiting: blame it although ranks still move
 
 
+def poll_every(deadline: float | None) -> float:
+    """Seconds between a watchdog's checks: a quarter of the deadline, at most a second (a second with none)."""
+    return min(1.0, (deadline or 4.0) / 4)
+
+
 def look_wait(deadline: float) -> float:
-    """Seconds one look waits for the answers: two of the other ranks' watchdog polls (each polls every
-    ``min(1, deadline / 4)`` seconds) plus :data:`LOOK_SLACK`."""
-    return 2 * min(1.0, deadline / 4) + LOOK_SLACK
+    """Seconds one look waits for the answers: two of the other ranks' watchdog polls
+    (:func:`poll_every`) plus :data:`LOOK_SLACK`."""
+    return 2 * poll_every(deadline) + LOOK_SLACK
 
 
 class Looks:

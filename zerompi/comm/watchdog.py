@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 from zerompi.comm import diagnosis
-from zerompi.comm.looks import MOVING_LIMIT, Looks, Verdict, look_wait
+from zerompi.comm.looks import MOVING_LIMIT, Looks, Verdict, look_wait, poll_every
 from zerompi.comm.recorder import Event, Recorder
 
 ABORT_GRACE = 0.5  # seconds between printing why the job aborts and MPI_Abort
@@ -166,7 +166,7 @@ class Watchdog:
         looks = Looks()  # the last look at the ranks' counts during the current overdue wait
         while True:
             deadline = job.policy.deadline(job.recorder.median_step())
-            if self._stop.wait(min(1.0, (deadline or 4.0) / 4)):
+            if self._stop.wait(poll_every(deadline)):
                 return
             job.answer_probes()
             now = time.monotonic()

@@ -433,7 +433,8 @@ def test_rank_0_raising_after_it_answered_another_ranks_watchdog_is_named(tmp_pa
 def test_another_rank_raising_after_it_sent_its_record_sends_it_again(tmp_path, monkeypatch, capfd):
     """3 ranks: rank 0 fires, rank 2 answers, then raises; rank 1 never answers. Rank 2's amended record
     replaces its first, so rank 0's report names rank 2 alone. Guards: an exception raised after a rank's
-    record left (report_failure giving up when a report is under way)."""
+    record left (report_failure giving up when a report is under way), and report_failure returning before
+    the report ended the job."""
     monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 1.5)
     hub, codes, done = Hub(), {}, threading.Event()
     policy = HangPolicy(None, 0.3, str(tmp_path))
@@ -443,8 +444,11 @@ def test_another_rank_raising_after_it_sent_its_record_sends_it_again(tmp_path, 
     with dogs[0].blocked("all_gather for bucket 1"):
         dogs[0].start(policy, 0, 3, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
         _wait_for(tmp_path / "rank-00002.json")
-        dogs[2].report_failure("ValueError: bad batch", ["train.py:7 in step: check(x)"])
-        assert done.wait(20)
+        assert dogs[2].report_failure("ValueError: bad batch", ["train.py:7 in step: check(x)"])
+        # it returned only once the report had ended the job (its caller, the exception hook, aborts next:
+        # had it returned at once, that abort would end the job before rank 0's report). Guards: the bounded
+        # wait for this rank's watchdog removed, or skipped
+        assert codes.get(0) == HANG_CODE, codes
     for d in dogs.values():
         d.stop()
     err = capfd.readouterr().err

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from zerompi.comm.looks import LOOK_GAP, LOOK_SLACK, MOVING_LIMIT, Looks, Verdict, look_wait
+from zerompi.comm.looks import LOOK_GAP, LOOK_SLACK, MOVING_LIMIT, Looks, Verdict, look_wait, poll_every
 
 D = 8.0  # a deadline long enough that a quarter of it (2 s) exceeds the watchdog's 1 s poll
 
@@ -91,6 +91,14 @@ def test_a_look_waits_two_of_the_others_polls_and_the_slack(deadline, wait):
     Guards: a look that waits longer than that (a report later than needed) or shorter (a loaded
     rank's answer missed, so it looks stopped)."""
     assert LOOK_SLACK == 0.5 and look_wait(deadline) == pytest.approx(wait)
+
+
+@pytest.mark.parametrize("deadline, every", [(0.2, 0.05), (2.0, 0.5), (4.0, 1.0), (60.0, 1.0), (None, 1.0)])
+def test_a_watchdog_polls_every_quarter_deadline_at_most_a_second(deadline, every):
+    """The watchdog's own period (_watch) and the looks' assumption about the others' are one function.
+    Guards: a longer period (a late report, and looks that miss another rank's answer), or none without a
+    deadline."""
+    assert poll_every(deadline) == pytest.approx(every)
 
 
 def test_the_documented_gap_and_limit_are_the_ones_used():

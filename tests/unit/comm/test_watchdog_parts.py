@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
 from zerompi.comm import watchdog
+from zerompi.comm.recorder import Recorder
 from zerompi.comm.watchdog import HangPolicy, Watchdog
 
 DOC = " ".join((Path(__file__).parents[3] / "docs" / "fault-tolerance.md").read_text().split())
@@ -62,3 +64,15 @@ def test_a_watchdog_that_never_started_reports_nothing_and_stops():
     w = Watchdog()
     assert w.report_failure("RuntimeError: early", []) is False
     w.stop()
+
+
+def test_stop_ends_the_watchdogs_thread():
+    """Break guarded: the thread not leaving its poll when stopped (it would run on, and could call MPI after
+    MPI is finalised at exit)."""
+    named = lambda: {t for t in threading.enumerate() if t.name == "zerompi-watchdog"}  # noqa: E731
+    before, w = named(), Watchdog()
+    w.start(HangPolicy(timeout=None, floor=30.0, directory=None), 0, 2, lambda code: None, Recorder(), None)
+    (thread,) = named() - before
+    w.stop()
+    thread.join(10.0)
+    assert not thread.is_alive()
