@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from trl_sft import WORDS
+from trl_sft import WORDS, train_and_report
 from trl_sft import make as make_models
 
 
@@ -50,13 +50,7 @@ def main() -> None:
     dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     trainer = trainer_class(model=model_args.model_name_or_path, args=training_args,
                             train_dataset=dataset[script_args.dataset_train_split])
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
-    if trainer.is_world_process_zero() and extra.out:
-        logged = [h for h in trainer.state.log_history if "loss" in h]
-        with open(extra.out, "w") as f:
-            json.dump(dict(losses=[h["loss"] for h in logged], grad_norms=[h["grad_norm"] for h in logged],
-                           world=trainer.args.world_size), f)
+    train_and_report(trainer, training_args.output_dir, extra.out)
 
 
 if __name__ == "__main__":

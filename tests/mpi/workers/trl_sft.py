@@ -62,11 +62,16 @@ def main() -> None:
     dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     trainer = SFTTrainer(model=model_args.model_name_or_path, args=training_args,
                          train_dataset=dataset[script_args.dataset_train_split])
+    train_and_report(trainer, training_args.output_dir, extra.out)
+
+
+def train_and_report(trainer, output_dir: str, out: str) -> None:
+    """``train()``, ``save_model()``, then rank 0 writes the logged per-step losses and gradient norms to ``out``."""
     trainer.train()
-    trainer.save_model(training_args.output_dir)
-    if trainer.is_world_process_zero() and extra.out:
+    trainer.save_model(output_dir)
+    if trainer.is_world_process_zero() and out:
         logged = [h for h in trainer.state.log_history if "loss" in h]
-        with open(extra.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(dict(losses=[h["loss"] for h in logged], grad_norms=[h["grad_norm"] for h in logged],
                            world=trainer.args.world_size), f)
 
