@@ -36,7 +36,9 @@ class Residence(Enum):
 
 @dataclass(frozen=True)
 class ParamPlacement:
-    """One parameter's placement: its residence, whether it trains, its optimizer group and unit."""
+    """One parameter's placement: its residence, whether it trains, its optimizer group, tier and codecs.
+    Complete when made; what the bucket planner decides from it (a gather unit, an owning rank) is recorded
+    beside it (ShardedModel.unit_of, .owners), never written into it."""
 
     fqn: str
     shape: tuple[int, ...]
@@ -44,11 +46,6 @@ class ParamPlacement:
     residence: Residence
     group: int = 0
     """Optimizer param group (frozen parameters: 0); buckets never mix groups."""
-    unit: str | None = None
-    """Stage 3: the gather unit whose forward gathers it (sharded parameters, once units are chosen)."""
-    owner: int | None = None
-    """The rank whose shard holds it whole, for an optimizer that sees whole tensors (stages 1-3, once
-    its owner-aligned bucket is laid out: layout.py's ``plan_owned_bucket``); None for the others."""
     tier: Offload = Offload.NONE
     """Where its parameter shard lives between uses (``offload_params``): sharded parameters only; the
     others are held where they compute (offload/tiers.py places the shard as this says)."""
@@ -69,6 +66,10 @@ class ParamPlacement:
     @property
     def bucketed(self) -> bool:
         return self.residence is not Residence.REPLICATED
+
+    def bucket_kind(self) -> "ParamPlacement":
+        """What a bucket's parameters share (all but name and shape): one bucket, one kind."""
+        return dataclasses.replace(self, fqn="", shape=())
 
     @property
     def spec(self) -> ParamSpec:

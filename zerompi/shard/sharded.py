@@ -106,7 +106,7 @@ class ShardedModel:
                                      options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
         self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
         self.placements = {pl.fqn: pl for pl in options.placements}
-        """Each parameter's placement by fqn (stage 3: with its gather unit)."""
+        """Each parameter's placement by fqn, as decided before planning (placement.py), never amended."""
         # requires_grad as planned: a change after initialize would silently train the wrong set
         self._planned = [(n, p, self.placements[n].trainable) for n, p in module.named_parameters()]
         named = [(n, p) for n, p, trains in self._planned if trains]
@@ -147,22 +147,20 @@ class ShardedModel:
 
     # ---- planning ---------------------------------------------------------
     def _plan(self, cap: int) -> list[BucketLayout]:
-        """Every bucket's layout, in build order (planning.py); stage 3's units and their placements."""
-        layouts, self.units, units_of = plan_layouts(self.module, list(self.placements.values()), self.plan,
-                                                     self.placement.world_size, cap, self._align, self._whole)
-        for fqn, unit in units_of.items():
-            self.placements[fqn] = dataclasses.replace(self.placements[fqn], unit=unit)
-        for layout in layouts:  # owner-aligned buckets: the rank whose shard holds each tensor
-            if layout.group in self._whole and self.plan.shard_optimizer:
-                for slot in layout.slots:
-                    self.placements[slot.fqn] = dataclasses.replace(self.placements[slot.fqn],
-                                                                    owner=slot.offset // layout.shard_numel)
+        """Every bucket's layout, in build order (planning.py); stage 3's units; the whole tensors' owners."""
+        # the planner's outcomes, beside the placements: stage 3's gather unit of each sharded parameter, and for
+        # an optimizer that sees whole tensors (owner-aligned buckets) the rank whose shard holds each tensor
+        layouts, self.units, self.unit_of = plan_layouts(self.module, list(self.placements.values()), self.plan,
+                                                         self.placement.world_size, cap, self._align, self._whole)
+        self.owners: dict[str, int] = {slot.fqn: slot.offset // layout.shard_numel for layout in layouts
+                                       if layout.group in self._whole and self.plan.shard_optimizer
+                                       for slot in layout.slots}
         self._unit = {u.fqn: u for u in self.units}
         return layouts
 
     def _build(self, layout: BucketLayout) -> Bucket:
-        params = [self._param(slot.fqn) for slot in layout.slots]
-        placed = self.placements[layout.slots[0].fqn]  # a bucket's parameters share their placement
+        params = [self.module.get_parameter(slot.fqn) for slot in layout.slots]
+        placed = self._bucket_kind(layout)
         frozen = not placed.trainable
         dtype = self.placement.dtype if frozen else torch.float32  # frozen keep just this; trainable: fp32 masters
         init = torch.zeros(layout.padded_numel, dtype=dtype, device=self.placement.device)
@@ -183,8 +181,13 @@ class ShardedModel:
             self._unit[layout.unit].buckets.append(bucket)
         return bucket
 
-    def _param(self, fqn: str) -> nn.Parameter:
-        return self.module.get_parameter(fqn)
+    def _bucket_kind(self, layout: BucketLayout) -> ParamPlacement:
+        """The placement every parameter of ``layout`` shares, checked: the bucket is built from one."""
+        first, *rest = (self.placements[slot.fqn] for slot in layout.slots)
+        if any(p.bucket_kind() != first.bucket_kind() for p in rest):
+            raise ZeroMPIError(f"bucket {layout.index} mixes parameters placed differently: {first.fqn}, "
+                               f"{next(p.fqn for p in rest if p.bucket_kind() != first.bucket_kind())}")
+        return first
 
     def replicated_frozen(self) -> list[tuple[str, nn.Parameter]]:
         """The frozen parameters every rank holds whole (all of them at stages 0-2)."""

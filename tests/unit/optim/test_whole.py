@@ -80,11 +80,11 @@ def test_whole_tensor_optimizers_train_the_plain_loops_bits(stage, n, mode):
         assert got.keys() == want.keys() and not _differences(got, want), _differences(got, want)
 
 
-def test_each_matrix_has_one_owner_on_its_placement_record_balanced_by_size():
+def test_each_matrix_has_one_owner_balanced_by_size():
     def rank(group):
         net = _net()
         engine = zerompi.initialize(net, ZeroConfig(stage=2, **CFG), group=group, param_groups=_muon_groups(net))
-        owners = {n: pl.owner for n, pl in engine.sharded.placements.items()}
+        owners = {n: engine.sharded.owners.get(n) for n in engine.sharded.placements}
         state = engine.optimizer.state_bytes()
         engine.close()
         return owners, state
@@ -104,7 +104,7 @@ _six = Template(lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]))
 def test_matrix_owners_are_balanced_over_every_bucket_and_unit(stage):
     """The README's bound: no rank owns more than the mean load plus the largest tensor, over all of the
     group's buckets; at stage 3 each Linear is a gather unit of its own buckets, so the load must carry
-    across units. Counted twice: by the placement records, and by the Muon momentum each rank holds.
+    across units. Counted twice: by the owners the planner recorded, and by the Muon momentum each rank holds.
     Guards: stage 3's units each restarting the owner load (planning.py passing ``loads={}``), which puts
     all six matrices on rank 0: [24576, 0, 0]."""
     def rank(group):
@@ -113,7 +113,7 @@ def test_matrix_owners_are_balanced_over_every_bucket_and_unit(stage):
         for index in engine.micro_batch_indices():
             engine.backward(engine(torch.randn(4, 64, generator=torch.Generator().manual_seed(index))).square().mean())
         assert engine.step()
-        owners = {n: pl.owner for n, pl in engine.sharded.placements.items() if pl.owner is not None}
+        owners = dict(engine.sharded.owners)
         momentum = sum(s["momentum_buffer"].numel() for s in engine.optimizer.inner.state.values()
                        if "momentum_buffer" in s)
         units = len(engine.sharded.units)

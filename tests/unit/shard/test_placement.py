@@ -31,3 +31,14 @@ def test_a_placement_is_frozen():
     pl = ParamPlacement("w", (2,), True, Residence.GATHERED)
     with pytest.raises(AttributeError):
         pl.trainable = False
+
+
+def test_a_buckets_parameters_share_one_kind_all_but_name_and_shape():
+    """ShardedModel builds a bucket from the kind its parameters share (and checks that they do): the name and
+    shape are a parameter's own, everything else (trains, residence, group, tier, codecs) the bucket's."""
+    placed = {pl.fqn: pl for pl in place(PARAMS, plan_for(3), 5, GROUPS)}
+    assert placed["base"].bucket_kind() == place([("other", (7, 3), False)], plan_for(3), 5, {})[0].bucket_kind()
+    other_group = place([("other", (8, 4), True)], plan_for(3), 5, {"other": 0})[0]
+    assert placed["emb"].bucket_kind() != other_group.bucket_kind()
+    assert placed["emb"].bucket_kind() != placed["base"].bucket_kind()  # trains, and does not
+    assert not hasattr(placed["emb"], "unit") and not hasattr(placed["emb"], "owner")  # the planner's, kept apart
