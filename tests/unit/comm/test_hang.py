@@ -246,6 +246,7 @@ def test_an_overdue_rank_gets_a_report_naming_the_rank_in_user_code(tmp_path, ca
     assert codes == {0: HANG_CODE}
     err = capfd.readouterr().err
     assert "zerompi hang report: 2 ranks, 2 answered" in err and "culprit: rank(s) 1" in err, err
+    assert "or 3 median steps); gathering the hang report, then aborting the job\n" in err, err  # a side channel
     # two agreeing looks blamed the wait, not the fallback after MOVING_LIMIT deadlines (guards: a look that
     # is never kept, or compared with the wrong field, so that nothing but the fallback ever blames)
     assert "still issued collectives" not in err, err
@@ -267,7 +268,23 @@ def test_an_unwritable_directory_degrades_to_the_per_rank_message(tmp_path, capf
         assert done.wait(10)
     w.stop()
     assert codes == [ABORT_CODE]
-    assert "zerompi watchdog: rank 1 of 4 has waited" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    # no side channel: no report to gather, and the deadline the wait overran is named (guards: the wrong
+    # branch of the message, the deadline's text left out)
+    assert "zerompi watchdog: rank 1 of 4 has waited" in err, err
+    assert " in a barrier (deadline 0.2 s: hang_floor=0.2 s or 3 median steps); aborting the job\n" in err, err
+
+
+def test_a_fixed_collective_timeout_is_named_as_the_limit(capfd):
+    """Guards: collective_timeout's text replaced by the automatic deadline's, or left out."""
+    codes, done = [], threading.Event()
+    w = Watchdog()
+    with w.blocked("a barrier"):
+        w.start(HangPolicy(0.2, 60.0, None), 1, 4, lambda code: (codes.append(code), done.set()), Recorder())
+        assert done.wait(10)
+    w.stop()
+    assert codes == [ABORT_CODE]
+    assert " in a barrier (collective_timeout=0.2 s); aborting the job\n" in capfd.readouterr().err
 
 
 def _deputy_alone(monkeypatch, capfd, directory: str | None) -> tuple[list[int], str]:
@@ -427,6 +444,9 @@ def test_rank_0_raising_after_it_answered_another_ranks_watchdog_is_named(tmp_pa
         d.stop()
     err = capfd.readouterr().err
     assert codes[0] == HANG_CODE and "\nculprit: rank(s) 0 (raised an exception)" in err, err
+    # rank 0 reported because rank 1 asked: the report says why with rank 1's words (guards: the asker's rank
+    # number in place of its request)
+    assert "zerompi hang report: 2 ranks, 2 answered; rank 1 waited" in err, err
     assert "raised RuntimeError: out of memory" in err and "train.py:3 in forward" in err, err
 
 

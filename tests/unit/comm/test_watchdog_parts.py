@@ -50,6 +50,8 @@ def test_a_blocked_wait_names_its_group_and_is_cleared_when_it_ends():
     with w.blocked("allreduce", group="node"):
         assert w.waiting[0] == "allreduce (group node)"
         assert w.overdue(-1.0, w.waiting[1] + 1.0).what == "allreduce (group node)"
+        assert w.overdue(10.0, w.waiting[1] + 1.0) is None  # 1 s into a wait of at most 10: not overdue
+        assert w.overdue(10.0, w.waiting[1] + 11.0).waited == pytest.approx(11.0)
     assert w.waiting is None and w.overdue(-1.0, 1e12) is None
     with pytest.raises(RuntimeError):
         with w.blocked("allgather"):
