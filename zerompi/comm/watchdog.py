@@ -53,6 +53,16 @@ GATHER_WAIT = 3.0  # seconds rank 0 waits for the other ranks' records
 ABORT_AFTER = 3.0  # further seconds a rank that sent its record waits for rank 0 to abort the job
 DEPUTY_AFTER = 2.0  # seconds after GATHER_WAIT the deputy waits for rank 0's abort before it reports
 DEPUTY = 1
+
+
+def deputy_wait() -> float:
+    """Seconds after its record the deputy waits for rank 0's abort before it reports itself."""
+    return GATHER_WAIT + DEPUTY_AFTER
+
+
+def lone_wait() -> float:
+    """Seconds after its record a rank that neither reports nor is the deputy waits before it aborts alone."""
+    return GATHER_WAIT + 2 * ABORT_AFTER
 TAG_REQUEST, TAG_RECORD, TAG_PROBE, TAG_PROGRESS = 1, 2, 3, 4
 
 
@@ -282,7 +292,7 @@ class _Job:
         self._send(record)  # rank 0's too: the deputy reports from it if rank 0 stops midway
         if self.rank != 0:
             deputy = self.rank == DEPUTY
-            if self._linger(GATHER_WAIT + (DEPUTY_AFTER if deputy else 2 * ABORT_AFTER)):
+            if self._linger(deputy_wait() if deputy else lone_wait()):
                 return False
             if deputy and 0 in self.received and self._linger(2 * ABORT_AFTER):
                 return False  # rank 0 answered, so it is reporting: give it longer
@@ -290,7 +300,7 @@ class _Job:
                 self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: neither rank 0 nor rank {DEPUTY} "
                          f"made a hang report; this rank's record: {where}\n")
                 return False
-            trigger += f"; rank 0 made no report in {GATHER_WAIT + DEPUTY_AFTER:g} s: rank {DEPUTY} reports"
+            trigger += f"; rank 0 made no report in {deputy_wait():g} s: rank {DEPUTY} reports"
         self._report(watchdog, trigger, where, wait=0.2 if self.rank else GATHER_WAIT)
         self.end(HANG_CODE)
         return True

@@ -460,11 +460,15 @@ def test_another_rank_raising_after_it_sent_its_record_sends_it_again(tmp_path, 
     policy = HangPolicy(None, 0.3, str(tmp_path))
     dogs, recorders = {0: Watchdog(), 2: Watchdog()}, {0: Recorder(), 2: Recorder()}
     recorders[0].begin("all_gather", "", "bucket 1", 8)
+    named = lambda: {t for t in threading.enumerate() if t.name == "zerompi-watchdog"}  # noqa: E731
+    before = named()
     dogs[2].start(policy, 2, 3, _abort_into(codes, done, 2), recorders[2], hub.channel(2))
+    (thread2,) = named() - before
     with dogs[0].blocked("all_gather for bucket 1"):
         dogs[0].start(policy, 0, 3, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
         _wait_for(tmp_path / "rank-00002.json")
         assert dogs[2].report_failure("ValueError: bad batch", ["train.py:7 in step: check(x)"])
+        assert not thread2.is_alive()  # it waited for its own watchdog's end (its bound covers the longest)
         # it returned only once the report had ended the job (its caller, the exception hook, aborts next:
         # had it returned at once, that abort would end the job before rank 0's report). Guards: the bounded
         # wait for this rank's watchdog removed, or skipped
@@ -648,10 +652,12 @@ def test_the_deputy_gives_rank_0_longer_once_rank_0_answered(tmp_path, monkeypat
 
 def test_rank_0_waits_gather_wait_for_a_slow_ranks_record(tmp_path, monkeypatch, capfd):
     """Rank 1 (played here by hand) sends its record 1.5 s after rank 0's request: rank 0, which waits up to
-    GATHER_WAIT for the records, reports with both. Guards: rank 0 waiting only the deputy's short 0.2 s (a
-    record from a loaded rank then missing, and that rank named as missing)."""
+    GATHER_WAIT (30 s here) for the records, reports with both as soon as the record is in. Guards: rank 0
+    waiting only the deputy's short 0.2 s (a record from a loaded rank then missing, and that rank named as
+    missing); rank 0 waiting out GATHER_WAIT with every record in (its gather not counting them, or not
+    receiving while it waits)."""
     from zerompi.comm.watchdog import TAG_PROBE, TAG_PROGRESS, TAG_RECORD, TAG_REQUEST
-    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 10.0)
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 30.0)
     hub, codes, done, halt = Hub(), {}, threading.Event(), threading.Event()
     recorders = [Recorder(), Recorder()]
     recorders[0].begin("all_gather", "", "bucket 1", 8)
@@ -671,7 +677,7 @@ def test_rank_0_waits_gather_wait_for_a_slow_ranks_record(tmp_path, monkeypatch,
     w = Watchdog()
     with w.blocked("all_gather for bucket 1"):
         w.start(HangPolicy(None, 0.3, str(tmp_path)), 0, 2, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
-        assert done.wait(30)
+        assert done.wait(20)  # the report comes about 3 s in; 30 s when rank 0 waits out GATHER_WAIT
     halt.set()
     w.stop()
     err = capfd.readouterr().err
