@@ -60,6 +60,11 @@ def deputy_wait() -> float:
     return GATHER_WAIT + DEPUTY_AFTER
 
 
+def answered_wait() -> float:
+    """Further seconds the deputy gives rank 0, once rank 0 has sent its record (it is reporting), to abort."""
+    return 2 * ABORT_AFTER
+
+
 def lone_wait() -> float:
     """Seconds after its record a rank that neither reports nor is the deputy waits before it aborts alone."""
     return GATHER_WAIT + 2 * ABORT_AFTER
@@ -294,7 +299,7 @@ class _Job:
             deputy = self.rank == DEPUTY
             if self._linger(deputy_wait() if deputy else lone_wait()):
                 return False
-            if deputy and 0 in self.received and self._linger(2 * ABORT_AFTER):
+            if deputy and 0 in self.received and self._linger(answered_wait()):
                 return False  # rank 0 answered, so it is reporting: give it longer
             if not deputy:
                 self.say(f"zerompi watchdog: rank {self.rank} of {self.size}: neither rank 0 nor rank {DEPUTY} "

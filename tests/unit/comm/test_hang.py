@@ -714,3 +714,22 @@ def test_a_deputy_stopped_while_it_waits_for_rank_0_reports_nothing(tmp_path, mo
         w.stop()
     time.sleep(3.0)
     assert codes == [] and "rank 1 reports" not in capfd.readouterr().err
+
+
+def test_rank_0_takes_the_records_already_in_when_its_gather_has_no_time_left(tmp_path, monkeypatch, capfd):
+    """GATHER_WAIT 0: rank 0's gathering loop does not run, and a record that came before (rank 1's, sent when
+    its own watchdog fired) is still in the report. Guards: no receive after the loop (a record landing in the
+    loop's last poll lost, and its rank named missing)."""
+    from zerompi.comm.watchdog import TAG_RECORD
+    monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.0)
+    hub, codes, done = Hub(), {}, threading.Event()
+    recorder = Recorder()
+    recorder.begin("all_gather", "", "bucket 1", 8)
+    hub.channel(1).post(0, TAG_RECORD, Recorder().snapshot(1, 2, None, "rank 1 sent its record"))
+    w = Watchdog()
+    with w.blocked("all_gather for bucket 1"):
+        w.start(HangPolicy(None, 0.2, str(tmp_path)), 0, 2, _abort_into(codes, done, 0), recorder, hub.channel(0))
+        assert done.wait(20)
+    w.stop()
+    err = capfd.readouterr().err
+    assert codes == {0: HANG_CODE} and "zerompi hang report: 2 ranks, 2 answered" in err, err

@@ -24,7 +24,8 @@ def test_the_documented_waits_and_exit_codes_are_the_ones_used():
     w = watchdog
     assert w.FACTOR == 3.0 and "max(`hang_floor`, 3 × the running median step time)" in DOC
     assert w.GATHER_WAIT == 3.0 and "Rank 0 waits at most 3 s for the records" in DOC
-    assert w.deputy_wait() == 5.0 and "makes no report within 5 s, rank 1 reports" in DOC
+    assert w.deputy_wait() == 5.0 and "makes no report within 5 s (6 s more when rank 0" in DOC
+    assert w.answered_wait() == 6.0 and "(6 s more when rank 0 has sent its record, so is reporting)" in DOC
     assert w.lone_wait() == 9.0 and "aborts by itself 9 s after sending its record" in DOC
     assert w.ABORT_GRACE == 0.5 and "Half a second after printing it" in DOC
     assert w.HANG_CODE == 4 and "the job aborts with **exit code 4**" in DOC
