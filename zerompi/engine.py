@@ -86,6 +86,11 @@ def _group_optimizers(cfg: ZeroConfig, module: nn.Module, membership: dict,
 class Engine:
     """Trains ``module`` with ZeRO over the ranks of ``group``; build it with :func:`initialize`."""
 
+    ATTRIBUTES = ("config", "group", "info", "device", "module", "groups", "iteration", "host_memory", "swapper",
+                  "sharded", "optimizer", "implicit", "lr_scheduler")
+    """The public attributes ``__init__`` sets (checked by a test): with the public methods and properties,
+    the interface ResilientEngine presents."""
+
     def __init__(self, module: nn.Module, cfg: ZeroConfig, group: ProcessGroup,
                  param_groups: list[dict[str, Any]] | None = None, param_init: deferred.ParamInit | None = None,
                  lr_scheduler: schedules.SchedulerFactory | None = None):

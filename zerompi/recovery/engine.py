@@ -69,15 +69,37 @@ class RecoveryReport:
                 f"{self.at_step - self.resumed_at} step(s) to replay) in {self.seconds:.3f} s")
 
 
-_VERBS = frozenset(name for name, value in vars(Engine).items() if callable(value) and not name.startswith("_"))
-"""Every public method of Engine: each is run guarded, so a new verb is covered without editing recovery."""
+def _present_engine(cls: type) -> type:
+    """Give ``cls`` Engine's interface, member by member, at class creation: each public method it does not
+    define runs through its one guarded entry (``_guarded``), each public property and declared attribute
+    (``Engine.ATTRIBUTES``) reads the current engine's. Explicit to ``dir``, ``help`` and ``inspect``, and a
+    verb added to Engine is covered without editing recovery."""
+    def verb(name: str) -> Callable:
+        return functools.wraps(getattr(Engine, name))(lambda self, *args, **kwargs: self._guarded(name, *args,
+                                                                                                   **kwargs))
+
+    def current(name: str, doc: str | None) -> property:
+        return property(lambda self: getattr(self.current, name), doc=doc)
+
+    own = set(vars(cls)) | set(cls.OWN)
+    for name, value in vars(Engine).items():
+        if name.startswith("_") or name in own:
+            continue
+        setattr(cls, name, current(name, value.__doc__) if isinstance(value, property) else verb(name))
+    for name in set(Engine.ATTRIBUTES) - own:
+        setattr(cls, name, current(name, f"The current engine's ``{name}``."))
+    return cls
 
 
+@_present_engine
 class ResilientEngine:
     """The engine ``initialize`` builds with ``fault_tolerance=True``: a supervisor around the :class:`Engine`
-    of the moment (``current``). Every public method of the engine is run through one guarded entry, so a
-    lost rank noticed inside any of them becomes a rebuild over the survivors and :class:`Recovered`;
-    attributes and properties are the current engine's. ``close`` also removes the recovery points."""
+    of the moment (``current``), presenting the engine's interface explicitly (``_present_engine``). Every
+    public method of the engine is run through one guarded entry, so a lost rank noticed inside any of them
+    becomes a rebuild over the survivors and :class:`Recovered`; attributes and properties are the current
+    engine's. ``close`` also removes the recovery points."""
+
+    OWN = ("current", "recovery", "implicit")  # set by __init__: its own, not the current engine's
 
     def __init__(self, spec: EngineSpec, group):
         if not isinstance(group, MPIGroup):
@@ -90,29 +112,24 @@ class ResilientEngine:
         self.implicit = ImplicitBackward(self.begin_backward, self.end_backward)
         """A script's ``loss.backward()`` as the guarded backward (implicit.py)."""
 
-    def __getattr__(self, name: str) -> Any:
-        current = self.__dict__.get("current")
-        if current is None:  # not built yet
-            raise AttributeError(name)
-        if name in _VERBS:
-            return functools.partial(self._guarded, name)
-        return getattr(current, name)
-
     def _guarded(self, name: str, *args, **kwargs):
         return self.recovery.run(self, name, lambda engine: getattr(engine, name)(*args, **kwargs))
 
     def __call__(self, *args, **kwargs):
         return self.recovery.run(self, "forward", lambda engine: engine(*args, **kwargs))
 
+    @functools.wraps(Engine.backward)
     def backward(self, loss, *, window_share: bool = True) -> None:
         self._guarded("backward", loss, window_share=window_share)
         self.recovery.points.settled()  # its round's reduction ran on every rank: the last point is whole
 
+    @functools.wraps(Engine.end_backward)
     def end_backward(self, ok: bool) -> None:
         self._guarded("end_backward", ok)
         if ok:
             self.recovery.points.settled()
 
+    @functools.wraps(Engine.step)
     def step(self) -> bool:
         return self.recovery.run(self, "step", self._step_and_point)
 
@@ -122,6 +139,7 @@ class ResilientEngine:
         self.recovery.after_step(engine)
         return stepped
 
+    @functools.wraps(Engine.close)
     def close(self) -> None:
         self.current.close()
         if self.current.group.rank == 0:  # after the job's last collective
