@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from trl_sft import WORDS, train_and_report
+from trl_sft import WORDS, run_script
 from trl_sft import make as make_models
 
 
@@ -39,18 +39,12 @@ def make(root: str) -> None:
 
 
 def main() -> None:
-    from datasets import load_dataset
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, ModelConfig, ScriptArguments, TrlParser
     which = sys.argv[sys.argv.index("--trainer") + 1] if "--trainer" in sys.argv else "dpo"
     config, trainer_class = {"dpo": (DPOConfig, DPOTrainer), "kto": (KTOConfig, KTOTrainer)}[which]
     parser = TrlParser((ScriptArguments, config, ModelConfig, Extra))
     script_args, training_args, model_args, extra = parser.parse_args_and_config()
-    training_args.model_init_kwargs = dict(revision=model_args.model_revision, dtype=model_args.dtype,
-                                           attn_implementation=model_args.attn_implementation)
-    dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-    trainer = trainer_class(model=model_args.model_name_or_path, args=training_args,
-                            train_dataset=dataset[script_args.dataset_train_split])
-    train_and_report(trainer, training_args.output_dir, extra.out)
+    run_script(trainer_class, script_args, training_args, model_args, extra.out)
 
 
 if __name__ == "__main__":

@@ -53,22 +53,23 @@ def make(root: str) -> None:
 
 
 def main() -> None:
-    from datasets import load_dataset
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, Extra))
     script_args, training_args, model_args, _, extra = parser.parse_args_and_config()
+    run_script(SFTTrainer, script_args, training_args, model_args, extra.out)
+
+
+def run_script(trainer_class, script_args, training_args, model_args, out: str) -> None:
+    """What TRL's scripts do once parsed: the trainer from the model's path and the dataset, ``train()``,
+    ``save_model()``; then rank 0 writes the logged per-step losses and gradient norms to ``out``."""
+    from datasets import load_dataset
     training_args.model_init_kwargs = dict(revision=model_args.model_revision, dtype=model_args.dtype,
                                            attn_implementation=model_args.attn_implementation)
     dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-    trainer = SFTTrainer(model=model_args.model_name_or_path, args=training_args,
-                         train_dataset=dataset[script_args.dataset_train_split])
-    train_and_report(trainer, training_args.output_dir, extra.out)
-
-
-def train_and_report(trainer, output_dir: str, out: str) -> None:
-    """``train()``, ``save_model()``, then rank 0 writes the logged per-step losses and gradient norms to ``out``."""
+    trainer = trainer_class(model=model_args.model_name_or_path, args=training_args,
+                            train_dataset=dataset[script_args.dataset_train_split])
     trainer.train()
-    trainer.save_model(output_dir)
+    trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero() and out:
         logged = [h for h in trainer.state.log_history if "loss" in h]
         with open(out, "w") as f:
