@@ -53,6 +53,7 @@ GATHER_WAIT = 3.0  # seconds rank 0 waits for the other ranks' records
 ABORT_AFTER = 3.0  # further seconds a rank that sent its record waits for rank 0 to abort the job
 DEPUTY_AFTER = 2.0  # seconds after GATHER_WAIT the deputy waits for rank 0's abort before it reports
 DEPUTY = 1
+TAG_REQUEST, TAG_RECORD, TAG_PROBE, TAG_PROGRESS = 1, 2, 3, 4
 
 
 def deputy_wait() -> float:
@@ -68,7 +69,6 @@ def answered_wait() -> float:
 def lone_wait() -> float:
     """Seconds after its record a rank that neither reports nor is the deputy waits before it aborts alone."""
     return GATHER_WAIT + 2 * ABORT_AFTER
-TAG_REQUEST, TAG_RECORD, TAG_PROBE, TAG_PROGRESS = 1, 2, 3, 4
 
 
 class Overdue(NamedTuple):
@@ -174,7 +174,7 @@ class Watchdog:
         job.amend(self)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(GATHER_WAIT + DEPUTY_AFTER + 3 * ABORT_AFTER)
+            thread.join(deputy_wait() + 3 * ABORT_AFTER)
         return True
 
     def _watch(self, job: "_Job") -> None:

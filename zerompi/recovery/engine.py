@@ -75,8 +75,10 @@ def _present_engine(cls: type) -> type:
     (``Engine.ATTRIBUTES``) reads the current engine's. Explicit to ``dir``, ``help`` and ``inspect``, and a
     verb added to Engine is covered without editing recovery."""
     def verb(name: str) -> Callable:
-        return functools.wraps(getattr(Engine, name))(lambda self, *args, **kwargs: self._guarded(name, *args,
-                                                                                                   **kwargs))
+        @functools.wraps(getattr(Engine, name))
+        def guarded(self, *args, **kwargs):
+            return self._guarded(name, *args, **kwargs)
+        return guarded
 
     def current(name: str, doc: str | None) -> property:
         return property(lambda self: getattr(self.current, name), doc=doc)

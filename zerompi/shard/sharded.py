@@ -184,9 +184,9 @@ class ShardedModel:
     def _bucket_kind(self, layout: BucketLayout) -> ParamPlacement:
         """The placement every parameter of ``layout`` shares, checked: the bucket is built from one."""
         first, *rest = (self.placements[slot.fqn] for slot in layout.slots)
-        if any(p.bucket_kind() != first.bucket_kind() for p in rest):
-            raise ZeroMPIError(f"bucket {layout.index} mixes parameters placed differently: {first.fqn}, "
-                               f"{next(p.fqn for p in rest if p.bucket_kind() != first.bucket_kind())}")
+        odd = next((p for p in rest if p.bucket_kind() != first.bucket_kind()), None)
+        if odd is not None:
+            raise ZeroMPIError(f"bucket {layout.index} mixes parameters placed differently: {first.fqn}, {odd.fqn}")
         return first
 
     def replicated_frozen(self) -> list[tuple[str, nn.Parameter]]:

@@ -460,10 +460,10 @@ def test_another_rank_raising_after_it_sent_its_record_sends_it_again(tmp_path, 
     policy = HangPolicy(None, 0.3, str(tmp_path))
     dogs, recorders = {0: Watchdog(), 2: Watchdog()}, {0: Recorder(), 2: Recorder()}
     recorders[0].begin("all_gather", "", "bucket 1", 8)
-    named = lambda: {t for t in threading.enumerate() if t.name == "zerompi-watchdog"}  # noqa: E731
-    before = named()
+    from .test_watchdog_parts import watchdog_threads
+    before = watchdog_threads()
     dogs[2].start(policy, 2, 3, _abort_into(codes, done, 2), recorders[2], hub.channel(2))
-    (thread2,) = named() - before
+    (thread2,) = watchdog_threads() - before
     with dogs[0].blocked("all_gather for bucket 1"):
         dogs[0].start(policy, 0, 3, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
         _wait_for(tmp_path / "rank-00002.json")

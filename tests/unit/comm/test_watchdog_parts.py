@@ -15,6 +15,11 @@ from zerompi.comm import watchdog
 from zerompi.comm.recorder import Recorder
 from zerompi.comm.watchdog import HangPolicy, Watchdog
 
+def watchdog_threads() -> set[threading.Thread]:
+    """The watchdog threads running in this process (a test tells its own apart by the set before it starts)."""
+    return {t for t in threading.enumerate() if t.name == "zerompi-watchdog"}
+
+
 DOC = " ".join((Path(__file__).parents[3] / "docs" / "fault-tolerance.md").read_text().split())
 
 
@@ -73,10 +78,9 @@ def test_a_watchdog_that_never_started_reports_nothing_and_stops():
 def test_stop_ends_the_watchdogs_thread():
     """Break guarded: the thread not leaving its poll when stopped (it would run on, and could call MPI after
     MPI is finalised at exit)."""
-    named = lambda: {t for t in threading.enumerate() if t.name == "zerompi-watchdog"}  # noqa: E731
-    before, w = named(), Watchdog()
+    before, w = watchdog_threads(), Watchdog()
     w.start(HangPolicy(timeout=None, floor=30.0, directory=None), 0, 2, lambda code: None, Recorder(), None)
-    (thread,) = named() - before
+    (thread,) = watchdog_threads() - before
     w.stop()
     thread.join(10.0)
     assert not thread.is_alive()
