@@ -39,10 +39,10 @@ def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path, n):
 @pytest.mark.parametrize("n,killed", [(3, 1), (2, 0)])
 def test_rank_killed_mid_training_ends_the_job_and_is_named_by_rank(tmp_path, n, killed):
     """A rank SIGKILLed mid-training ends the job; its watcher (zerompi/comm/sentinel.py) names it by rank,
-    once, and no other rank is named (the launcher kills their watchers with them). MPICH's own message
-    names a process id and host, not always the killed one's.
+    once, and no other rank is named (hydra kills their groups, and so their canaries, before they die). MPICH's
+    own message names a process id and host, not always the killed one's.
     Breaks guarded: no watcher started; the watcher silent; a watcher that speaks for a rank killed by the
-    launcher's teardown (it left its rank's process group before the rank ended)."""
+    launcher's teardown. The race with the teardown itself: tests/unit/comm/test_sentinel.py."""
     proc = _launch(n, "sigkill", tmp_path / "pid", fresh=True)
     pid_file = tmp_path / f"pid.{killed}"
     deadline = time.monotonic() + 60

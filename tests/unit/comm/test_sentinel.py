@@ -4,7 +4,9 @@ standard error (the watcher holds it open until it exits, so reading to its end 
 The job-level check (a rank SIGKILLed under mpiexec, named once by rank): tests/mpi/test_reliability.py."""
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -89,12 +91,47 @@ os.kill(os.getpid(), signal.SIGKILL)
         assert NAMED.fullmatch(err), err
     finally:
         if pid_file.exists() and pid_file.read_text():
-            import os
-            import signal
             try:
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _torn_down(kill_rank_first: bool) -> str:
+    """What the watcher of a stand-in rank printed when its process group was killed (as MPICH's hydra tears a
+    job down), with the rank killed alone just before or not. The stand-in leads its own group, as hydra's ranks
+    do. The watcher is stopped (SIGSTOP) throughout, as on a loaded node where it gets no CPU before the
+    teardown: the verdict may not depend on who runs first."""
+    proc = subprocess.Popen([sys.executable, "-c", RANK.format(root=str(ROOT), ending=(
+        "print(sentinel._watcher.pid, flush=True)\ntime.sleep(600)"))], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pid, watcher = int(proc.stdout.readline()), int(proc.stdout.readline())
+        os.kill(watcher, signal.SIGSTOP)
+        if kill_rank_first:
+            os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=60)  # the rank is gone, its files released; the teardown follows at once
+        os.killpg(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        os.kill(watcher, signal.SIGCONT)
+        return proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_a_rank_that_died_alone_is_named_though_the_teardown_came_before_its_watcher_ran():
+    """Breaks guarded: the watcher in the rank's group (killed with it); the canary not told by the pipe."""
+    err = _torn_down(kill_rank_first=True)
+    assert NAMED.fullmatch(err), err
+
+
+def test_a_rank_killed_by_the_teardown_of_its_group_is_not_named():
+    """Break guarded: a watcher that names every rank whose pipe ended without the mark (every rank of a torn
+    down job would be named, the innocent ones too)."""
+    assert _torn_down(kill_rank_first=False) == ""
 
 
 def test_the_line_says_rank_size_pid_host_and_time():
@@ -105,7 +142,6 @@ def test_the_line_says_rank_size_pid_host_and_time():
 @pytest.mark.parametrize("said,died", [(b"", True), (b"x", True), (sentinel.QUIET, False),
                                        (b"xx" + sentinel.QUIET, False)])
 def test_the_watch_reads_to_the_end_and_looks_for_the_mark(said, died):
-    import os
     read_end, write_end = os.pipe()
     os.write(write_end, said)
     os.close(write_end)
