@@ -1,4 +1,5 @@
-"""Validators of config values, and the table that checks each ZeroConfig field.
+"""Validators of config values (each key's own is named in its declaration, sections/), and the rules
+that relate several keys.
 
 Every validator is called as ``check(key, value, ...)`` and returns the
 normalised value or raises :class:`ConfigError` naming ``key``, the value and
@@ -18,8 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from zerompi.config.choices import (BufferDType, CheckpointLayout, CudaAware, Device, DType, GradQuant, Hierarchy,
-                                    NonFinite, Offload, Progress, RecoverySource, Schedule, Stage, WeightQuant)
+from zerompi.config.choices import CheckpointLayout, DType, NonFinite, Offload, RecoverySource, Schedule, Stage
 from zerompi.errors import ConfigError
 
 E = TypeVar("E", bound=Enum)
@@ -195,80 +195,35 @@ def optimizer_class(key: str, value: Any) -> type[torch.optim.Optimizer]:
     return cls
 
 
-def _of(kind: type[Enum]) -> Check:
+def of(kind: type[Enum]) -> Check:
+    """The check of one member (or value) of the enum ``kind``."""
     return lambda k, v: choice(k, v, kind)
 
 
-CHECKS: dict[str, Check] = {
-    "stage": stage,
-    # Kept as given (not the resolved class), so to_dict writes back what the user wrote.
-    "optimizer": lambda k, v: optimizer_class(k, v) and v,
-    "optimizer_kwargs": str_mapping,
-    "lr": lambda k, v: real(k, v, gt=0),
-    "betas": betas,
-    "eps": lambda k, v: real(k, v, gt=0),
-    "weight_decay": nonnegative,
-    "momentum": nonnegative,
-    "grad_accum_steps": lambda k, v: integer(k, v, 1),
-    # 0 is stored as None: one spelling for "no clipping" downstream.
-    "clip_grad_norm": lambda k, v: optional(k, v, nonnegative, "no clipping") or None,
-    "dtype": _of(DType),
-    "buffer_dtype": _of(BufferDType),
-    "loss_scale": nonnegative,
-    "initial_scale_power": lambda k, v: integer(k, v, 0, 64),
-    "loss_scale_window": lambda k, v: integer(k, v, 1),
-    "hysteresis": lambda k, v: integer(k, v, 1),
-    "min_loss_scale": lambda k, v: real(k, v, gt=0),
-    "bucket_mb": lambda k, v: real(k, v, gt=0),
-    "seed": lambda k, v: integer(k, v, 0),
-    "cpu_threads": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "automatic"),
-    "device": _of(Device),
-    "cuda_aware_mpi": _of(CudaAware),
-    "offload_optimizer": _of(Offload),
-    "offload_params": _of(Offload),
-    "nvme_path": lambda k, v: optional(k, v, path, "no NVMe directory"),
-    "pin_memory": boolean,
-    "nvme_block_kib": block_kib,
-    "nvme_threads": lambda k, v: integer(k, v, 1, 64),
-    "nvme_buffers": lambda k, v: integer(k, v, 1, 1024),
-    "nvme_verify": boolean,
-    "return_freed_memory": boolean,
-    "overlap_grad_reduce": boolean,
-    "optimizer_in_backward": boolean,
-    "prefetch_units": lambda k, v: integer(k, v, 0, 8),
-    "mpi_progress": _of(Progress),
-    "hierarchy": _of(Hierarchy),
-    "ranks_per_node": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "nodes from MPI"),
-    "nonfinite": _of(NonFinite),
-    "debug_collectives": boolean,
-    "collective_timeout": lambda k, v: optional(k, v, lambda k, v: real(k, v, gt=0), "no watchdog"),
-    "abort_on_exception": boolean,
-    "hang_floor": lambda k, v: optional(k, v, lambda k, v: real(k, v, gt=0), "no automatic hang deadline"),
-    "hang_dir": lambda k, v: optional(k, v, path, "a temporary directory per job"),
-    "checkpoint_layout": _of(CheckpointLayout),
-    "param_persistence_threshold": lambda k, v: integer(k, v, 0),
-    "max_live_params": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "no bound"),
-    "lr_schedule": _of(Schedule),
-    "warmup_steps": lambda k, v: integer(k, v, 0),
-    "total_steps": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "no decay"),
-    "min_lr": nonnegative,
-    "quantize_weights": _of(WeightQuant),
-    "quantize_grads": _of(GradQuant),
-    "quant_block": quant_block,
-    "reproducible": boolean,
-    "micro_batches": lambda k, v: optional(k, v, lambda k, v: integer(k, v, 1), "off"),
-    "grad_error_feedback": boolean,
-    "checkpoint_verify": boolean,
-    "checkpoint_direct_io": boolean,
-    "checkpoint_align_kib": align_kib,
-    "checkpoint_async_copy": boolean,
-    "fault_tolerance": boolean,
-    "recovery_every": lambda k, v: integer(k, v, 1),
-    "recovery_source": _of(RecoverySource),
-    "recovery_dir": lambda k, v: optional(k, v, path, "a temporary directory"),
-    "min_ranks": lambda k, v: integer(k, v, 1),
-}
-"""One checker per ZeroConfig field, called as ``check(key, value)`` -> normalised value."""
+def positive(key: str, value: Any) -> float:
+    """A finite number > 0."""
+    return real(key, value, gt=0)
+
+
+def whole(lo: int, hi: int | None = None) -> Check:
+    """The check of a whole number in ``lo``..``hi``."""
+    return lambda k, v: integer(k, v, lo, hi)
+
+
+def maybe(check: Check, none_means: str) -> Check:
+    """The check of None (which means ``none_means``) or what ``check`` accepts."""
+    return lambda k, v: optional(k, v, check, none_means)
+
+
+def kept_optimizer(key: str, value: Any) -> Any:
+    """An optimizer as given (not the resolved class), so to_dict writes back what the user wrote."""
+    optimizer_class(key, value)
+    return value
+
+
+def clip_norm(key: str, value: Any) -> float | None:
+    """A norm >= 0, with 0 stored as None: one spelling for "no clipping" downstream."""
+    return optional(key, value, nonnegative, "no clipping") or None
 
 
 def check_offload(cfg: Any) -> None:

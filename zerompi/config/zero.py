@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from zerompi.config import checks, dialects
+from zerompi.config.declare import checks_of
 from zerompi.config.files import read_document
 from zerompi.config.reproducible import check_reproducible
 from zerompi.config.sections.batch import BatchKeys
@@ -42,6 +43,9 @@ from zerompi.errors import ConfigError
 SECTIONS = (ShardingKeys, OptimizationKeys, BatchKeys, PrecisionKeys, RuntimeKeys, OffloadKeys, OverlapKeys,
             CompressionKeys, CheckpointKeys, ReliabilityKeys, RecoveryKeys)
 """The config's sections in the order their keys are listed (``fields(ZeroConfig)``, ``to_dict``)."""
+CHECKS = checks_of(SECTIONS)
+"""Each key's check, as its section declares it: ``CHECKS[key](name, value)`` -> the normalised value (a
+DeepSpeed translation passes DeepSpeed's dotted name, so errors name the key the document spells)."""
 
 
 # A dataclass lists the fields of its bases from the last base to the first: reversed, so they read
@@ -69,7 +73,7 @@ class ZeroConfig(*reversed(SECTIONS)):
         # Field order, so the first problem reported is the first field's; the
         # cross-field check comes last as it relies on the checked fields.
         for f in fields(self):
-            object.__setattr__(self, f.name, checks.CHECKS[f.name](f.name, getattr(self, f.name)))
+            object.__setattr__(self, f.name, CHECKS[f.name](f.name, getattr(self, f.name)))
         checks.check_offload(self)
         checks.check_schedule(self)
         checks.check_optimizer_kwargs(self)

@@ -18,6 +18,7 @@ import textwrap
 import typing
 from pathlib import Path
 
+from zerompi.config.declare import SPELLED
 from zerompi.config.zero import SECTIONS, ZeroConfig
 
 HEADER = """# Configuration reference
@@ -80,6 +81,7 @@ def render() -> str:
             allowed = _choices(tp)
             if allowed:
                 facts.append("one of " + ", ".join(f"`{v!r}`" for v in allowed))
+            facts += [f"{dialect}: `{dotted}`" for dialect, dotted in f.metadata[SPELLED].items()]
             lines += [f"### `{f.name}`", "", "; ".join(facts) + ".", "", docs.get(f.name, "(undocumented)"), ""]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -20,8 +20,10 @@ from torch import nn
 
 from zerompi.optim import adam as uncorrected
 from zerompi.config import ZeroConfig
-from zerompi.config.checks import CHECKS, boolean, integer, listing, real, reject_unknown
+from zerompi.config.checks import boolean, integer, listing, real, reject_unknown
 from zerompi.config.choices import BufferDType, DType
+from zerompi.config.declare import spellings
+from zerompi.config.zero import CHECKS, SECTIONS
 from zerompi.compat.deepspeed import muon as ds_muon
 from zerompi.compat.deepspeed.auto import is_auto, resolve_auto
 from zerompi.compat.deepspeed.batch import BatchKeys, read_batch_keys
@@ -35,17 +37,8 @@ from zerompi.errors import ConfigError
 
 _DS_MARKERS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
                "gradient_accumulation_steps", "fp16", "bf16", "bfloat16")
-# DeepSpeed keys that carry one ZeroConfig field unchanged.
-_DS_DIRECT = (
-    ("zero_optimization.stage", "stage"),
-    ("zero_optimization.offload_optimizer.device", "offload_optimizer"),
-    ("zero_optimization.offload_param.device", "offload_params"),
-    ("gradient_accumulation_steps", "grad_accum_steps"),
-    ("gradient_clipping", "clip_grad_norm"),
-    *((f"fp16.{k}", k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
-                                 "hysteresis", "min_loss_scale")),
-    *((f"optimizer.params.{k}", k) for k in ("lr", "betas", "eps", "weight_decay", "momentum")),
-)
+_DS_DIRECT = spellings(SECTIONS, "DeepSpeed")
+"""DeepSpeed keys that carry one ZeroConfig key unchanged, as each key's declaration spells it (config/sections/)."""
 # Honoured by zerompi.deepspeed's save_16bit_model (a stage-3 engine writes the gathered weights only
 # when it is true, as DeepSpeed's does), not by the config: checked here, read there.
 SAVE_16BIT = "zero_optimization.stage3_gather_16bit_weights_on_model_save"

@@ -28,7 +28,8 @@ from torch import nn
 
 from zerompi.compat.deepspeed.keys import MUON_PARAMS
 from zerompi.compat.deepspeed.ops.muon import NS_METHODS, Muon
-from zerompi.config.checks import CHECKS, boolean
+from zerompi.config.checks import boolean
+from zerompi.config.zero import CHECKS
 from zerompi.errors import ConfigError, UsageError
 
 __all__ = ["MUON_PARAMS", "MuonSettings", "check", "is_muon", "param_groups", "read", "tag"]

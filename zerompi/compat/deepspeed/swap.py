@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from zerompi.compat.deepspeed.screen import get
-from zerompi.config.checks import CHECKS, integer
+from zerompi.config.checks import integer
+from zerompi.config.zero import CHECKS
 from zerompi.errors import ConfigError
 
 _BLOCKS = ("offload_optimizer", "offload_param")

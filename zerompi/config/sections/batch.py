@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from zerompi.config import checks
+from zerompi.config.declare import build, key
 from zerompi.config.choices import Rounds
 
 
@@ -33,12 +35,12 @@ class BatchPolicy:
 class BatchKeys:
     """The batch section's keys (ZeroConfig's fields) and its policy."""
 
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = key(1, checks.whole(1), spelled={"DeepSpeed": "gradient_accumulation_steps"})
     """Micro-batches whose gradients are summed before each optimizer step, >= 1."""
-    micro_batches: int | None = None
+    micro_batches: int | None = key(None, checks.maybe(checks.whole(1), "off"))
     """Micro-batches per step over all ranks (the global batch, >= the world size), dealt round robin
     (``engine.micro_batch_indices()``); the gradient is their mean. None: ``grad_accum_steps`` per rank."""
-    reproducible: bool = False
+    reproducible: bool = key(False, checks.boolean)
     """Train bitwise the same model at any world size N in 1..micro_batches: the micro-batches'
     gradients are summed in the order of their global index, whatever rank ran them, and every
     rank runs the micro-batches ``engine.micro_batch_indices()`` gives it (round robin). Stages
@@ -48,7 +50,7 @@ class BatchKeys:
     @cached_property
     def batch(self) -> BatchPolicy:
         """Accumulation, micro-batches and the order their gradients are summed in."""
-        return BatchPolicy(self.grad_accum_steps, self.micro_batches, self.reproducible)
+        return build(BatchPolicy, self, BatchKeys)
 
     @property
     def rounds(self) -> Rounds:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from zerompi.config import checks
+from zerompi.config.declare import build, key
 from zerompi.config.choices import Offload
 
 
@@ -53,25 +55,27 @@ class OffloadPolicy:
 class OffloadKeys:
     """The offload section's keys (ZeroConfig's fields) and its policy."""
 
-    offload_optimizer: Offload = Offload.NONE
+    offload_optimizer: Offload = key(Offload.NONE, checks.of(Offload), policy="optimizer",
+                                     spelled={"DeepSpeed": "zero_optimization.offload_optimizer.device"})
     """Stages 1-3: where fp32 master weights and optimizer state live between steps:
     'none' (with the parameters), 'cpu' (host memory; the update runs on the CPU) or
     'nvme' (swap files under nvme_path, streamed in bucket by bucket during the step)."""
-    offload_params: Offload = Offload.NONE
+    offload_params: Offload = key(Offload.NONE, checks.of(Offload), policy="params",
+                                  spelled={"DeepSpeed": "zero_optimization.offload_param.device"})
     """Stage 3: where the parameter shards live between gathers: 'none', 'cpu' or 'nvme'."""
-    nvme_path: str | None = None
+    nvme_path: str | None = key(None, checks.maybe(checks.path, "no NVMe directory"))
     """Directory for the per-rank swap files of 'nvme' offload (a local disk)."""
-    pin_memory: bool = True
+    pin_memory: bool = key(True, checks.boolean)
     """Pin host buffers used for offload (when a GPU is present)."""
-    nvme_block_kib: int = 8192
+    nvme_block_kib: int = key(8192, checks.block_kib, policy="block_kib")
     """KiB per swap I/O request, a multiple of 4 in 4..262144."""
-    nvme_threads: int = 4
+    nvme_threads: int = key(4, checks.whole(1, 64), policy="threads")
     """Swap I/O threads (requests in flight), 1..64."""
-    nvme_buffers: int = 8
+    nvme_buffers: int = key(8, checks.whole(1, 1024), policy="buffers")
     """Page-aligned staging buffers of nvme_block_kib each: the bound on swap staging memory, 1..1024."""
-    nvme_verify: bool = True
+    nvme_verify: bool = key(True, checks.boolean, policy="verify")
     """CRC-32 of every swapped block, checked when it is read back."""
-    return_freed_memory: bool = False
+    return_freed_memory: bool = key(False, checks.boolean)
     """Fix glibc's mmap threshold at 1 MiB, so host blocks of 1 MiB or more go back to the OS when
     freed. glibc's default raises the threshold as large blocks are freed and keeps later ones on its
     heap for reuse: faster (no page faults), but stage 3's gathered units then leave the resident set
@@ -82,6 +86,4 @@ class OffloadKeys:
     @cached_property
     def offload(self) -> OffloadPolicy:
         """Offload tiers, the NVMe swap settings and freed host memory."""
-        return OffloadPolicy(self.offload_optimizer, self.offload_params, self.nvme_path, self.pin_memory,
-                             self.nvme_block_kib, self.nvme_threads, self.nvme_buffers, self.nvme_verify,
-                             self.return_freed_memory)
+        return build(OffloadPolicy, self, OffloadKeys)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from zerompi.config import checks
+from zerompi.config.declare import build, key
 from zerompi.config.choices import Progress, UpdateSchedule
 
 
@@ -27,10 +29,10 @@ class OverlapPolicy:
 class OverlapKeys:
     """The overlap section's keys (ZeroConfig's fields) and its policy."""
 
-    overlap_grad_reduce: bool = False
+    overlap_grad_reduce: bool = key(False, checks.boolean, policy="grad_reduce")
     """Start each bucket's gradient reduce-scatter non-blocking as soon as backward has filled it,
     and wait for all of them when backward ends (stages 1-3), instead of reducing in place."""
-    optimizer_in_backward: bool = False
+    optimizer_in_backward: bool = key(False, checks.boolean)
     """Stages 2-3: update each bucket during the backward that ends an accumulation window, as soon
     as its gradient is reduced, instead of all buckets in ``step()``. Same arithmetic, bit for bit;
     under NVMe offload the gradient shard never goes to the swap file (its write and read-back: 8
@@ -40,12 +42,12 @@ class OverlapKeys:
     global norm), no fp16 (its overflow skips the step) and nonfinite='raise' (a NaN/Inf gradient
     still raises, from ``step()``, but the buckets before it are updated by then). ``step()``
     completes the step: the global norm, the counters, the lr schedule."""
-    prefetch_units: int = 0
+    prefetch_units: int = key(0, checks.whole(0, 8))
     """Stage 3: gather this many gather units ahead, non-blocking (0 = gather on demand, up to 8);
     the order is recorded on the first step. With offload_params='nvme' the units' shards are
     read from the swap file this many units ahead (0 there means 3), and with
     optimizer_in_backward so is their optimizer state in backward."""
-    mpi_progress: Progress = Progress.NONE
+    mpi_progress: Progress = key(Progress.NONE, checks.of(Progress), policy="progress")
     """How non-blocking collectives progress while Python computes: 'none' (by the MPI library
     alone; with MPICH, MPIR_CVAR_ASYNC_PROGRESS=1 adds a progress thread), 'test' (MPI_Test
     from every gradient hook) or 'thread' (one communication thread per process runs every
@@ -56,4 +58,4 @@ class OverlapKeys:
     def overlap(self) -> OverlapPolicy:
         """Overlap of communication with computation."""
         update = UpdateSchedule.IN_BACKWARD if self.optimizer_in_backward else UpdateSchedule.AFTER_BACKWARD
-        return OverlapPolicy(self.overlap_grad_reduce, self.prefetch_units, self.mpi_progress, update)
+        return build(OverlapPolicy, self, OverlapKeys, update=update)

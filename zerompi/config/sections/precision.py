@@ -8,6 +8,8 @@ from functools import cached_property
 
 import torch
 
+from zerompi.config import checks
+from zerompi.config.declare import build, key
 from zerompi.config.choices import BufferDType, DType
 
 
@@ -50,26 +52,25 @@ class PrecisionPolicy:
 class PrecisionKeys:
     """The precision section's keys (ZeroConfig's fields) and its policy."""
 
-    dtype: DType = DType.FP32
+    dtype: DType = key(DType.FP32, checks.of(DType))
     """Parameter/gradient compute dtype: 'fp32', 'bf16', 'fp16'; master weights are fp32."""
-    buffer_dtype: BufferDType = BufferDType.COMPUTE
+    buffer_dtype: BufferDType = key(BufferDType.COMPUTE, checks.of(BufferDType))
     """Floating buffers: 'compute' casts them to ``dtype``; 'model' keeps each one's own (DeepSpeed's way)."""
-    loss_scale: float = 0.0
+    loss_scale: float = key(0.0, checks.nonnegative, spelled={"DeepSpeed": "fp16.loss_scale"})
     """fp16 only: 0 selects dynamic loss scaling, > 0 is a static scale."""
-    initial_scale_power: int = 16
+    initial_scale_power: int = key(16, checks.whole(0, 64), spelled={"DeepSpeed": "fp16.initial_scale_power"})
     """Dynamic loss scaling starts at 2**initial_scale_power; 0..64."""
-    loss_scale_window: int = 1000
+    loss_scale_window: int = key(1000, checks.whole(1), spelled={"DeepSpeed": "fp16.loss_scale_window"})
     """Steps without overflow before the dynamic scale doubles, >= 1."""
-    hysteresis: int = 2
+    hysteresis: int = key(2, checks.whole(1), spelled={"DeepSpeed": "fp16.hysteresis"})
     """Overflows tolerated before the dynamic scale halves, >= 1."""
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = key(1.0, checks.positive, spelled={"DeepSpeed": "fp16.min_loss_scale"})
     """Floor of the dynamic loss scale, > 0."""
 
     @cached_property
     def precision(self) -> PrecisionPolicy:
         """Compute dtype, buffers and fp16 loss scaling."""
-        return PrecisionPolicy(self.dtype, self.loss_scale, self.initial_scale_power, self.loss_scale_window,
-                               self.hysteresis, self.min_loss_scale, self.buffer_dtype)
+        return build(PrecisionPolicy, self, PrecisionKeys)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from zerompi.config import checks
+from zerompi.config.declare import build, key
 from zerompi.config.choices import CudaAware, Device
 
 
@@ -27,16 +29,16 @@ class RuntimePolicy:
 class RuntimeKeys:
     """The runtime section's keys (ZeroConfig's fields) and its policy."""
 
-    seed: int = 0
+    seed: int = key(0, checks.whole(0))
     """Random seed, >= 0."""
-    cpu_threads: int | None = None
+    cpu_threads: int | None = key(None, checks.maybe(checks.whole(1), "automatic"))
     """Torch threads per rank on CPU, >= 1; None gives each rank its share of the cores."""
-    device: Device = Device.AUTO
+    device: Device = key(Device.AUTO, checks.of(Device))
     """'auto', 'cpu' or 'cuda'."""
-    cuda_aware_mpi: CudaAware = CudaAware.AUTO
+    cuda_aware_mpi: CudaAware = key(CudaAware.AUTO, checks.of(CudaAware))
     """Device buffers straight to MPI: 'auto' (when torch.cuda and the MPI report support), 'on' or 'off'."""
 
     @cached_property
     def runtime(self) -> RuntimePolicy:
         """Seed, device, threads and CUDA-aware MPI."""
-        return RuntimePolicy(self.seed, self.cpu_threads, self.device, self.cuda_aware_mpi)
+        return build(RuntimePolicy, self, RuntimeKeys)
