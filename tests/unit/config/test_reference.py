@@ -26,7 +26,7 @@ def test_every_key_once_documented_with_its_facts():
     for f in dataclasses.fields(ZeroConfig):
         assert text.count(f"\n### `{f.name}`\n") == 1, f.name
     assert "(undocumented)" not in text
-    assert "### `stage`\n\ntype `Stage`; default `3`; one of `0`, `1`, `2`, `3`." in text
+    assert "### `stage`\n\ntype `Stage`; default `3`; one of `0`, `1`, `2`, `3`; DeepSpeed: `zero_optimization.stage`." in text
     assert "### `hang_dir`\n\ntype `str | None`; default `None`." in text
     assert "one of `'fp32'`, `'bf16'`, `'fp16'`" in text  # dtype's choices, as a config spells them
 
