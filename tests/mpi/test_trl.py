@@ -83,19 +83,23 @@ def test_sft_runs_unchanged_and_matches_one_process(reference, tmp_path, case):
     assert_matches_one_process(dict(got, weights=weights(tmp_path / "out")), refs["ref"], refs["alt"])
 
 
-def assert_matches_one_process(got: dict, ref: dict, alt: dict) -> None:
-    """``got`` (2 ranks) against one process in two summation orders: each step's loss and gradient norm, and
-    the saved weights, within the order bound (tolerance.py)."""
+def assert_matches_one_process(got: dict, ref: dict, *alts: dict) -> None:
+    """``got`` (2 ranks) against one process in two or more summation orders: each step's loss and gradient
+    norm, and the saved weights, within the order bound (tolerance.py), the order noise being the largest
+    distance of an alternative order from the reference."""
     assert got["world"] == 2 and len(got["losses"]) == len(ref["losses"]) == 6
-    bad = loss_failures(got["losses"], ref["losses"], alt["losses"], FP32_FLOOR)
+
+    def farthest(key: str) -> list[float]:
+        return [max((a[key][i] for a in alts), key=lambda v, r=r: abs(v - r)) for i, r in enumerate(ref[key])]
+    bad = loss_failures(got["losses"], ref["losses"], farthest("losses"), FP32_FLOOR)
     assert not bad, f"losses beyond the order-noise bound (step, ours, ref, bound): {bad}"
     # torch's fp32 norm in the reference (m squares summed: relative error up to m u32), ours in fp64
     m = sum(t.numel() for t in ref["weights"].values())
-    for step, (o, r, a) in enumerate(zip(got["grad_norms"], ref["grad_norms"], alt["grad_norms"])):
+    for step, (o, r, a) in enumerate(zip(got["grad_norms"], ref["grad_norms"], farthest("grad_norms"))):
         bound = 8 * abs(a - r) + m * 2.0 ** -24 * r
         assert abs(o - r) <= bound, (step, o, r, bound)
     ours = got["weights"]
     assert ours.keys() == ref["weights"].keys()
     err = {n: float((ours[n] - ref["weights"][n]).abs().max()) for n in ours}
-    noise = {n: float((alt["weights"][n] - ref["weights"][n]).abs().max()) for n in ours}
+    noise = {n: max(float((a["weights"][n] - ref["weights"][n]).abs().max()) for a in alts) for n in ours}
     assert not tensor_failures(err, noise), tensor_failures(err, noise)

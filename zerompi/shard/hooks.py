@@ -25,10 +25,13 @@ from zerompi.torch_private import tree_flatten, tree_unflatten
 
 
 class HookSet:
-    """Holds every hook handle it installs; ``remove()`` undoes them all."""
+    """Holds every hook handle it installs; ``remove()`` undoes them all. While ``paused``, the forward hooks
+    do nothing: forwards of a model whose parameters are all whole already (a framework's generation inside
+    ``GatheredParameters``, which a rank may run more or fewer times than its peers) gather nothing."""
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
+        self.paused = False
 
     def on_grad_ready(self, params: list[torch.nn.Parameter],
                       fn: Callable[[torch.nn.Parameter], None]) -> None:
@@ -40,8 +43,8 @@ class HookSet:
         """``before(args, kwargs)`` may return replacement ``(args, kwargs)`` (or None)."""
         # prepend: our gather must run before any user pre-hook reads the weights
         self._handles.append(module.register_forward_pre_hook(
-            lambda _m, args, kwargs: before(args, kwargs), prepend=True, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(lambda _m, _args, out: after(out)))
+            lambda _m, args, kwargs: None if self.paused else before(args, kwargs), prepend=True, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(lambda _m, _args, out: None if self.paused else after(out)))
 
     @staticmethod
     def after_backward_of(args: tuple, kwargs: dict, fn: Callable[[], None]) -> tuple[tuple, dict] | None:

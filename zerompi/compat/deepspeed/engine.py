@@ -21,7 +21,7 @@ from torch import nn
 
 from zerompi.checkpoint import schema
 from zerompi import export
-from zerompi.compat.deepspeed import param_status
+from zerompi.compat.deepspeed import parameter_offload, param_status
 from zerompi.compat.deepspeed.batch import Batch
 from zerompi.compat.deepspeed.timer import ThroughputTimer
 from zerompi.config import DType
@@ -57,6 +57,7 @@ class DeepSpeedEngine:
         self.tput_timer = ThroughputTimer(batch.train)
         """Started by each forward, stopped by each step(), as DeepSpeed's (timer.py)."""
         param_status.mark(engine)  # stage 3: p.ds_status, which TRL reads before gathering a weight
+        parameter_offload.mark(engine)  # stage 3: what TRL's generation takes the module hooks off through
         _LIVE.add(self)
 
     # ---- training ---------------------------------------------------------
