@@ -63,3 +63,19 @@ def test_grpo_runs_unchanged_and_matches_one_process_on_the_same_completions(roo
     ref, *alts = ({**json.loads((tmp_path / f"{name}.json").read_text()), "weights": weights(tmp_path / name)}
                   for name, *_ in ORDERS)
     assert_matches_one_process(got, ref, *alts)
+
+
+def test_rloo_runs_unchanged_at_zero3(root, tmp_path):
+    """RLOOTrainer generates through the same unwrap_model_for_generation; it takes no rollout_func, so nothing
+    replays its completions in one process: it is run, not compared (6 steps, finite losses, weights moved)."""
+    import math
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({**AUTO, "zero_optimization": ZERO["3"]}))
+    env = {**env_for(root), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    got = run([*mpiexec(), "-n", "2", *rank_python(preload=HF_STACK, env=env), "-m", "zerompi.deepspeed",
+               *grpo_args(root, tmp_path / "out"), "--trainer", "rloo", "--deepspeed", str(cfg),
+               "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"], tmp_path / "out.json", env)
+    assert got["world"] == 2 and len(got["losses"]) == 6
+    assert all(math.isfinite(v) for v in got["losses"]) and all(g > 0 for g in got["grad_norms"])
+    before, after = weights(root / "llama"), weights(tmp_path / "out")
+    assert any(not (after[n] == before[n]).all() for n in after if n in before)

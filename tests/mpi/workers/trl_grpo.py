@@ -11,6 +11,8 @@ its prompts and completion ids); a plain run with ``--replay PATH`` takes those 
 ``rollout_func`` (generation batches in order, the ranks' slices in rank order, which must be the prompts TRL
 hands it), so both train on the same completions and only the arithmetic of the step differs.
 
+``--trainer rloo`` runs TRL's RLOOTrainer the same way (it takes no ``rollout_func``: nothing to replay).
+
 ``--make DIR`` writes trl_sft.py's tiny Llama and ``DIR/grpo/train.jsonl``: 32 prompts of 6 words.
 """
 import glob
@@ -28,6 +30,7 @@ class Extra:
     out: str = field(default="", metadata={"help": "where rank 0 writes the losses"})
     record: str = field(default="", metadata={"help": "write the scored completions to RECORD.RANK"})
     replay: str = field(default="", metadata={"help": "generate nothing: take the completions REPLAY.* recorded"})
+    trainer: str = field(default="grpo", metadata={"help": "grpo, or rloo (no rollout_func: neither record nor replay)"})
 
 
 def make(root: str) -> None:
@@ -71,16 +74,18 @@ def replaying(path: str):
 
 def main() -> None:
     from datasets import load_dataset
-    from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser
-    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig, Extra))
+    from trl import GRPOConfig, GRPOTrainer, ModelConfig, RLOOConfig, RLOOTrainer, ScriptArguments, TrlParser
+    rloo = "--trainer" in sys.argv and sys.argv[sys.argv.index("--trainer") + 1] == "rloo"
+    parser = TrlParser((ScriptArguments, RLOOConfig if rloo else GRPOConfig, ModelConfig, Extra))
     script_args, training_args, model_args, extra = parser.parse_args_and_config()
     training_args.model_init_kwargs = dict(dtype=model_args.dtype)
     dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     rank = int(os.environ.get("RANK", "0"))
-    trainer = GRPOTrainer(model=model_args.model_name_or_path, args=training_args,
-                          reward_funcs=recording(extra.record, rank) if extra.record else reward,
-                          train_dataset=dataset[script_args.dataset_train_split],
-                          rollout_func=replaying(extra.replay) if extra.replay else None)
+    replay = {"rollout_func": replaying(extra.replay) if extra.replay else None} if not rloo else {}
+    trainer = (RLOOTrainer if rloo else GRPOTrainer)(
+        model=model_args.model_name_or_path, args=training_args,
+        reward_funcs=recording(extra.record, rank) if extra.record else reward,
+        train_dataset=dataset[script_args.dataset_train_split], **replay)
     trainer.train()
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero() and extra.out:
