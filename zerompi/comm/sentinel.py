@@ -60,8 +60,9 @@ def start(rank: int, size: int, host: str) -> None:
             [sys.executable, "-I", os.path.abspath(__file__), str(read_end), str(ready_write), str(rank),
              str(size), host, str(os.getpid())],
             pass_fds=(read_end, ready_write), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    except OSError:
-        os.close(write_end)  # no watcher: a killed rank is named by the launcher alone, as before
+    except OSError:  # no watcher: a killed rank is named by the launcher alone, as before
+        os.close(write_end)
+        os.close(ready_read)
         return
     finally:
         os.close(read_end)

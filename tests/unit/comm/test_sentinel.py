@@ -4,6 +4,7 @@ standard error (the watcher holds it open until it exits, so reading to its end 
 The job-level check (a rank SIGKILLed under mpiexec, named once by rank): tests/mpi/test_reliability.py."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -132,6 +133,59 @@ def test_a_rank_killed_by_the_teardown_of_its_group_is_not_named():
     """Break guarded: a watcher that names every rank whose pipe ended without the mark (every rank of a torn
     down job would be named, the innocent ones too)."""
     assert _torn_down(kill_rank_first=False) == ""
+
+
+def _start_in(setup: str, after: str = "") -> str:
+    """stdout of a stand-in that runs ``setup``, starts its watcher, prints what ``after`` prints, exits cleanly."""
+    code = (f"import os, resource, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom zerompi.comm import sentinel\n"
+            f"{setup}\nbefore = set(os.listdir('/proc/self/fd'))\nsentinel.start(2, 5, 'node7')\n{after}\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "zerompi: rank" not in proc.stderr, proc.stderr
+    return proc.stdout
+
+
+def test_the_write_end_is_the_ranks_one_new_descriptor_above_all_others():
+    """What reaches the canary first when the rank dies is the highest descriptor (module note). Breaks guarded:
+    the rank keeps the watcher's ends of either pipe open; the write end left where os.pipe put it."""
+    out = _start_in("import json", "print(json.dumps(dict(new=sorted(int(f) for f in set(os.listdir('/proc/self/fd'))"
+                    " - before), highest=max(int(f) for f in before), end=sentinel._write_end,"
+                    " soft=resource.getrlimit(resource.RLIMIT_NOFILE)[0])))")
+    got = json.loads(out)
+    assert got["new"] == [got["end"]] and got["end"] > got["highest"]
+    assert got["end"] == max(got["highest"] + 1, min(sentinel.HIGH_FD, got["soft"] - 1))
+
+
+def test_under_a_low_open_files_limit_the_write_end_takes_the_last_number():
+    """Breaks guarded: the hard limit read for the soft one; a ceiling at or above the limit (no room: the
+    pipe stays low, and the kernel's order then no longer favours the watcher)."""
+    out = _start_in("resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))",
+                    "print(sentinel._write_end)")
+    assert int(out) == 63
+
+
+def test_an_open_descriptor_above_the_ceiling_is_passed():
+    """The rank holds a descriptor above HIGH_FD already: the write end goes above it. Break guarded: the floor
+    computed below the highest descriptor."""
+    out = _start_in("soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+                    "resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))\n"
+                    "os.dup2(1, 5000)", "print(sentinel._write_end)")
+    assert int(out) == 5001
+
+
+def test_no_room_above_keeps_the_pipe_where_it_is_and_the_watcher_working():
+    """Every number from the ceiling up is taken: the write end stays low, and a clean exit is still silent.
+    Break guarded: the low end dropped when it cannot move (every clean exit would be named)."""
+    out = _start_in("resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+                    "os.dup2(1, 63)", "print(sentinel._write_end)")
+    assert 2 < int(out) < 63
+
+
+def test_a_watcher_that_cannot_start_leaves_the_rank_as_it_was():
+    """No Python to run the watcher (Popen raises): no watcher, no pipe, nothing waited for. Break guarded: the
+    start going on as if the watcher had started."""
+    out = _start_in("sys.executable = '/nonexistent/python'", "print(sentinel._write_end, sorted(set("
+                    "os.listdir('/proc/self/fd')) - before))")
+    assert out.split() == ["None", "[]"]
 
 
 def test_the_line_says_rank_size_pid_host_and_time():
