@@ -188,6 +188,62 @@ def test_a_watcher_that_cannot_start_leaves_the_rank_as_it_was():
     assert out.split() == ["None", "[]"]
 
 
+def _standing_rank(setup: str = "") -> tuple[subprocess.Popen, int, int]:
+    """A stand-in rank leading its own process group, its watcher started: (process, watcher pid, canary pid)."""
+    proc = subprocess.Popen([sys.executable, "-c", RANK.format(root=str(ROOT), ending=(
+        f"{setup}\nprint(sentinel._watcher.pid, flush=True)\ntime.sleep(600)"))], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc.stdout.readline()  # the rank's pid
+    watcher = int(proc.stdout.readline())
+    canary = int(Path(f"/proc/{watcher}/task/{watcher}/children").read_text().split()[0])
+    return proc, watcher, canary
+
+
+def _gone(pid: int, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_terminals_interrupt_of_the_group_leaves_the_canary_in_place():
+    """^C reaches the rank's whole process group; a rank that handles it goes on, and a later death alone is
+    still named. Break guarded: the canary not ignoring SIGINT (it would die of it, and the watcher then
+    stay silent for the rank)."""
+    proc, _, canary = _standing_rank("signal.signal(signal.SIGINT, lambda *_: None)")
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert not _gone(canary, within=0.5)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert NAMED.fullmatch(proc.stderr.read())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_the_canary_ends_with_its_watcher():
+    """A watcher that dies (killed on its own) takes its canary with it: no process is left in the rank's
+    group for the rank's life. Break guarded: the canary keeping the lifeline's write end itself."""
+    proc, watcher, canary = _standing_rank()
+    try:
+        os.kill(watcher, signal.SIGKILL)
+        assert _gone(canary)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 def test_the_line_says_rank_size_pid_host_and_time():
     assert NAMED.fullmatch(sentinel.line(2, 5, "node7", 4242, 0.0)).group(1) == "4242"
     assert " ended at 00:00:00 UTC " in sentinel.line(2, 5, "node7", 4242, 0.0)
