@@ -74,7 +74,8 @@ def start(rank: int, size: int, host: str) -> None:
 
 
 def _await_ready(ready_read: int) -> None:
-    """Wait (at most READY_WAIT) until the watcher is armed: from then on a death is named."""
+    """Wait (at most READY_WAIT) until the watcher is armed, which it says by closing its end of the ready pipe:
+    from then on a death is named."""
     poller = select.poll()
     poller.register(ready_read, select.POLLIN)
     poller.poll(READY_WAIT * 1000)
@@ -194,8 +195,7 @@ def _main(argv: list[str]) -> int:
         os.setsid()  # out of the rank's process group: a teardown by group reaches the canary, not the watcher
     except OSError:
         pass  # a group leader already (started by hand): nothing to leave
-    os.write(ready, b"r")
-    os.close(ready)
+    os.close(ready)  # the rank's wait ends: every write end of the ready pipe is closed (the canary closed its copy)
     if not watch(read_end) or late:
         _put_down(bird)
         return 0

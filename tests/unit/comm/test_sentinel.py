@@ -244,6 +244,32 @@ def test_the_canary_ends_with_its_watcher():
         proc.stderr.close()
 
 
+def test_start_returns_once_the_watcher_is_armed_not_after_its_bound():
+    """The rank waits for its watcher to be armed (about 0.04 s on an idle machine), never READY_WAIT (30 s).
+    Break guarded: a copy of the ready pipe's write end left open in the watcher or the canary (the wait then
+    ends only at its bound). The margin is READY_WAIT / 2 against a Python start-up."""
+    out = _start_in("import time\nt0 = time.monotonic()", "print(time.monotonic() - t0)")
+    assert float(out) < sentinel.READY_WAIT / 2, out
+
+
+def test_a_watcher_whose_rank_ended_before_it_was_armed_says_nothing_and_ends_at_once(tmp_path):
+    """The watcher run by hand on a pipe whose write end is closed already: nobody told the canary, so it has
+    nothing to read; it must stay silent and end without waiting out CANARY_WAIT (60 s). Break guarded: the
+    late end not seen (the watcher would wait for a canary that never dies). The margin is CANARY_WAIT / 2."""
+    read_end, write_end = os.pipe()
+    ready_read, ready_write = os.pipe()
+    os.close(write_end)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-I", sentinel.__file__, str(read_end), str(ready_write), "2", "5",
+                           "node7", "4242"], pass_fds=(read_end, ready_write), capture_output=True, text=True,
+                          timeout=120, start_new_session=True)
+    took = time.monotonic() - start
+    for fd in (read_end, ready_read, ready_write):
+        os.close(fd)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert took < sentinel.CANARY_WAIT / 2, took
+
+
 def test_the_line_says_rank_size_pid_host_and_time():
     assert NAMED.fullmatch(sentinel.line(2, 5, "node7", 4242, 0.0)).group(1) == "4242"
     assert " ended at 00:00:00 UTC " in sentinel.line(2, 5, "node7", 4242, 0.0)
