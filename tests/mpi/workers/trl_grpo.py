@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from trl_sft import WORDS
+from trl_sft import WORDS, train_and_write
 from trl_sft import make as make_models
 
 
@@ -86,13 +86,7 @@ def main() -> None:
         model=model_args.model_name_or_path, args=training_args,
         reward_funcs=recording(extra.record, rank) if extra.record else reward,
         train_dataset=dataset[script_args.dataset_train_split], **replay)
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
-    if trainer.is_world_process_zero() and extra.out:
-        logged = [h for h in trainer.state.log_history if "loss" in h]
-        with open(extra.out, "w") as f:
-            json.dump(dict(losses=[h["loss"] for h in logged], grad_norms=[h["grad_norm"] for h in logged],
-                           world=trainer.args.world_size), f)
+    train_and_write(trainer, training_args.output_dir, extra.out)
 
 
 if __name__ == "__main__":

@@ -68,8 +68,13 @@ def run_script(trainer_class, script_args, training_args, model_args, out: str) 
     dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     trainer = trainer_class(model=model_args.model_name_or_path, args=training_args,
                             train_dataset=dataset[script_args.dataset_train_split])
+    train_and_write(trainer, training_args.output_dir, out)
+
+
+def train_and_write(trainer, output_dir: str, out: str) -> None:
+    """``train()``, ``save_model()``; then rank 0 writes the logged per-step losses and gradient norms to ``out``."""
     trainer.train()
-    trainer.save_model(training_args.output_dir)
+    trainer.save_model(output_dir)
     if trainer.is_world_process_zero() and out:
         logged = [h for h in trainer.state.log_history if "loss" in h]
         with open(out, "w") as f:
