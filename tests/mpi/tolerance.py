@@ -34,7 +34,12 @@ lost bucket at >10^4x with AdamW too).
 
 16-bit compute is judged the same way, on the whole update:
 ``rel_update <= ORDER_K * rel_update_noise`` (both ||θ - θ_ref|| / ||θ_ref - θ_0||),
-plus a floor of one bf16 rounding (2^-8) of the update.
+plus a floor of one bf16 rounding (2^-8) of the update. Where only one step of the arithmetic runs in
+16 bits (Muon's Newton-Schulz in fp16 on a CPU with mkldnn fp16 kernels), tensors and per-step losses
+get a floor of one fp16 rounding (2^-11) instead of fp32's: whether a reordered gradient flips an fp16
+rounding is a discrete event, so a run can make a flip that no reordered reference happened to make
+(seen: a loss moved 1.8e-6 at a step where both references matched the reference exactly). A broken
+update lands far beyond it (DeepSpeed's aspect scale transposed: 0.05-0.3 relative).
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ import math
 ORDER_K = 8.0
 FP32_FLOOR = 2.0 ** -20
 BF16_FLOOR = 2.0 ** -8
+FP16_FLOOR = 2.0 ** -11
 
 
 def tensor_failures(err: dict[str, float], noise: dict[str, float], floor: float = FP32_FLOOR) -> dict:

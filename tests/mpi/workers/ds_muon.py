@@ -6,7 +6,8 @@ generator seeded by (s, r, m)); rank 0 writes each stage's per-step mean losses 
 ``--impl reference`` (one process) trains the same model with plain torch and zerompi's Muon (ops/muon.py)
 on each step's global batch, in three summation orders: whole (``ref``), as the ranks' micro-batches
 (``alt``), and those in reverse (``rev``); ``alt`` and ``rev`` differ from ``ref`` by order alone, which
-bounds what a distributed run may differ by (tests/mpi/tolerance.py).
+bounds what a distributed run may differ by (tests/mpi/tolerance.py). Each run also writes the dtype its
+Newton-Schulz iterates in on this CPU (``ns_dtype``), so the test can see that all three ran the same.
 
 The model has a tall (16x8), a square (16x16) and a wide (4x16) matrix, so each path of DeepSpeed's
 Newton-Schulz runs, and biases for the Adam half; muon_lr and adam_lr differ, so a half that took the
@@ -130,6 +131,15 @@ def start_deepspeed():
     return deepspeed
 
 
+def ns_dtype() -> str:
+    """The dtype this implementation's gram Newton-Schulz iterates in on this CPU."""
+    if args.impl == "deepspeed":
+        from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+        return str(ns_compute_dtype("gram"))
+    from zerompi.compat.deepspeed.ops.muon import ns_dtype as ours
+    return str(ours("gram", torch.device("cpu")))
+
+
 stages = [int(s) for s in args.stages.split(",")]
 if args.impl == "reference":
     result = reference()
@@ -142,6 +152,6 @@ else:
     result = {str(stage): train(ds, stage) for stage in stages}
 if comm.Get_rank() == 0:
     with open(args.out, "w") as f:
-        json.dump(dict(impl=args.impl, world=comm.Get_size(), **result), f)
+        json.dump(dict(impl=args.impl, world=comm.Get_size(), ns_dtype=ns_dtype(), **result), f)
 if args.impl == "deepspeed":
     exit_past_destructors()
