@@ -310,9 +310,13 @@ def test_checkpoint_saved_on_two_nodes_resumes_on_one_node_at_three_ranks(cluste
 
 
 TRAIN_BATCH = """#!/bin/bash
+hang_dir="$CLUSTER_SHARED/hang-$SLURM_JOB_ID"
 "$MPIEXEC" -n 4 "$ZEROMPI_PYTHON" -m mpi4py tests/mpi/workers/cluster_links.py --out "$CLUSTER_SHARED/never.json" \\
-    --steps 1000000 --hierarchies hsdp --started "$STARTED" $EXTRA
-echo "mpiexec exit $?"
+    --steps 1000000 --hierarchies hsdp --started "$STARTED" --hang-dir "$hang_dir" $EXTRA
+status=$?
+# as jobs/slurm/train.sbatch does after a failed run without a hang report
+compgen -G "$hang_dir/rank-*.json" >/dev/null || "$ZEROMPI_PYTHON" -m zerompi.tools.cli diagnose --wait 10 "$hang_dir"
+echo "mpiexec exit $status"
 """
 
 
@@ -389,8 +393,11 @@ def test_node_lost_ends_the_job_within_30_s(cluster, tmp_path):
     slurmstepd, hydra's proxy, ranks 2 and 3) SIGKILLed at once. The job (2 x 2 by hydra's mpiexec
     inside sbatch) must end within 30 s, with mpiexec's nonzero exit, not hold its nodes. Guards
     the launch path's end on a lost node (srun --mpi=pmi2 does not end: it waits for the lost
-    slurmstepd for minutes). The output does not name node2 or ranks 2-3 (hydra says only
-    "control_cb ... assert (!closed) failed"): not checked here, as nothing names them yet."""
+    slurmstepd for minutes). Hydra names neither node2 nor its ranks ("control_cb ... assert (!closed)
+    failed"); the end report does (zerompi diagnose on the watchers' end records in the shared
+    hang_dir): node2 lost with ranks 2-3, ranks 0-1 torn down by the launcher. Break guarded: no
+    record of a torn-down rank (nothing tells a lost node from a silent one); the report's rules are
+    tests/unit/comm/test_diagnosis.py's."""
     job, log = _training(cluster, tmp_path)
     _, holder = _names(cluster)
     net = os.stat(f"/proc/{holder}/ns/net").st_ino
@@ -412,6 +419,11 @@ def test_node_lost_ends_the_job_within_30_s(cluster, tmp_path):
         cluster.login("scancel", job)
     text = log.read_text()
     assert "mpiexec exit 0" not in text, text[-4000:]
+    report = text[text.index("zerompi end report"):] if "zerompi end report" in text else text[-4000:]
+    assert "zerompi end report: 4 ranks, 2 left an end record" in report, report
+    assert "lost: node2 (rank(s) 2-3)" in report, report
+    assert "torn down by the launcher: rank(s) 0-1 on node1" in report, report
+    assert "died first" not in report, report
     print(f"job {job} ended {took:.1f} s after node2's processes were killed")
 
 

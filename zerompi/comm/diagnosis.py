@@ -20,6 +20,10 @@ not issued that event yet counts as one more kind of event, "not reached"):
 A missing rank is named with its host (the job's hosts, gathered when the watchdog started), and a
 host none of whose ranks answered is named as unreachable: a lost node, or a cut link.
 
+Where no rank could report (a lost node: the launcher tore the others down before any watchdog fired),
+the watchers' end records (sentinel.py) are what is left: :func:`ends_report` names the ranks that died
+alone, those torn down, and the hosts none of whose ranks left a record (lost with every process on them).
+
 A watchdog blames only a wait that lasts while no rank moves (watchdog.py looks twice), so a slow
 job whose ranks are merely spread over several events is not reported at all.
 """
@@ -30,6 +34,8 @@ import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from zerompi.comm.sentinel import ALONE, END_GLOB, TORN_DOWN
 
 RECORD_GLOB = "rank-*.json"
 REPORT_NAME = "report.txt"
@@ -85,17 +91,86 @@ def write_record(directory: str | os.PathLike, record: dict[str, Any]) -> Path:
     return path
 
 
-def load_records(directory: str | os.PathLike) -> tuple[dict[int, dict[str, Any]], int]:
-    """The records in ``directory`` and the job's size they name; unreadable files are skipped."""
+def _load(directory: str | os.PathLike, pattern: str) -> dict[int, dict[str, Any]]:
+    """The JSON records matching ``pattern`` in ``directory``, by rank; unreadable files are skipped."""
     records: dict[int, dict[str, Any]] = {}
-    for path in sorted(Path(directory).glob(RECORD_GLOB)):
+    for path in sorted(Path(directory).glob(pattern)):
         try:
             record = json.loads(path.read_text())
             records[int(record["rank"])] = record
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    size = max((int(r.get("size", 0)) for r in records.values()), default=0)
-    return records, size
+    return records
+
+
+def load_records(directory: str | os.PathLike) -> tuple[dict[int, dict[str, Any]], int]:
+    """The records in ``directory`` and the job's size they name; unreadable files are skipped."""
+    records = _load(directory, RECORD_GLOB)
+    return records, max((int(r.get("size", 0)) for r in records.values()), default=0)
+
+
+def load_ends(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """The watchers' end records in ``directory`` (sentinel.py), by rank."""
+    return _load(directory, END_GLOB)
+
+
+class Ends(NamedTuple):
+    """What the end records say: who died alone, who was torn down, who left nothing, and where."""
+
+    size: int
+    alone: list[int]
+    torn_down: list[int]
+    silent: list[int]                   # ranks with no end record
+    lost: dict[str, list[int]]          # hosts none of whose ranks left a record -> their ranks
+    hosts: tuple[str, ...]
+
+    def settled(self) -> bool:
+        """Whether the picture is whole: the hosts are known, some rank left a record, and every host has
+        its ranks' records all or none (a host with some is still writing the rest)."""
+        if len(self.hosts) != self.size or len(self.silent) == self.size:
+            return False
+        silent = set(self.silent)
+        return all(not silent & set(rs) or set(rs) <= silent for rs in _by_host(self.hosts).values())
+
+
+def _by_host(hosts: tuple[str, ...]) -> dict[str, list[int]]:
+    by_host: dict[str, list[int]] = defaultdict(list)
+    for r, host in enumerate(hosts):
+        by_host[host].append(r)
+    return dict(sorted(by_host.items()))
+
+
+def read_ends(ends: dict[int, dict[str, Any]], size: int = 0) -> Ends:
+    """Sort the end records of a job of ``size`` ranks (at least what the records name)."""
+    size = max([size] + [int(e.get("size", 0)) for e in ends.values()])
+    hosts = next((tuple(e["hosts"]) for _, e in sorted(ends.items()) if len(e.get("hosts", ())) == size), ())
+    how = {r: e.get("ended") for r, e in ends.items()}
+    silent = [r for r in range(size) if r not in ends]
+    lost = {h: rs for h, rs in _by_host(hosts).items() if set(rs) <= set(silent) and len(silent) < size}
+    return Ends(size, sorted(r for r, h in how.items() if h == ALONE),
+                sorted(r for r, h in how.items() if h == TORN_DOWN), silent, lost, hosts)
+
+
+def format_ends(ends: Ends, *, directory: str | None = None) -> str:
+    """The end report: what ended the job where no rank could report a hang."""
+    def on(ranks: list[int]) -> str:
+        return " on " + ", ".join(sorted({ends.hosts[r] for r in ranks})) if len(ends.hosts) == ends.size else ""
+    left = ends.size - len(ends.silent)
+    lines = [f"zerompi end report: {ends.size} ranks, {left} left an end record (their watchers, sentinel.py)"]
+    if ends.alone:
+        lines.append(f"died first: rank(s) {rank_list(ends.alone)}{on(ends.alone)} (killed by a signal or crashed "
+                     "in native code, while the others still ran)")
+    lines.extend(f"lost: {host} (rank(s) {rank_list(ranks)}): none of its ranks left a record, so every process "
+                 "there ended at once, watchers included (a lost node)" for host, ranks in ends.lost.items())
+    if ends.torn_down:
+        lines.append(f"torn down by the launcher: rank(s) {rank_list(ends.torn_down)}{on(ends.torn_down)} (after "
+                     "another rank ended)")
+    others = [r for r in ends.silent if not any(r in rs for rs in ends.lost.values())]
+    if others:
+        lines.append(f"no record: rank(s) {rank_list(others)}{on(others)} (no watcher, or killed with it)")
+    if directory:
+        lines.append(f"records: {directory} (`zerompi diagnose {directory}` prints this report again)")
+    return "\n".join(lines) + "\n"
 
 
 def _signature(event: list) -> tuple:

@@ -21,6 +21,13 @@ higher number than every descriptor the rank holds when it starts the watcher, t
 among them: Linux (5.10 and later) releases a dying process's files from the highest number down. Where it
 does not, the launcher can win and the line is missing, never wrong. Linux only (``F_SETSIG``).
 
+Where the rank gives it a directory (``hang_dir``), the watcher also leaves an *end record* there,
+``end-NNNNN.json``, for a rank that died alone and for one torn down by the launcher (it outlives the
+teardown, in its own session); a clean or reported end leaves none. So after a lost node, whose processes
+(watchers too) all died at once, the records say which ranks were torn down and which left nothing, and
+``zerompi diagnose`` names the node that left nothing (diagnosis.py ``ends_report``). The first rank of each
+host writes every rank's host into its record, which its watcher read from its standard input at start.
+
 The watcher runs this file by path (``python -I``): standard library only, no torch, no mpi4py, started in
 tens of milliseconds. Children a rank forks (DataLoader workers) close their copy of the write end, so a dead
 rank's pipe ends when the rank does.
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import json
 import os
 import resource
 import select
@@ -42,13 +50,16 @@ TELL = signal.SIGUSR1  # what the closing pipe sends the canary: fatal by defaul
 CANARY_WAIT = 60.0  # seconds after the pipe ended: a canary still alive (armed too late) is put down
 READY_WAIT = 30.0  # seconds the rank waits for its watcher to be armed (about 0.1 s on an idle node)
 HIGH_FD = 4095  # the write end's number at least this (or the open-files limit less one, if lower)
+END_GLOB = "end-*.json"  # end records in the rank's directory (diagnosis.py reads them)
+ALONE, TORN_DOWN = "died alone", "torn down"  # how a rank without a clean end ended, in its end record
 
 _write_end: int | None = None  # this process's end of the pipe, once started
 _watcher: subprocess.Popen | None = None
 
 
-def start(rank: int, size: int, host: str) -> None:
-    """Start this process's watcher (once; a later call does nothing; nothing where Linux's F_SETSIG is not)."""
+def start(rank: int, size: int, host: str, directory: str | None = None, hosts: tuple[str, ...] = ()) -> None:
+    """Start this process's watcher (once; a later call does nothing; nothing where Linux's F_SETSIG is not).
+    ``directory``: where the watcher leaves its end record; ``hosts``: every rank's host, for that record."""
     global _write_end, _watcher
     if _write_end is not None or not hasattr(fcntl, "F_SETSIG"):
         return
@@ -58,8 +69,8 @@ def start(rank: int, size: int, host: str) -> None:
     try:
         _watcher = subprocess.Popen(
             [sys.executable, "-I", os.path.abspath(__file__), str(read_end), str(ready_write), str(rank),
-             str(size), host, str(os.getpid())],
-            pass_fds=(read_end, ready_write), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+             str(size), host, str(os.getpid()), directory or ""],
+            pass_fds=(read_end, ready_write), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     except OSError:  # no watcher: a killed rank is named by the launcher alone, as before
         os.close(write_end)
         os.close(ready_read)
@@ -68,9 +79,19 @@ def start(rank: int, size: int, host: str) -> None:
         os.close(read_end)
         os.close(ready_write)
     _write_end = write_end
+    _tell_hosts(_watcher, hosts)
     _await_ready(ready_read)
     atexit.register(quiet)
     os.register_at_fork(after_in_child=_forget)
+
+
+def _tell_hosts(watcher: subprocess.Popen, hosts: tuple[str, ...]) -> None:
+    """Every rank's host on the watcher's standard input (JSON), which it reads to the end before arming."""
+    try:
+        watcher.stdin.write(json.dumps(list(hosts)).encode())
+        watcher.stdin.close()
+    except OSError:  # the watcher is gone already: its records lack the hosts
+        pass
 
 
 def _await_ready(ready_read: int) -> None:
@@ -124,6 +145,47 @@ def line(rank: int, size: int, host: str, pid: int, when: float) -> str:
     stamp = time.strftime("%H:%M:%S", time.gmtime(when))
     return (f"zerompi: rank {rank} of {size} (pid {pid} on {host}) ended at {stamp} UTC without a clean exit: "
             "killed by a signal (SIGKILL, the out-of-memory killer) or crashed in native code\n")
+
+
+def end_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"end-{rank:05d}.json")
+
+
+def end_record(rank: int, size: int, host: str, pid: int, how: str, when: float, hosts: list[str]) -> dict:
+    """What the watcher leaves for a rank that ended without a clean exit; the first rank of its host adds
+    every rank's host (one record per host carries them, not every one)."""
+    record = {"rank": rank, "size": size, "host": host, "pid": pid, "ended": how, "time": when}
+    if len(hosts) == size and hosts.index(host) == rank:
+        record["hosts"] = hosts
+    return record
+
+
+def leave(directory: str, record: dict) -> None:
+    """Write ``record`` atomically (a reader never sees half of it); nothing where it cannot be written."""
+    path = end_path(directory, record["rank"])
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _read_hosts() -> list[str]:
+    try:
+        hosts = json.loads(sys.stdin.buffer.read() or b"[]")
+    except (OSError, ValueError):
+        return []
+    return [str(h) for h in hosts] if isinstance(hosts, list) else []
 
 
 def watch(read_end: int) -> bool:
@@ -187,7 +249,8 @@ def _put_down(canary_pid: int) -> None:
 
 def _main(argv: list[str]) -> int:
     read_end, ready, rank, size, host = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    pid = int(argv[5])
+    pid, directory = int(argv[5]), argv[6] if len(argv) > 6 else ""
+    hosts = _read_hosts()  # before arming: the rank waits for it (its write ends when this read does)
     bird = canary(read_end, ready)
     arm(read_end, bird)
     late = ended(read_end)  # nobody tells the canary of an end that came before arming: say nothing
@@ -196,15 +259,19 @@ def _main(argv: list[str]) -> int:
     except OSError:
         pass  # a group leader already (started by hand): nothing to leave
     os.close(ready)  # the rank's wait ends: every write end of the ready pipe is closed (the canary closed its copy)
+    if directory:  # a record an earlier run of the same job (a requeue) left for this rank is not this run's
+        _remove(end_path(directory, rank))
     if not watch(read_end) or late:
         _put_down(bird)
         return 0
-    if not died_alone(bird):  # the teardown reached the rank's group first: another rank died first
-        return 0
-    try:
-        os.write(2, line(rank, size, host, pid, time.time()).encode())
-    except OSError:
-        pass  # the launcher is gone: nobody to tell
+    alone, when = died_alone(bird), time.time()
+    if alone:  # else the teardown reached the rank's group first: another rank died first
+        try:
+            os.write(2, line(rank, size, host, pid, when).encode())
+        except OSError:
+            pass  # the launcher is gone: nobody to tell
+    if directory:
+        leave(directory, end_record(rank, size, host, pid, ALONE if alone else TORN_DOWN, when, hosts))
     return 0
 
 

@@ -4,36 +4,55 @@ Each rank writes ``rank-NNNNN.json`` into ``hang_dir`` when the watchdog diagnos
 uncaught exception asks for the report); this reads them and prints the report rank 0 printed,
 naming ranks with no file as missing. The job's size comes from the records (``--size`` when every
 file of the higher ranks is gone).
+
+Where there are none, the job ended before any watchdog could report (a rank killed, a lost node): the
+ranks' watchers left ``end-NNNNN.json`` files instead (comm/sentinel.py), and this prints the end report,
+which names the rank that died first and the hosts that left nothing. Right after the launcher returns,
+``--wait S`` waits up to S seconds for the picture to settle (every host's records all there, or none).
 """
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from zerompi.comm import diagnosis
 from zerompi.errors import ZeroMPIError
 
+POLL = 0.2  # seconds between looks while --wait lasts
+
 
 def run(args) -> int:
     directory = Path(args.directory)
+    deadline = time.monotonic() + args.wait
+    while True:
+        records, size = diagnosis.load_records(directory) if directory.is_dir() else ({}, 0)
+        ends = diagnosis.read_ends(diagnosis.load_ends(directory) if directory.is_dir() else {}, args.size or 0)
+        if records or ends.settled() or time.monotonic() >= deadline:
+            break
+        time.sleep(POLL)
+    if records:
+        size = max(size, args.size or 0)
+        trigger = next((r["reason"] for _, r in sorted(records.items()) if r.get("reason")), "")
+        hosts = next((tuple(r["hosts"]) for _, r in sorted(records.items()) if r.get("hosts")), ())
+        sys.stdout.write(diagnosis.format_report(diagnosis.diagnose(records, size, hosts), trigger=trigger))
+        return 0
+    if len(ends.silent) < ends.size:
+        sys.stdout.write(diagnosis.format_ends(ends))
+        return 0
     if not directory.is_dir():
         raise ZeroMPIError(f"{directory} is not a directory (give the job's hang_dir)")
-    records, size = diagnosis.load_records(directory)
-    if not records:
-        raise ZeroMPIError(f"no readable rank record ({diagnosis.RECORD_GLOB}) in {directory}: the job left none "
-                           "there (hang_dir unset or not writable, or it did not abort on a hang)")
-    size = max(size, args.size or 0)
-    trigger = next((r["reason"] for _, r in sorted(records.items()) if r.get("reason")), "")
-    hosts = next((tuple(r["hosts"]) for _, r in sorted(records.items()) if r.get("hosts")), ())
-    sys.stdout.write(diagnosis.format_report(diagnosis.diagnose(records, size, hosts), trigger=trigger))
-    return 0
+    raise ZeroMPIError(f"no readable rank record ({diagnosis.RECORD_GLOB}) nor end record ({diagnosis.END_GLOB}) in "
+                       f"{directory}: the job left none there (hang_dir unset or not writable, or it ended cleanly)")
 
 
 def register(subparsers) -> None:
     """Add ``zerompi diagnose`` to the ``zerompi`` command's subparsers."""
-    p = subparsers.add_parser("diagnose", help="print the hang report from the per-rank records a job left",
+    p = subparsers.add_parser("diagnose", help="print the hang or end report from the per-rank records a job left",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("directory", metavar="DIR", help="the job's hang_dir (holds rank-NNNNN.json)")
     p.add_argument("--size", type=int, default=None, metavar="N",
                    help="ranks in the job, if the records of the highest ranks are missing")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="seconds to wait for the records to settle (right after the launcher returned)")
     p.set_defaults(func=run)

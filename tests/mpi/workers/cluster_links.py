@@ -8,7 +8,7 @@ network namespace has eth0 only, its one link to the bridge) between barriers, b
 node's bytes sent and received over its link during them. The engine's own accounting
 (stats.bytes_sent) is written beside, and not used by the checks. ``--started FILE``: rank 0 writes
 FILE after the warm-up steps (a test that breaks a node during training waits for it);
-``--hang-floor S``: the watchdog's hang_floor.
+``--hang-floor S``: the watchdog's hang_floor; ``--hang-dir D``: its hang_dir.
 """
 import argparse
 import socket
@@ -36,9 +36,9 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))  # 525,568 parameters
 
 
-def measure(hierarchy: str, steps: int, local: MPI.Intracomm, started=None, hang_floor=None) -> dict:
+def measure(hierarchy: str, steps: int, local: MPI.Intracomm, started=None, hang_floor=None, hang_dir=None) -> dict:
     cfg = zerompi.ZeroConfig(stage=3, hierarchy=hierarchy, dtype="fp32", lr=1e-3, seed=0,
-                             param_persistence_threshold=0, cpu_threads=1, abort_on_exception=False,
+                             param_persistence_threshold=0, cpu_threads=1, abort_on_exception=False, hang_dir=hang_dir,
                              **(dict(hang_floor=hang_floor) if hang_floor else {}))
     engine = zerompi.initialize(model(), cfg)
     gen = torch.Generator().manual_seed(COMM.rank)
@@ -80,9 +80,10 @@ def main() -> None:
     p.add_argument("--hierarchies", default="hsdp,hpz")
     p.add_argument("--started")
     p.add_argument("--hang-floor", type=float)
+    p.add_argument("--hang-dir")
     a = p.parse_args()
     local = COMM.Split_type(MPI.COMM_TYPE_SHARED)
-    rows = [measure(h, a.steps, local, a.started, a.hang_floor) for h in a.hierarchies.split(",")]
+    rows = [measure(h, a.steps, local, a.started, a.hang_floor, a.hang_dir) for h in a.hierarchies.split(",")]
     if COMM.rank == 0:
         write_json(a.out, dict(world=COMM.size, rows=rows))
 

@@ -124,7 +124,9 @@ class MPIGroup:
         hosts = tuple(channel.comm.allgather(MPI.Get_processor_name())) if channel is not None else ()
         self.monitor.watchdog.start(policy, self.rank, self.size, self.abort, self.monitor.recorder, channel, hosts)
         # a rank killed by a signal is named by its job rank, which is what the launcher's ranks are
-        sentinel.start(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), MPI.Get_processor_name())
+        world = hosts if self.size == MPI.COMM_WORLD.Get_size() else ()  # the end records name ranks by job rank
+        sentinel.start(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), MPI.Get_processor_name(),
+                       policy.directory, world)
 
     def step_done(self) -> None:
         """An optimizer step ended (its duration sets the watchdog's default deadline)."""
