@@ -17,7 +17,9 @@ the recovery itself fails. ``--ft off`` trains the same without fault tolerance 
 ``--failure-free '[[N, [ARGS...]], ...]'`` trains each ARGS so, on the first N ranks, one after another in
 one job, and rank 0 writes each run's report in order. ``--reproducible off``
 trains without reproducible=True (summed in MPI's order) and writes the state itself too, to be judged
-against the failure-free run within summation-order noise.
+against the failure-free run within summation-order noise. ``--pause-after K --started FILE --go FILE``:
+after step K rank 0 writes FILE ``--started`` and every rank waits (at most PAUSE_LIMIT s) until FILE ``--go``
+exists, so that a test can kill a whole node while the ranks wait (tests/mpi/test_cluster_ulfm.py).
 """
 import argparse
 import json
@@ -39,6 +41,7 @@ from zerompi.optim.optimizer import ZeroOptimizer
 from common import state_digest, state_items, write_json
 
 G, STEPS = 6, 4
+PAUSE_LIMIT = 300.0  # seconds the ranks wait for --go
 WORLD_RANK = MPI.COMM_WORLD.Get_rank()
 
 
@@ -136,6 +139,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--adafactor", action="store_true", help="torch.optim.Adafactor on every tensor (whole tensors)")
     p.add_argument("--remove-points", action="store_true",
                    help="recovery points on disk (give --source disk), which rank 0 deletes in the step a rank dies")
+    p.add_argument("--pause-after", type=int, default=-1)
+    p.add_argument("--started")
+    p.add_argument("--go")
     p.add_argument("--failure-free", default="",
                    help="JSON [[N, [ARGS...]], ...]: train each without fault tolerance on the first N ranks, in turn")
     return p.parse_args(argv)
@@ -159,6 +165,7 @@ def train(a: argparse.Namespace, comm) -> dict:
     net = Net()
     groups = [{"params": [p for p in net.parameters() if p.dim() == 2], "optimizer": torch.optim.Muon},
               {"params": [p for p in net.parameters() if p.dim() != 2]}] if a.muon else None
+    hosts = comm.allgather(MPI.Get_processor_name())
     engine = zerompi.initialize(net, cfg, comm=comm, param_groups=groups)
     ckpt = engine.group.allgather_object(tempfile.mkdtemp(prefix="zerompi-ulfm-") if engine.rank == 0 else None)[0]
     reports, started = [], time.perf_counter()
@@ -189,15 +196,27 @@ def train(a: argparse.Namespace, comm) -> dict:
                 Now.async_dies = a.async_save and (WORLD_RANK, "async_save", Now.step) in Now.kills
                 engine.save_checkpoint(ckpt, tag="user", async_save=a.async_save)
             Now.phase = ""
+            if engine.stats.steps - 1 == a.pause_after and not reports:
+                pause(a, engine.rank)
         except zerompi.Recovered as r:
             reports.append(dict(r.report.__dict__))
     seconds = time.perf_counter() - started
     out = dict(digest=state_digest(engine), world=engine.world_size, reports=reports, seconds=seconds,
-               steps=engine.stats.steps, indices=engine.micro_batch_indices())
+               steps=engine.stats.steps, indices=engine.micro_batch_indices(), hosts=hosts)
     if a.reproducible == "off":
         out["state"] = {label: data.tolist() for label, data in state_items(engine) if not isinstance(data, str)}
     engine.close()
     return out if engine.rank == 0 else None
+
+
+def pause(a: argparse.Namespace, rank: int) -> None:
+    """Say the job is past step --pause-after (rank 0) and wait for the test's --go."""
+    if rank == 0:
+        with open(a.started, "w") as f:
+            f.write(f"{time.time()}\n")
+    deadline = time.monotonic() + PAUSE_LIMIT
+    while not os.path.exists(a.go) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def main() -> None:
