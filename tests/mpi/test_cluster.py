@@ -32,6 +32,7 @@ COMPONENT = "Slurm cluster on one machine"
 CLUSTER = ROOT / "jobs" / "cluster"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "PREEMPTED"}
+SIZES_RAN: set[int] = set()  # the node counts of the clusters this run brought up
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 
 
@@ -93,12 +94,17 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    yield from box(tmp_path_factory, 2)
+
+
+def box(tmp_path_factory, nodes: int):
+    """A cluster of ``nodes`` nodes for one module (its fixture yields from this), taken down after."""
     why = _why_not()
     if why:
         unavailable(COMPONENT, why)
     path = tmp_path_factory.mktemp("cluster")
     try:
-        up = subprocess.run(["timeout", "300", "bash", str(CLUSTER / "up.sh"), str(path), "--nodes", "2"],
+        up = subprocess.run(["timeout", "300", "bash", str(CLUSTER / "up.sh"), str(path), "--nodes", str(nodes)],
                             capture_output=True, text=True, env={**os.environ, "PATH": SBIN})
         if up.returncode == 3:  # no root, a tool or a capability missing: up.sh says which
             unavailable(COMPONENT, up.stderr.strip()[-1000:])
@@ -107,7 +113,10 @@ def cluster(tmp_path_factory):
             pytest.fail(f"jobs/cluster/up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
         cluster = Cluster(path)
         version = cluster.login("sinfo", "--version").stdout.strip()
-        ran(COMPONENT, f"{version}, 2 nodes (namespaces on a bridge), slurmctld in a head namespace, a slurmd per node")
+        sizes = sorted({nodes, *SIZES_RAN})
+        SIZES_RAN.add(nodes)
+        ran(COMPONENT, f"{version}, {' and '.join(map(str, sizes))} nodes (namespaces on a bridge), slurmctld in a "
+                       "head namespace, a slurmd per node")
         yield cluster
     finally:
         down = subprocess.run(["timeout", "120", "bash", str(CLUSTER / "down.sh"), str(path)],

@@ -100,8 +100,9 @@ def run(argv: list[str]) -> None:
         key = "-".join(map(str, row))
         if a.rows is None or key in a.rows.split(","):
             rows[key] = train(row, a.save_after, a.ckpt, a.resume)
+    hosts = COMM.gather(MPI.Get_processor_name())
     if COMM.rank == 0:
-        write_json(a.out, dict(world=COMM.size, rows=rows))
+        write_json(a.out, dict(world=COMM.size, rows=rows, hosts=hosts))
 
 
 if __name__ == "__main__":
