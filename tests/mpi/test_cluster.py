@@ -320,26 +320,28 @@ def test_checkpoint_saved_on_two_nodes_resumes_on_one_node_at_three_ranks(cluste
 
 TRAIN_BATCH = """#!/bin/bash
 hang_dir="$CLUSTER_SHARED/hang-$SLURM_JOB_ID"
-"$MPIEXEC" -n 4 "$ZEROMPI_PYTHON" -m mpi4py tests/mpi/workers/cluster_links.py --out "$CLUSTER_SHARED/never.json" \\
+$LAUNCH "$ZEROMPI_PYTHON" -m mpi4py tests/mpi/workers/cluster_links.py --out "$CLUSTER_SHARED/never.json" \\
     --steps 1000000 --hierarchies hsdp --started "$STARTED" --hang-dir "$hang_dir" $EXTRA
 status=$?
 # as jobs/slurm/train.sbatch does after a failed run without a hang report
 compgen -G "$hang_dir/rank-*.json" >/dev/null || "$ZEROMPI_PYTHON" -m zerompi.tools.cli diagnose --wait 10 "$hang_dir"
 echo "mpiexec exit $status"
 """
+# how jobs/slurm/train.sbatch starts the ranks with ZEROMPI_LAUNCH=srun (its default)
+SRUN_LAUNCH = "srun --mpi=pmi2 --kill-on-bad-exit=1 --wait=10"
 
 
-def _training(cluster, tmp_path, *extra: str) -> tuple[str, Path]:
-    """A 2 x 2 job (sbatch, hydra's mpiexec) that trains until something stops it, once past its warm-up
-    steps: its id and its log."""
+def _training(cluster, tmp_path, *extra: str, launch: str | None = None) -> tuple[str, Path]:
+    """A 2 x 2 job (sbatch; hydra's mpiexec, or ``launch``) that trains until something stops it, once past
+    its warm-up steps: its id and its log."""
     mpiexec = Path(sys.executable).with_name("mpiexec")
-    if not mpiexec.exists():
+    if launch is None and not mpiexec.exists():
         pytest.skip(f"no MPICH mpiexec beside {sys.executable}")
     script, log, started = tmp_path / "train.sbatch", tmp_path / "train.out", tmp_path / "started"
     script.write_text(TRAIN_BATCH)
     proc = cluster.login("sbatch", "--parsable", "-N", "2", "--ntasks-per-node=2", "--time=5", f"--output={log}",
-                         str(script), env=dict(MPIEXEC=str(mpiexec), STARTED=str(started), EXTRA=" ".join(extra),
-                                               OMP_NUM_THREADS="1"))
+                         str(script), env=dict(LAUNCH=launch or f"{mpiexec} -n 4", STARTED=str(started),
+                                               EXTRA=" ".join(extra), OMP_NUM_THREADS="1"))
     job = proc.stdout.strip().split(";")[0]
     assert proc.returncode == 0 and job.isdigit(), proc.stdout + proc.stderr
     _until(lambda: started.exists(), 180, f"job {job} did not start training", cluster, job, log)
@@ -397,17 +399,9 @@ def _final(cluster, job: str) -> bool:
     return state in FINAL
 
 
-def test_node_lost_ends_the_job_within_30_s(cluster, tmp_path):
-    """Node2 lost in the middle of training, without ULFM: every process of the job on node2 (its
-    slurmstepd, hydra's proxy, ranks 2 and 3) SIGKILLed at once. The job (2 x 2 by hydra's mpiexec
-    inside sbatch) must end within 30 s, with mpiexec's nonzero exit, not hold its nodes. Guards
-    the launch path's end on a lost node (srun --mpi=pmi2 does not end: it waits for the lost
-    slurmstepd for minutes). Hydra names neither node2 nor its ranks ("control_cb ... assert (!closed)
-    failed"); the end report does (zerompi diagnose on the watchers' end records in the shared
-    hang_dir): node2 lost with ranks 2-3, ranks 0-1 torn down by the launcher. Break guarded: no
-    record of a torn-down rank (nothing tells a lost node from a silent one); the report's rules are
-    tests/unit/comm/test_diagnosis.py's."""
-    job, log = _training(cluster, tmp_path)
+def _kill_the_jobs_processes_on_node2(cluster) -> None:
+    """SIGKILL every process of the job on node2 (its slurmstepd, hydra's proxy, its ranks) at once; node2's
+    slurmd stays, so the node itself is there for the module's next jobs."""
     _, holder = _names(cluster)
     net = os.stat(f"/proc/{holder}/ns/net").st_ino
     victims = []
@@ -418,10 +412,22 @@ def test_node_lost_ends_the_job_within_30_s(cluster, tmp_path):
                     victims.append(int(entry.name))
         except OSError:
             continue
-    assert len(victims) >= 3, victims  # slurmstepd, the proxy, 2 ranks
+    assert len(victims) >= 3, victims  # slurmstepd, the proxy (hydra), 2 ranks
+    for pid in victims:
+        os.kill(pid, 9)
+
+
+def test_node_lost_ends_the_job_within_30_s(cluster, tmp_path):
+    """Node2 lost in the middle of training, without ULFM: every process of the job on node2 (its
+    slurmstepd, hydra's proxy, ranks 2 and 3) SIGKILLed at once. The job (2 x 2 by hydra's mpiexec
+    inside sbatch) must end within 30 s, with mpiexec's nonzero exit, not hold its nodes. Hydra names
+    neither node2 nor its ranks ("control_cb ... assert (!closed) failed"); the end report does (zerompi
+    diagnose on the watchers' end records in the shared hang_dir): node2 lost with ranks 2-3, ranks 0-1
+    torn down by the launcher. Break guarded: no record of a torn-down rank (nothing tells a lost node
+    from a silent one); the report's rules are tests/unit/comm/test_ends.py's."""
+    job, log = _training(cluster, tmp_path)
     try:
-        for pid in victims:
-            os.kill(pid, 9)
+        _kill_the_jobs_processes_on_node2(cluster)
         took = _until(lambda: "mpiexec exit" in log.read_text() and _final(cluster, job), 30,
                       "the job did not end after node2 was lost", cluster, job, log)
     finally:
@@ -432,7 +438,30 @@ def test_node_lost_ends_the_job_within_30_s(cluster, tmp_path):
     assert "zerompi end report: 4 ranks, 2 left an end record" in report, report
     assert "lost: node2 (rank(s) 2-3)" in report, report
     assert "torn down by the launcher: rank(s) 0-1 on node1" in report, report
-    assert "died first" not in report, report
+    assert "died alone" not in report, report
+    print(f"job {job} ended {took:.1f} s after node2's processes were killed")
+
+
+def test_node_lost_under_srun_ends_the_job_and_names_the_node(cluster, tmp_path):
+    """The same loss under srun --mpi=pmi2, train.sbatch's default launch. Nothing tears the survivors
+    down: ranks 0-1 wait in a collective until their watchdog fires (hang_floor 3 s); MPICH then either
+    lets the hang report through (it names node2 unreachable) or crashes in the side channel's send to a
+    dead rank (each survivor's watcher records it as died alone, and the end report names node2 lost).
+    srun itself waits for node2's slurmstepd until Slurm declares the node dead (SlurmdTimeout, minutes)
+    unless ``--wait`` bounds its wait after the first task's end, as train.sbatch's does (ZEROMPI_SRUN_WAIT,
+    here 10 s): the job must end within 60 s, naming node2 and its ranks. Break guarded: srun without
+    --wait (the job outlives the bound)."""
+    assert '--wait="${ZEROMPI_SRUN_WAIT:-30}"' in (ROOT / "jobs" / "slurm" / "train.sbatch").read_text()
+    job, log = _training(cluster, tmp_path, "--hang-floor", "3", launch=SRUN_LAUNCH)
+    try:
+        _kill_the_jobs_processes_on_node2(cluster)
+        took = _until(lambda: "mpiexec exit" in log.read_text(), 60, "the job did not end after node2 was lost",
+                      cluster, job, log)
+    finally:
+        cluster.login("scancel", job)
+    text = log.read_text()
+    assert "mpiexec exit 0" not in text, text[-4000:]
+    assert "lost: node2 (rank(s) 2-3)" in text or "unreachable: node2 (rank(s) 2-3)" in text, text[-6000:]
     print(f"job {job} ended {took:.1f} s after node2's processes were killed")
 
 

@@ -21,7 +21,7 @@ A missing rank is named with its host (the job's hosts, gathered when the watchd
 host none of whose ranks answered is named as unreachable: a lost node, or a cut link.
 
 Where no rank could report (a lost node: the launcher tore the others down before any watchdog fired),
-the watchers' end records (sentinel.py) are what is left: :func:`ends_report` names the ranks that died
+the watchers' end records (sentinel.py) are what is left: :func:`format_ends` names the ranks that died
 alone, those torn down, and the hosts none of whose ranks left a record (lost with every process on them).
 
 A watchdog blames only a wait that lasts while no rank moves (watchdog.py looks twice), so a slow
@@ -158,8 +158,8 @@ def format_ends(ends: Ends, *, directory: str | None = None) -> str:
     left = ends.size - len(ends.silent)
     lines = [f"zerompi end report: {ends.size} ranks, {left} left an end record (their watchers, sentinel.py)"]
     if ends.alone:
-        lines.append(f"died first: rank(s) {rank_list(ends.alone)}{on(ends.alone)} (killed by a signal or crashed "
-                     "in native code, while the others still ran)")
+        lines.append(f"died alone: rank(s) {rank_list(ends.alone)}{on(ends.alone)} (killed by a signal or crashed "
+                     "in native code, not by the launcher's teardown)")
     lines.extend(f"lost: {host} (rank(s) {rank_list(ranks)}): none of its ranks left a record, so every process "
                  "there ended at once, watchers included (a lost node)" for host, ranks in ends.lost.items())
     if ends.torn_down:

@@ -25,7 +25,7 @@ Where the rank gives it a directory (``hang_dir``), the watcher also leaves an *
 ``end-NNNNN.json``, for a rank that died alone and for one torn down by the launcher (it outlives the
 teardown, in its own session); a clean or reported end leaves none. So after a lost node, whose processes
 (watchers too) all died at once, the records say which ranks were torn down and which left nothing, and
-``zerompi diagnose`` names the node that left nothing (diagnosis.py ``ends_report``). The first rank of each
+``zerompi diagnose`` names the node that left nothing (diagnosis.py ``format_ends``). The first rank of each
 host writes every rank's host into its record, which its watcher read from its standard input at start.
 
 The watcher runs this file by path (``python -I``): standard library only, no torch, no mpi4py, started in

@@ -127,10 +127,10 @@ def test_a_lost_host_is_one_none_of_whose_ranks_left_a_record():
     assert "no record: rank(s) 3 on node7 (no watcher, or killed with it)" in diagnosis.format_ends(partial)
 
 
-def test_the_rank_that_died_first_is_named():
+def test_a_rank_that_died_alone_is_named():
     ends = diagnosis.read_ends(_records({r: sentinel.TORN_DOWN for r in (0, 1, 2, 4)} | {3: sentinel.ALONE}))
     assert ends.lost == {} and ends.settled()
-    assert "died first: rank(s) 3 on node7 (killed by a signal" in diagnosis.format_ends(ends)
+    assert "died alone: rank(s) 3 on node7 (killed by a signal" in diagnosis.format_ends(ends)
 
 
 def test_without_the_hosts_nothing_is_called_lost_and_nothing_is_settled():
