@@ -310,8 +310,13 @@ def test_checkpoint_saved_on_two_nodes_resumes_on_one_node_at_three_ranks(cluste
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     row = json.loads(resumed.read_text())
     assert row["world"] == 3
+    assert_plain_loop_bits(row["rows"][key])
+
+
+def assert_plain_loop_bits(row: dict) -> None:
+    """A fp32 row of workers/reproducible.py ends in the plain PyTorch loop's bits (tests/mpi/plain_loop.py)."""
     ref = plain_loop.train(torch.float32, None)
-    state = engine_state(row["rows"][key])
+    state = engine_state(row)
     assert state
     for label, got in state.items():
         want = ref["state"][label.removesuffix("/master")].flatten()
