@@ -192,6 +192,14 @@ def test_diagnose_command_prints_the_report_from_the_files(tmp_path, capsys):
     assert "3 ranks, 2 answered" in out and "rank 2: missing" in out and "culprit: rank(s) 1-2" in out
 
 
+def test_diagnose_command_takes_the_size_given_where_the_highest_ranks_left_nothing(tmp_path, capsys):
+    for r in range(2):
+        diagnosis.write_record(tmp_path, record(r, 2, STEP))  # records that know of 2 ranks only
+    assert main(["diagnose", "--size", "4", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "4 ranks, 2 answered" in out and "rank 3: missing" in out
+
+
 def test_diagnose_command_without_records_is_a_clear_error(tmp_path, capsys):
     assert main(["diagnose", str(tmp_path)]) == 2
     assert "no readable rank record" in capsys.readouterr().err
