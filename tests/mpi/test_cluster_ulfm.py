@@ -21,7 +21,6 @@ share a cluster another module's jobs use.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -29,7 +28,8 @@ import pytest
 
 from .launcher import ROOT, WORKERS, mpi_env
 from .openmpi_venv import openmpi_venv
-from .test_cluster import _names, _stuck, _until, cluster  # noqa: F401  (cluster: the module's own fixture)
+from .test_cluster import cluster, kill_the_jobs_processes_on_node2  # noqa: F401  (cluster: the module's own)
+from .test_cluster import _until
 
 ULFM = ("--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1")
 BATCH = """#!/bin/bash
@@ -56,19 +56,8 @@ def failure_free(openmpi, tmp_path_factory) -> str:
     return json.loads(out.read_text())["digest"]
 
 
-def _job_on(node_pid: str) -> list[int]:
-    """The job's processes in the network namespace of the node whose holder is ``node_pid``: all but its
-    slurmd and the holder."""
-    net = os.stat(f"/proc/{node_pid}/ns/net").st_ino
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and os.stat(entry / "ns" / "net").st_ino == net \
-                    and (entry / "comm").read_text().strip() not in ("slurmd", "sleep"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+def _ended(log: Path) -> bool:
+    return log.exists() and "mpiexec exit" in log.read_text()
 
 
 def _submit(cluster, openmpi, tmp_path, *extra: str) -> tuple[str, Path, Path]:
@@ -90,7 +79,7 @@ def test_a_nodes_ranks_lost_under_ulfm_the_other_node_finishes_with_the_failure_
     copies, and the node takes both with it); the recovery's own are test_ulfm.py's."""
     job, log, out = _submit(cluster, openmpi, tmp_path, "--kill", "2:step:2,3:step:2")
     try:
-        _until(lambda: log.exists() and "mpiexec exit" in log.read_text(), 240, "the survivors did not finish", cluster, job, log)
+        _until(lambda: _ended(log), 240, "the survivors did not finish", cluster, job, log)
     finally:
         cluster.login("scancel", job)
     text = log.read_text()
@@ -111,13 +100,9 @@ def test_a_whole_node_lost_under_ulfm_ends_the_job_promptly(cluster, openmpi, tm
                             str(started), "--go", str(go))
     try:
         _until(started.exists, 240, f"job {job} did not reach its pause", cluster, job, log)
-        _, holder = _names(cluster)
-        victims = _job_on(holder)
-        assert len(victims) >= 3, victims  # slurmstepd, prted, 2 ranks
-        for pid in victims:
-            os.kill(pid, 9)
+        kill_the_jobs_processes_on_node2(cluster)
         go.write_text("")
-        took = _until(lambda: log.exists() and "mpiexec exit" in log.read_text(), 60, "the job did not end", cluster, job, log)
+        took = _until(lambda: _ended(log), 60, "the job did not end", cluster, job, log)
     finally:
         cluster.login("scancel", job)
     text = log.read_text()
