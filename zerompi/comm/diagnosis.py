@@ -110,8 +110,15 @@ def load_records(directory: str | os.PathLike) -> tuple[dict[int, dict[str, Any]
 
 
 def load_ends(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    """The watchers' end records in ``directory`` (sentinel.py), by rank."""
-    return _load(directory, END_GLOB)
+    """The watchers' end records in ``directory`` (sentinel.py), by rank; a record whose fields are not what a
+    watcher writes (a rank and size that are whole numbers, hosts a list of names) is skipped."""
+    return {r: e for r, e in _load(directory, END_GLOB).items() if _well_formed(e)}
+
+
+def _well_formed(end: dict[str, Any]) -> bool:
+    hosts, rank, size = end.get("hosts", []), end.get("rank"), end.get("size")
+    return (isinstance(rank, int) and isinstance(size, int) and 0 <= rank < size and isinstance(end.get("ended"), str)
+            and isinstance(hosts, list) and all(isinstance(h, str) for h in hosts))
 
 
 class Ends(NamedTuple):

@@ -7,7 +7,7 @@ file of the higher ranks is gone).
 
 Where there are none, the job ended before any watchdog could report (a rank killed, a lost node): the
 ranks' watchers left ``end-NNNNN.json`` files instead (comm/sentinel.py), and this prints the end report,
-which names the rank that died first and the hosts that left nothing. Right after the launcher returns,
+which names the ranks that died alone, those torn down and the hosts that left nothing. Right after the launcher returns,
 ``--wait S`` waits up to S seconds for the picture to settle (every host's records all there, or none).
 """
 from __future__ import annotations

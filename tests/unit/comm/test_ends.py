@@ -188,6 +188,20 @@ def test_diagnose_with_nothing_to_read_is_a_clear_error_after_its_wait(tmp_path,
     assert "nor end record (end-*.json)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", [
+    "{not json", "[]", '{"rank": "x", "size": 5, "ended": "torn down"}', '{"rank": "3", "size": 5, "ended": "x"}',
+    '{"rank": 1, "size": "5", "ended": "torn down"}',
+    '{"rank": 7, "size": 5, "ended": "torn down"}', '{"rank": 1, "size": 5}', '{"rank": 1, "size": 5, "ended": 3}',
+    '{"rank": 0, "size": 5, "ended": "torn down", "hosts": 7}',
+    '{"rank": 0, "size": 5, "ended": "torn down", "hosts": [1, 2, 3, 4, 5]}'])
+def test_a_malformed_end_record_is_skipped_not_fatal(tmp_path, capsys, bad):
+    """A file that is not what a watcher writes (damaged, or not ours) is left out of the report."""
+    _write(tmp_path, _records({0: sentinel.TORN_DOWN, 1: sentinel.TORN_DOWN, 4: sentinel.TORN_DOWN}))
+    (tmp_path / "end-00003.json").write_text(bad)
+    assert main(["diagnose", str(tmp_path)]) == 0
+    assert "lost: node7 (rank(s) 2-3)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("rank, carries", [(0, True), (1, False), (2, True), (4, True)])
 def test_each_hosts_first_rank_carries_every_ranks_host(rank, carries):
     record = sentinel.end_record(rank, 5, HOSTS[rank], 1, sentinel.TORN_DOWN, 0.0, HOSTS)
