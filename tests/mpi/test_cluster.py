@@ -73,6 +73,13 @@ class Cluster:
         return subprocess.run(["timeout", str(limit), "bash", str(CLUSTER / "exec.sh"), str(self.dir), node, *cmd],
                               capture_output=True, text=True, cwd=ROOT, env=self.env, timeout=limit + 10)
 
+    def submit(self, *args: str, env: dict | None = None) -> str:
+        """Submit a batch job (``sbatch ARGS``): its id."""
+        proc = self.login("sbatch", "--parsable", *args, env=env)
+        job = proc.stdout.strip().split(";")[0]
+        assert proc.returncode == 0 and job.isdigit(), proc.stdout + proc.stderr
+        return job
+
     def sbatch(self, *args: str, limit: float = 120, env: dict | None = None,
                log: Path | None = None) -> tuple[str, str]:
         """Submit a batch job and wait for its end: the job id and its final state.
@@ -80,9 +87,7 @@ class Cluster:
         Polls squeue (which keeps finished jobs for 5 minutes) rather than sbatch --wait, whose
         polls back off to 10 s. Only a final state ends the wait: a squeue that times out
         under load prints nothing."""
-        proc = self.login("sbatch", "--parsable", *args, env=env)
-        job = proc.stdout.strip().split(";")[0]
-        assert proc.returncode == 0 and job.isdigit(), proc.stdout + proc.stderr
+        job = self.submit(*args, env=env)
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             state = self.login("squeue", "-h", "-j", job, "-t", "all", "-o", "%T", limit=30).stdout.strip()
@@ -344,11 +349,9 @@ def _training(cluster, tmp_path, *extra: str, launch: str | None = None) -> tupl
         pytest.skip(f"no MPICH mpiexec beside {sys.executable}")
     script, log, started = tmp_path / "train.sbatch", tmp_path / "train.out", tmp_path / "started"
     script.write_text(TRAIN_BATCH)
-    proc = cluster.login("sbatch", "--parsable", "-N", "2", "--ntasks-per-node=2", "--time=5", f"--output={log}",
-                         str(script), env=dict(LAUNCH=launch or f"{mpiexec} -n 4", STARTED=str(started),
-                                               EXTRA=" ".join(extra), OMP_NUM_THREADS="1"))
-    job = proc.stdout.strip().split(";")[0]
-    assert proc.returncode == 0 and job.isdigit(), proc.stdout + proc.stderr
+    job = cluster.submit("-N", "2", "--ntasks-per-node=2", "--time=5", f"--output={log}", str(script),
+                         env=dict(LAUNCH=launch or f"{mpiexec} -n 4", STARTED=str(started), EXTRA=" ".join(extra),
+                                  OMP_NUM_THREADS="1"))
     _until(lambda: started.exists(), 180, f"job {job} did not start training", cluster, job, log)
     return job, log
 
@@ -553,11 +556,9 @@ def test_a_requeue_job_whose_node_dies_resumes_from_its_last_checkpoint_on_the_n
         pytest.skip(f"no MPICH mpiexec beside {sys.executable}")
     out, log, script = cluster.dir / "shared" / "requeue", tmp_path / "requeue.out", tmp_path / "requeue.sbatch"
     script.write_text(REQUEUE_BATCH)
-    proc = cluster.login("sbatch", "--parsable", "--requeue", "--open-mode=append", "-N", "1-2", "-n", "4",
-                         "--spread-job", "--overcommit", "--time=10", f"--output={log}", str(script),
+    job = cluster.submit("--requeue", "--open-mode=append", "-N", "1-2", "-n", "4", "--spread-job", "--overcommit",
+                         "--time=10", f"--output={log}", str(script),
                          env=dict(MPIEXEC=str(mpiexec), OUT=str(out), OMP_NUM_THREADS="1"))
-    job = proc.stdout.strip().split(";")[0]
-    assert proc.returncode == 0 and job.isdigit(), proc.stdout + proc.stderr
     try:
         _until(lambda: (out / "checkpoints" / "latest").exists(), 180, "no checkpoint", cluster, job, log)
         assert "on node[1-2], 4 ranks" in log.read_text(), log.read_text()[-3000:]

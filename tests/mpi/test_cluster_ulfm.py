@@ -65,11 +65,8 @@ def _submit(cluster, openmpi, tmp_path, *extra: str) -> tuple[str, Path, Path]:
     out, log, script = cluster.dir / "shared" / f"{tmp_path.name}.json", tmp_path / "job.out", tmp_path / "job.sbatch"
     script.write_text(BATCH.format(ulfm=" ".join(ULFM)))
     env = {k: v for k, v in mpi_env().items() if k.startswith(("OMPI_", "PRTE_", "PMIX_"))}
-    proc = cluster.login("sbatch", "--parsable", "-N", "2", "--ntasks-per-node=2", "--time=5", f"--output={log}",
-                         str(script), env=dict(OMPI=str(openmpi), OUT=str(out), EXTRA=" ".join(extra),
-                                               OMP_NUM_THREADS="1", **env))
-    job = proc.stdout.strip().split(";")[0]
-    assert proc.returncode == 0 and job.isdigit(), proc.stdout + proc.stderr
+    job = cluster.submit("-N", "2", "--ntasks-per-node=2", "--time=5", f"--output={log}", str(script),
+                         env=dict(OMPI=str(openmpi), OUT=str(out), EXTRA=" ".join(extra), OMP_NUM_THREADS="1", **env))
     return job, log, out
 
 
