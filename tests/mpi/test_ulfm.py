@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -45,10 +46,30 @@ def job(venv, tmp_path, n: int, *args: str, launch=FLAGS) -> tuple[subprocess.Co
            *rank_python(venv / "bin" / "python", fresh=True), "-m", "mpi4py", str(WORKERS / "ulfm.py"), "--out", str(out),
            *args]
     for _ in range(3):  # Open MPI's launcher now and then fails to start its PMIx server before any rank runs
-        proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
+        proc = _run(cmd)
         if "PMIx server's listener thread failed to start" not in proc.stderr:
             break
     return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a job; one past TIMEOUT fails the test with every rank's Python stacks (SIGUSR2, which mpiexec
+    forwards to the ranks: the worker's faulthandler prints them) and what the job printed."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as job:
+        try:
+            out, err = job.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            job.send_signal(signal.SIGUSR2)
+            time.sleep(3)
+            os.killpg(job.pid, signal.SIGKILL)
+            try:
+                out, err = job.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a process outside the session holds the pipes: no output
+                out, err = "", "(the job's output did not end within 30 s of its kill)"
+            raise AssertionError(f"the job ran past {TIMEOUT:g} s: {' '.join(cmd)}\n--- stdout\n{out[-3000:]}\n"
+                                 f"--- stderr (with each rank's stacks at the end)\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(cmd, job.returncode, out, err)
 
 
 TRAINING_ARGS = ("--muon", "--adafactor")  # worker arguments that change what is trained (the rest change how it survives)

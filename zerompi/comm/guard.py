@@ -42,7 +42,10 @@ def abort_on_uncaught_exception(group) -> None:
         watchdog = getattr(getattr(group, "monitor", None), "watchdog", None)
         if watchdog is not None:  # rank 0 adds the hang report and aborts the job (watchdog.py)
             first_line = next(iter(str(value).splitlines()), "")
-            watchdog.report_failure(f"{kind.__name__}: {first_line}", user_frames(traceback.extract_tb(tb)))
+            try:
+                watchdog.report_failure(f"{kind.__name__}: {first_line}", user_frames(traceback.extract_tb(tb)))
+            except Exception as e:  # noqa: BLE001 - a failing report must not keep the job from its abort
+                os.write(2, f"zerompi: rank {group.rank}: the hang report failed ({e}); aborting without it\n".encode())
         time.sleep(ABORT_GRACE)  # let the launcher forward the report before it kills the job
         group.abort(1)
 

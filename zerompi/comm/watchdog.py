@@ -163,9 +163,10 @@ class Watchdog:
         """An uncaught exception ends this rank: send the hang report's request naming it (rank 0
         then reports and aborts the job). Where a report is already under way, this rank's record
         goes again with the exception, and this waits (boundedly) for that report to end the job.
-        False, having done nothing, when there is no side channel; the caller aborts as before."""
+        False, having done nothing, when there is no side channel or the watchdog was stopped (its engine
+        was closed, or dropped after a lost rank: its channel may hold a dead rank); the caller aborts as before."""
         job = self._job
-        if job is None or job.channel is None:
+        if job is None or job.channel is None or self._stop.is_set():
             return False
         job.failure = {"error": error, "stack": stack}
         if job.claim():

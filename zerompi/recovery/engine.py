@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zerompi.build import EngineSpec, build_engine
-from zerompi.comm import ulfm
+from zerompi.comm import guard, ulfm
 from zerompi.comm.mpi import MPIGroup
 from zerompi.engine import Engine
 from zerompi.errors import Recovered, UsageError, ZeroMPIError
@@ -202,6 +202,8 @@ class FaultTolerance:
             lost += gone
             lost_world += gone_world
             if survivors.size < engine.config.recovery.min_ranks:
+                # the hook aborts over the survivors: no hang report or abort over a group with dead ranks
+                guard.abort_on_uncaught_exception(survivors)
                 raise ZeroMPIError(f"fault_tolerance: {survivors.size} rank(s) left after losing world rank(s) "
                                    f"{lost_world}, fewer than min_ranks={engine.config.recovery.min_ranks}: giving up")
             built: list[Engine] = []
@@ -211,6 +213,7 @@ class FaultTolerance:
             except BaseException as e:
                 again = ulfm.rank_lost(e, [survivors], since=handled)
                 if again is None:
+                    guard.abort_on_uncaught_exception(survivors)
                     raise
                 logger.warning("another rank was lost during the recovery (%s); recovering again", again)
                 for partial in built:  # built, then lost while loading its state

@@ -22,6 +22,7 @@ after step K rank 0 writes FILE ``--started`` and every rank waits (at most PAUS
 exists, so that a test can kill a whole node while the ranks wait (tests/mpi/test_cluster_ulfm.py).
 """
 import argparse
+import faulthandler
 import json
 import os
 import shutil
@@ -220,6 +221,7 @@ def pause(a: argparse.Namespace, rank: int) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test's timeout asks for every thread's stack
     a = parse()
     if not a.failure_free:
         out = train(a, MPI.COMM_WORLD)

@@ -96,3 +96,54 @@ def test_the_abort_comes_a_grace_after_the_report():
     start = time.monotonic()
     job.end(7)
     assert called and called[0][0] == 7 and called[0][1] - start >= watchdog.ABORT_GRACE
+
+
+class _Posts:
+    """A side channel that keeps what is posted (nothing arrives)."""
+
+    def __init__(self):
+        self.posted = []
+
+    def post(self, dest, tag, obj):
+        self.posted.append((dest, tag))
+
+    def poll(self, tag):
+        return []
+
+    def flush(self):
+        return True
+
+
+def test_a_stopped_watchdog_reports_nothing():
+    """An engine closed, or dropped after a lost rank (its channel may hold a dead rank, whose probes fail or
+    wait): an uncaught exception afterwards aborts without the report. Break guarded: report_failure ignoring
+    the stop (the 'too few survivors' job then asked a group with a dead rank for a report)."""
+    w, channel = Watchdog(), _Posts()
+    w.start(HangPolicy(timeout=None, floor=30.0, directory=None), 0, 2, lambda code: None, Recorder(), channel)
+    w.stop()
+    assert w.report_failure("ZeroMPIError: giving up", []) is False
+    assert channel.posted == []
+
+
+def test_the_exception_hook_aborts_when_the_report_fails(monkeypatch):
+    """Break guarded: an error inside the report escaping the hook (Python then ends without MPI_Abort, and a
+    job started as ``python script.py`` waits in MPI_Finalize for ranks that never come)."""
+    import sys
+    import types
+    from zerompi.comm import guard
+
+    class Failing:
+        def report_failure(self, error, stack):
+            raise RuntimeError("MPI_ERR_PROC_FAILED: Process Failure")
+    aborted = []
+    group = types.SimpleNamespace(rank=1, size=3, abort=aborted.append,
+                                  monitor=types.SimpleNamespace(watchdog=Failing()))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(guard, "_group", None)
+    monkeypatch.setattr(guard, "ABORT_GRACE", 0.0)
+    guard.abort_on_uncaught_exception(group)
+    try:
+        raise ValueError("the job failed")
+    except ValueError as e:
+        sys.excepthook(type(e), e, e.__traceback__)
+    assert aborted == [1]
