@@ -145,7 +145,7 @@ class Engine:
         if swapper is not None:  # released memory waits for the next block of its size
             swapper.memory.keep(offload.reuse_bytes(self.sharded.all_buckets))
         self._saving: BackgroundSave | None = None
-        self.optimizer = ZeroOptimizer(self.sharded.buckets, cfg.optimization, cfg.precision, group, specs, tiers)
+        self.optimizer = ZeroOptimizer(self.sharded.collectives, cfg.optimization, cfg.precision, group, specs, tiers)
         self.sharded.register_backward_steps(self.optimizer)  # used by backwards that update (iteration.py)
         self._stats = Stats()
         self.implicit = ImplicitBackward(self.begin_backward, self.end_backward)
@@ -281,14 +281,14 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every entry of ``named_parameters()`` as a full fp32 CPU tensor, on every rank."""
         out: dict[str, torch.Tensor] = {}
-        for i, b in enumerate(self.sharded.buckets):
+        for i, c in enumerate(self.sharded.collectives):
             with self.optimizer.resident(i):
-                full = b.full_master().cpu()
-            for slot in b.layout.slots:
+                full = c.full_master().cpu()
+            for slot in c.bucket.layout.slots:
                 out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-        for b in self.sharded.frozen:  # stage 3's frozen shards, gathered and widened to fp32
-            full = b.full_master().cpu()
-            for slot in b.layout.slots:
+        for c in self.sharded.frozen_collectives:  # stage 3's frozen shards, gathered and widened to fp32
+            full = c.full_master().cpu()
+            for slot in c.bucket.layout.slots:
                 out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         ordered = {}
         for name, p in self.module.named_parameters():

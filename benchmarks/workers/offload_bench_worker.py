@@ -56,7 +56,7 @@ def wrap(obj, name: str, acc: dict, key: str) -> None:
 
 def instrument(engine) -> dict:
     acc = defaultdict(float)
-    for b, name in ((b, name) for b in engine.sharded.buckets for name in ("unshard", "publish")):
+    for b, name in ((c, name) for c in engine.sharded.collectives for name in ("unshard", "publish")):
         wrap(b, name, acc, name)
     wrap(engine.optimizer.inner, "step", acc, "adam")
     store = engine.optimizer.store

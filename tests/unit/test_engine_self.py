@@ -154,8 +154,8 @@ def test_bf16_training_matches_torch_with_fp32_masters(stage):
     state = engine.full_state_dict()
     master, work, _ = train_reference(cfg, [])
     assert_bitwise(state, master)
-    for b in engine.sharded.buckets:  # stage 3: the compute parameters exist only while gathered
-        b.unshard()
+    for c in engine.sharded.collectives:  # stage 3: the compute parameters exist only while gathered
+        c.unshard()
     for p, q in zip(engine.module.parameters(), work.parameters()):
         assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), q.detach())
     engine.close()
@@ -231,11 +231,11 @@ def test_zero_optimizer_step_matches_clip_grad_norm_and_torch(stage, optimizer, 
     assert isinstance(engine.optimizer, ZeroOptimizer)
     g = torch.Generator().manual_seed(2)
     grads = {n: torch.randn(p.shape, generator=g) for n, p in make_model().named_parameters()}
-    for b in engine.sharded.buckets:
-        b.begin_backward()
-        for i, s in enumerate(b.layout.slots):
-            b.add_grad(i, grads[s.fqn])
-        b.reduce_grads()
+    for c in engine.sharded.collectives:
+        c.begin_backward()
+        for i, s in enumerate(c.bucket.layout.slots):
+            c.add_grad(i, grads[s.fqn])
+        c.reduce_grads()
     result = engine.optimizer.step()
     state = engine.full_state_dict()
     ref = make_model()
@@ -290,7 +290,7 @@ def test_frozen_units_are_released_as_backward_leaves_them():
     """Stage 3 LoRA-style: a deep frozen stack with small trainable heads in every layer. Frozen
     buckets have no gradient hook; each is released once the gradients of its unit's inputs exist,
     so backward holds a couple of units gathered, not the whole frozen base."""
-    from zerompi.shard.bucket import BucketState
+    from zerompi.shard.collectives import BucketState
 
     class Layer(nn.Module):
         def __init__(self):
@@ -309,13 +309,13 @@ def test_frozen_units_are_released_as_backward_leaves_them():
     seen = []
     for layer in model:
         layer.register_full_backward_pre_hook(
-            lambda *_: seen.append(sum(b.state is not BucketState.SHARDED for b in engine.sharded.frozen)))
+            lambda *_: seen.append(sum(c.state is not BucketState.SHARDED for c in engine.sharded.frozen_collectives)))
     try:
         x = torch.randn(4, 32, requires_grad=True)
         engine.backward(engine(x).pow(2).mean())
         engine.step()
         assert len(engine.sharded.frozen) >= 8 and len(seen) == 8
         assert max(seen) <= 2, seen  # the unit in backward and the one before it (read ahead)
-        assert all(b.state is BucketState.SHARDED for b in engine.sharded.frozen)
+        assert all(c.state is BucketState.SHARDED for c in engine.sharded.frozen_collectives)
     finally:
         engine.close()

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from zerompi.comm.group import ProcessGroup
+
 
 class GradNorm(Protocol):
     def __call__(self, buckets: list, scale: float, early: dict[int, float]) -> float:
@@ -23,13 +25,13 @@ class SumOfSquares:
     """Each rank's sum of squares, all-reduced over the shard group (whose shards cover every element
     once; hsdp replicas would repeat it); with a replicated optimizer every rank has it all."""
 
-    def __init__(self, replicated: bool):
-        self.replicated = replicated
+    def __init__(self, replicated: bool, group: ProcessGroup):
+        self.replicated, self.group = replicated, group
 
     def __call__(self, buckets: list, scale: float, early: dict[int, float]) -> float:
         local = sum(early[i] if i in early else b.grads.norm_sq(scale) for i, b in enumerate(buckets))
         if not self.replicated:
-            local = buckets[0].comm.shard.sum_floats([local], what="the global gradient norm")[0]
+            local = self.group.sum_floats([local], what="the global gradient norm")[0]
         return math.sqrt(local)
 
 
@@ -39,13 +41,17 @@ class ExactChunks:
     them exactly, so neither their order nor the padding's zero chunks matter. The loss is not scaled in
     this mode (fp16 is refused) and nothing is updated in backward, so ``scale`` and ``early`` are unused."""
 
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
     def __call__(self, buckets: list, scale: float, early: dict[int, float]) -> float:
         local = torch.cat([b.grads.chunk_sq() for b in buckets])
-        group = buckets[0].comm.shard
+        group = self.group
         every = torch.empty(local.numel() * group.size, dtype=torch.float64)
         group.all_gather(local, every, kind="control", what="the exact global gradient norm")
         return math.sqrt(math.fsum(every.tolist()))
 
 
-def grad_norm_for(exact: bool, replicated: bool) -> GradNorm:
-    return ExactChunks() if exact else SumOfSquares(replicated)
+def grad_norm_for(exact: bool, replicated: bool, group: ProcessGroup) -> GradNorm:
+    """``group``: the one the shards are spread over (whose shards cover every element once)."""
+    return ExactChunks(group) if exact else SumOfSquares(replicated, group)

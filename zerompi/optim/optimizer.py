@@ -40,6 +40,7 @@ from zerompi.optim.groups import KERNEL_KEYS, changed_on_resume
 from zerompi.optim.norms import grad_norm_for
 from zerompi.optim.precision import LossScaler
 from zerompi.shard.bucket import Bucket
+from zerompi.shard.collectives import BucketCollectives
 from zerompi.state.declared import Declared, StateKind
 
 logger = get_logger(__name__)
@@ -91,7 +92,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     bucket shard of group i. Its ``state`` is the inner optimizer's, keyed by shard.
 
     Args:
-        buckets: every bucket of the sharded model.
+        collectives: every trainable bucket's collectives (shard/collectives.py), by bucket index: the
+            buckets' storage is what the optimizer updates; their collectives publish the update, hold the
+            quantized gradients' residuals, and their shard group adds up the norm.
         policy: the optimizer, its hyperparameters, clipping, non-finite handling (cfg.optimization).
         precision: the compute dtype and fp16 loss scaling (cfg.precision).
         group: the group whose shards cover every element once (for the norm all-reduce).
@@ -101,15 +104,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hands out a bucket an asynchronous save still reads only once the save has it).
     """
 
-    def __init__(self, buckets: list[Bucket], policy: OptimizerPolicy, precision: PrecisionPolicy,
+    def __init__(self, collectives: list[BucketCollectives], policy: OptimizerPolicy, precision: PrecisionPolicy,
                  group: ProcessGroup,
                  specs: list[group_optimizers.GroupOptimizer], tiers: TierPlan = TierPlan()):
-        self.buckets = buckets
+        self.collectives = collectives
+        self.buckets = buckets = [c.bucket for c in collectives]
         self.group = group
         self.clip = policy.clip_grad_norm
         self.nonfinite = policy.nonfinite
         self.norm = grad_norm_for(exact=policy.deterministic,
-                                  replicated=not any(b.plan.shard_optimizer for b in buckets))
+                                  replicated=not any(b.plan.shard_optimizer for b in buckets),
+                                  group=collectives[0].shard_group)
         self.scaler = LossScaler.from_policy(precision) if precision.scales_loss else None
         # the kernel follows where the masters live: host memory (CPU device or 'cpu'/'nvme' offload)
         device = buckets[0].master.device
@@ -213,7 +218,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for v in self.inner.state.get(b.master, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim():
                     moved |= align_storage(v)  # once, after torch allocated it: saves write it with O_DIRECT, uncopied
-            b.publish()
+            self.collectives[b.layout.index].publish()
         if moved:
             trim_heap()  # what the moved state left behind
 
@@ -236,9 +241,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _discard(self) -> None:
         """A skipped step: drop its gradients, and what quantising them left for the next reduction."""
         self.zero_grad()
-        for b in self.buckets:
-            if b.grad_codes is not None:
-                b.grad_codes.forget()
+        for c in self.collectives:
+            if c.grad_codes is not None:
+                c.grad_codes.forget()
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -305,7 +310,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.inner.state[bucket.master] = {
                     k: v.to(bucket.master.device) if isinstance(v, torch.Tensor) and v.dim() else v
                     for k, v in state.items()}
-            bucket.publish()
+            self.collectives[index].publish()
         bucket.zero_grad()
 
     @property

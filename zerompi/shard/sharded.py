@@ -1,8 +1,8 @@
 """ShardedModel: applies a ZeRO stage to a module.
 
 It plans buckets (and, at stage 3, gather units), moves the parameters into
-flat buffers, broadcasts rank 0's initial values, installs the hooks and runs
-the per-backward bookkeeping. Frozen parameters (``requires_grad=False``) take
+flat buffers, broadcasts rank 0's initial values, builds each bucket's collectives
+(collectives.py), installs the hooks and runs the per-backward bookkeeping. Frozen parameters (``requires_grad=False``) take
 no gradient and no optimizer state: at stage 3 they are sharded in frozen
 buckets of their unit and gathered with it, in the compute dtype; at stages
 0-2 (and below ``param_persistence_threshold``) they stay ordinary replicated
@@ -26,7 +26,8 @@ from zerompi.config.sections import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger
 from zerompi.offload.tiers import TierPlan
-from zerompi.shard.bucket import Bucket, BucketState, Placement
+from zerompi.shard.bucket import Bucket, Placement
+from zerompi.shard.collectives import BucketCollectives, BucketState
 from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.grads import NORM_CHUNK
 from zerompi.shard.hooks import HookSet
@@ -88,12 +89,8 @@ class ShardedModel:
 
     def __init__(self, module: nn.Module, placement: Placement, comm: CommFactory, options: ShardOptions,
                  tiers: TierPlan = TierPlan()):
-        self.module = module
-        self.placement = placement
-        self.plan = placement.plan
-        self.comm = comm
-        self.groups = comm.groups
-        self.tiers = tiers
+        self.module, self.placement, self.plan, self.tiers = module, placement, placement.plan, tiers
+        self.comm, self.groups = comm, comm.groups  # comm builds each bucket's collectives (wiring.py)
         self.materialize = Materializer(module, placement.device, options.param_init,
                                         placement.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
@@ -103,8 +100,8 @@ class ShardedModel:
         self._align = NORM_CHUNK if self.rounds is Rounds.ORDERED else 1  # reproducible: shards of whole norm chunks
         self._whole = options.whole_groups
         self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
-                                     options.max_live_params, lambda u: sum(b.layout.padded_numel for b in u.buckets))
-        self._inflight: list[Bucket] = []  # buckets whose overlapped reduce-scatter is in flight
+                                     options.max_live_params, lambda u: u.numel)
+        self._inflight: list[BucketCollectives] = []  # buckets whose overlapped reduce-scatter is in flight
         self.placements = {pl.fqn: pl for pl in options.placements}
         """Each parameter's placement by fqn, as decided before planning (placement.py), never amended."""
         # requires_grad as planned: a change after initialize would silently train the wrong set
@@ -116,16 +113,18 @@ class ShardedModel:
         self.initial = InitialValues()  # ranks whose initial values rank 0's replace are named once built
         built = [self._build(layout) for layout in self._plan(options.cap_numel)]
         trim_heap()  # the full tensors each build copied out of, and the shards' unaligned first copies
-        self.buckets = [b for b in built if b.trains]
+        # the trainable buckets' collectives (collectives.py), then stage 3's frozen ones, each by layout index
+        self.collectives = [c for c in built if c.bucket.trains]
+        self.frozen_collectives = [c for c in built if not c.bucket.trains]
+        self.all_collectives = self.collectives + self.frozen_collectives
+        self.buckets = [c.bucket for c in self.collectives]
         """The trainable buckets, indexed by their layout's index (the optimizer's and the checkpoint's)."""
-        self.frozen = [b for b in built if not b.trains]
-        """Stage 3: the buckets of frozen parameters, indexed by their layout's index."""
+        self.frozen = [c.bucket for c in self.frozen_collectives]
         self.all_buckets = self.buckets + self.frozen
-        """Trainable buckets, then frozen ones: what every bucket-wide walk visits."""
-        self._slot_of: dict[nn.Parameter, tuple[Bucket, int]] = {}
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._slot_of[p] = (b, i)
+        self._slot_of: dict[nn.Parameter, tuple[BucketCollectives, int]] = {}
+        for c in self.collectives:
+            for i, p in enumerate(c.bucket.params):
+                self._slot_of[p] = (c, i)
         self._sync_replicated()
         self._backward: _Backward | None = None  # set between begin_backward and finish_backward
         self._steps: BackwardSteps | None = None  # optimizer_in_backward (register_backward_steps)
@@ -158,7 +157,7 @@ class ShardedModel:
         self._unit = {u.fqn: u for u in self.units}
         return layouts
 
-    def _build(self, layout: BucketLayout) -> Bucket:
+    def _build(self, layout: BucketLayout) -> BucketCollectives:
         params = [self.module.get_parameter(slot.fqn) for slot in layout.slots]
         placed = self._bucket_kind(layout)
         frozen = not placed.trainable
@@ -175,11 +174,14 @@ class ShardedModel:
         self.initial.broadcast(init, [(s.fqn, slice(s.offset, s.offset + s.numel)) for s in layout.slots],
                                lambda t: self.groups.world.broadcast(t, what=what))
         placement = dataclasses.replace(self.placement, plan=placed.bucket_plan(self.plan))
-        bucket = Bucket(layout, params, placement, init, self.comm, placed, self.tiers)
+        bucket = Bucket(layout, params, placement, init, placed, self.tiers)
         del init  # the next bucket's values may take its place
+        comm = self.comm.build(layout, placement.plan, placed, placement.rank, placement.device,
+                               bucket.param_full.tensor)
+        collectives = BucketCollectives(bucket, comm)
         if bucket.plan.shard_params:
-            self._unit[layout.unit].buckets.append(bucket)
-        return bucket
+            self._unit[layout.unit].members.append(collectives)
+        return collectives
 
     def _bucket_kind(self, layout: BucketLayout) -> ParamPlacement:
         """The placement every parameter of ``layout`` shares, checked: the bucket is built from one."""
@@ -217,7 +219,7 @@ class ShardedModel:
         if self.in_backward:  # recomputation under activation checkpointing
             return None
         self._prefetch(self.prefetcher.forward(unit, root=unit.fqn == ""))
-        if torch.is_grad_enabled() and any(b.plan.shard_params and not b.trains for b in unit.buckets):
+        if torch.is_grad_enabled() and unit.has_frozen:
             # frozen buckets have no gradient to tell when their unit's backward is over: the
             # gradients of its inputs do (else they wait for the end of the backward)
             return self.hooks.after_backward_of(args, kwargs, lambda: self._post_backward(unit))
@@ -233,21 +235,18 @@ class ShardedModel:
         """The unit's backward has run: its frozen buckets are released (trainable ones are, once
         their gradients are reduced)."""
         logger.debug("post-backward %s", unit.fqn or "<root>")
-        for b in unit.buckets:
-            if not b.trains:
-                b.reshard()
+        unit.release(frozen_only=True)
 
     def _gather(self, unit: Unit) -> None:
-        for b in unit.buckets:
-            if self.rounds.dealt and b.state is BucketState.SHARDED and (self.in_backward or torch.is_grad_enabled()):
-                self._replay.gathered(b, self.in_backward)
-            b.unshard()
-            b.wait_gathered()
+        for c in unit.members:
+            if self.rounds.dealt and c.state is BucketState.SHARDED and (self.in_backward or torch.is_grad_enabled()):
+                self._replay.gathered(c, self.in_backward)
+            c.unshard()
+            c.wait_gathered()
 
     def _prefetch(self, units: list[Unit]) -> None:
         for u in units:
-            for b in u.buckets:
-                b.prefetch()
+            u.prefetch()
 
     def _post_forward(self, unit: Unit, entry: nn.Module, output) -> None:
         if unit.active is not entry:
@@ -255,8 +254,7 @@ class ShardedModel:
         unit.active = None
         if self.in_backward:
             return  # recomputation under activation checkpointing: backward needs them now
-        for b in unit.buckets:
-            b.reshard()
+        unit.release()
         if torch.is_grad_enabled():
             self.hooks.before_backward_of(output, lambda n=self._replay.passes: self._pre_backward(unit, n))
 
@@ -268,33 +266,33 @@ class ShardedModel:
         ahead = self.prefetcher.backward(unit)
         self._prefetch(ahead)
         if self._backward is not None and self._backward.steps is not None:  # this unit's, then the prefetched
-            self._backward.steps.coming([b for u in [unit, *ahead] for b in u.buckets if b.trains])
+            self._backward.steps.coming([c.bucket for u in [unit, *ahead] for c in u.members if c.bucket.trains])
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        bucket, slot = self._slot_of[p]
+        collectives, slot = self._slot_of[p]
         grad, p.grad = p.grad, None
         if grad is None:
             return
-        if self._backward is not None and id(bucket) in self._backward.stepped:
-            raise UsageError(f"parameter {bucket.layout.slots[slot].fqn!r} received a gradient after its bucket "
+        if self._backward is not None and id(collectives.bucket) in self._backward.stepped:
+            raise UsageError(f"parameter {collectives.bucket.layout.slots[slot].fqn!r} received a gradient after its bucket "
                              "was updated in this backward (optimizer_in_backward): reentrant checkpointing of a "
                              "shared parameter? use torch.utils.checkpoint(..., use_reentrant=False), or "
                              "optimizer_in_backward=False")
-        if bucket.add_grad(slot, grad) and self._backward is not None and self._backward.sync:
-            self._reduce(bucket)
+        if collectives.add_grad(slot, grad) and self._backward is not None and self._backward.sync:
+            self._reduce(collectives)
         if self.overlap.progress is Progress.TEST:
-            for b in self._inflight:
-                b.progress()
+            for c in self._inflight:
+                c.progress()
 
-    def _reduce(self, bucket: Bucket) -> None:
-        overlapped = self.overlap.grad_reduce and not bucket.grad_sync.in_place
+    def _reduce(self, collectives: BucketCollectives) -> None:
+        overlapped = self.overlap.grad_reduce and not collectives.grad_sync.in_place
         steps = self._backward is not None and self._backward.steps is not None
-        bucket.reduce_grads(async_op=overlapped, taken_next=steps)
+        collectives.reduce_grads(async_op=overlapped, taken_next=steps)
         if overlapped:
-            self._inflight.append(bucket)
-        bucket.reshard()
+            self._inflight.append(collectives)
+        collectives.reshard()
         if steps and not overlapped:
-            self._step(bucket)
+            self._step(collectives.bucket)
 
     def _step(self, bucket: Bucket) -> None:
         """optimizer_in_backward: ``bucket``'s gradient is final for this window; update it."""
@@ -318,20 +316,20 @@ class ShardedModel:
         self.check_requires_grad()
         self._backward = _Backward(sync=(backward.ends_window or self.plan.shard_grads) and not self.rounds.dealt,
                                    steps=self._steps if backward.updates else None, sources=backward.sources)
-        for b in self.buckets:
-            b.begin_backward()
+        for c in self.collectives:
+            c.begin_backward()
 
     def empty_round(self, sources: int) -> None:
         """micro_batches: a round this rank ran no micro-batch in (its share of the batch is one
         smaller): it still takes its part in the collectives the others' forward and backward run (stage
         3's gathers, the same ones, in the same order, as its own last round: nothing is prefetched in this
         mode) and in every bucket's all-to-all, contributing nothing."""
-        for b in self._replay.last:
-            b.unshard()
-            b.wait_gathered()
-            b.reshard()
-        for b in self.buckets:
-            b.reduce_grads(sources=sources)
+        for c in self._replay.last:
+            c.unshard()
+            c.wait_gathered()
+            c.reshard()
+        for c in self.collectives:
+            c.reduce_grads(sources=sources)
 
     def check_requires_grad(self) -> None:
         """Raise if a parameter's requires_grad changed since initialize: the buckets were planned
@@ -352,24 +350,24 @@ class ShardedModel:
         if self._backward is None:
             raise ZeroMPIError("finish_backward() outside a backward")
         sync, steps = self._backward.sync, self._backward.steps is not None
-        for b in self.buckets:
-            if sync and b.needs_reduce():
-                self._reduce(b)
+        for c in self.collectives:
+            if sync and c.needs_reduce():
+                self._reduce(c)
             elif self.rounds.dealt:  # every rank's gradient of this round
-                b.reduce_grads(sources=self._backward.sources)
+                c.reduce_grads(sources=self._backward.sources)
         if self.rounds.dealt:
             self._replay.round_done()
-        for b in self._inflight:  # in the order they started, as on every rank
-            b.finish_reduce(taken_next=steps)
+        for c in self._inflight:  # in the order they started, as on every rank
+            c.finish_reduce(taken_next=steps)
             if steps:
-                self._step(b)
+                self._step(c.bucket)
         self._inflight.clear()
         self._backward = None
-        for b in self.all_buckets:
-            b.reshard()
+        for c in self.all_collectives:
+            c.reshard()
         if self.plan.shard_params:
-            stuck = [b.name for b in self.all_buckets
-                     if b.plan.shard_params and b.state is not BucketState.SHARDED]
+            stuck = [c.name for c in self.all_collectives
+                     if c.plan.shard_params and c.state is not BucketState.SHARDED]
             if stuck:
                 raise ZeroMPIError(f"buckets {stuck} are still gathered after backward")
 
@@ -380,8 +378,8 @@ class ShardedModel:
 
     def residuals(self) -> HeldResiduals:
         """(bucket, this rank's error-feedback residual) of each bucket whose codec keeps one; the live tensors."""
-        return tuple((b.layout.index, b.grad_codes.residual) for b in self.buckets
-                     if b.grad_codes is not None and b.grad_codes.residual is not None)
+        return tuple((c.bucket.layout.index, c.grad_codes.residual) for c in self.collectives
+                     if c.grad_codes is not None and c.grad_codes.residual is not None)
 
     @contextmanager
     def frozen_shard(self, index: int) -> Iterator[torch.Tensor]:
@@ -389,7 +387,7 @@ class ShardedModel:
             yield shard
 
     def load_frozen(self, index: int, shard: torch.Tensor) -> None:
-        self.frozen[index].load_params(shard.to(self.placement.dtype))
+        self.frozen_collectives[index].load_params(shard.to(self.placement.dtype))
 
     def remove_hooks(self) -> None:
         self.hooks.remove()
@@ -397,4 +395,4 @@ class ShardedModel:
     def state_bytes(self) -> int:
         """Model state held in memory: replicated frozen parameters, and every bucket's state."""
         frozen = sum(p.numel() * p.element_size() for _, p in self.replicated_frozen())
-        return frozen + sum(b.state_bytes() for b in self.all_buckets)
+        return frozen + sum(c.state_bytes() for c in self.all_collectives)

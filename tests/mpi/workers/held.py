@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 
 def frozen_bytes(unit) -> int:
-    return sum(b.param_full.nbytes for b in unit.buckets if not b.trains)
+    return sum(c.bucket.param_full.nbytes for c in unit.members if not c.bucket.trains)
 
 
 def held_bytes(engine) -> int:

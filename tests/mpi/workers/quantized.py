@@ -150,24 +150,24 @@ def gathered_vs_exact(engine) -> tuple[float, bool]:
     """Each bucket's decoded full parameters against the exact compute-dtype ones (the master, rounded),
     by the bound of the owners' scales; and whether every rank holds the same decoded values."""
     worst, digests = 0.0, []
-    for i, b in enumerate(engine.sharded.buckets):
-        codes = b.weight_codes
+    for i, c in enumerate(engine.sharded.collectives):
+        b, codes = c.bucket, c.weight_codes
         if codes is None:
             continue
         with engine.optimizer.shard_state(i):  # an offloaded master is in memory for the block
-            exact = b.full_master().to(b.placement.dtype).double()
+            exact = c.full_master().to(b.placement.dtype).double()
         # every owner's scales, in the order of the shards in the bucket (the shard group's ranks)
-        scales = torch.cat([torch.tensor(s) for s in b.comm.shard.allgather_object(codes.scales().tolist())])
+        scales = torch.cat([torch.tensor(s) for s in c.shard_group.allgather_object(codes.scales().tolist())])
         bound = codes.codec.max_error(scales).repeat_interleave(codes.codec.block).double()
         chunk, blocks = codes.chunk, codes.codec.blocks(codes.chunk)
         bound = torch.cat([bound[r * blocks * codes.codec.block:][:chunk] for r in range(len(scales) // blocks)])
-        b.unshard()
+        c.unshard()
         full = b.param_full.tensor.double()
         if b.placement.dtype != torch.float32:
             bound = bound + full.abs() * torch.finfo(b.placement.dtype).eps / 2
         worst = max(worst, float(((full - exact).abs() / bound.clamp_min(1e-300)).max()))
         digests.append(b.param_full.tensor.view(torch.uint8).clone().numpy().tobytes())  # a copy: numpy pins storage
-        b.reshard()
+        c.reshard()
     same = len({tuple(d) for d in gather(digests)}) == 1
     return max(gather(worst)), same
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import zerompi.deepspeed as deepspeed
 from tests.components import require_module
-from zerompi.shard.bucket import BucketState
+from zerompi.shard.collectives import BucketState
 
 from .test_deepspeed_zero import LOCAL, config
 
@@ -23,7 +23,7 @@ def test_trls_remove_hooks_pauses_the_units_and_add_hooks_resumes_them():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     engine, *_ = deepspeed.initialize(model=m, config=config(3), comm=MPI.COMM_SELF, overrides=LOCAL)
-    head = next(b for b in engine.engine.sharded.all_buckets if any(p is m[2].weight for p in b.params))
+    head = next(c for c in engine.engine.sharded.all_collectives if any(p is m[2].weight for p in c.bucket.params))
     states = []
     m[2].register_forward_pre_hook(lambda *_: states.append(head.state))  # after the engine's (prepended) hook
     full = engine.engine.full_state_dict()

@@ -1,4 +1,5 @@
-"""zerompi.shard.bucket.Bucket on a world of one (MPI.COMM_SELF), built as shard/sharded.py builds it.
+"""zerompi.shard.bucket.Bucket and its collectives (shard/collectives.py) on a world of one (MPI.COMM_SELF),
+built as shard/sharded.py builds them.
 
 Each verb is checked for its state afterwards, the values it leaves, and the collectives it
 issues (recorded by ``Recording``). On one rank a reduction divides by 1, so the reduced
@@ -16,7 +17,8 @@ from torch import nn
 from zerompi.comm.mpi import MPIGroup
 from zerompi.comm.topology import Groups
 from zerompi.errors import UsageError, ZeroMPIError
-from zerompi.shard.bucket import Bucket, BucketState, Placement
+from zerompi.shard.bucket import Bucket, Placement
+from zerompi.shard.collectives import BucketCollectives, BucketState
 from zerompi.shard.wiring import CommFactory
 from zerompi.shard.layout import ParamSpec, plan_buckets
 from zerompi.shard.placement import place
@@ -66,20 +68,22 @@ def build(stage: int, dtype: torch.dtype):
     where = Placement(plan_for(stage), group.rank, group.size, dtype, torch.device("cpu"), check_finite=True)
     kind = place([(s.fqn, s.shape, True) for s in layout.slots], plan_for(stage), 0,
                  {s.fqn: 0 for s in layout.slots})[0]  # the bucket's parameters' record
-    bucket = Bucket(layout, params, where, init, CommFactory(Groups(group, group, group)), kind)
-    return model, original, bucket, group, init
+    bucket = Bucket(layout, params, where, init, kind)
+    comm = CommFactory(Groups(group, group, group)).build(layout, where.plan, kind, where.rank, where.device,
+                                                          bucket.param_full.tensor)
+    return model, original, BucketCollectives(bucket, comm), group, init
 
 
-def grads(bucket: Bucket, seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def grads(bucket: BucketCollectives, seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s.shape, generator=g).to(dtype) for s in bucket.layout.slots]
+    return [torch.randn(s.shape, generator=g).to(dtype) for s in bucket.bucket.layout.slots]
 
 
 def flat(gs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.reshape(-1).float() for g in gs])
 
 
-def backward(bucket: Bucket, gs: list[torch.Tensor]) -> list[bool]:
+def backward(bucket: BucketCollectives, gs: list[torch.Tensor]) -> list[bool]:
     bucket.begin_backward()
     return [bucket.add_grad(i, g) for i, g in enumerate(gs)]
 
@@ -88,15 +92,15 @@ def backward(bucket: Bucket, gs: list[torch.Tensor]) -> list[bool]:
 @pytest.mark.parametrize("stage", STAGES)
 def test_construction(stage, dtype):
     model, original, b, group, init = build(stage, dtype)
-    assert [s.fqn for s in b.layout.slots] == ["2.bias", "2.weight", "0.bias", "0.weight"]
+    assert [s.fqn for s in b.bucket.layout.slots] == ["2.bias", "2.weight", "0.bias", "0.weight"]
     assert b.name == "bucket 0 [2.bias ...]" + (" of module '<root>'" if stage == 3 else "")
     assert b.state is (BucketState.SHARDED if stage == 3 else BucketState.GATHERED)
-    assert b.param_full.is_allocated is (stage < 3)
-    assert b.grad_full.is_allocated is (stage <= 1)
-    assert b.separate is (dtype != torch.float32)
-    assert (b.master is b.param_tier.tensor) is (dtype == torch.float32)  # fp32: the master is the parameter
-    assert b.master.dtype == torch.float32 and torch.equal(b.master, init)
-    assert b.own.start == 0 and b.own.stop == NUMEL
+    assert b.bucket.param_full.is_allocated is (stage < 3)
+    assert b.bucket.grad_full.is_allocated is (stage <= 1)
+    assert b.bucket.separate is (dtype != torch.float32)
+    assert (b.bucket.master is b.bucket.param_tier.tensor) is (dtype == torch.float32)  # fp32: the master is the parameter
+    assert b.bucket.master.dtype == torch.float32 and torch.equal(b.bucket.master, init)
+    assert b.bucket.own.start == 0 and b.bucket.own.stop == NUMEL
     assert b.state_bytes() == 2 * NUMEL * 4  # params + grads (c), + an fp32 master when c is bf16
     assert group.take() == [] and group.monitor.agreement.seq == 0  # no collective: ShardedModel broadcasts init
     if stage < 3:
@@ -110,7 +114,7 @@ def test_construction(stage, dtype):
 def test_unshard_reshard(stage, dtype):
     model, original, b, group, _ = build(stage, dtype)
     assert b.unshard().wait() is None
-    assert b.state is BucketState.GATHERED and b.param_full.is_allocated
+    assert b.state is BucketState.GATHERED and b.bucket.param_full.is_allocated
     assert group.take() == ([("all_gather", "all_gather", False)] if stage == 3 else [])
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), original[n].to(dtype))
@@ -119,19 +123,19 @@ def test_unshard_reshard(stage, dtype):
     b.reshard()
     # below stage 3 the parameters are never sharded: reshard keeps them gathered
     assert b.state is (BucketState.SHARDED if stage == 3 else BucketState.GATHERED)
-    assert b.param_full.is_allocated is (stage < 3)
+    assert b.bucket.param_full.is_allocated is (stage < 3)
     b.reshard()  # twice: no-op
     assert b.state is (BucketState.SHARDED if stage == 3 else BucketState.GATHERED)
     assert group.take() == []
     if stage == 3:  # between gathers: the shape over one NaN element, never the freed storage
         for n, p in model.named_parameters():
             assert p.shape == original[n].shape and p.untyped_storage().nbytes() == p.element_size()
-            assert p.detach().isnan().all() and b.holds(p.data)
+            assert p.detach().isnan().all() and b.bucket.holds(p.data)
             with pytest.raises(RuntimeError, match="single memory location"):
                 p.detach().add_(1)
         b.unshard()
         for n, p in model.named_parameters():  # bound to the buffer again
-            assert torch.equal(p.detach(), original[n].to(dtype)) and b.holds(p.data)
+            assert torch.equal(p.detach(), original[n].to(dtype)) and b.bucket.holds(p.data)
 
 
 def test_a_copy_put_in_place_of_a_parameter_is_left_bound():
@@ -141,12 +145,12 @@ def test_a_copy_put_in_place_of_a_parameter_is_left_bound():
     p = model[0].weight
     copy = torch.full(p.shape, 7.0)
     p.data = copy
-    assert not b.holds(p.data)
+    assert not b.bucket.holds(p.data)
     b.unshard()
     b.reshard()
     assert p.data.data_ptr() == copy.data_ptr() and torch.equal(p.detach(), torch.full(p.shape, 7.0))
     others = [q for q in model.parameters() if q is not p]
-    assert all(b.holds(q.data) and q.detach().isnan().all() for q in others)
+    assert all(b.bucket.holds(q.data) and q.detach().isnan().all() for q in others)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,7 +174,7 @@ def test_prefetch_then_wait_stage3(dtype):
     with pytest.raises(ZeroMPIError, match="publish.. in state GATHERING"):
         b.publish()  # a step runs on sharded parameters
     b.reshard()  # releasing with a gather in flight waits for it first
-    assert b.state is BucketState.SHARDED and not b.param_full.is_allocated
+    assert b.state is BucketState.SHARDED and not b.bucket.param_full.is_allocated
     assert group.take() == [("all_gather", "all_gather", True)]
 
 
@@ -186,9 +190,9 @@ def test_reduce_on_one_rank_leaves_the_gradient_unchanged(stage, dtype):
     assert not b.needs_reduce()
     expected = {0: [("reduce_scatter", "all_reduce", False), ("all_gather in place", "all_reduce", False)]}
     assert group.take() == expected.get(stage, [("reduce_scatter", "reduce_scatter", False)])
-    g = b.master_grad()
+    g = b.bucket.master_grad()
     assert g.dtype == torch.float32 and torch.equal(g, flat(gs))
-    assert b.grad_full.is_allocated is (stage <= 1)  # stages 2-3 release the full gradient bucket
+    assert b.bucket.grad_full.is_allocated is (stage <= 1)  # stages 2-3 release the full gradient bucket
     assert b.state is (BucketState.SHARDED if stage == 3 else BucketState.GATHERED)  # grads need no gather
 
 
@@ -200,11 +204,11 @@ def test_overlapped_reduce_applies_at_finish(stage):
     b.reduce_grads(async_op=True)
     assert group.take() == [("reduce_scatter", "reduce_scatter", True)]
     # no reduction has landed yet: the reduced gradient is zeros until finish
-    assert torch.equal(b.master_grad(), torch.zeros(NUMEL))
+    assert torch.equal(b.bucket.master_grad(), torch.zeros(NUMEL))
     b.progress()
     b.finish_reduce()
     b.finish_reduce()  # nothing in flight: no-op
-    assert torch.equal(b.master_grad(), flat(gs))
+    assert torch.equal(b.bucket.master_grad(), flat(gs))
 
 
 def test_stage0_ignores_async_op():
@@ -223,7 +227,7 @@ def test_accumulation_over_two_backwards(stage):
         b.reduce_grads()
     backward(b, g2)
     b.reduce_grads()
-    assert torch.equal(b.master_grad(), flat(g1) + flat(g2))
+    assert torch.equal(b.bucket.master_grad(), flat(g1) + flat(g2))
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -232,7 +236,7 @@ def test_late_gradient_after_reduce(stage):
     gs = grads(b, 6, torch.float32)
     backward(b, gs)
     b.reduce_grads()
-    late = torch.ones(b.layout.slots[0].shape)
+    late = torch.ones(b.bucket.layout.slots[0].shape)
     if stage <= 1:
         with pytest.raises(UsageError, match="'2.bias' received a second gradient after its bucket was reduced"):
             b.add_grad(0, late)
@@ -241,7 +245,7 @@ def test_late_gradient_after_reduce(stage):
     # "complete" and ShardedModel reduces the bucket again at once
     assert b.add_grad(0, late) is True and b.needs_reduce()
     b.reduce_grads()
-    assert torch.equal(b.master_grad(), flat(gs) + flat([late] + [torch.zeros(s.shape) for s in b.layout.slots[1:]]))
+    assert torch.equal(b.bucket.master_grad(), flat(gs) + flat([late] + [torch.zeros(s.shape) for s in b.bucket.layout.slots[1:]]))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -251,7 +255,7 @@ def test_late_gradient_finishes_an_overlapped_reduce_first(stage):
     backward(b, gs)
     b.reduce_grads(async_op=True)
     b.add_grad(1, gs[1])
-    assert torch.equal(b.master_grad(), flat(gs))  # applied by add_grad, before the late gradient
+    assert torch.equal(b.bucket.master_grad(), flat(gs))  # applied by add_grad, before the late gradient
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -260,13 +264,13 @@ def test_zero_grad(stage):
     gs = grads(b, 8, torch.float32)
     backward(b, gs)
     b.reduce_grads()
-    b.zero_grad()
+    b.bucket.zero_grad()
     # after zero_grad no reduced gradient is left, at any stage (stages 0-1 zero the unwritten slots
     # of the full buffer at the next reduction)
-    assert torch.equal(b.master_grad(), torch.zeros(NUMEL))
+    assert torch.equal(b.bucket.master_grad(), torch.zeros(NUMEL))
     b.begin_backward()
     b.reduce_grads()  # a backward in which no gradient reached the bucket reduces zeros
-    assert torch.equal(b.master_grad(), torch.zeros(NUMEL))
+    assert torch.equal(b.bucket.master_grad(), torch.zeros(NUMEL))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -275,12 +279,12 @@ def test_zero_grad_keeps_an_unreduced_late_gradient(stage):
     backward(b, grads(b, 9, torch.float32))
     b.reduce_grads()
     b.add_grad(0, torch.ones(2))
-    b.zero_grad()
+    b.bucket.zero_grad()
     b.reduce_grads()
     # at stages 2-3 zero_grad clears the shard but not a gradient still waiting in the full buffer,
     # which the next reduction adds (stages 0-1 would drop it). ShardedModel always reduces before a
     # step, so the engine never reaches this.
-    assert b.master_grad()[:2].tolist() == [1.0, 1.0] and not b.master_grad()[2:].any()
+    assert b.bucket.master_grad()[:2].tolist() == [1.0, 1.0] and not b.bucket.master_grad()[2:].any()
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -292,7 +296,7 @@ def test_second_reduce_in_one_backward_is_idempotent_on_one_rank(stage):
     # nothing pending, yet reduce_grads communicates again (stages 0-1 reduce the same
     # full buffer; stages 2-3 re-allocate it and reduce zeros); the result is unchanged here
     b.reduce_grads()
-    assert torch.equal(b.master_grad(), flat(gs))
+    assert torch.equal(b.bucket.master_grad(), flat(gs))
     assert len(group.take()) == (4 if stage == 0 else 2)
 
 
@@ -301,13 +305,13 @@ def test_second_reduce_in_one_backward_is_idempotent_on_one_rank(stage):
 def test_publish_brings_the_master_into_the_parameters(stage, dtype):
     model, original, b, group, init = build(stage, dtype)
     with torch.no_grad():
-        b.master.add_(0.3)
+        b.bucket.master.add_(0.3)
     if stage < 3 and dtype == torch.float32:  # the master is the parameter storage: visible at once
         assert torch.equal(model[0].bias.detach(), original["0.bias"] + 0.3)
     b.publish()
     assert group.take() == ([("all_gather in place", "all_gather", False)] if stage in (1, 2) else [])
     b.unshard()
-    for p, s in zip(b.params, b.layout.slots):
+    for p, s in zip(b.bucket.params, b.bucket.layout.slots):
         assert torch.equal(p.detach(), (init + 0.3)[s.offset:s.offset + s.numel].view(s.shape).to(dtype))
     assert torch.equal(b.full_master(), init + 0.3)
 
@@ -317,4 +321,4 @@ def test_nonfinite_gradients_are_named():
     gs = grads(b, 11, torch.bfloat16)
     gs[2][1] = float("nan")
     backward(b, gs)
-    assert b.nonfinite == ["0.bias"]
+    assert b.bucket.nonfinite == ["0.bias"]

@@ -10,7 +10,7 @@ from torch import nn
 
 import zerompi
 from zerompi.comm.local import run_ranks
-from zerompi.shard.bucket import BucketState
+from zerompi.shard.collectives import BucketState
 from zerompi.shard.prefetch import Prefetcher
 
 ROOT, A, B, C = (SimpleNamespace(fqn=n) for n in ("", "a", "b", "c"))
@@ -85,7 +85,7 @@ def test_a_model_whose_root_holds_no_parameter_prefetches():
         engine = zerompi.initialize(m, cfg, group=group)
         s = engine.sharded
         ahead = []
-        m[0].register_forward_pre_hook(lambda *_: ahead.append(s.units[1].buckets[0].state))
+        m[0].register_forward_pre_hook(lambda *_: ahead.append(s.units[1].members[0].state))
         for _ in range(3):
             engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
             engine.step()

@@ -20,11 +20,11 @@ import weakref
 from torch import nn
 
 from zerompi.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from zerompi.shard.bucket import BucketState
+from zerompi.shard.collectives import BucketState
 
 __all__ = ["StatusParameter", "mark"]
 
-_BUCKET = "_zerompi_status_bucket"  # a weak reference to the bucket whose buffer the parameter views
+_BUCKET = "_zerompi_status_bucket"  # a weak reference to the collectives of the bucket whose buffer it views
 
 _BY_STATE = {BucketState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, BucketState.GATHERING: ZeroParamStatus.INFLIGHT,
              BucketState.GATHERED: ZeroParamStatus.AVAILABLE}
@@ -36,14 +36,14 @@ class StatusParameter(nn.Parameter):
     @property
     def ds_status(self) -> ZeroParamStatus:
         ref = self.__dict__.get(_BUCKET)
-        bucket = ref() if ref is not None else None
-        if bucket is None:  # the engine is gone (closed and dropped): the storage itself says
+        collectives = ref() if ref is not None else None
+        if collectives is None:  # the engine is gone (closed and dropped): the storage itself says
             return ZeroParamStatus.AVAILABLE if _in_storage(self.data) else ZeroParamStatus.NOT_AVAILABLE
-        if not bucket.plan.shard_params:  # replicated (a persistent bucket)
+        if not collectives.plan.shard_params:  # replicated (a persistent bucket)
             return ZeroParamStatus.AVAILABLE
-        if not bucket.holds(self.data):
+        if not collectives.bucket.holds(self.data):
             return ZeroParamStatus.AVAILABLE  # a whole copy in place: GatheredParameters' block
-        return _BY_STATE[bucket.state]
+        return _BY_STATE[collectives.state]
 
 
 def _in_storage(t) -> bool:
@@ -56,7 +56,7 @@ def mark(engine) -> None:
     """Give every parameter of ``engine``'s module (a zerompi Engine at stage 3) its ``ds_status``."""
     if int(engine.config.stage) != 3:
         return  # DeepSpeed's ZeRO-1/2 parameters have no ds_status either
-    owner = {id(p): b for b in engine.sharded.all_buckets for p in b.params}
+    owner = {id(p): c for c in engine.sharded.all_collectives for p in c.bucket.params}
     for p in engine.module.parameters():
         if type(p) is not nn.Parameter:
             continue

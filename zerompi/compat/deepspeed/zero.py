@@ -183,16 +183,16 @@ class _Gathered:
     def __init__(self, engine: DeepSpeedEngine, params: list[nn.Parameter]):
         self.engine = engine.engine
         wanted = {id(p) for p in params}
-        self.slots = []  # (bucket, trains, index, slot, param, its bound view)
+        self.slots = []  # (the bucket's collectives, trains, index, slot, param, its bound view)
         sharded = self.engine.sharded
-        for trains, buckets in ((True, sharded.buckets), (False, sharded.frozen)):
-            for i, b in enumerate(buckets):
-                hits = [(s, p) for s, p in zip(b.layout.slots, b.params) if id(p) in wanted]
+        for trains, buckets in ((True, sharded.collectives), (False, sharded.frozen_collectives)):
+            for i, c in enumerate(buckets):
+                hits = [(s, p) for s, p in zip(c.bucket.layout.slots, c.bucket.params) if id(p) in wanted]
                 if not hits:
                     continue
-                full = b.full_params() if b.plan.shard_params else None  # collective
+                full = c.full_params() if c.plan.shard_params else None  # collective
                 for s, p in hits:
-                    self.slots.append((b, trains, i, s, p, p.data))
+                    self.slots.append((c, trains, i, s, p, p.data))
                     # a copy for the block, so that changes reach the engine only through leave()
                     p.data = full[s.offset:s.offset + s.numel].view(s.shape).clone() if full is not None \
                         else p.data.clone()
@@ -221,18 +221,18 @@ class _Gathered:
 
     def _write(self, trains: bool, index: int, entries: list) -> None:
         """Put the new values into bucket ``index``'s shards (collective over its group)."""
-        bucket = entries[0][0]
-        own = slice(bucket.own.start, bucket.own.stop)
+        collectives = entries[0][0]
+        own = slice(collectives.bucket.own.start, collectives.bucket.own.stop)
         if not trains:
-            full = bucket.full_params()
+            full = collectives.full_params()
             for _, s, value in entries:
                 full[s.offset:s.offset + s.numel] = value.reshape(-1).to(full.dtype)
             self.engine.sharded.load_frozen(index, full[own])
             return
         optimizer = self.engine.optimizer
         with optimizer.resident(index) as master:
-            full = bucket.full_master()
+            full = collectives.full_master()
             for _, s, value in entries:
                 full[s.offset:s.offset + s.numel] = value.reshape(-1).float()
             master.copy_(full[own])
-            bucket.publish()
+            collectives.publish()
