@@ -9,6 +9,7 @@ batch, exactly as single-process training on that batch would.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,14 +282,11 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every entry of ``named_parameters()`` as a full fp32 CPU tensor, on every rank."""
         out: dict[str, torch.Tensor] = {}
-        for i, c in enumerate(self.sharded.collectives):
-            with self.optimizer.resident(i):
+        for c in self.sharded.all_collectives:  # a frozen bucket's parameters are gathered and widened to fp32
+            layout = c.bucket.layout
+            with self.optimizer.resident(layout.index) if c.bucket.trains else nullcontext():
                 full = c.full_master().cpu()
-            for slot in c.bucket.layout.slots:
-                out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-        for c in self.sharded.frozen_collectives:  # stage 3's frozen shards, gathered and widened to fp32
-            full = c.full_master().cpu()
-            for slot in c.bucket.layout.slots:
+            for slot in layout.slots:
                 out[slot.fqn] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         ordered = {}
         for name, p in self.module.named_parameters():
@@ -298,10 +296,9 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """What a checkpoint reads of this engine now (a save refuses one taken inside a window)."""
         s, shard = self._stats, self.groups.shard
-        shards = tuple(ShardSnapshot(b.layout, b.own, b.layout.shard(shard.rank)) for b in self.sharded.buckets)
-        frozen = tuple(ShardSnapshot(b.layout, b.own, b.own) for b in self.sharded.frozen)
+        buckets = tuple(ShardSnapshot(b.layout, b.own, b.layout.shard(shard.rank)) for b in self.sharded.all_buckets)
         view = ShardView(shard, writes=self.groups.replicate is None or self.groups.replicate.rank == 0,
-                         hierarchical=self.groups.hierarchical, shards=shards, frozen=frozen,
+                         hierarchical=self.groups.hierarchical, buckets=buckets,
                          config=SavedConfig.of(self.config), fence=self._fence)
         return EngineSnapshot(
             counters=Counters(s.steps, s.skipped_steps, self.optimizer.scaler_state(),

@@ -35,7 +35,8 @@ from zerompi.checkpoint.frozen import FrozenRead, FrozenSource
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import Reads
 from zerompi.checkpoint.shards import OptimizerShards, Part
-from zerompi.checkpoint.snapshot import EngineSnapshot, Entry, FrozenHolder, ShardSnapshot, ShardView
+from zerompi.checkpoint.snapshot import (EngineSnapshot, Entry, FrozenHolder, ShardSnapshot, ShardView,
+                                         frozen_in_file_order)
 from zerompi.checkpoint.taken import HostCopy
 from zerompi.checkpoint.tensors import TensorStates
 from zerompi.log import get_logger, log_rank0
@@ -70,12 +71,12 @@ class FrozenShards:
         return self.take().parts()
 
     def take(self) -> FrozenRead:
-        return FrozenRead(len(self.view.frozen) if self.include else 0, self.holder)
+        return FrozenRead(len(frozen_in_file_order(self.view)) if self.include else 0, self.holder)
 
     def read(self, ctx: LoadContext) -> list[np.ndarray] | None:
         if not ctx.index.frozen_saved:
             return None
-        return [_read_frozen(shard, ctx.frozen) for shard in self.view.frozen]
+        return [_read_frozen(shard, ctx.frozen) for shard in frozen_in_file_order(self.view)]
 
     def apply(self, data: list[np.ndarray] | None, ctx: LoadContext) -> None:
         for i, shard in enumerate(data or []):  # the same buckets on every rank (hpZ: collective)

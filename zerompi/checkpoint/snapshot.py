@@ -112,10 +112,20 @@ class ShardView(NamedTuple):
     group: ProcessGroup     # the group the buckets are sharded over (one writer per member)
     writes: bool            # this rank saves a shard (with hsdp only the first node's ranks do)
     hierarchical: bool      # hsdp/hpz groups: per-rank RNG streams are not restored
-    shards: tuple[ShardSnapshot, ...]
-    frozen: tuple[ShardSnapshot, ...]  # stage 3's frozen buckets (numbered apart)
+    buckets: tuple[ShardSnapshot, ...]  # every bucket, trainable ones first (whether it trains is its layout's)
     config: SavedConfig
     fence: ShardFence | None  # what a background save holds until it has each bucket
+
+    @property
+    def shards(self) -> tuple[ShardSnapshot, ...]:
+        """The trainable buckets, by index: the optimizer's, and the file's ``b<i>``."""
+        return tuple(s for s in self.buckets if s.layout.trainable)
+
+
+def frozen_in_file_order(view: ShardView) -> tuple[ShardSnapshot, ...]:
+    """Stage 3's frozen buckets as the file numbers them (``f<i>``, apart from the trainable ``b<i>``): the
+    file format's numbering, kept at this edge; the engine holds one list of buckets."""
+    return tuple(sorted((s for s in view.buckets if not s.layout.trainable), key=lambda s: s.layout.index))
 
 
 class Taken(Protocol):

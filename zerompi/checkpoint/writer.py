@@ -35,7 +35,7 @@ from zerompi.checkpoint.entries import entries
 from zerompi.checkpoint.index import CheckpointIndex
 from zerompi.checkpoint.rawio import WriteOptions
 from zerompi.checkpoint.shards import to_numpy
-from zerompi.checkpoint.snapshot import EngineSnapshot
+from zerompi.checkpoint.snapshot import EngineSnapshot, frozen_in_file_order
 from zerompi.checkpoint.stores import ShardStore, store_for
 from zerompi.checkpoint.taken import host_copy
 from zerompi.comm.topology import node_placement
@@ -64,7 +64,7 @@ def build_index(engine, snap: EngineSnapshot, tag: str, client_state, meta: dict
            kind: str, include_frozen: bool) -> CheckpointIndex:
     m = engine.module
     replicated = list(snap.replicated_frozen if include_frozen else ()) + [n for n, _ in m.named_buffers()]
-    frozen = _bucket_meta(snap.view.frozen) if include_frozen else []
+    frozen = _bucket_meta(frozen_in_file_order(snap.view)) if include_frozen else []
     keys = snap.view.config.keys
     return CheckpointIndex(
         tag=tag, world_size=snap.view.group.size, stage=keys["stage"], dtype=keys["dtype"],

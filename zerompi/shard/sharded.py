@@ -113,14 +113,16 @@ class ShardedModel:
         self.initial = InitialValues()  # ranks whose initial values rank 0's replace are named once built
         built = [self._build(layout) for layout in self._plan(options.cap_numel)]
         trim_heap()  # the full tensors each build copied out of, and the shards' unaligned first copies
-        # the trainable buckets' collectives (collectives.py), then stage 3's frozen ones, each by layout index
-        self.collectives = [c for c in built if c.bucket.trains]
-        self.frozen_collectives = [c for c in built if not c.bucket.trains]
-        self.all_collectives = self.collectives + self.frozen_collectives
+        # every bucket's collectives (collectives.py), trainable ones first; a frozen bucket is one whose layout
+        # does not train: no gradient collective, no optimizer (stage 3 only)
+        self.all_collectives = sorted(built, key=lambda c: not c.bucket.trains)
+        self.collectives = [c for c in self.all_collectives if c.bucket.trains]
+        """The trainable buckets' collectives, indexed by their layout's index (the optimizer's)."""
+        self.all_buckets = [c.bucket for c in self.all_collectives]
         self.buckets = [c.bucket for c in self.collectives]
         """The trainable buckets, indexed by their layout's index (the optimizer's and the checkpoint's)."""
-        self.frozen = [c.bucket for c in self.frozen_collectives]
-        self.all_buckets = self.buckets + self.frozen
+        # the checkpoint's number of each frozen bucket (its layout's: they are numbered apart, planning.py)
+        self._frozen_at = {c.bucket.layout.index: c for c in self.all_collectives if not c.bucket.trains}
         self._slot_of: dict[nn.Parameter, tuple[BucketCollectives, int]] = {}
         for c in self.collectives:
             for i, p in enumerate(c.bucket.params):
@@ -383,11 +385,11 @@ class ShardedModel:
 
     @contextmanager
     def frozen_shard(self, index: int) -> Iterator[torch.Tensor]:
-        with self.frozen[index].param_tier.snapshot() as shard:  # a background save reads it too
+        with self._frozen_at[index].bucket.param_tier.snapshot() as shard:  # a background save reads it too
             yield shard
 
     def load_frozen(self, index: int, shard: torch.Tensor) -> None:
-        self.frozen_collectives[index].load_params(shard.to(self.placement.dtype))
+        self._frozen_at[index].load_params(shard.to(self.placement.dtype))
 
     def remove_hooks(self) -> None:
         self.hooks.remove()

@@ -47,9 +47,9 @@ def frozen_gpt(seed=1, **overrides):
 
 
 def sizes(engine) -> dict:
-    return dict(frozen_padded=sum(b.layout.padded_numel for b in engine.sharded.frozen),
+    return dict(frozen_padded=sum(b.layout.padded_numel for b in engine.sharded.all_buckets if not b.trains),
                 trainable_padded=sum(b.layout.padded_numel for b in engine.sharded.buckets),
-                frozen_numel=sum(b.layout.numel for b in engine.sharded.frozen),
+                frozen_numel=sum(b.layout.numel for b in engine.sharded.all_buckets if not b.trains),
                 model_state_bytes=engine.stats.model_state_bytes, bytes_sent=dict(engine.stats.bytes_sent))
 
 

@@ -29,7 +29,7 @@ def frozen_bytes(unit) -> int:
 
 def held_bytes(engine) -> int:
     """Bytes of frozen parameter storage gathered (or being gathered) now."""
-    return sum(b.param_full.nbytes for b in engine.sharded.frozen if b.param_full.is_allocated)
+    return sum(b.param_full.nbytes for b in engine.sharded.all_buckets if not b.trains and b.param_full.is_allocated)
 
 
 def _encloses(unit_fqn: str, fqn: str) -> bool:

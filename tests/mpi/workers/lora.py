@@ -110,9 +110,9 @@ for kind in args.models.split(","):
         frozen_numel = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         row.update(model_state_bytes=stats.model_state_bytes, bytes_sent=dict(stats.bytes_sent),
                    frozen_numel=frozen_numel, trainable_numel=sum(b.layout.numel for b in engine.sharded.buckets),
-                   frozen_padded=sum(b.layout.padded_numel for b in engine.sharded.frozen),
+                   frozen_padded=sum(b.layout.padded_numel for b in engine.sharded.all_buckets if not b.trains),
                    trainable_padded=sum(b.layout.padded_numel for b in engine.sharded.buckets),
-                   frozen_buckets=len(engine.sharded.frozen))
+                   frozen_buckets=sum(not b.trains for b in engine.sharded.all_buckets))
         if stage == 3:  # after the counters: one more backward and step, every rank's samples
             row["held"] = COMM.allgather(held_in_backward(engine, [local_part(data[0][0], rank)], hf_loss, 0))
         engine.close()

@@ -185,17 +185,17 @@ class _Gathered:
         wanted = {id(p) for p in params}
         self.slots = []  # (the bucket's collectives, trains, index, slot, param, its bound view)
         sharded = self.engine.sharded
-        for trains, buckets in ((True, sharded.collectives), (False, sharded.frozen_collectives)):
-            for i, c in enumerate(buckets):
-                hits = [(s, p) for s, p in zip(c.bucket.layout.slots, c.bucket.params) if id(p) in wanted]
-                if not hits:
-                    continue
-                full = c.full_params() if c.plan.shard_params else None  # collective
-                for s, p in hits:
-                    self.slots.append((c, trains, i, s, p, p.data))
-                    # a copy for the block, so that changes reach the engine only through leave()
-                    p.data = full[s.offset:s.offset + s.numel].view(s.shape).clone() if full is not None \
-                        else p.data.clone()
+        for c in sharded.all_collectives:
+            b = c.bucket
+            hits = [(s, p) for s, p in zip(b.layout.slots, b.params) if id(p) in wanted]
+            if not hits:
+                continue
+            full = c.full_params() if c.plan.shard_params else None  # collective
+            for s, p in hits:
+                self.slots.append((c, b.trains, b.layout.index, s, p, p.data))
+                # a copy for the block, so that changes reach the engine only through leave()
+                p.data = full[s.offset:s.offset + s.numel].view(s.shape).clone() if full is not None \
+                    else p.data.clone()
         bucketed = {id(entry[4]) for entry in self.slots}
         order = {id(p): k for k, p in enumerate(self.engine.module.parameters())}
         # replicated: already whole; in the model's order, whatever order the caller's collection had
