@@ -35,7 +35,7 @@ from zerompi.optim.groups import GroupOptimizer, check_tensors, group_optimizers
 from zerompi.optim.optimizer import ZeroOptimizer
 from zerompi.shard import deferred
 from zerompi.shard.agreement import check_configs_agree, check_models_agree
-from zerompi.shard.bucket import Placement
+from zerompi.shard.bucket import Storage
 from zerompi.shard.compression import Compression
 from zerompi.shard.placement import optimizer_groups, place
 from zerompi.shard.rounds import MicroBatchPlan
@@ -122,8 +122,8 @@ class Engine:
         self.module = deferred.to_device(module, self.device)
         self.groups = build_groups(group, self.info, cfg.topology, sharding.stage)
         shard = self.groups.shard
-        placement = Placement(plan, shard.rank, shard.size, precision.torch_dtype, self.device,
-                              check_finite=not precision.scales_loss)  # fp16 overflows are the loss scaler's
+        storage = Storage(plan, shard.rank, shard.size, precision.torch_dtype, self.device,
+                            check_finite=not precision.scales_loss)  # fp16 overflows are the loss scaler's
         comm = CommFactory(self.groups, compression.error_feedback, batch.rounds)
         micro = MicroBatchPlan(batch.micro_batches, group.size, group.rank) if batch.rounds.dealt else None
         self.iteration = Iteration(batch.grad_accum_steps, overlap.update, micro)
@@ -138,7 +138,7 @@ class Engine:
         self._fence = ShardFence()  # buckets an asynchronous save has not taken yet
         tiers = TierPlan(cfg.offload.optimizer, cfg.offload.params, self.device, plan.shard_grads, swapper,
                          cfg.offload.pin_memory, self._fence)
-        self.sharded = ShardedModel(module, placement, comm,
+        self.sharded = ShardedModel(module, storage, comm,
                                     ShardOptions(cap, placements, overlap, param_init, sharding.max_live_params,
                                                  buffer_dtype=precision.buffer_dtype,
                                                  whole_groups=whole),

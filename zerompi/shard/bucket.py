@@ -24,7 +24,7 @@ from zerompi.shard.placement import ParamPlacement
 
 
 @dataclass(frozen=True)
-class Placement:
+class Storage:
     """How buckets are stored: what the stage shards, this rank, compute dtype, device."""
 
     plan: StagePlan
@@ -43,17 +43,17 @@ class Bucket:
         layout: the frozen plan of this bucket.
         params: the module parameters of ``layout.slots``, in slot order; they
             are re-bound as views into this bucket's flat parameter buffer.
-        placement: stage plan, rank (in ``groups.shard``), dtype and device.
+        storage: stage plan, rank (in ``groups.shard``), dtype and device.
         init: the full padded fp32 initial values (identical on every rank).
         kind: its parameters' placement record (they share one: shard/placement.py): the tier of its
             parameter shard, and whether its weights are quantized (then its master is kept apart).
         tiers: where the shards live between uses (offload/tiers.py).
     """
 
-    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], placement: Placement,
+    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], storage: Storage,
                  init: torch.Tensor, kind: ParamPlacement, tiers: TierPlan = TierPlan()):
-        self.layout, self.params, self.placement = layout, params, placement
-        plan, dtype, index = placement.plan, placement.dtype, layout.index
+        self.layout, self.params, self.storage = layout, params, storage
+        plan, dtype, index = storage.plan, storage.dtype, layout.index
         self.plan = plan
         trains = self.trains = layout.trainable
         """It holds trainable parameters: a master, gradients and optimizer state (a frozen bucket holds
@@ -63,7 +63,7 @@ class Bucket:
             (f" of module '{layout.unit or '<root>'}'" if plan.shard_params else "")
         self._sums: list[tuple[str, torch.Tensor]] = []  # check_finite: each gradient's sum since the last step
         # Stage 0 "owns" the whole buffer: every rank updates every element.
-        self.own = layout.shard(placement.rank) if plan.shard_optimizer else layout.full
+        self.own = layout.shard(storage.rank) if plan.shard_optimizer else layout.full
         own = slice(self.own.start, self.own.stop)
         # a master apart from the parameters (frozen buckets have none; stages 1-2 with quantized
         # weights compute with decoded values, so their master is kept apart too)
@@ -73,7 +73,7 @@ class Bucket:
         if init.dtype == dtype and not trains:  # frozen: the values are all it keeps, in place
             self.param_full = FlatBuffer.holding(init, reuse=tiers.reuse)
         else:
-            self.param_full = FlatBuffer(layout.padded_numel, dtype, placement.device, reuse=tiers.reuse)
+            self.param_full = FlatBuffer(layout.padded_numel, dtype, storage.device, reuse=tiers.reuse)
             self.param_full.tensor.copy_(init)
         if plan.shard_params:
             self.param_tier: ShardTier = tiers.param_tier(index, aligned_clone(self.param_full.tensor[own]),
@@ -92,7 +92,7 @@ class Bucket:
         self._holes = self._views
         self._own = {_storage(self.param_full.tensor)}
         if plan.shard_params:
-            hole = torch.full((1,), float("nan"), dtype=dtype, device=placement.device)  # compute dtypes float
+            hole = torch.full((1,), float("nan"), dtype=dtype, device=storage.device)  # compute dtypes float
             self._holes = [hole.expand(slot.shape) for slot in layout.slots]
             self._own.add(_storage(hole))
         for p, view in zip(params, self._views):
@@ -104,14 +104,14 @@ class Bucket:
 
     def _init_training(self, init: torch.Tensor, tiers: TierPlan) -> None:
         """The master, the gradient buffer and the gradient shard of a trainable bucket."""
-        plan, placement, index, own = self.plan, self.placement, self.layout.index, self.own
+        plan, storage, index, own = self.plan, self.storage, self.layout.index, self.own
         # The master starts from the fp32 values, not from their rounded copy.
         master = aligned_clone(init[own.start:own.stop]) if self.separate else self.param_tier.tensor
         self.master = tiers.place_master(index, master, self.separate)
-        self.grad_full = FlatBuffer(self.layout.padded_numel, placement.dtype, placement.device, zero=True,
+        self.grad_full = FlatBuffer(self.layout.padded_numel, storage.dtype, storage.device, zero=True,
                                     allocated=not plan.shard_grads, reuse=tiers.reuse)
         local = self.grad_full.tensor[own.start:own.stop] if not plan.shard_grads else \
-            torch.zeros(own.numel, dtype=placement.dtype, device=placement.device)
+            torch.zeros(own.numel, dtype=storage.dtype, device=storage.device)
         self.grads = GradShard(tiers.grad_tier(index, local), own.numel, self.master.device)
 
     # ---- parameters (bound and freed by the collectives around a gather) ------------------------
@@ -158,7 +158,7 @@ class Bucket:
             self.grad_full.alloc()
             self._written.clear()
         slot = self.layout.slots[slot_index]
-        if self.placement.check_finite:
+        if self.storage.check_finite:
             self._sums.append((slot.fqn, grad.sum()))  # looked at only if the step's norm is not finite
         dest = self.grad_full.view(slot.offset, slot.shape)
         if slot_index in self._written:

@@ -199,7 +199,7 @@ class BucketCollectives:
         """Collective (stage 3): the full padded compute-dtype parameters, gathered from the shards
         into a new tensor (the bucket stays SHARDED)."""
         b = self.bucket
-        out = torch.empty(b.layout.padded_numel, dtype=b.placement.dtype, device=b.placement.device)
+        out = torch.empty(b.layout.padded_numel, dtype=b.storage.dtype, device=b.storage.device)
         with b.param_tier.loaded() as shard:
             self.comm.shard.all_gather(shard, out, kind="state_dict", what=self.name)
         return out

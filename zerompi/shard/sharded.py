@@ -26,7 +26,7 @@ from zerompi.config.sections import OverlapPolicy
 from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.log import get_logger
 from zerompi.offload.tiers import TierPlan
-from zerompi.shard.bucket import Bucket, Placement
+from zerompi.shard.bucket import Bucket, Storage
 from zerompi.shard.collectives import BucketCollectives, BucketState
 from zerompi.shard.deferred import Materializer, ParamInit
 from zerompi.shard.grads import NORM_CHUNK
@@ -80,19 +80,19 @@ class ShardedModel:
 
     Args:
         module: the model (already on its device).
-        placement: stage plan, rank in the shard group, compute dtype and device.
+        storage: stage plan, rank in the shard group, compute dtype and device.
         comm: the process groups (flat, HSDP or hpZ) and what builds each bucket's collectives
             (shard/wiring.py).
         options: bucket size, optimizer groups, overlap, deferred initialisation.
         tiers: where each bucket's shards live between uses (offload/tiers.py).
     """
 
-    def __init__(self, module: nn.Module, placement: Placement, comm: CommFactory, options: ShardOptions,
+    def __init__(self, module: nn.Module, storage: Storage, comm: CommFactory, options: ShardOptions,
                  tiers: TierPlan = TierPlan()):
-        self.module, self.placement, self.plan, self.tiers = module, placement, placement.plan, tiers
+        self.module, self.storage, self.plan, self.tiers = module, storage, storage.plan, tiers
         self.comm, self.groups = comm, comm.groups  # comm builds each bucket's collectives (wiring.py)
-        self.materialize = Materializer(module, placement.device, options.param_init,
-                                        placement.dtype if self.plan.shard_params else None)
+        self.materialize = Materializer(module, storage.device, options.param_init,
+                                        storage.dtype if self.plan.shard_params else None)
         self.overlap = options.overlap
         self.rounds = comm.rounds  # micro_batches: reduced after each backward, round by round (sync.py)
         self.buffer_dtype = options.buffer_dtype
@@ -140,7 +140,7 @@ class ShardedModel:
         self._rootless = self.plan.shard_params and "" not in self._unit
         if self.rounds.dealt or self._rootless:  # the model's forward begins a pass (prepended: before its unit's)
             self.hooks.around_forward(module, lambda _a, _k: self._begin_pass(), lambda _out: None)
-        log_plan(self.plan.stage, [(b.layout, b.trains) for b in self.all_buckets], self.placement.world_size)
+        log_plan(self.plan.stage, [(b.layout, b.trains) for b in self.all_buckets], self.storage.world_size)
 
     @property
     def in_backward(self) -> bool:
@@ -152,7 +152,7 @@ class ShardedModel:
         # the planner's outcomes, beside the placements: stage 3's gather unit of each sharded parameter, and for
         # an optimizer that sees whole tensors (owner-aligned buckets) the rank whose shard holds each tensor
         layouts, self.units, self.unit_of = plan_layouts(self.module, list(self.placements.values()), self.plan,
-                                                         self.placement.world_size, cap, self._align, self._whole)
+                                                         self.storage.world_size, cap, self._align, self._whole)
         self.owners: dict[str, int] = {slot.fqn: slot.offset // layout.shard_numel for layout in layouts
                                        if layout.group in self._whole and self.plan.shard_optimizer
                                        for slot in layout.slots}
@@ -163,8 +163,8 @@ class ShardedModel:
         params = [self.module.get_parameter(slot.fqn) for slot in layout.slots]
         placed = self._bucket_kind(layout)
         frozen = not placed.trainable
-        dtype = self.placement.dtype if frozen else torch.float32  # frozen keep just this; trainable: fp32 masters
-        init = torch.zeros(layout.padded_numel, dtype=dtype, device=self.placement.device)
+        dtype = self.storage.dtype if frozen else torch.float32  # frozen keep just this; trainable: fp32 masters
+        init = torch.zeros(layout.padded_numel, dtype=dtype, device=self.storage.device)
         for p, slot in zip(params, layout.slots):
             deferred = p.is_meta
             if deferred:  # deferred initialisation: this bucket's modules become real now
@@ -175,10 +175,10 @@ class ShardedModel:
         what = f"initial values of {'frozen ' if frozen else ''}bucket {layout.index}"  # rank 0's, as in DDP
         self.initial.broadcast(init, [(s.fqn, slice(s.offset, s.offset + s.numel)) for s in layout.slots],
                                lambda t: self.groups.world.broadcast(t, what=what))
-        placement = dataclasses.replace(self.placement, plan=placed.bucket_plan(self.plan))
-        bucket = Bucket(layout, params, placement, init, placed, self.tiers)
+        storage = dataclasses.replace(self.storage, plan=placed.bucket_plan(self.plan))
+        bucket = Bucket(layout, params, storage, init, placed, self.tiers)
         del init  # the next bucket's values may take its place
-        comm = self.comm.build(layout, placement.plan, placed, placement.rank, placement.device,
+        comm = self.comm.build(layout, storage.plan, placed, storage.rank, storage.device,
                                bucket.param_full.tensor)
         collectives = BucketCollectives(bucket, comm)
         if bucket.plan.shard_params:
@@ -204,7 +204,7 @@ class ShardedModel:
         cast = {id(t) for _, t in frozen + (buffers if self.buffer_dtype is BufferDType.COMPUTE else [])}
         for name, t in frozen + buffers:
             if t.is_floating_point() and id(t) in cast:
-                t.data = t.data.to(self.placement.dtype)
+                t.data = t.data.to(self.storage.dtype)
             if not t.is_contiguous():
                 t.data = t.data.contiguous()
             self.initial.broadcast(t.data.view(-1), [(name, slice(None))],
@@ -389,7 +389,7 @@ class ShardedModel:
             yield shard
 
     def load_frozen(self, index: int, shard: torch.Tensor) -> None:
-        self._frozen_at[index].load_params(shard.to(self.placement.dtype))
+        self._frozen_at[index].load_params(shard.to(self.storage.dtype))
 
     def remove_hooks(self) -> None:
         self.hooks.remove()

@@ -155,7 +155,7 @@ def gathered_vs_exact(engine) -> tuple[float, bool]:
         if codes is None:
             continue
         with engine.optimizer.shard_state(i):  # an offloaded master is in memory for the block
-            exact = c.full_master().to(b.placement.dtype).double()
+            exact = c.full_master().to(b.storage.dtype).double()
         # every owner's scales, in the order of the shards in the bucket (the shard group's ranks)
         scales = torch.cat([torch.tensor(s) for s in c.shard_group.allgather_object(codes.scales().tolist())])
         bound = codes.codec.max_error(scales).repeat_interleave(codes.codec.block).double()
@@ -163,8 +163,8 @@ def gathered_vs_exact(engine) -> tuple[float, bool]:
         bound = torch.cat([bound[r * blocks * codes.codec.block:][:chunk] for r in range(len(scales) // blocks)])
         c.unshard()
         full = b.param_full.tensor.double()
-        if b.placement.dtype != torch.float32:
-            bound = bound + full.abs() * torch.finfo(b.placement.dtype).eps / 2
+        if b.storage.dtype != torch.float32:
+            bound = bound + full.abs() * torch.finfo(b.storage.dtype).eps / 2
         worst = max(worst, float(((full - exact).abs() / bound.clamp_min(1e-300)).max()))
         digests.append(b.param_full.tensor.view(torch.uint8).clone().numpy().tobytes())  # a copy: numpy pins storage
         c.reshard()

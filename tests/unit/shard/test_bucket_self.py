@@ -17,7 +17,7 @@ from torch import nn
 from zerompi.comm.mpi import MPIGroup
 from zerompi.comm.topology import Groups
 from zerompi.errors import UsageError, ZeroMPIError
-from zerompi.shard.bucket import Bucket, Placement
+from zerompi.shard.bucket import Bucket, Storage
 from zerompi.shard.collectives import BucketCollectives, BucketState
 from zerompi.shard.wiring import CommFactory
 from zerompi.shard.layout import ParamSpec, plan_buckets
@@ -65,7 +65,7 @@ def build(stage: int, dtype: torch.dtype):
     for p, s in zip(params, layout.slots):
         init[s.offset:s.offset + s.numel].copy_(p.detach().reshape(-1))
     group = Recording()
-    where = Placement(plan_for(stage), group.rank, group.size, dtype, torch.device("cpu"), check_finite=True)
+    where = Storage(plan_for(stage), group.rank, group.size, dtype, torch.device("cpu"), check_finite=True)
     kind = place([(s.fqn, s.shape, True) for s in layout.slots], plan_for(stage), 0,
                  {s.fqn: 0 for s in layout.slots})[0]  # the bucket's parameters' record
     bucket = Bucket(layout, params, where, init, kind)
