@@ -117,3 +117,20 @@ def test_the_layers_below_checkpoint_declare_their_state_without_importing_it():
     edges = _folder_edges()
     up = {(a, b): edges[(a, b)] for a, b in edges if a in ("optim", "shard", "comm", "state") and b == "checkpoint"}
     assert up == {}
+
+
+def test_a_bucket_is_storage_and_builds_no_collective():
+    """shard/bucket.py holds buffers, tiers, master and gradient shard: it imports nothing that communicates
+    (comm/, the strategies, their factory or the collectives that drive them) and names no collective verb.
+    What crosses the network for a bucket is shard/collectives.py's, which the sharded model builds."""
+    known = set(_modules())
+    path = PKG / "shard" / "bucket.py"
+    imported = _imports("zerompi.shard.bucket", path, known)
+    communicating = {m for m in imported if m.startswith("zerompi.comm") or m in (
+        "zerompi.shard.sync", "zerompi.shard.wiring", "zerompi.shard.collectives", "zerompi.shard.compression")}
+    assert communicating == set()
+    calls = {n.func.attr for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    verbs = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "build", "gather", "publish",
+             "start", "finish", "wait", "test"}
+    assert calls & verbs == set()
