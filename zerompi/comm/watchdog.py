@@ -106,9 +106,17 @@ class Channel(Protocol):
     def flush(self) -> bool: ...
 
 
+JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")  # a batch job's id
+
+
 def default_directory(job: str) -> str:
     """Where records go when ``hang_dir`` is not set: a temporary directory named after the job."""
     return os.path.join(tempfile.gettempdir(), f"zerompi-hang-{job}")
+
+
+def batch_job() -> str | None:
+    """This batch job's id (Slurm, PBS, LSF, Flux, Cobalt), or None outside one."""
+    return next((os.environ[k] for k in JOB_VARIABLES if os.environ.get(k)), None)
 
 
 class Watchdog:

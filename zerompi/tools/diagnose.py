@@ -1,4 +1,4 @@
-"""``zerompi diagnose DIR``: the hang report again, from the records a job left when it aborted.
+"""``zerompi diagnose [DIR]``: the hang report again, from the records a job left when it aborted.
 
 Each rank writes ``rank-NNNNN.json`` into ``hang_dir`` when the watchdog diagnoses a hang (or an
 uncaught exception asks for the report); this reads them and prints the report rank 0 printed,
@@ -9,6 +9,11 @@ Where there are none, the job ended before any watchdog could report (a rank kil
 ranks' watchers left ``end-NNNNN.json`` files instead (comm/sentinel.py), and this prints the end report,
 which names the ranks that died alone, those torn down and the hosts that left nothing. Right after the launcher returns,
 ``--wait S`` waits up to S seconds for the picture to settle (every host's records all there, or none).
+
+Without DIR, inside a batch job, it reads where the job's ranks wrote with no ``hang_dir`` set: the temporary
+directory named after the job (watchdog.py's ``default_directory``; the ranks' ``TMPDIR`` must be this
+process's). ``--if-unreported`` prints nothing where rank records exist: rank 0 printed that report already
+(a batch script runs it after every failed run, jobs/slurm/train.sbatch).
 """
 from __future__ import annotations
 
@@ -16,14 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-from zerompi.comm import diagnosis
+from zerompi.comm import diagnosis, watchdog
 from zerompi.errors import ZeroMPIError
 
 POLL = 0.2  # seconds between looks while --wait lasts
 
 
 def run(args) -> int:
-    directory = Path(args.directory)
+    directory = Path(args.directory if args.directory is not None else _job_directory())
     deadline = time.monotonic() + args.wait
     while True:
         records, size = diagnosis.load_records(directory) if directory.is_dir() else ({}, 0)
@@ -31,6 +36,8 @@ def run(args) -> int:
         if records or ends.settled() or time.monotonic() >= deadline:
             break
         time.sleep(POLL)
+    if records and args.if_unreported:
+        return 0  # rank 0 printed this report when the job aborted
     if records:
         size = max(size, args.size or 0)
         trigger = next((r["reason"] for _, r in sorted(records.items()) if r.get("reason")), "")
@@ -46,11 +53,23 @@ def run(args) -> int:
                        f"{directory}: the job left none there (hang_dir unset or not writable, or it ended cleanly)")
 
 
+def _job_directory() -> str:
+    job = watchdog.batch_job()
+    if job is None:
+        raise ZeroMPIError(f"give DIR, the job's hang_dir: outside a batch job ({', '.join(watchdog.JOB_VARIABLES)} "
+                           "unset) there is no default directory to read")
+    return watchdog.default_directory(job)
+
+
 def register(subparsers) -> None:
     """Add ``zerompi diagnose`` to the ``zerompi`` command's subparsers."""
     p = subparsers.add_parser("diagnose", help="print the hang or end report from the per-rank records a job left",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("directory", metavar="DIR", help="the job's hang_dir (holds rank-NNNNN.json)")
+    p.add_argument("directory", metavar="DIR", nargs="?", default=None,
+                   help="the job's hang_dir (holds rank-NNNNN.json); default: inside a batch job, the directory its "
+                        "ranks write to when hang_dir is not set")
+    p.add_argument("--if-unreported", action="store_true",
+                   help="print nothing where ranks left hang records (rank 0 printed that report already)")
     p.add_argument("--size", type=int, default=None, metavar="N",
                    help="ranks in the job, if the records of the highest ranks are missing")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",

@@ -161,6 +161,36 @@ def test_diagnose_prefers_the_hang_report_where_there_is_one(tmp_path, capsys):
     assert out.startswith("zerompi hang report") and "end report" not in out
 
 
+def test_diagnose_if_unreported_prints_only_what_rank_0_did_not(tmp_path, capsys):
+    """What a batch script runs after every failed run: nothing where rank records exist (rank 0 printed that
+    report), the end report where only watchers' records do."""
+    from tests.unit.comm.test_hang import STEP, record
+    _write(tmp_path, _records({0: sentinel.TORN_DOWN, 1: sentinel.TORN_DOWN, 4: sentinel.TORN_DOWN}))
+    assert main(["diagnose", "--if-unreported", str(tmp_path)]) == 0
+    assert "lost: node7 (rank(s) 2-3)" in capsys.readouterr().out
+    diagnosis.write_record(tmp_path, record(0, 2, STEP))
+    assert main(["diagnose", "--if-unreported", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_diagnose_without_dir_reads_the_batch_jobs_default_directory(tmp_path, monkeypatch, capsys):
+    """No DIR in a batch job: the directory its ranks write to with no hang_dir (the same function names
+    both); outside one, a clear error that names the variables it looked for."""
+    import tempfile
+    from zerompi.comm import watchdog
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for k in watchdog.JOB_VARIABLES:
+        monkeypatch.delenv(k, raising=False)
+    assert main(["diagnose"]) == 2
+    assert "give DIR" in capsys.readouterr().err
+    monkeypatch.setenv("PBS_JOBID", "4242.head")
+    directory = tmp_path / "zerompi-hang-4242.head"
+    directory.mkdir()
+    _write(directory, _records({0: sentinel.TORN_DOWN, 1: sentinel.TORN_DOWN, 4: sentinel.TORN_DOWN}))
+    assert main(["diagnose"]) == 0
+    assert "lost: node7 (rank(s) 2-3)" in capsys.readouterr().out
+
+
 def test_diagnose_waits_for_the_records_to_settle_and_no_longer(tmp_path, capsys):
     """node1's second record comes 0.5 s late (a watcher slow on a loaded node): --wait reads it, and returns
     as soon as the picture is whole, not at the end of the wait."""

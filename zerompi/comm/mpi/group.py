@@ -25,7 +25,7 @@ from zerompi.comm.mpi.side import SideChannel
 from zerompi.comm.recorder import Event
 from zerompi.comm.staging import alone_copy, alone_reduce_scatter, stage
 from zerompi.comm.thread import CommThread
-from zerompi.comm.watchdog import HangPolicy, default_directory
+from zerompi.comm.watchdog import HangPolicy, batch_job, default_directory
 from zerompi.errors import ZeroMPIError
 
 _SHIFT_TAG = 17  # point-to-point on the job's communicator: never matched by a collective
@@ -34,9 +34,6 @@ _SHIFT_TAG = 17  # point-to-point on the job's communicator: never matched by a 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """A view MPI can describe: 16-bit floats travel as int16 where no arithmetic happens."""
     return t.view(torch.int16) if t.dtype in shapes.HALF_DTYPES else t
-
-
-_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
 
 
 class MPIGroup:
@@ -115,7 +112,7 @@ class MPIGroup:
             return
         channel = SideChannel(self._call(self.comm.Dup)) if thread_support_error() is None else None
         if policy.directory is None:
-            job = next((os.environ[k] for k in _JOB_VARIABLES if os.environ.get(k)), None)
+            job = batch_job()
             if job is None:
                 local = f"{MPI.Get_processor_name()}-{os.getpid()}"
                 job = channel.comm.bcast(local, root=0) if channel is not None else local
