@@ -67,6 +67,12 @@ COVERING = {  # module -> the tests that cover it
     "zerompi/shard/agreement.py": ["tests/unit/shard/test_agreement.py", "tests/unit/shard/test_model_agreement.py"],
     "zerompi/compat/deepspeed/param_status.py": ["tests/unit/deepspeed/test_param_status.py",
                                                  "tests/unit/deepspeed/test_param_status_kinds.py"],
+    # a bucket's collectives and storage: the one-rank verb tests, then prefetch, rounds and ds_status at 2 ranks
+    "zerompi/shard/collectives.py": ["tests/unit/shard/test_bucket_self.py", "tests/unit/shard/test_prefetch.py",
+                                     "tests/unit/shard/test_rounds.py", "tests/unit/deepspeed/test_param_status.py",
+                                     "tests/unit/test_engine_self.py"],
+    "zerompi/shard/bucket.py": ["tests/unit/shard/test_bucket_self.py", "tests/unit/shard/test_prefetch.py",
+                                "tests/unit/shard/test_rounds.py", "tests/unit/test_engine_self.py"],
     # every engine plans its buckets here: the layout, deferred-build, prefetch and owner-placement tests
     "zerompi/shard/planning.py": ["tests/unit/shard/test_planning.py", "tests/unit/shard/test_layout.py",
                                   "tests/unit/shard/test_deferred.py",
