@@ -20,6 +20,14 @@ from zerompi.comm.watchdog import ABORT_GRACE
 _group = None  # the group the hook aborts: the latest one handed in (an engine's after the runner's)
 
 
+def hand_over(group) -> None:
+    """Where the hook is installed, it aborts ``group`` from now on (a recovery's survivors, whose group holds
+    no dead rank); where it is not (``abort_on_exception=False``), nothing."""
+    global _group
+    if _group is not None:
+        _group = group
+
+
 def abort_on_uncaught_exception(group) -> None:
     """Install a ``sys.excepthook`` that reports the error with its rank and calls ``MPI_Abort``; a
     later call only hands it a newer group (an engine's, whose watchdog can add the hang report)."""

@@ -203,7 +203,7 @@ class FaultTolerance:
             lost_world += gone_world
             if survivors.size < engine.config.recovery.min_ranks:
                 # the hook aborts over the survivors: no hang report or abort over a group with dead ranks
-                guard.abort_on_uncaught_exception(survivors)
+                guard.hand_over(survivors)
                 raise ZeroMPIError(f"fault_tolerance: {survivors.size} rank(s) left after losing world rank(s) "
                                    f"{lost_world}, fewer than min_ranks={engine.config.recovery.min_ranks}: giving up")
             built: list[Engine] = []
@@ -213,7 +213,7 @@ class FaultTolerance:
             except BaseException as e:
                 again = ulfm.rank_lost(e, [survivors], since=handled)
                 if again is None:
-                    guard.abort_on_uncaught_exception(survivors)
+                    guard.hand_over(survivors)
                     raise
                 logger.warning("another rank was lost during the recovery (%s); recovering again", again)
                 for partial in built:  # built, then lost while loading its state

@@ -147,3 +147,24 @@ def test_the_exception_hook_aborts_when_the_report_fails(monkeypatch):
     except ValueError as e:
         sys.excepthook(type(e), e, e.__traceback__)
     assert aborted == [1]
+
+
+def test_a_recovery_hands_the_hook_its_survivors_only_where_the_hook_is_installed(monkeypatch):
+    """abort_on_exception=False installs no hook, and a recovery that gives up must not install one; where it is
+    installed, it aborts the survivors' group (no dead rank in it) from then on."""
+    import sys
+    from zerompi.comm import guard
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(guard, "_group", None)
+    before = sys.excepthook
+    guard.hand_over(object())
+    assert guard._group is None and sys.excepthook is before
+    first, survivors = types_group(3), types_group(2)
+    guard.abort_on_uncaught_exception(first)
+    guard.hand_over(survivors)
+    assert guard._group is survivors
+
+
+def types_group(size):
+    import types
+    return types.SimpleNamespace(rank=0, size=size, abort=lambda code: None, monitor=None)
