@@ -20,6 +20,8 @@ from zerompi.errors import UsageError, ZeroMPIError
 from zerompi.shard.bucket import Bucket, Storage
 from zerompi.shard.collectives import BucketCollectives, BucketState
 from zerompi.shard.wiring import CommFactory
+from zerompi.comm.codec import BlockCodec
+from zerompi.shard.compression import Compression
 from zerompi.shard.layout import ParamSpec, plan_buckets
 from zerompi.shard.placement import place
 from zerompi.shard.stages import plan_for
@@ -53,7 +55,7 @@ class Recording(MPIGroup):
         return log
 
 
-def build(stage: int, dtype: torch.dtype):
+def build(stage: int, dtype: torch.dtype, compression: Compression = Compression()):
     """A one-bucket model as ShardedModel._build makes it (reverse registration order)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -67,10 +69,10 @@ def build(stage: int, dtype: torch.dtype):
     group = Recording()
     where = Storage(plan_for(stage), group.rank, group.size, dtype, torch.device("cpu"), check_finite=True)
     kind = place([(s.fqn, s.shape, True) for s in layout.slots], plan_for(stage), 0,
-                 {s.fqn: 0 for s in layout.slots})[0]  # the bucket's parameters' record
+                 {s.fqn: 0 for s in layout.slots}, compression=compression)[0]  # the bucket's parameters' record
     bucket = Bucket(layout, params, where, init, kind)
-    comm = CommFactory(Groups(group, group, group)).build(layout, where.plan, kind, where.rank, where.device,
-                                                          bucket.param_full.tensor)
+    comm = CommFactory(Groups(group, group, group), error_feedback=compression.error_feedback).build(
+        layout, where.plan, kind, where.rank, where.device, bucket.param_full.tensor)
     return model, original, BucketCollectives(bucket, comm), group, init
 
 
@@ -322,3 +324,17 @@ def test_nonfinite_gradients_are_named():
     gs[2][1] = float("nan")
     backward(b, gs)
     assert b.bucket.nonfinite == ["0.bias"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_state_bytes_count_the_packed_codes_of_a_trainable_bucket(stage):
+    """Quantized weights (int8) and gradients with error feedback: what the collectives hold persistently,
+    the packed shard (n (1 + 4/block) bytes, the codec's arithmetic) and the fp32 residual of the whole
+    bucket, is counted beside the bucket's own storage."""
+    codec = BlockCodec(8, 4)
+    _, _, b, _, _ = build(stage, torch.float32, Compression(codec, BlockCodec(8, 4), error_feedback=True))
+    shard = b.bucket.layout.shard_numel
+    assert b.weight_codes is not None and b.grad_codes is not None and b.grad_codes.residual is not None
+    packed = codec.nbytes(shard)
+    residual = b.bucket.layout.padded_numel * 4
+    assert b.state_bytes() == b.bucket.state_bytes() + packed + residual
