@@ -338,3 +338,18 @@ def test_state_bytes_count_the_packed_codes_of_a_trainable_bucket(stage):
     packed = codec.nbytes(shard)
     residual = b.bucket.layout.padded_numel * 4
     assert b.state_bytes() == b.bucket.state_bytes() + packed + residual
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_2_with_quantized_weights_compute_with_decoded_values_from_the_start(stage):
+    """The compute parameters are what the quantized gather after each step gives: from the build on, not from the
+    first step (else step 0's forward alone uses exact values). Reference: int8 per block of 4, s = max|x| / 127,
+    x -> round(x / s) s, written out here."""
+    _, _, b, _, init = build(stage, torch.float32, Compression(BlockCodec(8, 4)))
+    n = init.numel()  # one rank: one chunk, its last block padded with zeros
+    blocks = torch.cat([init, init.new_zeros(-n % 4)]).view(-1, 4)
+    s = blocks.abs().amax(dim=1, keepdim=True) / 127
+    expected = ((blocks / s).round().clamp(-127, 127) * s).reshape(-1)[:n]
+    got = b.bucket.param_full.tensor
+    assert not torch.equal(got, init)  # the codes round: exact values would be the mutant's
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
