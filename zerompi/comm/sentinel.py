@@ -25,8 +25,9 @@ Where the rank gives it a directory (``hang_dir``), the watcher also leaves an *
 ``end-NNNNN.json``, for a rank that died alone and for one torn down by the launcher (it outlives the
 teardown, in its own session); a clean or reported end leaves none. So after a lost node, whose processes
 (watchers too) all died at once, the records say which ranks were torn down and which left nothing, and
-``zerompi diagnose`` names the node that left nothing (diagnosis.py ``format_ends``). The first rank of each
-host writes every rank's host into its record, which its watcher read from its standard input at start.
+``zerompi diagnose`` names the node that left nothing (diagnosis.py ``format_ends``). Each record (beyond
+HOSTS_IN_EVERY ranks, the first rank of each host's only) carries every rank's host, which its watcher read from
+its standard input at start.
 
 The watcher runs this file by path (``python -I``): standard library only, no torch, no mpi4py, started in
 tens of milliseconds. Children a rank forks (DataLoader workers) close their copy of the write end, so a dead
@@ -51,6 +52,7 @@ CANARY_WAIT = 60.0  # seconds after the pipe ended: a canary still alive (armed 
 READY_WAIT = 30.0  # seconds the rank waits for its watcher to be armed (about 0.1 s on an idle node)
 HIGH_FD = 4095  # the write end's number at least this (or the open-files limit less one, if lower)
 END_GLOB = "end-*.json"  # end records in the rank's directory (diagnosis.py reads them)
+HOSTS_IN_EVERY = 512  # up to this many ranks every end record carries every rank's host (a few KB a record)
 ALONE, TORN_DOWN = "died alone", "torn down"  # how a rank without a clean end ended, in its end record
 
 _write_end: int | None = None  # this process's end of the pipe, once started
@@ -152,10 +154,11 @@ def end_path(directory: str, rank: int) -> str:
 
 
 def end_record(rank: int, size: int, host: str, pid: int, how: str, when: float, hosts: list[str]) -> dict:
-    """What the watcher leaves for a rank that ended without a clean exit; the first rank of its host adds
-    every rank's host (one record per host carries them, not every one)."""
+    """What the watcher leaves for a rank that ended without a clean exit, with every rank's host: in each
+    record up to HOSTS_IN_EVERY ranks (a node's first rank may be the one whose watcher died with it: Slurm's
+    step teardown kills a step's every process, watchers too), beyond that in its host's first rank's only."""
     record = {"rank": rank, "size": size, "host": host, "pid": pid, "ended": how, "time": when}
-    if len(hosts) == size and hosts.index(host) == rank:
+    if len(hosts) == size and (size <= HOSTS_IN_EVERY or hosts.index(host) == rank):
         record["hosts"] = hosts
     return record
 

@@ -85,7 +85,7 @@ def test_a_rank_torn_down_with_its_group_leaves_a_torn_down_record(tmp_path):
     _rank(tmp_path, "", rank=3, group_kill=True)
     (record,) = _ends(tmp_path).values()
     assert record["ended"] == sentinel.TORN_DOWN and record["rank"] == 3
-    assert "hosts" not in record  # node7's first rank is 2: one record per host carries them
+    assert record["hosts"] == HOSTS  # every record carries them (5 ranks <= HOSTS_IN_EVERY)
 
 
 def test_a_clean_or_reported_end_leaves_no_record_and_a_stale_one_is_removed(tmp_path):
@@ -161,6 +161,16 @@ def test_diagnose_prefers_the_hang_report_where_there_is_one(tmp_path, capsys):
     assert out.startswith("zerompi hang report") and "end report" not in out
 
 
+def test_a_node_is_named_lost_from_one_record_of_another_nodes_second_rank(tmp_path, capsys):
+    """Under srun a lost node's peer crashed in MPI (rank 1: died alone) and Slurm's step teardown killed rank 0
+    with its watcher: rank 1's record alone must name node7 lost (it carries every rank's host). Break guarded:
+    hosts in the first rank of each host's record only (the report then named no node)."""
+    _write(tmp_path, _records({1: sentinel.ALONE}))
+    assert main(["diagnose", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "died alone: rank(s) 1" in out and "lost: node7 (rank(s) 2-3)" in out, out
+
+
 def test_diagnose_if_unreported_prints_only_what_rank_0_did_not(tmp_path, capsys):
     """What a batch script runs after every failed run: nothing where rank records exist (rank 0 printed that
     report), the end report where only watchers' records do."""
@@ -233,7 +243,9 @@ def test_a_malformed_end_record_is_skipped_not_fatal(tmp_path, capsys, bad):
 
 
 @pytest.mark.parametrize("rank, carries", [(0, True), (1, False), (2, True), (4, True)])
-def test_each_hosts_first_rank_carries_every_ranks_host(rank, carries):
+def test_beyond_the_cap_each_hosts_first_rank_carries_every_ranks_host(rank, carries, monkeypatch):
+    assert "hosts" in sentinel.end_record(rank, 5, HOSTS[rank], 1, sentinel.TORN_DOWN, 0.0, HOSTS)
+    monkeypatch.setattr(sentinel, "HOSTS_IN_EVERY", 4)
     record = sentinel.end_record(rank, 5, HOSTS[rank], 1, sentinel.TORN_DOWN, 0.0, HOSTS)
     assert ("hosts" in record) == carries
     assert "hosts" not in sentinel.end_record(0, 5, "node1", 1, sentinel.TORN_DOWN, 0.0, HOSTS[:4])  # incomplete
