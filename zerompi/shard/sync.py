@@ -4,8 +4,8 @@ A :class:`~zerompi.shard.bucket.Bucket` owns buffers and tiers; the strategies
 chosen here, once per bucket from its stage-table row, own what crosses the
 network (Megatron-Core keeps ``_ParamAndGradBuffer`` apart from its bucket
 groups in the same way). They hold groups and codes, never the bucket's
-tensors: the bucket hands in the buffer of the moment, since a gathered buffer
-is freed and reallocated.
+tensors: the bucket's collectives (collectives.py) hand in the buffer of the
+moment, since a gathered buffer is freed and reallocated.
 
 Parameters (:class:`ParamSync`):
   - ``Whole``: stage 0, every rank updates every element; nothing is sent.

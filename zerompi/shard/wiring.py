@@ -3,8 +3,9 @@
 :class:`CommFactory` holds what every bucket's collectives depend on (the process groups, the
 quantized codecs, the micro-batch rounds) and builds, for one bucket's layout and stage plan, its
 parameter strategy and its gradient strategy (sync.py) together with what those own: the packed
-weight and gradient codes, hpZ's node-local copy. The bucket keeps buffers and tiers and calls the
-strategies' verbs; it chooses none of them.
+weight and gradient codes, hpZ's node-local copy. The sharded model builds one per bucket and hands it,
+with the bucket, to the bucket's collectives (collectives.py), which call the strategies' verbs; the
+bucket keeps buffers and tiers and knows none of them.
 """
 from __future__ import annotations
 
