@@ -26,12 +26,19 @@ from .tolerance import FP32_FLOOR, loss_failures
 SCRIPT = WORKERS / "ds_torch_script.py"
 
 
-def run(cmd: list[str], out, timeout: float = TIMEOUT, extra_env: dict | None = None) -> dict:
+# DeepSpeed 0.19.8 on gloo now and then aborts in a C++ destructor (workers/ds_env.py), seen once beside two CPU
+# hogs even past exit_past_destructors. The script writes its results after its last barrier, so a file that
+# exists is a whole run: for real DeepSpeed alone, that abort with the file written is its exit, not its result.
+PEER_EXIT_ABORT = "terminate called without an active exception"
+
+
+def run(cmd: list[str], out, timeout: float = TIMEOUT, extra_env: dict | None = None, peer: bool = False) -> dict:
     env = mpi_env()
     env["PYTHONPATH"] = os.pathsep.join([str(WORKERS), env["PYTHONPATH"]])  # ds_torch_model, ds_env
     proc = subprocess.run(cmd + ["--out", str(out)], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**env, **(extra_env or {})})
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    peer_exit = peer and PEER_EXIT_ABORT in proc.stderr and out.exists()
+    assert proc.returncode == 0 or peer_exit, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 
 
@@ -91,7 +98,7 @@ def test_deepspeed_agrees(unchanged, reference, tmp):
     python = deepspeed_python()
     theirs = run([str(python.with_name("mpiexec")), "-n", "2", str(python), "-m", "mpi4py",
                   str(WORKERS / "ds_launch.py"), str(SCRIPT), "--deepspeed_config", str(reference[1])],
-                 tmp / "deepspeed.json", timeout=1200, extra_env={"DS_ACCELERATOR": "cpu"})
+                 tmp / "deepspeed.json", timeout=1200, extra_env={"DS_ACCELERATOR": "cpu"}, peer=True)
     assert theirs["backend"] == "gloo"
     check(theirs, reference[0])
     assert theirs["losses"] == pytest.approx(unchanged["losses"], rel=1e-5)
