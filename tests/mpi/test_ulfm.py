@@ -218,3 +218,14 @@ def test_refused_without_the_launch_flags(openmpi, tmp_path, launch, missing):
     assert result is None and proc.returncode != 0
     assert "fault_tolerance=True cannot survive a lost rank here" in proc.stderr, proc.stderr[-4000:]
     assert missing in proc.stderr and "--with-ft ulfm --mca async_mpi_finalize 1" in proc.stderr
+
+
+def test_an_error_after_a_recovery_ends_the_job_naming_its_rank(openmpi, tmp_path):
+    """After the recovery the exception hook aborts over the survivors' engine: a survivor's uncaught error
+    ends the job with the hang report naming it (by its rank among the survivors)."""
+    proc, result = job(openmpi, tmp_path, 3, "--kill", "1:step:1,2:raise:3")
+    assert result is None and proc.returncode != 0
+    assert "fault_tolerance: lost rank(s)" in proc.stderr and "world rank 2 raises in step 3" in proc.stderr, \
+        proc.stderr[-4000:]
+    assert "rank 1 of 2 failed with an uncaught RuntimeError" in proc.stderr, proc.stderr[-4000:]
+    assert "culprit: rank(s) 1 (raised an exception)" in proc.stderr, proc.stderr[-4000:]

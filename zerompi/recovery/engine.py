@@ -221,6 +221,7 @@ class FaultTolerance:
                 revoke = _groups(built[0]) if built else [survivors]
                 group = survivors
         supervisor.current = built[0]
+        guard.hand_over(built[0].group)  # a later uncaught error: its hang report and abort over the survivors
         report = RecoveryReport(tuple(lost), tuple(lost_world), during, at_step, before, survivors.size,
                                 source, step, time.monotonic() - start)
         self.reports.append(report)

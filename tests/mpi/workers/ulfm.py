@@ -2,7 +2,8 @@
 
 ``--kill RANK:PHASE:STEP`` (repeatable, comma-separated) makes world rank RANK kill itself with
 SIGKILL in PHASE (forward, backward, end_backward, step, recovery_save, save, async_save or
-full_state_dict) of optimizer step STEP (0-based): mid-forward (between two layers), mid-backward (from a
+full_state_dict) of optimizer step STEP (0-based), or raise an uncaught RuntimeError in its forward (PHASE
+``raise``): mid-forward (between two layers), mid-backward (from a
 gradient hook), between its autograd backward and ``end_backward`` (``--halves``: the loop runs
 ``begin_backward``, the autograd backward and ``end_backward`` itself, as the DeepSpeed engine does),
 inside the optimizer's step, while taking the recovery point step() keeps (in memory, or its shard file
@@ -68,6 +69,8 @@ class Net(nn.Module):
         h = self.a(x)
         if Now.phase == "forward":
             maybe_die("forward")
+            if (WORLD_RANK, "raise", Now.step) in Now.kills:
+                raise RuntimeError(f"world rank {WORLD_RANK} raises in step {Now.step}")
         if h.requires_grad:
             h.register_hook(lambda g: maybe_die("backward") if Now.phase == "backward" else None)
         return self.b(h)
