@@ -1,13 +1,14 @@
 """ShardedModel: applies a ZeRO stage to a module.
 
-It plans buckets (and, at stage 3, gather units), moves the parameters into
-flat buffers, broadcasts rank 0's initial values, builds each bucket's collectives
-(collectives.py), installs the hooks and runs the per-backward bookkeeping. Frozen parameters (``requires_grad=False``) take
-no gradient and no optimizer state: at stage 3 they are sharded in frozen
-buckets of their unit and gathered with it, in the compute dtype; at stages
-0-2 (and below ``param_persistence_threshold``) they stay ordinary replicated
-tensors, as buffers always do (values from rank 0; floating ones in the compute dtype unless
-``ShardOptions.buffer_dtype`` is 'model').
+It plans buckets (and, at stage 3, gather units), moves the parameters into flat buffers,
+broadcasts rank 0's initial values, builds each bucket's collectives (collectives.py), installs
+the gradient hooks and runs the per-backward bookkeeping; stage 3's units are gathered,
+prefetched and released by its UnitSchedule (schedule.py). Frozen parameters
+(``requires_grad=False``) take no gradient and no optimizer state: at stage 3 they are sharded
+in frozen buckets of their unit and gathered with it, in the compute dtype; at stages 0-2 (and
+below ``param_persistence_threshold``) they stay ordinary replicated tensors, as buffers always
+do (values from rank 0; floating ones in the compute dtype unless ``ShardOptions.buffer_dtype``
+is 'model').
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from zerompi.shard.layout import BucketLayout
 from zerompi.shard.placement import ParamPlacement, Residence
 from zerompi.shard.planning import log_plan, plan_layouts
 from zerompi.shard.prefetch import Prefetcher
-from zerompi.shard.rounds import RoundGathers
+from zerompi.shard.schedule import UnitSchedule
 from zerompi.shard.steps import Backward, BackwardSteps
 from zerompi.shard.units import Unit
 from zerompi.shard.wiring import CommFactory
@@ -96,11 +97,8 @@ class ShardedModel:
         self.overlap = options.overlap
         self.rounds = comm.rounds  # micro_batches: reduced after each backward, round by round (sync.py)
         self.buffer_dtype = options.buffer_dtype
-        self._replay = RoundGathers()  # micro_batches: what a round without a micro-batch gathers
         self._align = NORM_CHUNK if self.rounds is Rounds.ORDERED else 1  # reproducible: shards of whole norm chunks
         self._whole = options.whole_groups
-        self.prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
-                                     options.max_live_params, lambda u: u.numel)
         self._inflight: list[BucketCollectives] = []  # buckets whose overlapped reduce-scatter is in flight
         self.placements = {pl.fqn: pl for pl in options.placements}
         """Each parameter's placement by fqn, as decided before planning (placement.py), never amended."""
@@ -132,14 +130,10 @@ class ShardedModel:
         self._steps: BackwardSteps | None = None  # optimizer_in_backward (register_backward_steps)
         self.hooks = HookSet()
         self.hooks.on_grad_ready([p for _, p in named], self._on_grad_ready)
-        for unit in self.units:
-            for entry in unit.entries:
-                self.hooks.around_forward(entry, lambda a, k, u=unit, m=entry: self._pre_forward(u, m, a, k),
-                                          lambda out, u=unit, m=entry: self._post_forward(u, m, out))
-        # stage 3 with no root unit: no unit's forward tells the prefetcher that a pass begins; the model's does
-        self._rootless = self.plan.shard_params and "" not in self._unit
-        if self.rounds.dealt or self._rootless:  # the model's forward begins a pass (prepended: before its unit's)
-            self.hooks.around_forward(module, lambda _a, _k: self._begin_pass(), lambda _out: None)
+        prefetcher = Prefetcher(self.overlap.prefetch_units if self.plan.shard_params else 0,
+                                options.max_live_params, lambda u: u.numel)
+        self.schedule = UnitSchedule(module, self.units, self.hooks, prefetcher, self.rounds.dealt,
+                                     lambda: self.in_backward, self._coming)
         log_plan(self.plan.stage, [(b.layout, b.trains) for b in self.all_buckets], self.storage.world_size)
 
     @property
@@ -211,64 +205,11 @@ class ShardedModel:
                                     lambda v: self.groups.world.broadcast(v, what="a frozen parameter or buffer"))
         self.initial.report(self.groups.world)
 
-    # ---- forward / backward events ---------------------------------------
-    def _pre_forward(self, unit: Unit, entry: nn.Module, args: tuple, kwargs: dict):
-        logger.debug("pre-forward %s", unit.fqn or "<root>")
-        self._gather(unit)
-        if unit.active is not None:  # an enclosing entry of the same unit gathered it
-            return None
-        unit.active = entry
-        if self.in_backward:  # recomputation under activation checkpointing
-            return None
-        self._prefetch(self.prefetcher.forward(unit, root=unit.fqn == ""))
-        if torch.is_grad_enabled() and unit.has_frozen:
-            # frozen buckets have no gradient to tell when their unit's backward is over: the
-            # gradients of its inputs do (else they wait for the end of the backward)
-            return self.hooks.after_backward_of(args, kwargs, lambda: self._post_backward(unit))
-        return None
-
-    def _begin_pass(self) -> None:
-        if not self.in_backward:  # not a recomputation under activation checkpointing
-            self._replay.begin_pass()
-            if self._rootless:
-                self.prefetcher.begin_pass()
-
-    def _post_backward(self, unit: Unit) -> None:
-        """The unit's backward has run: its frozen buckets are released (trainable ones are, once
-        their gradients are reduced)."""
-        logger.debug("post-backward %s", unit.fqn or "<root>")
-        unit.release(frozen_only=True)
-
-    def _gather(self, unit: Unit) -> None:
-        for c in unit.members:
-            if self.rounds.dealt and c.state is BucketState.SHARDED and (self.in_backward or torch.is_grad_enabled()):
-                self._replay.gathered(c, self.in_backward)
-            c.unshard()
-            c.wait_gathered()
-
-    def _prefetch(self, units: list[Unit]) -> None:
-        for u in units:
-            u.prefetch()
-
-    def _post_forward(self, unit: Unit, entry: nn.Module, output) -> None:
-        if unit.active is not entry:
-            return  # a nested entry: the enclosing one releases the unit
-        unit.active = None
-        if self.in_backward:
-            return  # recomputation under activation checkpointing: backward needs them now
-        unit.release()
-        if torch.is_grad_enabled():
-            self.hooks.before_backward_of(output, lambda n=self._replay.passes: self._pre_backward(unit, n))
-
-    def _pre_backward(self, unit: Unit, forward_pass: int) -> None:
-        logger.debug("pre-backward %s", unit.fqn or "<root>")
-        if self.rounds.dealt:  # only rounds end and forget what they reached
-            self._replay.backward_reached(forward_pass)
-        self._gather(unit)
-        ahead = self.prefetcher.backward(unit)
-        self._prefetch(ahead)
-        if self._backward is not None and self._backward.steps is not None:  # this unit's, then the prefetched
-            self._backward.steps.coming([c.bucket for u in [unit, *ahead] for c in u.members if c.bucket.trains])
+    # ---- backward events ---------------------------------------------------
+    def _coming(self, units: list[Unit]) -> None:
+        """optimizer_in_backward: ``units``' trainable buckets get their gradients next (schedule.py)."""
+        if self._backward is not None and self._backward.steps is not None:  # a unit's, then the prefetched
+            self._backward.steps.coming([c.bucket for u in units for c in u.members if c.bucket.trains])
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         collectives, slot = self._slot_of[p]
@@ -326,10 +267,7 @@ class ShardedModel:
         smaller): it still takes its part in the collectives the others' forward and backward run (stage
         3's gathers, the same ones, in the same order, as its own last round: nothing is prefetched in this
         mode) and in every bucket's all-to-all, contributing nothing."""
-        for c in self._replay.last:
-            c.unshard()
-            c.wait_gathered()
-            c.reshard()
+        self.schedule.replay_last_round()
         for c in self.collectives:
             c.reduce_grads(sources=sources)
 
@@ -358,7 +296,7 @@ class ShardedModel:
             elif self.rounds.dealt:  # every rank's gradient of this round
                 c.reduce_grads(sources=self._backward.sources)
         if self.rounds.dealt:
-            self._replay.round_done()
+            self.schedule.round_done()
         for c in self._inflight:  # in the order they started, as on every rank
             c.finish_reduce(taken_next=steps)
             if steps:

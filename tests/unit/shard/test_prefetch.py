@@ -90,7 +90,7 @@ def test_a_model_whose_root_holds_no_parameter_prefetches():
             engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
             engine.step()
         engine.close()
-        return [u.fqn for u in s.units], [u.fqn for u in s.prefetcher.order], s.prefetcher.recording, ahead
+        return [u.fqn for u in s.units], [u.fqn for u in s.schedule.prefetcher.order], s.schedule.prefetcher.recording, ahead
     for units, order, recording, ahead in run_ranks(2, rank):
         assert units == order == ["0", "2"] and not recording
         assert ahead == [BucketState.SHARDED, BucketState.GATHERING, BucketState.GATHERING]
