@@ -12,7 +12,7 @@ import torch
 from zerompi.comm import diagnosis
 from zerompi.comm.local import run_ranks
 from zerompi.comm.recorder import RING, Recorder, user_stack
-from zerompi.comm.watchdog import ABORT_CODE, FACTOR, HANG_CODE, HangPolicy, Watchdog
+from zerompi.comm.watchdog import ABORT_CODE, FACTOR, HANG_CODE, TAG_PROGRESS, HangPolicy, Watchdog
 from zerompi.tools.cli import main
 
 # ---- the recorder -----------------------------------------------------------------------------
@@ -366,32 +366,47 @@ def _abort_into(codes, done, rank):
     return abort
 
 
+def _moving_channel(hub: Hub, rank: int, recorder: Recorder, moving: threading.Event):
+    """``rank``'s side channel, which issues one more collective on ``recorder`` before each answer to a
+    look while ``moving`` is set: the rank moves between any two looks, however late its threads run."""
+    inner = hub.channel(rank)
+
+    class Channel:
+        poll, flush = inner.poll, inner.flush
+
+        def post(self, dest, tag, obj):
+            if tag == TAG_PROGRESS and moving.is_set():
+                recorder.begin("all_gather", "intra", "bucket 1", 8).end = time.monotonic()
+                obj = (obj[0], recorder.count)
+            inner.post(dest, tag, obj)
+    return Channel()
+
+
 def test_a_watchdog_does_not_blame_while_another_rank_still_moves(tmp_path, monkeypatch, capfd):
     """Rank 0 waits past its deadline (0.3 s) while rank 1 still issues collectives for 1.5 s (a loaded
     machine, a slow first step); the report comes only after rank 1 stops moving.
     Guards: a watchdog that blames at its deadline without looking whether the ranks still move
     (rank 3 once fired at the 2 s floor while the others were spread over events 8 to 38)."""
     monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.5)
-    hub, codes, done = Hub(), {}, threading.Event()
+    hub, codes, done, moving = Hub(), {}, threading.Event(), threading.Event()
     policy = HangPolicy(None, 0.3, str(tmp_path))
     dogs, recorders = [Watchdog(), Watchdog()], [Recorder(), Recorder()]
     recorders[0].begin("all_gather", "", "bucket 9", 8)
+    moving.set()
     stopped_moving = []
 
-    def move():
-        end = time.monotonic() + 1.5
-        while time.monotonic() < end:
-            recorders[1].begin("all_gather", "intra", "bucket 1", 8).end = time.monotonic()
-            time.sleep(0.05)
+    def stop_moving():
+        moving.clear()
         stopped_moving.append(time.monotonic())
-    mover = threading.Thread(target=move)
-    dogs[1].start(policy, 1, 2, _abort_into(codes, done, 1), recorders[1], hub.channel(1))
+    stopper = threading.Timer(1.5, stop_moving)
+    dogs[1].start(policy, 1, 2, _abort_into(codes, done, 1), recorders[1],
+                  _moving_channel(hub, 1, recorders[1], moving))
     with dogs[0].blocked("all_gather for bucket 9"):
         dogs[0].start(policy, 0, 2, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
-        mover.start()
+        stopper.start()
         assert done.wait(20)
         reported = time.monotonic()
-    mover.join()
+    stopper.join()
     for d in dogs:
         d.stop()
     assert codes == {0: HANG_CODE} and stopped_moving and reported > stopped_moving[0], capfd.readouterr().err
@@ -402,23 +417,17 @@ def test_a_job_that_moves_forever_without_the_waiting_rank_is_still_reported(tmp
     the wait is blamed anyway, so every hang ends."""
     from zerompi.comm import looks
     monkeypatch.setattr("zerompi.comm.watchdog.GATHER_WAIT", 0.3)
-    hub, codes, done, halt = Hub(), {}, threading.Event(), threading.Event()
+    hub, codes, done, moving = Hub(), {}, threading.Event(), threading.Event()
     policy = HangPolicy(None, 0.2, str(tmp_path))
     dogs, recorders = [Watchdog(), Watchdog()], [Recorder(), Recorder()]
-
-    def move():
-        while not halt.wait(0.02):
-            recorders[1].begin("all_gather", "intra", "bucket 1", 8).end = time.monotonic()
-    mover = threading.Thread(target=move)
-    mover.start()
-    dogs[1].start(policy, 1, 2, _abort_into(codes, done, 1), recorders[1], hub.channel(1))
+    moving.set()
+    dogs[1].start(policy, 1, 2, _abort_into(codes, done, 1), recorders[1],
+                  _moving_channel(hub, 1, recorders[1], moving))
     with dogs[0].blocked("all_gather for bucket 9"):
         started = time.monotonic()
         dogs[0].start(policy, 0, 2, _abort_into(codes, done, 0), recorders[0], hub.channel(0))
         assert done.wait(30)
         took = time.monotonic() - started
-    halt.set()
-    mover.join()
     for d in dogs:
         d.stop()
     err = capfd.readouterr().err
