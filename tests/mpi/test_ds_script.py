@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -122,13 +123,16 @@ def test_the_runner_aborts_on_an_exception_before_initialize(tmp_path):
     """A rank that raises on the script's first lines while its peer waits in a collective ends the job
     within seconds, naming the rank (it used to hang until killed)."""
     script = tmp_path / "early.py"
-    script.write_text("from mpi4py import MPI\nimport deepspeed\n"
-                      "if MPI.COMM_WORLD.Get_rank() == 1:\n    raise RuntimeError('boom before initialize')\n"
+    script.write_text("import sys, time\nfrom mpi4py import MPI\nimport deepspeed\n"
+                      "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+                      "    print(f'the fault at {time.time()}', file=sys.stderr, flush=True)\n"
+                      "    raise RuntimeError('boom before initialize')\n"
                       "MPI.COMM_WORLD.Barrier()\n")
-    started = time.monotonic()
     proc = subprocess.run([*mpiexec(), "-n", "2", *rank_python(), "-m", "zerompi.deepspeed", str(script)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=mpi_env())
-    assert proc.returncode != 0 and time.monotonic() - started < 60
+    fault = re.search(r"the fault at ([0-9.]+)", proc.stderr)
+    assert proc.returncode != 0 and fault, proc.stderr[-3000:]
+    assert time.time() - float(fault.group(1)) < 30, proc.stderr[-3000:]  # from the raise, not the launch
     assert "rank 1 of 2 failed with an uncaught RuntimeError: boom before initialize" in proc.stderr, proc.stderr[-3000:]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -257,8 +258,11 @@ def initial_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
+    """Write ``obj`` whole or not at all (a job killed while writing leaves no half file for a test to read)."""
+    part = f"{path}.part-{os.getpid()}"
+    with open(part, "w") as f:
         json.dump(obj, f, indent=1)
+    os.replace(part, path)
 
 
 def slow_capture(engine, seconds: float) -> None:

@@ -9,6 +9,7 @@
 """
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -44,8 +45,10 @@ def step(engine, model, i, args):
         model.skip_mid = True
     loss = engine(x)
     if args.case == "raise" and RANK == LAST and i == 2:
+        print(f"the fault at {time.time()}", file=sys.stderr, flush=True)  # the test's clock starts here
         raise RuntimeError("boom on purpose")
     if args.case == "watchdog" and RANK == LAST and i == 1:
+        print(f"the fault at {time.time()}", file=sys.stderr, flush=True)
         time.sleep(120)
     if args.case == "nan" and RANK == LAST and i == 1:
         loss = loss * float("nan")

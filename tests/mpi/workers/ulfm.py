@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 
@@ -82,6 +83,7 @@ _step, _write, _take = ZeroOptimizer.step, writer._write_shards, replica.take
 def _dying_step(self, *a, **k):
     if Now.remove_points is not None and WORLD_RANK == 0 and any(s == Now.step for _, _, s in Now.kills):
         shutil.rmtree(Now.remove_points)  # before the lost rank's peers notice: the recovery finds nothing
+        print(f"recovery points removed at {time.time()}", file=sys.stderr, flush=True)  # the test's clock
     maybe_die("step")
     return _step(self, *a, **k)
 
