@@ -48,25 +48,62 @@ def slowed(e, seconds: float) -> list[int]:
     return taken
 
 
+def gated(e) -> tuple[list[int], threading.Event]:
+    """Hold each bucket the save takes until the returned gate opens (at most 60 s); returns the buckets in the
+    order taken, and the gate."""
+    frozen, taken, gate = e.optimizer.fenced_state, [], threading.Event()
+
+    @contextmanager
+    def held(index):
+        gate.wait(60)
+        taken.append(index)
+        with frozen(index) as state:
+            yield state
+    e.optimizer.fenced_state = held
+    return taken, gate
+
+
+def _open_once(gate: threading.Event, cond, limit: float = 60.0) -> threading.Thread:
+    """A thread that opens ``gate`` once ``cond()`` holds (or after ``limit`` s: no test waits forever)."""
+    def run():
+        end = time.monotonic() + limit
+        while not cond() and time.monotonic() < end:
+            time.sleep(0.01)
+        gate.set()
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
 @pytest.mark.parametrize("kw", [{}, {"checkpoint_async_copy": True}, {"stage": 1}], ids=["live", "copy", "stage1"])
-def test_async_save_holds_the_state_of_the_call(tmp_path, kw):
+def test_async_save_holds_the_state_of_the_call(tmp_path, kw, monkeypatch):
+    """The save returns before it has taken any bucket; the next step waits for the buckets it has not taken
+    (the gate opens only once a step waits on the fence), and the file holds the state of the call."""
     e = engine(**kw)
     train(e, 2, seed=1)
     at_call = e.full_state_dict()
-    taken = slowed(e, 0.05)
-    t0 = time.perf_counter()
+    taken, gate = gated(e)
+    fence, waiting, wait = e._fence, threading.Event(), e._fence.wait
+
+    def noted_wait(index):
+        if fence.held(index):
+            waiting.set()
+        wait(index)
+    monkeypatch.setattr(fence, "wait", noted_wait)
     position = {"n": 2}
     tag = e.save_checkpoint(tmp_path, "t", client_state=position, async_save=True)
-    returned = time.perf_counter() - t0
+    taken_at_return = list(taken)
+    opener = _open_once(gate, waiting.is_set)
     position["n"] = 4  # changed in place before the save publishes: the index holds the call's value
     train(e, 2, seed=2)  # the step waits for the buckets the save has not taken yet
+    opener.join()
     e.wait_checkpoint()
     assert tag == "t" and (tmp_path / "latest").read_text().strip() == "t" and not list(tmp_path.glob(".tmp-*"))
     assert taken == list(range(len(e.sharded.buckets)))
     saved = load_full_state_dict(tmp_path)
     for name, value in at_call.items():
         assert torch.equal(saved[name], value), name
-    assert e._fence.waits > 0 and returned < 0.05 * len(e.sharded.buckets)
+    assert e._fence.waits > 0 and taken_at_return == []
     fresh = engine(**kw)
     assert fresh.load_checkpoint(tmp_path) == {"n": 2}
     after = e.full_state_dict()
