@@ -1,5 +1,6 @@
 """A hang names its culprit: one rank misbehaves (workers/hang.py), rank 0's report names it, its
-collective and its stack, and the job ends with exit code 4 within 10 s of the fault.
+collective and its stack, and the job ends with exit code 4 within the watchdog's own waits of the fault
+(named_within: 10 s at hang_floor=2 s, 15 s where the deputy reports for a silent rank 0) and a slack.
 
 hang_floor=2 s here; the default is 60 s. Each case is one mpiexec job of about 5-10 s, mostly waiting;
 the module's jobs run three at a time, before its tests judge them.
@@ -15,19 +16,27 @@ from pathlib import Path
 
 import pytest
 
-from zerompi.comm.watchdog import HANG_CODE
+from zerompi.comm.looks import LOOK_GAP, look_wait, poll_every
+from zerompi.comm.watchdog import ABORT_GRACE, GATHER_WAIT, HANG_CODE, deputy_wait
 from zerompi.tools.cli import main
 
 from .launcher import ROOT, WORKERS, mpi_env, mpiexec, rank_python
 
-NAMED_WITHIN = 10.0  # seconds from the fault to the job's end: max(10 s, 3 median steps) at these step times
+FLOOR = 2.0  # workers/hang.py's hang_floor: the deadline at these step times (3 median steps are less)
+SLACK = 3.0  # seconds for the launcher's teardown and the polls' jitter, on a machine of its own
 
 
-def named_within(load: float | None = None) -> float:
-    """NAMED_WITHIN, stretched by how many runnable processes share each core (a shared test machine;
-    ``load``: the load average a job ended at, else now's)."""
+def named_within(load: float | None = None, deputy: bool = False) -> float:
+    """Seconds from the fault to the job's end, from the watchdog's own waits: the deadline and the poll
+    that notices it, two looks at the ranks' counts (each waiting for answers) a gap apart, with a poll's
+    delay, the report's wait for the records of missing ranks and the grace before MPI_Abort; ``deputy``
+    (rank 0 is the silent one): the deputy's wait for rank 0's report first. Plus SLACK, stretched by how
+    many runnable processes share each core (``load``: the load average the job ended at, else now's).
+    At hang_floor=2 s: 10 s of waits, 15 s with the deputy's."""
+    waits = (FLOOR + poll_every(FLOOR) + 2 * look_wait(FLOOR) + LOOK_GAP * FLOOR + poll_every(FLOOR)
+             + GATHER_WAIT + ABORT_GRACE + (deputy_wait() if deputy else 0.0))
     load = os.getloadavg()[0] if load is None else load
-    return NAMED_WITHIN * max(1.0, load / (os.cpu_count() or 1))
+    return waits + SLACK * max(1.0, load / (os.cpu_count() or 1))
 
 
 class Job:
@@ -110,7 +119,9 @@ def test_hang_report_names_the_culprit(jobs, request, fault, n, where, frame, cu
     assert where in section, section
     if frame is not None:
         assert frame in section, section
-    assert job.ended - job.fault < named_within(job.load), (job.ended - job.fault, job.load, job.err[-3000:])
+    # rank 0 silent (stopped): the deputy reports, after waiting for rank 0's report
+    within = named_within(job.load, deputy=culprit == 0 and fault == "sigstop")
+    assert job.ended - job.fault < within, (job.ended - job.fault, within, job.load, job.err[-3000:])
 
 
 @pytest.mark.parametrize("culprit", [0, 1, 2])

@@ -429,7 +429,7 @@ def test_fuzz_other_model_or_layout(bases, data):
         engine = zerompi.initialize(Net(**{"freeze_bias": True, **model_kw}), one_config(**cfg_kw))
     else:
         engine = zerompi.initialize(make_gpt(**model_kw), gpt_config(**cfg_kw))
-    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    faulthandler.dump_traceback_later(HANG_S * 4, exit=True)  # in this process: a hang ends the whole run
     try:
         before = engine_state(engine)
         try:
