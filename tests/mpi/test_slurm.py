@@ -69,8 +69,9 @@ class Slurm:
         """PENDING, RUNNING, COMPLETED, FAILED, ...: squeue shows finished jobs for MinJobAge (5 min)."""
         return self.run("squeue", "-h", "-j", job, "-t", "all", "-o", "%T").stdout.strip()
 
-    def wait(self, job: str, limit: float = 90, until=None) -> str:
-        """Poll until the job reaches a final state (or ``until()`` holds); returns its state.
+    def wait(self, job: str, limit: float = 300, until=None) -> str:
+        """Poll until the job reaches a final state (or ``until()`` holds); returns its state. ``limit`` only
+        catches a hang (these jobs take seconds; start-up, a save, a requeue and a restart take longer loaded).
 
         Only a final state counts as done: a squeue that times out under load prints nothing,
         which must not end the wait.
