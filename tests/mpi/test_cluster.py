@@ -335,8 +335,8 @@ $LAUNCH "$ZEROMPI_PYTHON" -m mpi4py tests/mpi/workers/cluster_links.py --out "$C
     --steps 1000000 --hierarchies hsdp --started "$STARTED" --hang-dir "$hang_dir" $EXTRA
 status=$?
 echo "launcher returned at $(date +%s.%N)"
-# as jobs/slurm/train.sbatch does after a failed run without a hang report
-compgen -G "$hang_dir/rank-*.json" >/dev/null || "$ZEROMPI_PYTHON" -m zerompi.tools.cli diagnose --wait 10 "$hang_dir"
+# as jobs/slurm/train.sbatch does after a failed run (nothing where the hang report was printed)
+"$ZEROMPI_PYTHON" -m zerompi.tools.cli diagnose --wait 10 --if-unreported "$hang_dir"
 echo "mpiexec exit $status"
 """
 # how jobs/slurm/train.sbatch starts the ranks with ZEROMPI_LAUNCH=srun (its default)

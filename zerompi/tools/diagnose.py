@@ -12,8 +12,9 @@ which names the ranks that died alone, those torn down and the hosts that left n
 
 Without DIR, inside a batch job, it reads where the job's ranks wrote with no ``hang_dir`` set: the temporary
 directory named after the job (watchdog.py's ``default_directory``; the ranks' ``TMPDIR`` must be this
-process's). ``--if-unreported`` prints nothing where rank records exist: rank 0 printed that report already
-(a batch script runs it after every failed run, jobs/slurm/train.sbatch).
+process's). ``--if-unreported`` prints nothing where the hang report was printed (the reporting rank writes
+``report.txt`` beside the records after printing it); where ranks left records but no rank lived to print the
+report, it prints it (a batch script runs it after every failed run, jobs/slurm/train.sbatch).
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def run(args) -> int:
         if records or ends.settled() or time.monotonic() >= deadline:
             break
         time.sleep(POLL)
-    if records and args.if_unreported:
-        return 0  # rank 0 printed this report when the job aborted
+    if records and args.if_unreported and (directory / diagnosis.REPORT_NAME).exists():
+        return 0  # the reporting rank printed this report, then wrote it there
     if records:
         size = max(size, args.size or 0)
         trigger = next((r["reason"] for _, r in sorted(records.items()) if r.get("reason")), "")
@@ -69,7 +70,7 @@ def register(subparsers) -> None:
                    help="the job's hang_dir (holds rank-NNNNN.json); default: inside a batch job, the directory its "
                         "ranks write to when hang_dir is not set")
     p.add_argument("--if-unreported", action="store_true",
-                   help="print nothing where ranks left hang records (rank 0 printed that report already)")
+                   help="print nothing where the hang report was printed already (report.txt beside the records)")
     p.add_argument("--size", type=int, default=None, metavar="N",
                    help="ranks in the job, if the records of the highest ranks are missing")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",

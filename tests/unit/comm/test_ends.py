@@ -172,13 +172,18 @@ def test_a_node_is_named_lost_from_one_record_of_another_nodes_second_rank(tmp_p
 
 
 def test_diagnose_if_unreported_prints_only_what_rank_0_did_not(tmp_path, capsys):
-    """What a batch script runs after every failed run: nothing where rank records exist (rank 0 printed that
-    report), the end report where only watchers' records do."""
+    """What a batch script runs after every failed run: the end report where only watchers' records exist;
+    the hang report where ranks left their records but the report was never printed (the reporting rank
+    died first: no report.txt); nothing once it was. Break guarded: records alone taken for a printed report
+    (a survivor that crashed in the side channel under srun left records and no report)."""
     from tests.unit.comm.test_hang import STEP, record
     _write(tmp_path, _records({0: sentinel.TORN_DOWN, 1: sentinel.TORN_DOWN, 4: sentinel.TORN_DOWN}))
     assert main(["diagnose", "--if-unreported", str(tmp_path)]) == 0
     assert "lost: node7 (rank(s) 2-3)" in capsys.readouterr().out
     diagnosis.write_record(tmp_path, record(0, 2, STEP))
+    assert main(["diagnose", "--if-unreported", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("zerompi hang report")
+    (tmp_path / diagnosis.REPORT_NAME).write_text("zerompi hang report: ...\n")
     assert main(["diagnose", "--if-unreported", str(tmp_path)]) == 0
     assert capsys.readouterr().out == ""
 
