@@ -73,6 +73,12 @@ COVERING = {  # module -> the tests that cover it
                                      "tests/unit/test_engine_self.py"],
     "zerompi/shard/bucket.py": ["tests/unit/shard/test_bucket_self.py", "tests/unit/shard/test_prefetch.py",
                                 "tests/unit/shard/test_rounds.py", "tests/unit/test_engine_self.py"],
+    # stage 3's unit schedule: prefetch order and depth, the rounds' replay, release, gathers outside a forward
+    "zerompi/shard/schedule.py": ["tests/unit/shard/test_prefetch.py", "tests/unit/shard/test_rounds.py",
+                                  "tests/unit/shard/test_freed_memory.py", "tests/unit/shard/test_outside_a_gather.py",
+                                  "tests/unit/test_engine_self.py", "tests/unit/offload/test_swap_traffic.py"],
+    # the report again from a job's records: which report, the settling wait, --if-unreported, no DIR
+    "zerompi/tools/diagnose.py": ["tests/unit/comm/test_ends.py", "tests/unit/comm/test_hang.py", "-k", "diagnose"],
     # every engine plans its buckets here: the layout, deferred-build, prefetch and owner-placement tests
     "zerompi/shard/planning.py": ["tests/unit/shard/test_planning.py", "tests/unit/shard/test_layout.py",
                                   "tests/unit/shard/test_deferred.py",
