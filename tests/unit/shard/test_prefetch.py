@@ -90,7 +90,32 @@ def test_a_model_whose_root_holds_no_parameter_prefetches():
             engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
             engine.step()
         engine.close()
-        return [u.fqn for u in s.units], [u.fqn for u in s.schedule.prefetcher.order], s.schedule.prefetcher.recording, ahead
+        prefetcher = s.schedule.prefetcher
+        return [u.fqn for u in s.units], [u.fqn for u in prefetcher.order], prefetcher.recording, ahead
     for units, order, recording, ahead in run_ranks(2, rank):
         assert units == order == ["0", "2"] and not recording
         assert ahead == [BucketState.SHARDED, BucketState.GATHERING, BucketState.GATHERING]
+
+
+def test_a_units_backward_gathers_the_unit_before_it_ahead():
+    """In backward, unit '2' starts the gather of unit '0' (prefetch_units=1), which is in flight when the
+    gradient reaches the ReLU between them, once the first pass has recorded the order.
+    Break guarded: the schedule's backward prefetch not issued (it survived every unit test)."""
+    def rank(group):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, prefetch_units=1, bucket_mb=1e-4,
+                                 cpu_threads=1, device="cpu", abort_on_exception=False)
+        engine = zerompi.initialize(m, cfg, group=group)
+        s, seen = engine.sharded, []
+
+        def watch(_module, _args, out):
+            out.register_hook(lambda _grad: seen.append(s.units[0].members[0].state))
+        m[1].register_forward_hook(watch)
+        for _ in range(3):
+            engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+            engine.step()
+        engine.close()
+        return seen
+    for seen in run_ranks(2, rank):
+        assert seen == [BucketState.SHARDED, BucketState.GATHERING, BucketState.GATHERING]
