@@ -286,6 +286,51 @@ def test_shards_and_optimizer_state_start_on_page_boundaries(stage, dtype):
         engine.close()
 
 
+def test_an_outer_entry_computes_with_its_units_parameters_after_the_inner_entries_return():
+    """A unit's entries nest (its module, then the modules down to the deepest one holding all of its
+    parameters): the outermost one running gathers and releases, so the outer forward may still compute
+    with the parameters after an inner entry returned (as a tied head does). The loss and one SGD step equal
+    the plain module's. Breaks guarded: an inner entry that takes the unit over in its pre-forward, or that
+    releases it in its post-forward (both survived every unit and MPI test in a mutation run)."""
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x) @ self.inner.lin.weight  # the weight again, after the inner entries returned
+
+    torch.manual_seed(0)
+    model = Outer()
+    plain = copy.deepcopy(model)
+    cfg = zerompi.ZeroConfig(stage=3, optimizer="sgd", lr=0.1, weight_decay=0.0, clip_grad_norm=None, cpu_threads=1,
+                             device="cpu", abort_on_exception=False)
+    engine = zerompi.initialize(model, cfg, comm=MPI.COMM_SELF)
+    try:
+        assert [u.entries for u in engine.sharded.units] == [[model, model.inner, model.inner.lin]]
+        x = torch.randn(3, 4)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ref = plain(x).pow(2).mean()
+        ref.backward()
+        torch.optim.SGD(plain.parameters(), lr=0.1).step()
+        assert torch.equal(loss.detach(), ref.detach()), (loss, ref)
+        got = engine.full_state_dict()
+        for name, value in plain.state_dict().items():
+            assert torch.allclose(got[name], value, rtol=0, atol=1e-6), name
+    finally:
+        engine.close()
+
+
 def test_frozen_units_are_released_as_backward_leaves_them():
     """Stage 3 LoRA-style: a deep frozen stack with small trainable heads in every layer. Frozen
     buckets have no gradient hook; each is released once the gradients of its unit's inputs exist,
