@@ -182,3 +182,49 @@ def test_evaluation_between_steps_leaves_uneven_rounds_in_step(stage):
         return run_ranks(3, rank, timeout=60)[0]
     plain, evaluated = run(False), run(True)
     assert all(torch.equal(plain[k], evaluated[k]) for k in plain)
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _Nested(nn.Module):
+    """At a bucket of 72 elements: ``inner.lin`` a gather unit, and the root's unit, which holds ``head``'s
+    parameters, entered twice per forward (by the model, then by ``head``, which finds it gathered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+def test_a_unit_entered_by_nested_modules_is_replayed_once_per_gather():
+    """5 micro-batches on 3 ranks at stage 3, reproducible: rank 2 runs one round fewer and replays its last
+    round's gathers. A unit whose nested entries find it gathered is recorded once, so the replay issues the
+    gathers the others do, and 3 ranks train the bits of 1 rank (where nothing is replayed).
+    Breaks guarded: the replay record taking a bucket already gathered (rank 2 issued all-gathers the others
+    did not; both survived every unit and MPI test in a mutation run)."""
+    cfg = zerompi.ZeroConfig(stage=3, optimizer="sgd", lr=0.2, momentum=0.9, micro_batches=5, reproducible=True,
+                             cpu_threads=1, device="cpu", bucket_mb=72 * 4 / 2**20, abort_on_exception=False)
+    torch.manual_seed(0)
+    net = _Nested()
+
+    def run(n):
+        def rank(group):
+            engine = zerompi.initialize(copy.deepcopy(net), cfg, group=group)
+            units = [(u.fqn, len(u.entries)) for u in engine.sharded.units]
+            for step in range(STEPS):
+                _train_step(engine, step)
+            return units, engine.full_state_dict()
+        return run_ranks(n, rank, timeout=60)[0]
+    (units, one), (_, three) = run(1), run(3)
+    assert ("", 2) in units, units  # the root's unit (head's parameters), entered by the model and by head
+    assert all(torch.equal(one[k], three[k]) for k in one)
