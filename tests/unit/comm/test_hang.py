@@ -192,6 +192,16 @@ def test_diagnose_command_prints_the_report_from_the_files(tmp_path, capsys):
     assert "3 ranks, 2 answered" in out and "rank 2: missing" in out and "culprit: rank(s) 1-2" in out
 
 
+def test_diagnose_command_says_what_triggered_the_report_as_the_job_did(tmp_path, capsys):
+    """The report's first line names its trigger: the lowest rank's reason that is not empty (the rank whose
+    watchdog fired; the others' records carry none). Break guarded: the reason taken from a rank without one."""
+    diagnosis.write_record(tmp_path, {**record(0, 2, STEP), "reason": ""})
+    diagnosis.write_record(tmp_path, {**record(1, 2, STEP), "reason": "rank 1 waited 4.0 s in all_reduce for norm"})
+    assert main(["diagnose", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "zerompi hang report: 2 ranks, 2 answered; rank 1 waited 4.0 s in all_reduce for norm", first
+
+
 def test_diagnose_command_takes_the_size_given_where_the_highest_ranks_left_nothing(tmp_path, capsys):
     for r in range(2):
         diagnosis.write_record(tmp_path, record(r, 2, STEP))  # records that know of 2 ranks only
