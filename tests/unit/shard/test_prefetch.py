@@ -74,15 +74,20 @@ def test_max_live_params_bounds_what_is_gathered_ahead():
     assert _forward(big, [ROOT, A, B, C]) == [[], [], [], []]  # every unit alone exceeds it: no prefetch
 
 
+def _two_units(group):
+    """Linear, ReLU, Linear at stage 3 with one unit per Linear (no root unit) and prefetch_units=1."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, prefetch_units=1, bucket_mb=1e-4,
+                             cpu_threads=1, device="cpu", abort_on_exception=False)
+    return m, zerompi.initialize(m, cfg, group=group)
+
+
 def test_a_model_whose_root_holds_no_parameter_prefetches():
     """Every parameter in a smaller unit leaves no root unit, so the model's own forward begins each pass: the
     recording ends after the first pass (it grew by a pass per forward before) and later forwards gather ahead."""
     def rank(group):
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-        cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, prefetch_units=1, bucket_mb=1e-4,
-                                 cpu_threads=1, device="cpu", abort_on_exception=False)
-        engine = zerompi.initialize(m, cfg, group=group)
+        m, engine = _two_units(group)
         s = engine.sharded
         ahead = []
         m[0].register_forward_pre_hook(lambda *_: ahead.append(s.units[1].members[0].state))
@@ -102,11 +107,7 @@ def test_a_units_backward_gathers_the_unit_before_it_ahead():
     gradient reaches the ReLU between them, once the first pass has recorded the order.
     Break guarded: the schedule's backward prefetch not issued (it survived every unit test)."""
     def rank(group):
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-        cfg = zerompi.ZeroConfig(stage=3, optimizer="adamw", lr=1e-2, prefetch_units=1, bucket_mb=1e-4,
-                                 cpu_threads=1, device="cpu", abort_on_exception=False)
-        engine = zerompi.initialize(m, cfg, group=group)
+        m, engine = _two_units(group)
         s, seen = engine.sharded, []
 
         def watch(_module, _args, out):
