@@ -12,6 +12,7 @@ here: their ranks start Python (launcher.rank_python(fresh=True)).
 """
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -62,6 +63,17 @@ def recv_exact(sock, n):
     return data
 
 
+def _wait_status(sock, wake_r):
+    """The forked process's wait status from the server; a signal wakes the wait (its handler, which
+    forwards it, runs as the select returns) instead of waiting behind a blocking recv."""
+    while True:
+        ready = select.select([sock, wake_r], [], [])[0]
+        if wake_r in ready:
+            os.read(wake_r, 512)
+        if sock in ready:
+            return recv_exact(sock, LENGTH.size)
+
+
 def main():
     sockets, args = sys.argv[1].split(","), sys.argv[2:]
     rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
@@ -85,12 +97,18 @@ def main():
     if pid == 0:  # declined: run as Python would
         sock.close()
         _exec_python(args, mask)
+    # A signal that lands between Python's last look for signals and a blocking recv would wait, unforwarded,
+    # until the recv returns, which needs the forked process to end: a SIGTERM sent then left the job
+    # hanging. The wakeup fd records it, and the wait below watches that fd beside the socket.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: os.kill(pid, s))
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # and those that waited go to it now
     for fd in fds:  # the forked process holds the files now (an inherited pipe stays open until it ends)
         os.close(fd)
-    status = recv_exact(sock, LENGTH.size)
+    status = _wait_status(sock, wake_r)
     if status is None:
         os._exit(70)  # the server went away without a status
     status = LENGTH.unpack(status)[0]
