@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,6 +132,14 @@ def _start_servers(python: str, preload: tuple[str, ...], at_import: tuple[tuple
             return []  # every rank starts Python instead; servers.log says why
         time.sleep(0.02)
     return paths
+
+
+def fault_at(stderr: str) -> float:
+    """When a job's rank misbehaved on purpose (the line workers/common.py's ``say_fault`` prints): where a
+    test's bound on the job's end starts."""
+    found = re.search(r"the fault at ([0-9.]+)", stderr)
+    assert found, f"no fault time in the job's stderr:\n{stderr[-3000:]}"
+    return float(found.group(1))
 
 
 TIMEOUT = float(os.environ.get("ZEROMPI_TEST_TIMEOUT", 600))  # seconds per job; more on a crowded machine

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from .batch import Batch, run_planned
-from .launcher import ROOT, WORKERS, mpi_env, mpiexec, rank_python
+from .launcher import ROOT, WORKERS, fault_at, mpi_env, mpiexec, rank_python
 
 ABORT_WITHIN = 30.0  # seconds from the failure to every rank gone
 
@@ -24,19 +24,12 @@ def _launch(n, case, out, *, module=True, fresh=False):
                             text=True)
 
 
-def _fault_at(err: str) -> float:
-    """When the worker's rank misbehaved (its clock line): the bounds start there, not at the launch."""
-    found = re.search(r"the fault at ([0-9.]+)", err)
-    assert found, err[-3000:]
-    return float(found.group(1))
-
-
 @pytest.mark.parametrize("n", (2, 3))
 def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path, n):
     proc = _launch(n, "raise", tmp_path / "x.json", module=False)  # plain python: zerompi's own hook
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert time.time() - _fault_at(err) < ABORT_WITHIN, err[-3000:]
+    assert time.time() - fault_at(err) < ABORT_WITHIN, err[-3000:]
     text = out + err
     assert text.count("failed with an uncaught RuntimeError: boom on purpose") == 1, text[-3000:]
     assert f"rank {n - 1} of {n}" in text
@@ -96,7 +89,7 @@ def test_watchdog_aborts_a_job_stuck_in_a_collective(tmp_path):
     proc = _launch(2, "watchdog", tmp_path / "x.json", fresh=True)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert time.time() - _fault_at(err) < ABORT_WITHIN, err[-3000:]  # the stuck rank would sleep 120 s
+    assert time.time() - fault_at(err) < ABORT_WITHIN, err[-3000:]  # the stuck rank would sleep 120 s
     assert "zerompi watchdog: rank 0 of 2 has waited" in err and "collective_timeout=3 s" in err, err[-3000:]
 
 

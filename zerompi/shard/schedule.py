@@ -40,7 +40,7 @@ class UnitSchedule:
 
     def __init__(self, module: nn.Module, units: list[Unit], hooks: HookSet, prefetcher: Prefetcher, dealt: bool,
                  in_backward: Callable[[], bool], coming: Callable[[list[Unit]], None]):
-        self.units, self.hooks, self.prefetcher, self.dealt = units, hooks, prefetcher, dealt
+        self.hooks, self.prefetcher, self.dealt = hooks, prefetcher, dealt
         self._in_backward, self._coming = in_backward, coming
         self._replay = RoundGathers()
         for unit in units:
